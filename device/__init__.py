@@ -1,0 +1,1 @@
+"""gpunet device code: C++ headers and kernels (package data) and their loader."""

@@ -1,0 +1,39 @@
+"""gpunet's exceptions: every error the library raises is a GpunetError subclass.
+
+Messages say what went wrong and what to do about it.
+"""
+
+
+class GpunetError(Exception):
+    """Base class of every gpunet error."""
+
+
+class ConfigError(GpunetError):
+    """Bad input or configuration, detected before anything was posted."""
+
+
+class ToolchainError(GpunetError):
+    """A compiler or runtime library that gpunet needs is missing."""
+
+
+class TimeoutError(GpunetError):  # noqa: A001 - the name DESIGN.md gives it
+    """A bounded wait (device or host) ran out before the condition held."""
+
+
+class CompletionError(GpunetError):
+    """An error CQE: carries the decoded mlx5 syndrome, the QP and the WQE index."""
+
+    def __init__(self, message, syndrome=None, vendor_syndrome=None, qpn=None, wqe_counter=None):
+        super().__init__(message)
+        self.syndrome = syndrome
+        self.vendor_syndrome = vendor_syndrome
+        self.qpn = qpn
+        self.wqe_counter = wqe_counter
+
+
+class CoherenceViolation(GpunetError):
+    """Strict coherence mode: the NIC touched memory it cannot see coherently on this platform."""
+
+
+class ClosedError(GpunetError):
+    """A resource was used after close()."""

@@ -1,0 +1,1 @@
+"""Everything gpunet runs on the CPU: platform, soft NIC, proxy, verbs, bootstrap."""
