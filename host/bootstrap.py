@@ -1,0 +1,213 @@
+"""Rank exchange for gpunet's setup over torch.distributed: allgather / alltoall of small objects.
+
+gpunet exchanges only small, picklable control data at setup: per-peer QP info dicts, MR addresses
+and rkeys, shared-memory names. All of it goes through torch.distributed's object collectives
+(``all_gather_object``) on whatever group and backend the application already uses (gloo on the
+CPU, nccl on a GPU) — no rendezvous of our own.
+
+Misuse is detected collectively: each rank pickles and checks its contribution locally and sends a
+marker instead when it is bad, so a bad call on one rank raises ``ConfigError`` on *every* rank
+(naming the rank at fault) rather than leaving the others waiting for the group timeout.
+"""
+import datetime
+import os
+import pickle
+
+from gpunet.errors import ClosedError, ConfigError, GpunetError
+
+# torchrun's variables; all four are needed to join a group from the environment.
+_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+# How long a collective may wait for the slowest rank before torch raises. Setup exchanges are
+# small; a rank that has not arrived in this time has died or is stuck in a different call.
+DEFAULT_TIMEOUT_S = 300
+
+
+class _Bad:
+    """Sent in place of a contribution a rank could not make; every rank then raises."""
+
+    def __init__(self, reason):
+        self.reason = reason
+
+
+class Bootstrap:
+    """Setup-time exchange among the ranks of a torch.distributed group.
+
+    Args:
+        group: a ``torch.distributed`` process group, or None for the default (WORLD) group.
+            torch.distributed must already be initialised; ``Bootstrap.from_env()`` initialises
+            it from torchrun's environment.
+
+    Attributes: ``rank`` (this process's rank in ``group``), ``world_size`` (ranks in ``group``).
+    A context manager; ``close()`` destroys the process group only if ``from_env`` created it.
+    """
+
+    def __init__(self, group=None, _owns_group=False):
+        import torch.distributed as dist
+        if not dist.is_available():
+            raise ConfigError("this torch build has no torch.distributed; gpunet needs it for "
+                              "multi-rank setup (Bootstrap.from_env() without torchrun variables "
+                              "gives a single-process bootstrap)")
+        if not dist.is_initialized():
+            raise ConfigError("torch.distributed is not initialised: call "
+                              "torch.distributed.init_process_group(...) first, or use "
+                              "Bootstrap.from_env() (torchrun variables or a single process)")
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ConfigError("this process is not a member of the given process group")
+        self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
+        self._owns_group = _owns_group
+        self.closed = False
+
+    @classmethod
+    def from_env(cls, backend=None, timeout_s=DEFAULT_TIMEOUT_S):
+        """A Bootstrap for this process, initialising torch.distributed if needed.
+
+        - torch.distributed already initialised: the default group (as ``Bootstrap()``).
+        - torchrun variables set (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE): initialise with
+          ``init_method="env://"`` and ``backend`` (default gloo on the CPU, nccl when torch sees
+          a GPU; on MACA torch's "nccl" is its own collective library — *unverified*). On a GPU,
+          sets the current device to LOCAL_RANK first (nccl's object collectives use the current
+          device). ``close()`` then destroys the group.
+        - none of them set: a single-process bootstrap (rank 0, world_size 1) that does not touch
+          torch.distributed at all: allgather_obj returns ``[obj]``, alltoall_obj a copy of its
+          list, barrier returns at once.
+        - only some set: ConfigError naming the missing ones.
+        """
+        import torch
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return cls()
+        present = [v for v in _ENV_VARS if os.environ.get(v)]
+        if not present:
+            return LocalBootstrap()
+        missing = [v for v in _ENV_VARS if v not in present]
+        if missing:
+            raise ConfigError(f"torchrun environment is incomplete: {', '.join(present)} set but "
+                              f"{', '.join(missing)} missing; launch with torchrun, set all of "
+                              f"{', '.join(_ENV_VARS)}, or unset them for a single process")
+        if not dist.is_available():
+            raise ConfigError("this torch build has no torch.distributed")
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl" and torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        try:
+            dist.init_process_group(backend=backend, init_method="env://",
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as e:
+            raise GpunetError(f"torch.distributed.init_process_group(backend={backend!r}, "
+                              f"env://) failed: {e}. Check MASTER_ADDR/MASTER_PORT are reachable "
+                              f"from every rank and RANK < WORLD_SIZE.") from e
+        return cls(_owns_group=True)
+
+    def _check_open(self):
+        if self.closed:
+            raise ClosedError("this Bootstrap is closed")
+
+    def _gather_pickled(self, payload):
+        """all_gather_object of a locally pickled payload (or a _Bad); unpickles, raises on _Bad."""
+        out = [None] * self.world_size
+        self._dist.all_gather_object(out, payload, group=self.group)
+        for r, item in enumerate(out):
+            if isinstance(item, _Bad):
+                raise ConfigError(f"bootstrap exchange failed on rank {r}: {item.reason}")
+        return [pickle.loads(item) for item in out]
+
+    def allgather_obj(self, obj):
+        """Every rank's ``obj``, as a list indexed by rank (``len == world_size``).
+
+        ``obj``: any picklable object (e.g. this rank's QP info dict). Collective: every rank of
+        the group must call it, in the same order as the other collectives.
+        """
+        self._check_open()
+        try:
+            payload = pickle.dumps(obj)
+        except Exception as e:  # noqa: BLE001 - pickling can raise almost anything
+            payload = _Bad(f"allgather_obj: object of type {type(obj).__name__} is not "
+                           f"picklable ({e})")
+        return self._gather_pickled(payload)
+
+    def alltoall_obj(self, objs):
+        """Personalised exchange: ``objs[j]`` goes to rank ``j``; returns ``out`` with ``out[i]``
+        what rank ``i`` meant for this rank.
+
+        ``objs``: a list (or tuple) of ``world_size`` picklable objects (e.g. the QPN of the QP
+        this rank created for each peer). Built on one all_gather_object of the whole lists, so
+        each rank receives ``world_size`` lists: fine for setup-sized objects, not for data.
+        """
+        self._check_open()
+        if not isinstance(objs, (list, tuple)):
+            payload = _Bad(f"alltoall_obj wants a list of {self.world_size} objects, one per "
+                           f"rank, not {type(objs).__name__}")
+        elif len(objs) != self.world_size:
+            payload = _Bad(f"alltoall_obj got {len(objs)} objects, but the group has "
+                           f"{self.world_size} ranks (one object per destination rank)")
+        else:
+            try:
+                payload = pickle.dumps(list(objs))
+            except Exception as e:  # noqa: BLE001
+                payload = _Bad(f"alltoall_obj: an object is not picklable ({e})")
+        lists = self._gather_pickled(payload)
+        return [lists[src][self.rank] for src in range(self.world_size)]
+
+    def broadcast_obj(self, obj=None, src=0):
+        """``obj`` from rank ``src`` (a rank of this group), returned on every rank."""
+        self._check_open()
+        if not 0 <= src < self.world_size:
+            raise ConfigError(f"src={src} is not a rank of this group (world_size "
+                              f"{self.world_size})")
+        return self.allgather_obj(obj if self.rank == src else None)[src]
+
+    def barrier(self):
+        """Wait until every rank of the group has called barrier()."""
+        self._check_open()
+        self._dist.barrier(group=self.group)
+
+    def close(self):
+        """Destroy the process group if ``from_env`` created it; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._owns_group and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+                f"backend={getattr(self, 'backend', None)!r})")
+
+
+class LocalBootstrap(Bootstrap):
+    """The single-process bootstrap (rank 0 of 1) that ``from_env`` returns without torchrun.
+
+    It never touches torch.distributed; its collectives still pickle, so an object that would
+    fail to cross processes fails here too.
+    """
+
+    def __init__(self):  # noqa: D107 - no torch.distributed group behind it
+        self.group = None
+        self.rank = 0
+        self.world_size = 1
+        self.backend = None
+        self._owns_group = False
+        self.closed = False
+
+    def _gather_pickled(self, payload):
+        if isinstance(payload, _Bad):
+            raise ConfigError(f"bootstrap exchange failed on rank 0: {payload.reason}")
+        return [pickle.loads(payload)]
+
+    def barrier(self):
+        self._check_open()
+
+    def close(self):
+        self.closed = True

@@ -1,0 +1,168 @@
+"""The real NIC: rdma-core's pyverbs (imported lazily) and, later, mlx5 DevX QPs on gpunet's rings.
+
+What exists so far, and what has run:
+
+- ``import_pyverbs()``: imports pyverbs, falling back to Debian's ``python3-pyverbs`` (installed in
+  /usr/lib/python3/dist-packages, outside a pyenv/venv Python's path) when its extension modules
+  match this interpreter. Run here (Debian bookworm, rdma-core 44, Python 3.11).
+- ``available_devices()``: RDMA device names; ``[]`` when there is no NIC (pyverbs raises
+  PyverbsRDMAError then — FACTS.md). Run here, where there is no NIC.
+- ``VerbsNic``: opens a device, or raises ``NoRdmaDeviceError`` ("use nic='soft'"). The no-device
+  path has run here; the device-present path (open a DevX context, a PD, query the port) has
+  **not yet run on a NIC**. QP/CQ creation with DevX on our own rings is not written yet: it is
+  the next step and must be written with a NIC to run it on (see FACTS.md, pyverbs section).
+"""
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+from gpunet.errors import ConfigError, ToolchainError
+
+# Where Debian/Ubuntu put python3-pyverbs (built for the system Python, matched to the system
+# rdma-core; PyPI's pyverbs needs rdma-core >= 59 and fails to import on bookworm — FACTS.md).
+DEBIAN_DIST_PACKAGES = "/usr/lib/python3/dist-packages"
+
+_pyverbs = None
+_pyverbs_error = None
+
+
+def _load_debian_pyverbs():
+    """Import the Debian pyverbs package by its location, without putting the rest of
+    dist-packages on sys.path. Returns the module or None if absent / built for another Python."""
+    pkg = os.path.join(DEBIAN_DIST_PACKAGES, "pyverbs")
+    init = os.path.join(pkg, "__init__.py")
+    if not os.path.exists(init):
+        return None
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]   # e.g. .cpython-311-x86_64-linux-gnu.so
+    if not os.path.exists(os.path.join(pkg, "device" + suffix)):
+        return None
+    for name in [m for m in sys.modules if m == "pyverbs" or m.startswith("pyverbs.")]:
+        del sys.modules[name]          # a broken PyPI pyverbs half-imported before us
+    spec = importlib.util.spec_from_file_location("pyverbs", init, submodule_search_locations=[pkg])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["pyverbs"] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except Exception:
+        sys.modules.pop("pyverbs", None)
+        raise
+    return mod
+
+
+def import_pyverbs():
+    """The pyverbs package, imported once. Raises ToolchainError saying how to get it."""
+    global _pyverbs, _pyverbs_error
+    if _pyverbs is not None:
+        return _pyverbs
+    if _pyverbs_error is not None:
+        raise ToolchainError(_pyverbs_error)
+    try:
+        import pyverbs
+        import pyverbs.device  # noqa: F401 - the extension modules must load too
+        _pyverbs = pyverbs
+        return pyverbs
+    except ImportError as first:
+        problem = f"import pyverbs failed ({first})"
+    try:
+        mod = _load_debian_pyverbs()
+        if mod is not None:
+            import pyverbs.device  # noqa: F401
+            _pyverbs = mod
+            return mod
+        problem += (f"; no python3-pyverbs for Python {sys.version_info.major}."
+                    f"{sys.version_info.minor} under {DEBIAN_DIST_PACKAGES}")
+    except ImportError as second:
+        problem += f"; Debian's copy in {DEBIAN_DIST_PACKAGES} failed too ({second})"
+    _pyverbs_error = (f"pyverbs (rdma-core's Python bindings) is missing: {problem}. Install "
+                      f"python3-pyverbs (Debian/Ubuntu, matched to the system rdma-core) for a "
+                      f"real NIC, or use nic='soft'.")
+    raise ToolchainError(_pyverbs_error)
+
+
+def have_pyverbs():
+    """True if pyverbs imports (a real NIC may then be used); never raises."""
+    try:
+        import_pyverbs()
+        return True
+    except ToolchainError:
+        return False
+
+
+def available_devices():
+    """Names of the RDMA devices on this host (e.g. ["mlx5_0", "mlx5_1"]); [] when there is none.
+
+    pyverbs raises PyverbsRDMAError from get_device_list() when no device exists: that means
+    "no NIC", not a failure. Raises ToolchainError when pyverbs itself is missing.
+    """
+    pv = import_pyverbs()
+    from pyverbs.device import get_device_list
+    from pyverbs.pyverbs_error import PyverbsRDMAError
+    try:
+        devs = get_device_list()
+    except PyverbsRDMAError:
+        return []
+    del pv
+    return [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devs]
+
+
+class NoRdmaDeviceError(ConfigError):
+    """A real NIC was asked for and this host has none (or not the one named)."""
+
+
+class VerbsNic:
+    """The real mlx5 NIC, through pyverbs. A context manager; ``close()`` is idempotent.
+
+    Args:
+        device: RDMA device name (e.g. "mlx5_0"), or None for the first one found.
+        port: the port number to use (1-based, as verbs counts).
+
+    Raises NoRdmaDeviceError when the host has no RDMA device (or not ``device``), and
+    ToolchainError when pyverbs is missing.
+    """
+
+    def __init__(self, device=None, port=1):
+        self.closed = False
+        self._ctx = self._pd = None
+        devices = available_devices()
+        if not devices:
+            raise NoRdmaDeviceError("no RDMA device found; use nic='soft'")
+        if device is None:
+            device = devices[0]
+        elif device not in devices:
+            raise NoRdmaDeviceError(f"RDMA device {device!r} not found (this host has "
+                                    f"{', '.join(devices)}); pick one of those or use nic='soft'")
+        self.name, self.port = device, port
+        # ---- NOT YET RUN ON A NIC: written from pyverbs' API, untested until a NIC is here. ----
+        from pyverbs.pyverbs_error import PyverbsError
+        try:
+            from pyverbs.providers.mlx5.mlx5dv import (Mlx5Context, Mlx5DVContextAttr)
+            from pyverbs.providers.mlx5 import mlx5_enums as e
+            from pyverbs.pd import PD
+            self._ctx = Mlx5Context(Mlx5DVContextAttr(flags=e.MLX5DV_CONTEXT_FLAGS_DEVX),
+                                    name=device)
+            self._pd = PD(self._ctx)
+            self.port_attr = self._ctx.query_port(port)
+        except PyverbsError as err:
+            self.close()
+            raise ToolchainError(f"opening {device} with mlx5 DevX failed: {err}. gpunet needs an "
+                                 f"mlx5 NIC with DevX (and the permission to use it); use "
+                                 f"nic='soft' otherwise.") from err
+        # ---- end of the not-yet-run section ----
+
+    def close(self):
+        """Release the PD, then the device context (children first); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for attr in ("_pd", "_ctx"):
+            obj = getattr(self, attr, None)
+            if obj is not None:
+                setattr(self, attr, None)
+                obj.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
