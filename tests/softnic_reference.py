@@ -21,7 +21,9 @@ FENCE, so a fence changes nothing here):
   LOCAL_WRITE: else ``SYNDROME_LOCAL_PROT_ERR``. The rkey must name an MR of the responder's node in
   the responder QP's PD, cover [raddr, raddr + n) and allow REMOTE_WRITE / REMOTE_READ /
   REMOTE_ATOMIC: else ``SYNDROME_REMOTE_ACCESS_ERR``. A misaligned atomic is
-  ``SYNDROME_REMOTE_INVAL_REQ_ERR``. A zero-length transfer touches no memory and checks no key.
+  ``SYNDROME_REMOTE_INVAL_REQ_ERR``. A zero-length transfer touches no memory and checks no key
+  here; whether it should is left open (the soft NIC checks keys and bounds even then; rdma-core
+  leaves zero-length SGEs out of the WQE), so the tests never give one a bad key or address.
 - the first violation on a QP: a REQ_ERR CQE with that syndrome (signalled or not), no memory is
   touched, the QP moves to error; every later WQE of that QP completes with a REQ_ERR CQE with
   ``SYNDROME_WR_FLUSH_ERR`` (signalled or not) and does nothing.

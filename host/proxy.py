@@ -1,0 +1,955 @@
+"""The CPU proxy transport: device code pushes 16-byte commands into host-mapped FIFOs; CPU threads
+drain them, build mlx5 WQEs into the peer QP's send queue, ring its doorbell, poll its CQ and
+report completions back through counters the device polls.
+
+This module mirrors ``device/include/gpunet/proxy.cuh`` (the command format, the channel's memory
+layout and the completion protocol are defined there first and repeated here; tests/test_proxy.py
+checks both sides against each other). Read the header's top comment for the protocol; in short:
+
+Command (two little-endian 64-bit words, 16 bytes, 16-byte aligned in the ring)::
+
+    w0  bit 63      VALID      lap parity: a command for sequence s carries ((s / depth) & 1) ^ 1,
+                               so lap 0 writes 1 into the zeroed ring and nobody ever clears a slot
+        bits 58..62 OP         OP_* below
+        bits 46..57 PEER       destination rank (12 bits: 4096 peers)
+        bits 39..45 LOCAL_HI   local heap offset bits 32..38
+        bits 32..38 REMOTE_HI  remote heap offset bits 32..38
+        bits  0..31 ARG        PUT/GET: bytes; ATOMIC_FA: signed 32-bit addend;
+                               SIGNAL_ADD/SIGNAL_SET: low 32 bits of the 64-bit value
+    w1  bits  0..31 LOCAL_LO   local heap offset bits 0..31 (SIGNAL_*: the value's high 32 bits)
+        bits 32..63 REMOTE_LO  remote heap offset bits 0..31
+
+Offsets are 39 bits (512 GiB heaps); sizes are 32 bits because an mlx5 data segment's byte_count
+is 32 bits anyway (the proxy splits a PUT/GET above ``MAX_WQE_BYTES`` into several WQEs).
+
+Host-mapped control block of a channel (``HostCtrl``, 64 bytes, written only by its proxy thread):
+``tail`` (slots consumed), ``completed`` (every command with sequence < completed has completed at
+the NIC), ``error`` (0, or the first failure, packed: see ``pack_error``), ``err_seq`` (the sequence
+of the command that failed). Device control block (``DevCtrl``, device memory, written only by
+producers): ``head`` (slots reserved) at byte 0, ``cached_tail`` at byte 64.
+
+Threads: ``ProxyEngine(threads=n)`` runs n Python driver threads, each calling one numba
+``@njit(nogil=True)`` step over the channels and QPs it owns (channel i -> thread i % n; each
+thread owns its own QPs of every peer, so no QP is shared between threads and nothing is locked).
+"""
+import threading
+import time
+import weakref
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from gpunet import mlx5
+from gpunet.errors import ClosedError, CompletionError, ConfigError, GpunetError
+from gpunet.errors import TimeoutError as GpunetTimeoutError
+from gpunet.host import wq
+from gpunet.host.rawmem import (atomic_cas_u64, atomic_fetch_add_u64, load_acquire_u64,
+                                store_release_u32, store_release_u64, u8_at)
+
+# ---- the command format (mirrors proxy.cuh) --------------------------------------------------
+CMD_BYTES = 16
+OP_NOP = 0          # completes when every earlier command of the channel has; moves no data
+OP_PUT = 1          # RDMA WRITE  local[loff, +size) -> peer[roff, +size)
+OP_GET = 2          # RDMA READ   peer[roff, +size) -> local[loff, +size)
+OP_SIGNAL_ADD = 3   # 8-byte fetch-add of a 64-bit value on peer[roff]; the fetched value is dropped
+OP_ATOMIC_FA = 4    # 8-byte fetch-add of a signed 32-bit addend on peer[roff]; old value -> local[loff]
+OP_SIGNAL_SET = 5   # 8-byte store of a 64-bit value to peer[roff] (an inline RDMA WRITE)
+OP_MAX = 5
+OP_NAMES = {OP_NOP: "NOP", OP_PUT: "PUT", OP_GET: "GET", OP_SIGNAL_ADD: "SIGNAL_ADD",
+            OP_ATOMIC_FA: "ATOMIC_FA", OP_SIGNAL_SET: "SIGNAL_SET"}
+
+VALID_SHIFT = 63
+OP_SHIFT = 58
+OP_MASK = 0x1F
+PEER_SHIFT = 46
+PEER_MASK = 0xFFF
+LOCAL_HI_SHIFT = 39
+REMOTE_HI_SHIFT = 32
+HI_MASK = 0x7F
+ARG_MASK = 0xFFFFFFFF
+OFFSET_BITS = 39
+MAX_OFFSET = (1 << OFFSET_BITS) - 1
+MAX_PEERS = PEER_MASK + 1
+MAX_SIZE = ARG_MASK
+
+# ---- the channel's control blocks (mirrors proxy.cuh) ----------------------------------------
+HOST_CTRL_BYTES = 64
+HC_TAIL = 0          # u64 word indices into HostCtrl
+HC_COMPLETED = 1
+HC_ERROR = 2
+HC_ERR_SEQ = 3
+DEV_CTRL_BYTES = 128
+DC_HEAD = 0          # u64 word indices into DevCtrl: head and cached_tail on separate 64 B lines
+DC_CACHED_TAIL = 8
+
+# packed error word (HostCtrl.error): code(8) | syndrome(8) | vendor syndrome(8) | wqe_counter(16)
+# | qpn(24). 0 means no error.
+ERR_NONE = 0
+ERR_CQE = 1          # an error CQE: syndrome, vendor syndrome, qpn and wqe_counter are valid
+ERR_BAD_COMMAND = 2  # the proxy could not decode the command (op or peer out of range)
+ERR_NAMES = {ERR_CQE: "error completion", ERR_BAD_COMMAND: "malformed command"}
+
+# ---- engine tuning (named, with the reason) --------------------------------------------------
+# ConnectX-5/6/7 report max_msg_sz = 1 GiB: a larger PUT/GET is split into WQEs of this size.
+MAX_WQE_BYTES = 1 << 30
+# Request a CQE every SIGNAL_EVERY WQEs per QP (and on the last WQE of each drained batch, so a
+# lone command completes without waiting for 31 more). 32 keeps CQ polling off the per-command
+# path while reclaiming SQ space well before a 256-WQEBB ring fills.
+SIGNAL_EVERY = 32
+# Publish the tail at least every TAIL_PUBLISH_EVERY commands inside a long drain (and at the end
+# of every drain pass). Producers read the published tail over PCIe only when their cached tail
+# says the ring is full, so a coarse publish costs them nothing while the ring has room.
+TAIL_PUBLISH_EVERY = 64
+# CQEs copied out of a CQ per wq.poll_cq call.
+CQE_POLL_BATCH = 64
+# Commands one thread takes from one channel before moving to the next (fairness, doorbell batch).
+DRAIN_BATCH = 256
+# An idle step spins this long (polling FIFOs and CQs) before returning to Python, which then
+# sleeps with a doubling backoff up to IDLE_SLEEP_MAX_S. Spinning keeps the round trip near the
+# FIFO's floor (FACTS: 2.85 us GPU<->CPU); the sleep keeps idle proxies off 2-core CI machines.
+SPIN_US = 50
+IDLE_SLEEP_MIN_S = 20e-6
+IDLE_SLEEP_MAX_S = 1e-3
+
+# ---- engine state layout (numba arrays) ------------------------------------------------------
+# per channel, int64
+CH_FIFO, CH_DEPTH, CH_HCTRL, CH_TAIL, CH_COMPLETED, CH_PUB_TAIL, CH_PUB_COMPLETED, CH_ERR, \
+    CH_QPSLOT, CH_NFIELDS = range(10)
+# per QP, int64
+(QP_SQ, QP_WQEBBS, QP_QPN, QP_DBREC, QP_DB, QP_CQ, QP_CQE_CNT, QP_CQ_DBREC, QP_PI, QP_SQ_CI,
+ QP_CQ_CI, QP_UNSIG, QP_LAST_UNSIG, QP_DIRTY, QP_RBASE, QP_RKEY, QP_SCRATCH, QP_SCRATCH_LKEY,
+ QP_NULL, QP_NFIELDS) = range(20)
+# heap, int64
+HP_LBASE, HP_LKEY, HP_NFIELDS = range(3)
+# stats, int64 per thread
+ST_COMMANDS, ST_WQES, ST_DOORBELLS, ST_CQES, ST_PASSES, ST_NFIELDS = range(6)
+
+
+# ---- encoding ---------------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def encode(op, peer, arg, local_off, remote_off):
+    """The two command words, valid bit clear: (w0, w1). ``arg`` is taken modulo 2**32."""
+    loff = np.uint64(local_off)
+    roff = np.uint64(remote_off)
+    w0 = ((np.uint64(op) & np.uint64(OP_MASK)) << np.uint64(OP_SHIFT)) \
+        | ((np.uint64(peer) & np.uint64(PEER_MASK)) << np.uint64(PEER_SHIFT)) \
+        | (((loff >> np.uint64(32)) & np.uint64(HI_MASK)) << np.uint64(LOCAL_HI_SHIFT)) \
+        | (((roff >> np.uint64(32)) & np.uint64(HI_MASK)) << np.uint64(REMOTE_HI_SHIFT)) \
+        | (np.uint64(arg) & np.uint64(ARG_MASK))
+    w1 = (loff & np.uint64(ARG_MASK)) | ((roff & np.uint64(ARG_MASK)) << np.uint64(32))
+    return w0, w1
+
+
+@njit(cache=True, inline="always")
+def encode_signal(op, peer, value, remote_off):
+    """SIGNAL_ADD / SIGNAL_SET: the 64-bit value rides in ARG (low half) and LOCAL_LO (high half).
+
+    From Python pass values >= 2**63 as ``np.uint64`` (numba types a plain int as int64)."""
+    v = np.uint64(value)
+    return encode(op, peer, v & np.uint64(ARG_MASK), v >> np.uint64(32), remote_off)
+
+
+@njit(cache=True, inline="always")
+def cmd_op(w0):
+    return np.int64((np.uint64(w0) >> np.uint64(OP_SHIFT)) & np.uint64(OP_MASK))
+
+
+@njit(cache=True, inline="always")
+def cmd_peer(w0):
+    return np.int64((np.uint64(w0) >> np.uint64(PEER_SHIFT)) & np.uint64(PEER_MASK))
+
+
+@njit(cache=True, inline="always")
+def cmd_arg(w0):
+    return np.int64(np.uint64(w0) & np.uint64(ARG_MASK))
+
+
+@njit(cache=True, inline="always")
+def cmd_local_off(w0, w1):
+    return np.int64((np.uint64(w1) & np.uint64(ARG_MASK))
+                    | (((np.uint64(w0) >> np.uint64(LOCAL_HI_SHIFT)) & np.uint64(HI_MASK)) << np.uint64(32)))
+
+
+@njit(cache=True, inline="always")
+def cmd_remote_off(w0, w1):
+    return np.int64((np.uint64(w1) >> np.uint64(32))
+                    | (((np.uint64(w0) >> np.uint64(REMOTE_HI_SHIFT)) & np.uint64(HI_MASK)) << np.uint64(32)))
+
+
+@njit(cache=True, inline="always")
+def cmd_signal_value(w0, w1):
+    return (np.uint64(w1) << np.uint64(32)) | (np.uint64(w0) & np.uint64(ARG_MASK))
+
+
+@njit(cache=True, inline="always")
+def cmd_addend32(w0):
+    """ATOMIC_FA's addend: ARG as a signed 32-bit value, sign-extended to 64 bits (two's complement)."""
+    a = np.int64(np.uint64(w0) & np.uint64(ARG_MASK))
+    if a >= 0x80000000:
+        a -= 0x100000000
+    return np.uint64(a)
+
+
+@njit(cache=True, inline="always")
+def valid_bit(seq, log2_depth):
+    """The VALID bit a command of sequence ``seq`` carries: not the parity of its lap."""
+    return np.uint64(((np.int64(seq) >> log2_depth) & 1) ^ 1)
+
+
+def decode(w0, w1):
+    """A dict of a command's fields (Python; for tests, logs and error messages)."""
+    w0, w1 = int(w0), int(w1)
+    op = (w0 >> OP_SHIFT) & OP_MASK
+    d = {"valid": w0 >> VALID_SHIFT, "op": op, "peer": (w0 >> PEER_SHIFT) & PEER_MASK,
+         "arg": w0 & ARG_MASK,
+         "local_off": (w1 & ARG_MASK) | (((w0 >> LOCAL_HI_SHIFT) & HI_MASK) << 32),
+         "remote_off": (w1 >> 32) | (((w0 >> REMOTE_HI_SHIFT) & HI_MASK) << 32)}
+    if op in (OP_SIGNAL_ADD, OP_SIGNAL_SET):
+        d["value"] = ((w1 & ARG_MASK) << 32) | (w0 & ARG_MASK)
+    if op == OP_ATOMIC_FA:
+        a = w0 & ARG_MASK
+        d["addend"] = a - (1 << 32) if a >= 1 << 31 else a
+    return d
+
+
+@njit(cache=True, inline="always")
+def pack_error(code, syndrome, vendor_syndrome, wqe_counter, qpn):
+    return ((np.uint64(code) & np.uint64(0xFF)) << np.uint64(56)) \
+        | ((np.uint64(syndrome) & np.uint64(0xFF)) << np.uint64(48)) \
+        | ((np.uint64(vendor_syndrome) & np.uint64(0xFF)) << np.uint64(40)) \
+        | ((np.uint64(wqe_counter) & np.uint64(0xFFFF)) << np.uint64(24)) \
+        | (np.uint64(qpn) & np.uint64(0xFFFFFF))
+
+
+def unpack_error(word):
+    """(code, syndrome, vendor_syndrome, wqe_counter, qpn) of a packed HostCtrl.error word."""
+    w = int(word)
+    return (w >> 56) & 0xFF, (w >> 48) & 0xFF, (w >> 40) & 0xFF, (w >> 24) & 0xFFFF, w & 0xFFFFFF
+
+
+# ---- a CPU producer: exactly what proxy.cuh's proxy_push does, in numba ----------------------
+@intrinsic
+def _clock_monotonic_ns(typingctx):
+    """clock_gettime(CLOCK_MONOTONIC) called directly from the generated code: unlike a ctypes
+    function pointer it keeps the callers cacheable (numba's on-disk cache)."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        ts_t = ir.LiteralStructType([i64, i64])
+        fnty = ir.FunctionType(i32, [i32, ts_t.as_pointer()])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "clock_gettime")
+        ts = cgutils.alloca_once(builder, ts_t)
+        builder.call(fn, [ir.Constant(i32, _CLOCK_MONOTONIC), ts])
+        sec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 0))
+        nsec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 1))
+        return builder.add(builder.mul(sec, ir.Constant(i64, 1000000000)), nsec)
+    return sig, codegen
+
+
+_CLOCK_MONOTONIC = 1
+
+
+@njit(cache=True)
+def now_ns():
+    """CLOCK_MONOTONIC in nanoseconds (callable from nopython code)."""
+    return _clock_monotonic_ns()
+
+
+@njit(cache=True, inline="always")
+def _log2(n):
+    k = 0
+    while (1 << k) < n:
+        k += 1
+    return k
+
+
+@njit(cache=True, nogil=True)
+def cpu_push(fifo, depth, hctrl, dctrl, w0, w1, n, timeout_ns):
+    """Push ``n`` commands (arrays ``w0[:n]``, ``w1[:n]``, valid bits clear) with ONE reservation,
+    as a warp does in proxy_push_warp. Returns the channel's issue count after them (``seq + n``;
+    pass it to a quiet), or -1 if no space appeared within ``timeout_ns`` (the reserved slots are
+    then never written: the channel is poisoned, exactly as on the device; see proxy.cuh).
+
+    Space check: reads the shared cached tail (DevCtrl, cheap); only when that says full does it
+    read the host-published tail, with a doubling backoff, and raise the cached tail with a CAS.
+    """
+    if n < 1 or n > depth:
+        return -2                                # can never fit (proxy_push_n: BAD_ARGUMENT)
+    seq = np.int64(atomic_fetch_add_u64(dctrl + 8 * DC_HEAD, n))
+    need = seq + n - depth
+    ct = np.int64(load_acquire_u64(dctrl + 8 * DC_CACHED_TAIL))
+    if ct < need:
+        t0 = now_ns()
+        backoff = 1
+        while True:
+            t = np.int64(load_acquire_u64(hctrl + 8 * HC_TAIL))
+            # raise the cached tail to t (monotonic max)
+            cur = np.int64(load_acquire_u64(dctrl + 8 * DC_CACHED_TAIL))
+            while cur < t:
+                old = np.int64(atomic_cas_u64(dctrl + 8 * DC_CACHED_TAIL, cur, t))
+                if old == cur:
+                    break
+                cur = old
+            if t >= need:
+                break
+            if now_ns() - t0 > timeout_ns:
+                return -1
+            for _ in range(backoff):
+                pass
+            if backoff < 1024:
+                backoff *= 2
+    lg = _log2(depth)
+    for i in range(n):
+        s = seq + i
+        slot = fifo + (s & (depth - 1)) * CMD_BYTES
+        store_release_u64(slot + 8, w1[i])
+        store_release_u64(slot, np.uint64(w0[i]) | (valid_bit(s, lg) << np.uint64(VALID_SHIFT)))
+    return seq + n
+
+
+@njit(cache=True, nogil=True)
+def cpu_wait_completed(hctrl, issued, timeout_ns):
+    """Bounded wait until HostCtrl.completed >= issued; returns 0, or the packed error word, or
+    -1 on timeout (proxy_quiet's CPU twin)."""
+    t0 = now_ns()
+    while True:
+        err = load_acquire_u64(hctrl + 8 * HC_ERROR)
+        if err != 0:
+            return np.int64(err & np.uint64(0x7FFFFFFFFFFFFFFF))
+        if np.int64(load_acquire_u64(hctrl + 8 * HC_COMPLETED)) >= issued:
+            return 0
+        if now_ns() - t0 > timeout_ns:
+            return -1
+
+
+# ---- the drain step ----------------------------------------------------------------------------
+@njit(cache=True, inline="always")
+def _record_error(ch, c, word, seq):
+    if ch[c, CH_ERR] == 0:                       # first failure wins
+        ch[c, CH_ERR] = 1
+        h = ch[c, CH_HCTRL]
+        store_release_u64(h + 8 * HC_ERR_SEQ, np.uint64(seq))
+        store_release_u64(h + 8 * HC_ERROR, word)
+
+
+@njit(cache=True, inline="always")
+def _mark_done(ch, done, c, seq):
+    done[c, seq & (ch[c, CH_DEPTH] - 1)] = 1
+
+
+@njit(cache=True)
+def _post(qp, q, side_ch, side_seq, c, seq, last, opcode, raddr, rkey, laddr, lkey, nbytes,
+          value, inline_set):
+    """Build one WQE at the QP's producer index through host/wq.py (gpunet.mlx5's builders).
+
+    Signalling: every SIGNAL_EVERY-th WQE asks for a CQE; the last WQE of a drained batch gets
+    CQ_UPDATE set in ``_ring`` before the doorbell (the ring is not rung yet, so editing the ctrl
+    byte is safe), so nothing posted is ever left without a CQE behind it.
+    """
+    nbb = qp[q, QP_WQEBBS]
+    pi = qp[q, QP_PI]
+    sq = qp[q, QP_SQ]
+    qpn = qp[q, QP_QPN]
+    fm = 0
+    qp[q, QP_UNSIG] += 1
+    if qp[q, QP_UNSIG] >= SIGNAL_EVERY:
+        fm = mlx5.WQE_CTRL_CQ_UPDATE
+        qp[q, QP_UNSIG] = 0
+        qp[q, QP_LAST_UNSIG] = -1
+    else:
+        qp[q, QP_LAST_UNSIG] = (pi & (nbb - 1)) * mlx5.WQEBB
+    if opcode == mlx5.OPCODE_ATOMIC_FA:
+        wq.post_atomic(sq, nbb, pi, qpn, opcode, fm, raddr, rkey, laddr, lkey, value, 0)
+    elif inline_set:
+        # SIGNAL_SET: the value's 8 bytes, big-endian like every 8-byte word the NIC's atomics
+        # touch (soft NIC and real HCAs), carried inline from the QP's scratch line
+        src = qp[q, QP_SCRATCH] + 8
+        mlx5.put_be64(u8_at(src, 8), 0, value)
+        wq.post_write_inline(sq, nbb, pi, qpn, mlx5.OPCODE_RDMA_WRITE, fm, raddr, rkey, src, 8, 0)
+    else:
+        wq.post_rdma(sq, nbb, pi, qpn, opcode, fm, raddr, rkey, laddr, lkey, nbytes, 0)
+    idx = pi & (nbb - 1)
+    side_ch[q, idx] = c
+    side_seq[q, idx] = seq if last else -1 - seq   # < 0: a non-final chunk of command seq
+    qp[q, QP_PI] = pi + 1                          # every proxy WQE is one WQEBB (ds <= 4)
+    qp[q, QP_DIRTY] = 1
+
+
+@njit(cache=True)
+def _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, seq, w0, w1):
+    """Turn one command into WQE(s). Returns 1 if consumed, 0 if the QP's SQ is full (retry)."""
+    op = cmd_op(w0)
+    peer = cmd_peer(w0)
+    if op == OP_NOP:
+        _mark_done(ch, done, c, seq)
+        return 1
+    if op > OP_MAX or peer >= peer_qp.shape[0]:
+        _record_error(ch, c, pack_error(ERR_BAD_COMMAND, op, 0, 0, peer), seq)
+        _mark_done(ch, done, c, seq)
+        return 1
+    q = peer_qp[peer, ch[c, CH_QPSLOT]]
+    size = cmd_arg(w0)
+    nwqe = 1
+    if op == OP_PUT or op == OP_GET:
+        nwqe = max(1, (size + MAX_WQE_BYTES - 1) // MAX_WQE_BYTES)
+    if qp[q, QP_PI] + nwqe - qp[q, QP_SQ_CI] > qp[q, QP_WQEBBS]:
+        return 0
+    roff = cmd_remote_off(w0, w1)
+    raddr = qp[q, QP_RBASE] + roff
+    rkey = qp[q, QP_RKEY]
+    if op == OP_PUT or op == OP_GET:
+        opcode = mlx5.OPCODE_RDMA_WRITE if op == OP_PUT else mlx5.OPCODE_RDMA_READ
+        laddr = heap[HP_LBASE] + cmd_local_off(w0, w1)
+        for k in range(nwqe):
+            n = min(MAX_WQE_BYTES, size - k * MAX_WQE_BYTES)
+            _post(qp, q, side_ch, side_seq, c, seq, k == nwqe - 1, opcode,
+                  raddr + k * MAX_WQE_BYTES, rkey, laddr + k * MAX_WQE_BYTES, heap[HP_LKEY],
+                  max(n, 0), 0, False)
+    elif op == OP_ATOMIC_FA:
+        _post(qp, q, side_ch, side_seq, c, seq, True, mlx5.OPCODE_ATOMIC_FA, raddr, rkey,
+              heap[HP_LBASE] + cmd_local_off(w0, w1), heap[HP_LKEY], 8, cmd_addend32(w0), False)
+    elif op == OP_SIGNAL_ADD:
+        _post(qp, q, side_ch, side_seq, c, seq, True, mlx5.OPCODE_ATOMIC_FA, raddr, rkey,
+              qp[q, QP_SCRATCH], qp[q, QP_SCRATCH_LKEY], 8, cmd_signal_value(w0, w1), False)
+    else:  # OP_SIGNAL_SET
+        _post(qp, q, side_ch, side_seq, c, seq, True, mlx5.OPCODE_RDMA_WRITE, raddr, rkey,
+              0, 0, 8, cmd_signal_value(w0, w1), True)
+    if qp[q, QP_NULL] != 0:
+        # drain-only mode: no NIC behind this QP; the WQE is built and counts as completed now
+        qp[q, QP_SQ_CI] = qp[q, QP_PI]
+        qp[q, QP_DIRTY] = 0
+        _mark_done(ch, done, c, seq)
+    return 1
+
+
+@njit(cache=True)
+def _ring(qp, q):
+    """One doorbell for everything posted on the QP in this pass (wq.ring_doorbell: release; DBR;
+    release; 64-bit doorbell word), after asking for a CQE on the last WQE if it had none."""
+    nbb = qp[q, QP_WQEBBS]
+    last = qp[q, QP_LAST_UNSIG]
+    if last >= 0:
+        ring = u8_at(qp[q, QP_SQ], nbb * mlx5.WQEBB)
+        ring[last + mlx5.CTRL_FM_CE_SE] |= mlx5.WQE_CTRL_CQ_UPDATE
+        qp[q, QP_LAST_UNSIG] = -1
+        qp[q, QP_UNSIG] = 0
+    pi = qp[q, QP_PI]
+    wq.ring_doorbell(qp[q, QP_SQ], nbb, qp[q, QP_DBREC], qp[q, QP_DB], pi, pi - 1)
+    qp[q, QP_DIRTY] = 0
+
+
+@njit(cache=True)
+def _poll_cq(ch, done, qp, side_ch, side_seq, q, out):
+    """Consume the QP's new CQEs (wq.poll_cq); every WQE up to a CQE's wqe_counter has completed,
+    in order (one RC QP completes in posting order)."""
+    nbb = qp[q, QP_WQEBBS]
+    total = 0
+    while True:
+        n = wq.poll_cq(qp[q, QP_CQ], qp[q, QP_CQE_CNT], qp[q, QP_CQ_DBREC], qp[q, QP_CQ_CI], out,
+                       out.shape[0] // mlx5.CQE_SIZE)
+        for k in range(n):
+            off = k * mlx5.CQE_SIZE
+            opcode = mlx5.cqe_opcode(out, off)
+            wc = np.int64(mlx5.cqe_wqe_counter(out, off))
+            sq_ci = qp[q, QP_SQ_CI]
+            upto = sq_ci + ((wc - sq_ci) & 0xFFFF)    # the WQE's full producer index
+            if upto >= qp[q, QP_PI]:
+                continue                              # not a WQE we have outstanding: ignore
+            is_err = opcode == mlx5.CQE_REQ_ERR or opcode == mlx5.CQE_RESP_ERR
+            p = sq_ci
+            while p <= upto:
+                idx = p & (nbb - 1)
+                c = side_ch[q, idx]
+                s = side_seq[q, idx]
+                if s >= 0:
+                    _mark_done(ch, done, c, s)
+                if is_err and p == upto:
+                    word = pack_error(ERR_CQE, mlx5.cqe_syndrome(out, off),
+                                      mlx5.cqe_vendor_syndrome(out, off), wc, mlx5.cqe_qpn(out, off))
+                    _record_error(ch, c, word, s if s >= 0 else -1 - s)
+                p += 1
+            qp[q, QP_SQ_CI] = upto + 1
+        qp[q, QP_CQ_CI] += n
+        total += n
+        if n < out.shape[0] // mlx5.CQE_SIZE:
+            return total
+
+
+@njit(cache=True)
+def _advance_completed(ch, done, c):
+    depth = ch[c, CH_DEPTH]
+    comp = ch[c, CH_COMPLETED]
+    tail = ch[c, CH_TAIL]
+    while comp < tail and done[c, comp & (depth - 1)] != 0:
+        done[c, comp & (depth - 1)] = 0
+        comp += 1
+    ch[c, CH_COMPLETED] = comp
+    if comp != ch[c, CH_PUB_COMPLETED]:
+        store_release_u64(ch[c, CH_HCTRL] + 8 * HC_COMPLETED, comp)
+        ch[c, CH_PUB_COMPLETED] = comp
+
+
+@njit(cache=True)
+def _publish_tail(ch, c):
+    t = ch[c, CH_TAIL]
+    if t != ch[c, CH_PUB_TAIL]:
+        store_release_u64(ch[c, CH_HCTRL] + 8 * HC_TAIL, t)
+        ch[c, CH_PUB_TAIL] = t
+
+
+@njit(cache=True)
+def _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out):
+    """One pass over this thread's channels and QPs. Returns the work done (commands + CQEs)."""
+    work = 0
+    for i in range(my_ch.shape[0]):
+        c = my_ch[i]
+        fifo = ch[c, CH_FIFO]
+        depth = ch[c, CH_DEPTH]
+        lg = _log2(depth)
+        tail = ch[c, CH_TAIL]
+        n = 0
+        while n < DRAIN_BATCH:
+            if tail - ch[c, CH_COMPLETED] >= depth:
+                break                              # in-order window full: wait for completions
+            slot = fifo + (tail & (depth - 1)) * CMD_BYTES
+            w0 = load_acquire_u64(slot)
+            if (w0 >> np.uint64(VALID_SHIFT)) != valid_bit(tail, lg):
+                break                              # not written yet (or the ring is empty)
+            w1 = load_acquire_u64(slot + 8)
+            if _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, tail, w0, w1) == 0:
+                break                              # SQ full: ring, poll, retry next pass
+            tail += 1
+            n += 1
+            ch[c, CH_TAIL] = tail
+            if tail - ch[c, CH_PUB_TAIL] >= TAIL_PUBLISH_EVERY:
+                _publish_tail(ch, c)
+        work += n
+    ndb = 0
+    for j in range(my_qp.shape[0]):
+        q = my_qp[j]
+        if qp[q, QP_DIRTY] != 0:
+            _ring(qp, q)
+            ndb += 1
+    for i in range(my_ch.shape[0]):
+        _publish_tail(ch, my_ch[i])
+    ncqe = 0
+    for j in range(my_qp.shape[0]):
+        q = my_qp[j]
+        if qp[q, QP_NULL] == 0 and qp[q, QP_PI] != qp[q, QP_SQ_CI]:
+            ncqe += _poll_cq(ch, done, qp, side_ch, side_seq, q, out)
+    for i in range(my_ch.shape[0]):
+        _advance_completed(ch, done, my_ch[i])
+    stats[ST_COMMANDS] += work
+    stats[ST_DOORBELLS] += ndb
+    stats[ST_CQES] += ncqe
+    stats[ST_PASSES] += 1
+    return work + ncqe
+
+
+@njit(cache=True, nogil=True)
+def proxy_step(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out, spin_ns,
+               max_ns):
+    """Drain passes until idle for ``spin_ns`` or busy for ``max_ns``; returns the work done.
+
+    Runs without the GIL: the Python driver thread calls it in a loop and sleeps when it returns 0.
+    """
+    t0 = now_ns()
+    last_work = t0
+    total = 0
+    k = 0
+    while True:
+        w = _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out)
+        total += w
+        k += 1
+        if (k & 15) == 0 or w == 0:
+            t = now_ns()
+            if w != 0:
+                last_work = t
+            if t - last_work >= spin_ns or t - t0 >= max_ns:
+                return total
+        # (when w != 0 and k & 15 != 0 we skip the clock read: it costs ~25 ns)
+
+
+# ---- Python objects ---------------------------------------------------------------------------
+def _aligned_zeros(nbytes, align=64):
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + nbytes]
+
+
+class ProxyChannel:
+    """One command FIFO with its control blocks.
+
+    ``depth``: commands the ring holds (a power of two, >= 4). Memory: by default CPU memory
+    (numpy, 64-byte aligned) for CPU producers and the HOST arm; pass ``platform`` (a
+    ``gpunet.host.platform.Platform`` on a GPU) to put the FIFO and HostCtrl in host-mapped memory
+    (``policy("proxy_fifo")``) and DevCtrl in device memory.
+
+    Attributes: ``fifo_addr``, ``hctrl_addr``, ``dctrl_addr`` (addresses the proxy/CPU use) and
+    ``dev_fifo_addr``, ``dev_hctrl_addr``, ``dev_dctrl_addr`` (what device code uses; equal on the
+    CPU). ``descriptor()`` gives the 32-byte ``gpunet::proxy::ProxyChannel`` for device code.
+    """
+
+    def __init__(self, depth=1024, platform=None):
+        depth = int(depth)
+        if depth < 4 or depth & (depth - 1):
+            raise ConfigError(f"ProxyChannel depth must be a power of two >= 4, not {depth}")
+        self.depth = depth
+        self._allocs = []
+        self.closed = False
+        if platform is None or platform.name == "cpu":
+            self._fifo = _aligned_zeros(depth * CMD_BYTES)
+            self._hctrl = _aligned_zeros(HOST_CTRL_BYTES)
+            self._dctrl = _aligned_zeros(DEV_CTRL_BYTES)
+            self.fifo_addr = self.dev_fifo_addr = self._fifo.ctypes.data
+            self.hctrl_addr = self.dev_hctrl_addr = self._hctrl.ctypes.data
+            self.dctrl_addr = self.dev_dctrl_addr = self._dctrl.ctypes.data
+        else:
+            fifo = platform.alloc("host", depth * CMD_BYTES)
+            hctrl = platform.alloc("host", HOST_CTRL_BYTES)
+            dctrl = platform.alloc("device", DEV_CTRL_BYTES)
+            self._allocs = [fifo, hctrl, dctrl]
+            zeros = np.zeros(DEV_CTRL_BYTES, dtype=np.uint8)
+            platform.memcpy(dctrl.ptr, zeros.ctypes.data, DEV_CTRL_BYTES)
+            self._fifo, self._hctrl, self._dctrl = fifo.view(), hctrl.view(), None
+            self.fifo_addr, self.dev_fifo_addr = fifo.host_ptr, fifo.ptr
+            self.hctrl_addr, self.dev_hctrl_addr = hctrl.host_ptr, hctrl.ptr
+            self.dctrl_addr = self.dev_dctrl_addr = dctrl.ptr    # device memory: not CPU-addressable
+        self.index = None          # set by the engine
+        self.engine = None
+
+    # -- the host-visible counters ---------------------------------------------------------
+    def _hword(self, i):
+        return int(self._hctrl.view(np.uint64)[i])
+
+    @property
+    def tail(self):
+        """Commands the proxy has taken from the FIFO (as last published)."""
+        return self._hword(HC_TAIL)
+
+    @property
+    def completed(self):
+        """Every command with a sequence below this has completed at the NIC."""
+        return self._hword(HC_COMPLETED)
+
+    @property
+    def head(self):
+        """Slots reserved by producers (DevCtrl.head; CPU memory only)."""
+        if self._dctrl is None:
+            raise ConfigError("DevCtrl is in device memory: read head on the device")
+        return int(self._dctrl.view(np.uint64)[DC_HEAD])
+
+    def error(self):
+        """None, or a dict describing the first failure recorded for this channel."""
+        w = self._hword(HC_ERROR)
+        if w == 0:
+            return None
+        code, synd, vendor, wc, qpn = unpack_error(w)
+        return {"code": code, "syndrome": synd, "vendor_syndrome": vendor, "wqe_counter": wc,
+                "qpn": qpn, "seq": self._hword(HC_ERR_SEQ), "word": w}
+
+    def raise_if_error(self):
+        """Raise gpunet.CompletionError for the channel's first failure, if any."""
+        e = self.error()
+        if e is None:
+            return
+        where = f"proxy channel {self.index}, command #{e['seq']}"
+        if e["code"] == ERR_CQE:
+            raise CompletionError(
+                f"{where}: error CQE on QP 0x{e['qpn']:x}, wqe_counter {e['wqe_counter']}: "
+                f"{mlx5.syndrome_name(e['syndrome'])} (syndrome 0x{e['syndrome']:02x}, vendor "
+                f"0x{e['vendor_syndrome']:02x}); check the peer is alive and the heap offsets / "
+                f"keys are inside the registered heaps",
+                syndrome=e["syndrome"], vendor_syndrome=e["vendor_syndrome"], qpn=e["qpn"],
+                wqe_counter=e["wqe_counter"])
+        raise CompletionError(
+            f"{where}: {ERR_NAMES.get(e['code'], 'error %d' % e['code'])} (op {e['syndrome']}, "
+            f"peer {e['qpn']}): the device pushed a command the proxy cannot execute")
+
+    def descriptor(self):
+        """The device-side ``gpunet::proxy::ProxyChannel`` as 32 bytes (numpy uint64[4])."""
+        d = np.zeros(4, dtype=np.uint64)
+        d[0], d[1], d[2] = self.dev_fifo_addr, self.dev_hctrl_addr, self.dev_dctrl_addr
+        d[3] = self.depth | ((self.index or 0) << 32)
+        return d
+
+    def push(self, commands, timeout_s=1.0):
+        """CPU producer (tests): push ``commands`` [(w0, w1), ...] with one reservation; returns
+        the issue count after them. Raises TimeoutError when the FIFO stayed full."""
+        if self._dctrl is None:
+            raise ConfigError("DevCtrl is in device memory: push from the device")
+        w = np.array(commands, dtype=np.uint64).reshape(-1, 2)
+        r = cpu_push(self.fifo_addr, self.depth, self.hctrl_addr, self.dctrl_addr,
+                     np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(w[:, 1]), len(w),
+                     int(timeout_s * 1e9))
+        if r == -2:
+            raise ConfigError(f"cannot push {len(w)} commands at once into a FIFO of {self.depth}")
+        if r < 0:
+            raise GpunetTimeoutError(f"proxy channel {self.index}: FIFO full for {timeout_s}s "
+                                     f"(is the proxy engine running?)")
+        return int(r)
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        for a in self._allocs:
+            a.close()
+        self._allocs = []
+
+
+# QP -> (sq producer index, sq completed index, cq consumer index) left by a closed engine, so
+# that a later engine can post on the same QP (its rings and counters continue; the NIC's do).
+_QP_RESUME = weakref.WeakKeyDictionary()
+
+
+def _qp_send_cq(qp):
+    for name in ("send_cq", "cq", "scq"):
+        cq = getattr(qp, name, None)
+        if cq is not None:
+            return cq
+    raise ConfigError(f"cannot find the send CQ of {qp!r}: pass (qp, cq) pairs in qps_per_peer")
+
+
+def _key(obj, names):
+    if isinstance(obj, (tuple, list)):
+        return int(obj[0]), int(obj[1])
+    addr = int(getattr(obj, "addr"))
+    for n in names:
+        if hasattr(obj, n):
+            return addr, int(getattr(obj, n))
+    raise ConfigError(f"{obj!r} has no {' / '.join(names)}")
+
+
+class ProxyEngine:
+    """CPU proxy threads draining ``channels`` into the peers' QPs.
+
+    Arguments:
+      nic: the NIC the QPs belong to (``gpunet.host.softnic.SoftNic``, later the verbs NIC); used
+        to allocate and register the 8-byte landing slots of SIGNAL_ADD. ``None`` with
+        ``drain_only=True``.
+      channels: list of ``ProxyChannel``; channel i is served by thread ``i % threads``.
+      qps_per_peer: list, one entry per peer rank, of that peer's connected RC QPs (each a QP
+        object with ``qpn, sq_addr, sq_wqebbs, dbrec_addr, db_addr`` and a send CQ as
+        ``send_cq``/``cq``, or a ``(qp, cq)`` pair). Every peer has the same count k >= threads;
+        thread t uses QPs t, t + threads, ... of each peer; channel i uses QP
+        ``t + threads * ((i // threads) % (k // threads))``-th of the peer, so all of one channel's
+        commands to one peer stay on one QP, in order (put-then-signal relies on it).
+      local_heap: the local symmetric heap's MR (``addr``, ``lkey``) or an ``(addr, lkey)`` pair.
+      remote_heaps: per peer, the peer heap's MR (``addr``, ``rkey``) or an ``(addr, rkey)`` pair.
+      threads: proxy threads.
+      drain_only: build every WQE into a private ring and complete it at once: measures the proxy
+        alone (FIFO reads, decode, WQE build, completion bookkeeping), no NIC.
+      spin_us: how long an idle thread keeps polling before sleeping.
+    """
+
+    def __init__(self, nic, channels, qps_per_peer, local_heap, remote_heaps, threads=1,
+                 drain_only=False, spin_us=SPIN_US, sq_wqebbs_null=1024):
+        threads = int(threads)
+        if threads < 1:
+            raise ConfigError(f"threads must be >= 1, not {threads}")
+        if not channels:
+            raise ConfigError("ProxyEngine needs at least one channel")
+        self.nic = nic
+        self.channels = list(channels)
+        self.threads = threads
+        self.drain_only = bool(drain_only)
+        self.closed = False
+        self._stop = False
+        self._thread_errors = []
+        self._scratch_mr = None
+        npeer = len(remote_heaps)
+        if npeer < 1 or npeer > MAX_PEERS:
+            raise ConfigError(f"1..{MAX_PEERS} peers supported, got {npeer}")
+        lbase, lkey = _key(local_heap, ("lkey",))
+        self.heap = np.array([lbase, lkey], dtype=np.int64)
+
+        # channels
+        nch = len(self.channels)
+        self.ch = np.zeros((nch, CH_NFIELDS), dtype=np.int64)
+        maxdepth = max(c.depth for c in self.channels)
+        self.done = np.zeros((nch, maxdepth), dtype=np.uint8)
+        for i, c in enumerate(self.channels):
+            if c.engine is not None:
+                raise ConfigError(f"channel {i} already belongs to an engine")
+            c.index, c.engine = i, self
+            self.ch[i, CH_FIFO] = c.fifo_addr
+            self.ch[i, CH_DEPTH] = c.depth
+            self.ch[i, CH_HCTRL] = c.hctrl_addr
+            # resume from what the channel says (a fresh channel: all zero)
+            self.ch[i, CH_TAIL] = self.ch[i, CH_COMPLETED] = c.completed
+            self.ch[i, CH_PUB_TAIL] = self.ch[i, CH_PUB_COMPLETED] = c.completed
+            self.ch[i, CH_ERR] = 1 if c.error() else 0
+
+        # QPs
+        if drain_only:
+            k = threads
+            self._null_rings = [_aligned_zeros(sq_wqebbs_null * mlx5.WQEBB)
+                                for _ in range(npeer * k)]
+            self._null_db = _aligned_zeros(64)
+            self._null_scratch = _aligned_zeros(64 * npeer * k)
+            qps = [[None] * k for _ in range(npeer)]
+        else:
+            qps = [list(x) for x in qps_per_peer]
+            if len(qps) != npeer:
+                raise ConfigError(f"qps_per_peer has {len(qps)} peers, remote_heaps {npeer}")
+            k = len(qps[0])
+            if any(len(x) != k for x in qps):
+                raise ConfigError("every peer needs the same number of QPs")
+            if k < threads:
+                raise ConfigError(f"{k} QPs per peer cannot serve {threads} proxy threads without "
+                                  f"sharing a QP: create >= {threads} QPs per peer or use fewer "
+                                  f"threads")
+            if nic is None:
+                raise ConfigError("a NIC is needed unless drain_only=True")
+        self.qps_per_peer = k
+        nqp = npeer * k
+        per_thread = k // threads              # QPs of one peer that one thread owns
+        self.qp = np.zeros((nqp, QP_NFIELDS), dtype=np.int64)
+        # peer_qp[p, j]: the engine's index of peer p's j-th QP; QP j belongs to thread j % threads
+        self.peer_qp = np.arange(nqp, dtype=np.int64).reshape(npeer, k)
+        maxbb = sq_wqebbs_null if drain_only else max(
+            int((x[0] if isinstance(x, tuple) else x).sq_wqebbs) for row in qps for x in row)
+        self.side_ch = np.zeros((nqp, maxbb), dtype=np.int32)
+        self.side_seq = np.zeros((nqp, maxbb), dtype=np.int64)
+        if not drain_only:
+            self._scratch = nic.alloc(64 * nqp, align=64)
+            self._scratch_mr = nic.reg_mr(self._scratch, kind="host")
+            scratch_addr, scratch_lkey = int(self._scratch_mr.addr), int(self._scratch_mr.lkey)
+        thread_qps = [[] for _ in range(threads)]
+        self._qp_objs = []
+        for p in range(npeer):
+            rbase, rkey = _key(remote_heaps[p], ("rkey",))
+            for j in range(k):
+                q = p * k + j
+                row = self.qp[q]
+                row[QP_RBASE], row[QP_RKEY] = rbase, rkey
+                row[QP_LAST_UNSIG] = -1
+                if drain_only:
+                    row[QP_SQ] = self._null_rings[q].ctypes.data
+                    row[QP_WQEBBS] = sq_wqebbs_null
+                    row[QP_QPN] = q
+                    row[QP_DBREC] = row[QP_DB] = self._null_db.ctypes.data
+                    row[QP_NULL] = 1
+                    row[QP_SCRATCH] = self._null_scratch.ctypes.data + 64 * q
+                else:
+                    x = qps[p][j]
+                    qpo, cq = (x if isinstance(x, tuple) else (x, _qp_send_cq(x)))
+                    if getattr(cq, "collapsed", False):
+                        raise ConfigError("the proxy polls owner-bit CQs; create the QP's send CQ "
+                                          "with collapsed=False")
+                    if int(cq.cqe_cnt) < int(qpo.sq_wqebbs):
+                        raise ConfigError(f"CQ of QP 0x{qpo.qpn:x} has {cq.cqe_cnt} CQEs < "
+                                          f"{qpo.sq_wqebbs} SQ WQEBBs: after an error every WQE "
+                                          f"produces a CQE, so the CQ must hold one per WQEBB")
+                    row[QP_SQ], row[QP_WQEBBS], row[QP_QPN] = qpo.sq_addr, qpo.sq_wqebbs, qpo.qpn
+                    row[QP_DBREC], row[QP_DB] = qpo.dbrec_addr, qpo.db_addr
+                    row[QP_CQ], row[QP_CQE_CNT], row[QP_CQ_DBREC] = (cq.buf_addr, cq.cqe_cnt,
+                                                                     cq.dbrec_addr)
+                    row[QP_SCRATCH], row[QP_SCRATCH_LKEY] = scratch_addr + 64 * q, scratch_lkey
+                    # a QP an earlier engine posted on continues where that engine stopped
+                    prev = _QP_RESUME.get(qpo)
+                    if prev is not None:
+                        row[QP_PI], row[QP_SQ_CI], row[QP_CQ_CI] = prev
+                    self._qp_objs.append((q, qpo))
+                thread_qps[j % threads].append(q)
+        for i in range(nch):
+            # channel i runs on thread t = i % threads and uses, for every peer, QP slot
+            # t + threads * sub: one of t's own QPs, spread over the channels of t
+            t = i % threads
+            sub = (i // threads) % per_thread
+            self.ch[i, CH_QPSLOT] = t + threads * sub
+        self._thread_chs = [np.array([i for i in range(nch) if i % threads == t], dtype=np.int64)
+                            for t in range(threads)]
+        self._thread_qps = [np.array(sorted(x), dtype=np.int64) for x in thread_qps]
+        self.stats = np.zeros((threads, ST_NFIELDS), dtype=np.int64)
+        self._spin_ns = int(spin_us * 1000)
+        self._threads = []
+        for t in range(threads):
+            th = threading.Thread(target=self._run, args=(t,), name=f"gpunet-proxy-{t}",
+                                  daemon=True)
+            self._threads.append(th)
+        for th in self._threads:
+            th.start()
+
+    def _run(self, t):
+        my_ch, my_qp, st = self._thread_chs[t], self._thread_qps[t], self.stats[t]
+        out = np.zeros(CQE_POLL_BATCH * mlx5.CQE_SIZE, dtype=np.uint8)   # CQEs copied per poll
+        sleep = IDLE_SLEEP_MIN_S
+        try:
+            while not self._stop:
+                w = proxy_step(self.ch, self.done, self.qp, self.side_ch, self.side_seq,
+                               self.peer_qp, self.heap, my_ch, my_qp, st, out, self._spin_ns,
+                               20_000_000)
+                if w:
+                    sleep = IDLE_SLEEP_MIN_S
+                else:
+                    time.sleep(sleep)
+                    sleep = min(sleep * 2, IDLE_SLEEP_MAX_S)
+        except BaseException as e:  # noqa: BLE001 - reported by check()/close()
+            self._thread_errors.append(e)
+
+    # -- host-side API ------------------------------------------------------------------------
+    def check(self):
+        """Raise the first failure: a proxy thread's exception, or a channel's CompletionError."""
+        if self._thread_errors:
+            raise GpunetError(f"proxy thread failed: {self._thread_errors[0]!r}") \
+                from self._thread_errors[0]
+        for c in self.channels:
+            c.raise_if_error()
+
+    def quiet(self, channel, issued, timeout_s=5.0):
+        """Host-side quiet: wait until ``channel.completed >= issued``; raise CompletionError on a
+        recorded failure and gpunet.TimeoutError after ``timeout_s``."""
+        if self.closed:
+            raise ClosedError("ProxyEngine is closed")
+        r = cpu_wait_completed(channel.hctrl_addr, int(issued), int(timeout_s * 1e9))
+        if r == -1:
+            self.check()
+            raise GpunetTimeoutError(
+                f"proxy channel {channel.index}: completed={channel.completed} < issued={issued} "
+                f"after {timeout_s}s (tail={channel.tail}; a stuck NIC or peer?)")
+        if r != 0:
+            channel.raise_if_error()
+        self.check()
+
+    def stats_dict(self):
+        s = self.stats.sum(axis=0)
+        return {"commands": int(s[ST_COMMANDS]), "doorbells": int(s[ST_DOORBELLS]),
+                "cqes": int(s[ST_CQES]), "passes": int(s[ST_PASSES])}
+
+    def alive_threads(self):
+        return [th for th in self._threads if th.is_alive()]
+
+    def close(self):
+        """Stop the proxy threads (idempotent). Channels stay usable by a new engine."""
+        if self.closed:
+            return
+        self._stop = True
+        for th in self._threads:
+            th.join()
+        self.closed = True
+        for c in self.channels:
+            c.engine = None
+        for q, qpo in self._qp_objs:
+            try:
+                _QP_RESUME[qpo] = (int(self.qp[q, QP_PI]), int(self.qp[q, QP_SQ_CI]),
+                                   int(self.qp[q, QP_CQ_CI]))
+            except TypeError:      # not weak-referenceable: a later engine cannot reuse it
+                pass
+        if self._scratch_mr is not None and self.nic is not None:
+            try:
+                self.nic.dereg_mr(self._scratch_mr)
+            except Exception:  # noqa: BLE001 - the NIC may already be closed
+                pass
+            self._scratch_mr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,1088 @@
+"""The software mlx5 NIC: RC queue pairs, memory protection and the coherence model, on the CPU.
+
+One ``SoftNic`` is one NIC. It owns an *arena*: one sparse shared-memory file under /dev/shm
+(``gpunet-<pid>-<tag>``) holding a header, the MR / QP / CQ tables and a bump-allocated heap from
+which rings, CQs, doorbell records, doorbell words and user buffers come. The tables are int64
+words, so the engine (numba, nopython, nogil) reads them directly, and a peer process maps the
+same file to act as the responder side of an RC connection.
+
+The engine is one OS thread per NIC running ``engine_run``: an ``@njit(nogil=True)`` loop that
+never takes the GIL. It notices changed doorbell words, latches the send DBR, executes WQEs in
+order per QP straight from the ring, and writes CQEs. Time, sleeping and memmove come from libc
+symbols declared in LLVM IR (below), not ctypes, so that the engine is cacheable (``cache=True``)
+and a Python thread that holds the GIL (a compile, a long test) cannot stall a NIC's heartbeat.
+
+Semantics chosen where the issue leaves a choice (docs/INTERFACES.md repeats them):
+- Execution is synchronous and in order per QP. A WQE does not start before the previous one has
+  completed, so FENCE (and INITIATOR_SMALL_FENCE) hold by construction, also when a READ or an
+  atomic is stalled on a dead peer: the whole QP waits behind it until it completes with 0x15.
+- Atomics: the remote 8-byte word is a big-endian number, as on the IB wire and real HCAs; the
+  old value lands in the local data segment as the 8 big-endian bytes the wire carries. Both are
+  done with hardware CAS on the target word, so they are atomic with respect to every other NIC
+  atomic in any process.
+- CQ overrun (owner-bit mode, the NIC would write more than ``cqe_cnt`` CQEs ahead of the
+  consumer's DBR): the CQ enters error for good (``nic.cq_state(cq) == "ERR"``, no further CQE is
+  ever written into it), the CQE that did not fit is dropped, and the QP that produced it moves to
+  ERR; every other QP that later tries to complete into that CQ moves to ERR too. A WRITE_WITH_IMM
+  whose responder CQE overruns moves the *responder* QP to ERR; the requester still completes.
+- A data segment's byte_count of 0 moves 0 bytes (real mlx5 reads it as 2 GiB).
+- SEND / SEND_IMM (no receive queues are modelled), masked atomics and unknown opcodes complete
+  with SYNDROME_LOCAL_QP_OP_ERR.
+- Coherence violations in strict mode are recorded in the header of the NIC that *owns* the
+  memory (the one whose ``check()`` raises), first one wins.
+"""
+import atexit
+import enum
+import itertools
+import os
+import mmap
+import threading
+import time
+import weakref
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from gpunet import mlx5
+from gpunet.errors import ClosedError, CoherenceViolation, ConfigError
+from gpunet.host.rawmem import (address_of, atomic_cas_u64, bswap64, load_acquire_u32,
+                                load_acquire_u64, store_release_u32, store_release_u64, u8_at)
+
+# --- libc calls as LLVM declarations (cacheable, GIL-free) -------------------------------------
+
+
+def _libc_fn(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+@intrinsic
+def c_memmove(typingctx, dst, src, n):
+    """memmove(dst, src, n) on integer addresses."""
+    sig = types.void(dst, src, n)
+
+    def codegen(context, builder, signature, args):
+        vp = cgutils.voidptr_t
+        fn = _libc_fn(builder, "memmove", vp, [vp, vp, ir.IntType(64)])
+        builder.call(fn, [builder.inttoptr(args[0], vp), builder.inttoptr(args[1], vp),
+                          context.cast(builder, args[2], signature.args[2], types.int64)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def clock_ns(typingctx):
+    """CLOCK_MONOTONIC in nanoseconds (system-wide: comparable across processes)."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        fn = _libc_fn(builder, "clock_gettime", i32, [i32, i64.as_pointer()])
+        ts = cgutils.alloca_once(builder, i64, size=2)
+        builder.call(fn, [ir.Constant(i32, 1), ts])      # CLOCK_MONOTONIC = 1
+        sec = builder.load(ts)
+        nsec = builder.load(builder.gep(ts, [ir.Constant(i32, 1)]))
+        return builder.add(builder.mul(sec, ir.Constant(i64, 1000000000)), nsec)
+    return sig, codegen
+
+
+@intrinsic
+def c_usleep(typingctx, us):
+    sig = types.void(us)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = _libc_fn(builder, "usleep", i32, [i32])
+        builder.call(fn, [context.cast(builder, args[0], signature.args[0], types.int32)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def c_sched_yield(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        builder.call(_libc_fn(builder, "sched_yield", i32, []), [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def c_kill0(typingctx, pid):
+    """kill(pid, 0): 0 while the process exists."""
+    sig = types.int32(pid)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = _libc_fn(builder, "kill", i32, [i32, i32])
+        return builder.call(fn, [context.cast(builder, args[0], signature.args[0], types.int32),
+                                 ir.Constant(i32, 0)])
+    return sig, codegen
+
+
+@njit(inline="always")
+def i64_at(addr, n):
+    return carray(_i64ptr(addr), (n,), np.int64)
+
+
+@intrinsic
+def _i64ptr(typingctx, addr):
+    sig = types.CPointer(types.int64)(addr)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+    return sig, codegen
+
+
+# --- arena layout (int64 word indices unless said otherwise) -------------------------------------
+ARENA_MAGIC = 0x676E65745F534E31     # "gnet_SN1"
+HEADER_BYTES = 4096
+H_MAGIC, H_PID, H_HEARTBEAT, H_DOWN, H_PROFILE, H_STRICT, H_HEAP_TOP, H_SIZE = range(8)
+H_STOP, H_NQP, H_NCQ, H_NMR, H_RETRY_NS, H_WQES, H_ITERS = range(8, 15)
+H_VIO_CLAIM, H_VIO_VALID, H_VIO_QPN, H_VIO_OPCODE, H_VIO_KEY, H_VIO_ADDR, H_VIO_LEN, \
+    H_VIO_WRITE, H_VIO_PID = range(16, 25)
+H_NAME_BYTE = 1024                   # arena name, NUL-terminated, 256 bytes at most
+
+MAX_MR = 4096                        # index 0 unused so that no key is 0
+MR_WORDS = 16
+M_KEY, M_PD, M_ADDR, M_LEN, M_ACCESS, M_KIND, M_LIVE_OFF, M_HBM_OFF, M_FETCH_OFF, M_VARIANT = range(10)
+
+MAX_QP = 1024                        # qpn = table index; 0 unused
+QP_WORDS = 32
+Q_STATE, Q_PD, Q_SQ_OFF, Q_SQ_WQEBBS, Q_DBREC_OFF, Q_DB_OFF, Q_SCQ, Q_RCQ, Q_MAX_INLINE, \
+    Q_LAST_DB, Q_SQ_CI, Q_TARGET, Q_PEER_SLOT, Q_PEER_QPN, Q_DEAD_SINCE, Q_RQ_COUNTER, \
+    Q_NDONE, Q_ERR_SYND = range(18)
+
+MAX_CQ = 1024
+CQ_WORDS = 16
+C_VALID, C_BUF_OFF, C_CNT, C_DBREC_OFF, C_COLLAPSED, C_PI, C_LOCK, C_STATE = range(8)
+
+MR_BASE = HEADER_BYTES // 8
+QP_BASE = MR_BASE + MAX_MR * MR_WORDS
+CQ_BASE = QP_BASE + MAX_QP * QP_WORDS
+TABLE_WORDS = CQ_BASE + MAX_CQ * CQ_WORDS
+HEAP_START = (TABLE_WORDS * 8 + 4095) & ~4095
+
+QPS_RESET, QPS_INIT, QPS_RTS, QPS_ERR = 0, 1, 3, 4
+_QP_STATE_NAMES = {QPS_RESET: "RESET", QPS_INIT: "INIT", QPS_RTS: "RTS", QPS_ERR: "ERR"}
+
+KIND_HOST, KIND_FINEGRAINED, KIND_DEVICE = 0, 1, 2
+_KINDS = {"host": KIND_HOST, "finegrained": KIND_FINEGRAINED, "device": KIND_DEVICE}
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
+PROFILES = {"nvidia": 0, "c500": 1}
+LINE_BYTES = 128                     # L2 line of the c500 coherence model
+
+MAX_PEERS = 64                       # peer arena slots per NIC; slot 0 is the NIC's own arena
+MAX_SQ_WQEBBS = 32768                # 16-bit WQE counters: the ring must be < 65536 WQEBBs
+MIN_SQ_WQEBBS = 8
+MAX_INLINE_LIMIT = mlx5.MAX_DS * mlx5.DS_UNIT - 32 - mlx5.INLINE_HDR_SIZE   # 972 bytes
+
+ENGINE_BUDGET = 4096                 # WQEs per QP per engine pass: fairness between QPs
+SPIN_IDLE = 32                       # idle passes that only sched_yield() before sleeping
+MAX_SLEEP_US = 200                   # idle back-off cap: bounds doorbell-to-execution latency
+PID_CHECK_NS = 2_000_000             # heartbeat age (> the 200 us idle sleep) after which a
+                                     # cross-process peer's pid is checked with kill(pid, 0)
+CQ_LOCK_SPINS = 1 << 26              # bound on the CQ lock spin (a holder that died)
+
+
+class Access(enum.IntFlag):
+    """MR access flags (ibv_access_flags values)."""
+    LOCAL_WRITE = 1
+    REMOTE_WRITE = 2
+    REMOTE_READ = 4
+    REMOTE_ATOMIC = 8
+    ALL = 15
+
+
+# --- engine ------------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def _ring_be32(ring, rbytes, p):
+    """Big-endian u32 at byte ``p`` of a WQE in the ring (p may run past the end: it wraps).
+
+    Fields sit inside 16-byte segments and the ring is a multiple of 64 bytes, so a field never
+    straddles the wrap: one reduction of p is enough.
+    """
+    if p >= rbytes:
+        p = p % rbytes
+    return np.int64(mlx5.get_be32(ring, p))
+
+
+@njit(cache=True, inline="always")
+def _ring_be64(ring, rbytes, p):
+    if p >= rbytes:
+        p = p % rbytes
+    return mlx5.get_be64(ring, p)
+
+
+@njit(cache=True)
+def _record_violation(obase, qpn, opcode, key, addr, length, is_write, pid):
+    """Strict mode: the first NIC access to non-coherent memory, in the owner's header."""
+    if atomic_cas_u64(obase + H_VIO_CLAIM * 8, 0, 1) == 0:
+        H = i64_at(obase, 32)
+        H[H_VIO_QPN] = qpn
+        H[H_VIO_OPCODE] = opcode
+        H[H_VIO_KEY] = key
+        H[H_VIO_ADDR] = addr
+        H[H_VIO_LEN] = length
+        H[H_VIO_WRITE] = is_write
+        H[H_VIO_PID] = pid
+        store_release_u64(obase + H_VIO_VALID * 8, 1)
+
+
+@njit(cache=True)
+def _mr_lookup(T, key, pd, addr, length, need):
+    """MR entry word index for (key, pd, [addr, addr+length), access need), or -1."""
+    idx = key >> 8
+    if idx <= 0 or idx >= MAX_MR:
+        return -1
+    me = MR_BASE + idx * MR_WORDS
+    if T[me + M_KEY] != key or T[me + M_PD] != pd:
+        return -1
+    a = T[me + M_ADDR]
+    if addr < a or length < 0 or addr + length > a + T[me + M_LEN]:
+        return -1
+    if (T[me + M_ACCESS] & need) != need:
+        return -1
+    return me
+
+
+@njit(cache=True)
+def _mr_nic_addr(T, obase, me, addr, same_proc):
+    """Where the NIC reaches ``addr`` of MR entry ``me`` (owner arena at ``obase``); -1 if it can't."""
+    hbm = T[me + M_HBM_OFF]
+    if hbm >= 0:                                  # c500 `device` memory: the HBM image
+        return obase + hbm + (addr - T[me + M_ADDR])
+    if same_proc:
+        return addr
+    live = T[me + M_LIVE_OFF]
+    if live < 0:                                  # private memory of another process
+        return -1
+    return obase + live + (addr - T[me + M_ADDR])
+
+
+@njit(cache=True)
+def _cq_push(cbase, cqn, opcode, qpn, counter, byte_cnt, imm, synd, wqe_op, scratch):
+    """Write one CQE into CQ ``cqn`` of the arena at ``cbase``. False: CQ in error / overrun."""
+    T = i64_at(cbase, TABLE_WORDS)
+    ce = CQ_BASE + cqn * CQ_WORDS
+    lock = cbase + (ce + C_LOCK) * 8
+    spins = 0
+    while atomic_cas_u64(lock, 0, 1) != 0:
+        spins += 1
+        if spins > CQ_LOCK_SPINS:
+            return False
+        if (spins & 1023) == 0:
+            c_sched_yield()
+    ok = False
+    if T[ce + C_VALID] != 0 and T[ce + C_STATE] == 0:
+        cnt = T[ce + C_CNT]
+        pi = T[ce + C_PI]
+        room = True
+        if T[ce + C_COLLAPSED] == 0:
+            ci = np.int64(mlx5.bswap32(load_acquire_u32(cbase + T[ce + C_DBREC_OFF]))) & 0xFFFFFF
+            if ((pi - ci) & 0xFFFFFF) >= cnt:
+                room = False
+                T[ce + C_STATE] = 1
+        if room:
+            owner = 1 if (pi & cnt) != 0 else 0
+            mlx5.write_cqe(scratch, 0, opcode, qpn, counter, byte_cnt, imm, owner, synd, 0, wqe_op)
+            dst = cbase + T[ce + C_BUF_OFF] + (pi & (cnt - 1)) * mlx5.CQE_SIZE
+            c_memmove(dst, scratch.ctypes.data, mlx5.CQE_SIZE - 4)
+            last = (np.uint32(scratch[60]) | (np.uint32(scratch[61]) << np.uint32(8))
+                    | (np.uint32(scratch[62]) << np.uint32(16)) | (np.uint32(scratch[63]) << np.uint32(24)))
+            store_release_u32(dst + 60, last)        # op_own last: publishes the CQE
+            T[ce + C_PI] = pi + 1
+            ok = True
+    store_release_u64(lock, 0)
+    return ok
+
+
+@njit(cache=True)
+def _peer_dead(pb, now, retry_ns, own_pid):
+    H = i64_at(pb, 32)
+    if load_acquire_u64(pb + H_DOWN * 8) != 0:
+        return True
+    age = now - np.int64(load_acquire_u64(pb + H_HEARTBEAT * 8))
+    if age > retry_ns:
+        return True
+    pid = H[H_PID]
+    if age > PID_CHECK_NS and pid != own_pid:
+        return c_kill0(pid) != 0
+    return False
+
+
+@njit(cache=True)
+def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
+    """Execute up to ``budget`` posted WQEs of QP ``q``; returns how many completed."""
+    qe = QP_BASE + q * QP_WORDS
+    nw = T[qe + Q_SQ_WQEBBS]
+    mask = nw - 1
+    rbytes = nw * mlx5.WQEBB
+    ring = u8_at(base + T[qe + Q_SQ_OFF], rbytes)
+    ci = T[qe + Q_SQ_CI]
+    target = T[qe + Q_TARGET]
+    pd = T[qe + Q_PD]
+    scq = T[qe + Q_SCQ]
+    max_inline = T[qe + Q_MAX_INLINE]
+    own_pid = T[H_PID]
+    retry_ns = T[H_RETRY_NS]
+    done = 0
+    while done < budget:
+        pending = (target - ci) & 0xFFFF
+        if pending == 0:
+            break
+        off = (ci & mask) * mlx5.WQEBB
+        opcode = np.int64(ring[off + 3])
+        ds = np.int64(ring[off + 7])
+        fm = np.int64(ring[off + mlx5.CTRL_FM_CE_SE])
+        imm = (np.int64(ring[off + 12]) | (np.int64(ring[off + 13]) << 8)
+               | (np.int64(ring[off + 14]) << 16) | (np.int64(ring[off + 15]) << 24))
+        nbb = (ds * mlx5.DS_UNIT + mlx5.WQEBB - 1) // mlx5.WQEBB
+        counter = ci & 0xFFFF
+        synd = 0
+        advance = nbb
+        if ds == 0 or ds > mlx5.MAX_DS or nbb > pending:
+            synd = mlx5.SYNDROME_LOCAL_QP_OP_ERR          # ds running past what was posted
+            advance = pending
+        if T[qe + Q_STATE] == QPS_ERR:
+            # flush: every WQE up to the DBR completes in error, signalled or not
+            if synd != 0:
+                advance = 1 if nbb == 0 or nbb > pending else nbb
+            _cq_push(base, scq, mlx5.CQE_REQ_ERR, q, counter, 0, 0,
+                     mlx5.SYNDROME_WR_FLUSH_ERR, opcode, scratch)
+            ci += advance
+            done += 1
+            continue
+        total = np.int64(0)
+        nseg = 0
+        inline_len = -1
+        raddr = np.int64(0)
+        rkey = np.int64(0)
+        is_rdma = opcode == mlx5.OPCODE_RDMA_WRITE or opcode == mlx5.OPCODE_RDMA_WRITE_IMM \
+            or opcode == mlx5.OPCODE_RDMA_READ
+        is_atomic = opcode == mlx5.OPCODE_ATOMIC_CS or opcode == mlx5.OPCODE_ATOMIC_FA
+        p0 = off                                       # byte offset of the WQE in the ring
+        pb = peer_bases[0]
+        # ---- local checks (no peer needed) ---------------------------------------------------
+        if synd == 0:
+            if opcode == mlx5.OPCODE_NOP:
+                pass
+            elif is_rdma or is_atomic:
+                if (is_rdma and ds < 3) or (is_atomic and ds != mlx5.DS_ATOMIC):
+                    synd = mlx5.SYNDROME_LOCAL_QP_OP_ERR
+                else:
+                    raddr = np.int64(_ring_be64(ring, rbytes, p0 + 16))
+                    rkey = _ring_be32(ring, rbytes, p0 + 24)
+                    first = 2 if is_rdma else 3
+                    bc0 = _ring_be32(ring, rbytes, p0 + first * 16)
+                    if is_rdma and (bc0 & mlx5.INLINE_SEG) != 0:
+                        inline_len = bc0 & 0x7FFFFFFF
+                        if opcode == mlx5.OPCODE_RDMA_READ:
+                            synd = mlx5.SYNDROME_LOCAL_QP_OP_ERR
+                        elif inline_len > max_inline:
+                            synd = mlx5.SYNDROME_LOCAL_LENGTH_ERR
+                        elif mlx5.INLINE_HDR_SIZE + inline_len > (ds - 2) * mlx5.DS_UNIT:
+                            synd = mlx5.SYNDROME_LOCAL_QP_OP_ERR
+                        total = inline_len
+                    else:
+                        lw = 1 if (opcode == mlx5.OPCODE_RDMA_READ or is_atomic) else 0
+                        for s in range(ds - first):
+                            sp = p0 + (first + s) * 16
+                            bc = _ring_be32(ring, rbytes, sp)
+                            if (bc & mlx5.INLINE_SEG) != 0:
+                                synd = mlx5.SYNDROME_LOCAL_QP_OP_ERR
+                                break
+                            if is_atomic and bc != 8:
+                                synd = mlx5.SYNDROME_LOCAL_LENGTH_ERR
+                                break
+                            lkey = _ring_be32(ring, rbytes, sp + 4)
+                            laddr = np.int64(_ring_be64(ring, rbytes, sp + 8))
+                            me = _mr_lookup(T, lkey, pd, laddr, bc, lw)
+                            if me < 0:
+                                synd = mlx5.SYNDROME_LOCAL_PROT_ERR
+                                break
+                            na = _mr_nic_addr(T, base, me, laddr, True)
+                            if T[me + M_HBM_OFF] >= 0 and T[H_STRICT] != 0 and bc > 0:
+                                _record_violation(base, q, opcode, lkey, laddr, bc, lw, own_pid)
+                            segs[2 * s] = na
+                            segs[2 * s + 1] = bc
+                            total += bc
+                            nseg += 1
+                    if synd == 0 and is_atomic and (raddr & 7) != 0:
+                        synd = mlx5.SYNDROME_REMOTE_INVAL_REQ_ERR
+            else:
+                synd = mlx5.SYNDROME_LOCAL_QP_OP_ERR       # SEND, masked atomics, unknown
+        # ---- the peer: liveness, then the responder's checks, then the bytes -----------------
+        if synd == 0 and opcode != mlx5.OPCODE_NOP:
+            slot = T[qe + Q_PEER_SLOT]
+            pb = peer_bases[slot]
+            if slot != 0 and _peer_dead(pb, now, retry_ns, own_pid):
+                ds0 = T[qe + Q_DEAD_SINCE]
+                if ds0 == 0:
+                    T[qe + Q_DEAD_SINCE] = now
+                    break                                  # stall: in order, nothing behind runs
+                if now - ds0 < retry_ns:
+                    break
+                synd = mlx5.SYNDROME_TRANSPORT_RETRY_EXC_ERR
+            T[qe + Q_DEAD_SINCE] = 0
+        if synd == 0 and opcode != mlx5.OPCODE_NOP:
+            P = i64_at(pb, TABLE_WORDS)
+            pq = T[qe + Q_PEER_QPN]
+            pqe = QP_BASE + pq * QP_WORDS
+            same_proc = P[H_PID] == own_pid
+            if opcode == mlx5.OPCODE_RDMA_READ:
+                rneed = 4
+            elif is_atomic:
+                rneed = 8
+            else:
+                rneed = 2
+            rme = _mr_lookup(P, rkey, P[pqe + Q_PD], raddr, 8 if is_atomic else total, rneed)
+            rna = -1
+            if rme >= 0:
+                rna = _mr_nic_addr(P, pb, rme, raddr, same_proc)
+            if rna < 0:
+                synd = mlx5.SYNDROME_REMOTE_ACCESS_ERR
+            else:
+                if P[rme + M_HBM_OFF] >= 0 and P[H_STRICT] != 0:
+                    _record_violation(pb, q, opcode, rkey, raddr, 8 if is_atomic else total,
+                                      0 if opcode == mlx5.OPCODE_RDMA_READ else 1, own_pid)
+                if opcode == mlx5.OPCODE_RDMA_READ:
+                    acc = np.int64(0)
+                    for s in range(nseg):
+                        c_memmove(segs[2 * s], rna + acc, segs[2 * s + 1])
+                        acc += segs[2 * s + 1]
+                elif is_atomic:
+                    old = np.uint64(0)
+                    sa = _ring_be64(ring, rbytes, p0 + 32)
+                    if opcode == mlx5.OPCODE_ATOMIC_CS:
+                        cmp = _ring_be64(ring, rbytes, p0 + 40)
+                        old = atomic_cas_u64(rna, bswap64(cmp), bswap64(sa))
+                    else:
+                        while True:
+                            old = load_acquire_u64(rna)
+                            new = bswap64(bswap64(old) + sa)
+                            if atomic_cas_u64(rna, old, new) == old:
+                                break
+                    dst = u8_at(segs[0], 8)
+                    for i in range(8):         # the raw word *is* the big-endian wire value
+                        dst[i] = np.uint8((old >> np.uint64(8 * i)) & np.uint64(0xFF))
+                elif inline_len >= 0:
+                    src = p0 + 16 + 16 + mlx5.INLINE_HDR_SIZE
+                    src = src % rbytes
+                    first_part = min(inline_len, rbytes - src)
+                    c_memmove(rna, ring.ctypes.data + src, first_part)
+                    c_memmove(rna + first_part, ring.ctypes.data, inline_len - first_part)
+                else:
+                    acc = np.int64(0)
+                    for s in range(nseg):
+                        c_memmove(rna + acc, segs[2 * s], segs[2 * s + 1])
+                        acc += segs[2 * s + 1]
+                if opcode == mlx5.OPCODE_RDMA_WRITE_IMM:
+                    rcq = P[pqe + Q_RCQ]
+                    cnt = P[pqe + Q_RQ_COUNTER]
+                    P[pqe + Q_RQ_COUNTER] = cnt + 1
+                    if not _cq_push(pb, rcq, mlx5.CQE_RESP_WR_IMM, pq, cnt & 0xFFFF, total, imm,
+                                    0, 0, scratch):
+                        P[pqe + Q_STATE] = QPS_ERR
+        # ---- completion ----------------------------------------------------------------------
+        if synd != 0:
+            T[qe + Q_STATE] = QPS_ERR
+            if T[qe + Q_ERR_SYND] == 0:
+                T[qe + Q_ERR_SYND] = synd
+            _cq_push(base, scq, mlx5.CQE_REQ_ERR, q, counter, 0, 0, synd, opcode, scratch)
+        elif (fm & mlx5.WQE_CTRL_CQ_UPDATE) != 0:
+            if not _cq_push(base, scq, mlx5.CQE_REQ, q, counter, total, 0, 0, opcode, scratch):
+                T[qe + Q_STATE] = QPS_ERR                  # CQ overrun / CQ in error
+                if T[qe + Q_ERR_SYND] == 0:
+                    T[qe + Q_ERR_SYND] = -1
+        ci += advance
+        done += 1
+    T[qe + Q_SQ_CI] = ci & 0xFFFF
+    T[qe + Q_NDONE] += done
+    return done
+
+
+@njit(cache=True, nogil=True)
+def engine_step(base, peer_bases, now, budget, scratch, segs):
+    """One pass over every QP: latch changed doorbells, execute what was posted. Returns WQEs done."""
+    T = i64_at(base, TABLE_WORDS)
+    nqp = T[H_NQP]
+    did = 0
+    for q in range(1, nqp):
+        qe = QP_BASE + q * QP_WORDS
+        st = T[qe + Q_STATE]
+        if st != QPS_RTS and st != QPS_ERR:
+            continue
+        db = np.int64(load_acquire_u64(base + T[qe + Q_DB_OFF]))
+        if db != T[qe + Q_LAST_DB]:
+            T[qe + Q_LAST_DB] = db
+            dbr = mlx5.bswap32(load_acquire_u32(base + T[qe + Q_DBREC_OFF] + 4 * mlx5.DBREC_SND))
+            T[qe + Q_TARGET] = np.int64(dbr) & 0xFFFF
+        if T[qe + Q_TARGET] != T[qe + Q_SQ_CI]:
+            did += _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs)
+    T[H_WQES] += did
+    return did
+
+
+@njit(cache=True, nogil=True)
+def engine_run(base, peer_bases, scratch, segs, max_iters):
+    """The engine thread's whole life: runs until the header's stop word is set (or max_iters)."""
+    T = i64_at(base, TABLE_WORDS)
+    idle = 0
+    it = 0
+    while load_acquire_u64(base + H_STOP * 8) == 0:
+        now = clock_ns()
+        store_release_u64(base + H_HEARTBEAT * 8, now)
+        did = 0
+        if load_acquire_u64(base + H_DOWN * 8) == 0:
+            did = engine_step(base, peer_bases, now, ENGINE_BUDGET, scratch, segs)
+        it += 1
+        T[H_ITERS] = it
+        if max_iters > 0 and it >= max_iters:
+            break
+        if did > 0:
+            idle = 0
+            continue
+        idle += 1
+        if idle < SPIN_IDLE:
+            c_sched_yield()
+        else:
+            c_usleep(min(20 << min(idle - SPIN_IDLE, 4), MAX_SLEEP_US))
+
+
+@njit(cache=True)
+def _evict(live, hbm, fetched, start, end):
+    """L2 eviction of bytes [start, end): SM-dirty bytes go to HBM, then the lines are refilled."""
+    for i in range(start, end):
+        if live[i] != fetched[i]:
+            hbm[i] = live[i]
+        live[i] = hbm[i]
+        fetched[i] = hbm[i]
+
+
+# --- Python side -------------------------------------------------------------------------------
+_instance_counter = itertools.count()
+_open_nics = weakref.WeakSet()
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_arenas():
+    """Unlink /dev/shm/gpunet-<pid>-* files of processes that no longer exist (killed peers)."""
+    removed = []
+    for n in os.listdir("/dev/shm"):
+        if not n.startswith("gpunet-"):
+            continue
+        try:
+            pid = int(n.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if not _pid_alive(pid):
+            try:
+                os.unlink(os.path.join("/dev/shm", n))
+                removed.append(n)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+class _Arena:
+    """One mapped arena file: ``mm`` (mmap), ``base`` (address), ``T`` (int64 table view)."""
+
+    def __init__(self, name, size=None, create=False):
+        path = os.path.join("/dev/shm", name)
+        self.name = name
+        if create:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)          # sparse: pages appear when touched
+                self.mm = mmap.mmap(fd, size)
+            except BaseException:
+                os.close(fd)
+                os.unlink(path)
+                raise
+        else:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                raise ConfigError("peer arena %s not found: is the peer NIC still open?" % name)
+            size = os.fstat(fd).st_size
+            self.mm = mmap.mmap(fd, size)
+        os.close(fd)
+        self.size = size
+        self.u8 = np.frombuffer(self.mm, dtype=np.uint8)
+        self.base = address_of(self.u8)
+        self.T = self.u8[:TABLE_WORDS * 8].view(np.int64)
+
+    def close(self):
+        self.T = None
+        self.u8 = None
+        try:
+            self.mm.close()
+        except BufferError:
+            pass                                # user views still alive: the mapping dies with them
+
+
+class PD:
+    """A protection domain."""
+
+    def __init__(self, nic, pdn):
+        self.nic = nic
+        self.pdn = pdn
+
+    def __repr__(self):
+        return "PD(%d)" % self.pdn
+
+
+class MR:
+    """A registered memory region: addr, length, lkey, rkey, access, kind, pd."""
+
+    def __init__(self, nic, idx, key, addr, length, access, kind, pd, keepalive, hbm, fetched):
+        self.nic, self.index, self.lkey, self.rkey = nic, idx, key, key
+        self.addr, self.length, self.access, self.kind, self.pd = addr, length, access, kind, pd
+        self._keepalive = keepalive
+        self.hbm = hbm              # c500 `device`: the HBM image (np.uint8 view) or None
+        self.fetched = fetched      # c500 `device`: what the L2 held when last filled, or None
+
+    def __repr__(self):
+        return "MR(lkey=0x%x, addr=0x%x, length=%d, kind=%s)" % (self.lkey, self.addr,
+                                                                self.length, self.kind)
+
+
+class CQ:
+    """A completion queue: ``buf`` (cqe_cnt * 64 bytes), ``dbrec`` (8 bytes), ``collapsed``."""
+
+    def __init__(self, nic, cqn, buf, dbrec, cqe_cnt, collapsed):
+        self.nic, self.cqn, self.buf, self.dbrec = nic, cqn, buf, dbrec
+        self.buf_addr, self.dbrec_addr = address_of(buf), address_of(dbrec)
+        self.cqe_cnt, self.collapsed = cqe_cnt, collapsed
+
+    def __repr__(self):
+        return "CQ(cqn=%d, cqe_cnt=%d%s)" % (self.cqn, self.cqe_cnt,
+                                             ", collapsed" if self.collapsed else "")
+
+
+class QP:
+    """An RC queue pair: ``sq`` ring of ``sq_wqebbs`` WQEBBs, ``dbrec``, ``db`` (the UAR word)."""
+
+    def __init__(self, nic, qpn, sq, sq_wqebbs, dbrec, db, send_cq, recv_cq, max_inline, pd):
+        self.nic, self.qpn, self.sq, self.sq_wqebbs = nic, qpn, sq, sq_wqebbs
+        self.dbrec, self.db = dbrec, db
+        self.sq_addr, self.dbrec_addr, self.db_addr = address_of(sq), address_of(dbrec), address_of(db)
+        self.send_cq, self.recv_cq, self.max_inline, self.pd = send_cq, recv_cq, max_inline, pd
+
+    def info(self):
+        """Picklable description for ``connect()`` in any process."""
+        return {"arena": self.nic.arena_name, "qpn": self.qpn, "pid": self.nic.pid}
+
+    def __repr__(self):
+        return "QP(qpn=%d, sq_wqebbs=%d)" % (self.qpn, self.sq_wqebbs)
+
+
+class SoftNic:
+    """A software mlx5 NIC with its own engine thread and shared-memory arena.
+
+    profile: "nvidia" (every memory kind coherent with the NIC) or "c500" (`device` memory seen
+        through an HBM image that syncs with SM memory only at ``evict()``).
+    strict: record the first NIC access to non-coherent memory; ``check()`` raises it.
+    arena_bytes: size of the (sparse) arena: tables + rings + CQs + ``alloc()`` buffers.
+    retry_timeout_s: how long a WQE waits on a dead peer before completing with 0x15; also the
+        heartbeat age after which a peer counts as dead.
+    name: optional tag in the arena's file name (gpunet-<pid>-<name>).
+    """
+
+    def __init__(self, profile="nvidia", strict=False, arena_bytes=64 << 20, retry_timeout_s=1.0,
+                 name=None):
+        if profile not in PROFILES:
+            raise ConfigError("profile must be one of %s, not %r" % (sorted(PROFILES), profile))
+        if arena_bytes < HEAP_START + (1 << 16):
+            raise ConfigError("arena_bytes must be at least %d" % (HEAP_START + (1 << 16)))
+        if not retry_timeout_s > 0:
+            raise ConfigError("retry_timeout_s must be > 0")
+        self._closed = True
+        self._thread = None
+        self.profile, self.strict = profile, bool(strict)
+        self.retry_timeout_s = float(retry_timeout_s)
+        self.pid = os.getpid()
+        tag = name if name is not None else "%d-%s" % (next(_instance_counter), os.urandom(3).hex())
+        self.arena_name = "gpunet-%d-%s" % (self.pid, tag)
+        if "/" in self.arena_name or len(self.arena_name) > 200:
+            raise ConfigError("bad NIC name %r" % (name,))
+        arena_bytes = (int(arena_bytes) + 4095) & ~4095
+        self._arena = _Arena(self.arena_name, arena_bytes, create=True)
+        self._finalizer = weakref.finalize(self, _unlink_quiet, self.arena_name)
+        self._closed = False
+        try:
+            self._lock = threading.Lock()
+            T = self._arena.T
+            T[H_PID] = self.pid
+            T[H_PROFILE] = PROFILES[profile]
+            T[H_STRICT] = int(self.strict)
+            T[H_HEAP_TOP] = HEAP_START
+            T[H_SIZE] = arena_bytes
+            T[H_NQP] = 1
+            T[H_NCQ] = 1
+            T[H_NMR] = 1
+            T[H_RETRY_NS] = int(self.retry_timeout_s * 1e9)
+            T[H_HEARTBEAT] = time.monotonic_ns()
+            nb = self.arena_name.encode()
+            self._arena.u8[H_NAME_BYTE:H_NAME_BYTE + len(nb)] = np.frombuffer(nb, np.uint8)
+            T[H_MAGIC] = ARENA_MAGIC
+            self._pd_count = itertools.count(1)
+            self.default_pd = self.alloc_pd()
+            self._mr_free = []
+            self._peer_bases = np.zeros(MAX_PEERS, dtype=np.int64)
+            self._peer_bases[0] = self._arena.base
+            self._peers = {self.arena_name: 0}
+            self._peer_arenas = [None]
+            self._scratch = np.zeros(mlx5.CQE_SIZE, dtype=np.uint8)
+            self._segs = np.zeros(2 * (mlx5.MAX_DS + 1), dtype=np.int64)
+            # compile (or load from cache) before the thread starts, then run GIL-free
+            engine_run(self._arena.base, self._peer_bases, self._scratch, self._segs, 1)
+            self._thread = threading.Thread(
+                target=engine_run, name="softnic-engine-%s" % tag, daemon=True,
+                args=(self._arena.base, self._peer_bases, self._scratch, self._segs, -1))
+            self._thread.start()
+            _open_nics.add(self)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- lifecycle ---
+    def close(self):
+        """Stop the engine, tell peers this NIC is gone, unlink the arena. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        T = self._arena.T
+        T[H_DOWN] = 1
+        T[H_STOP] = 1
+        if self._thread is not None:
+            self._thread.join()
+        _unlink_quiet(self.arena_name)
+        self._finalizer.detach()
+        for a in getattr(self, "_peer_arenas", [])[1:]:
+            if a is not None:
+                a.close()
+        self._arena.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _check_open(self):
+        if self._closed:
+            raise ClosedError("SoftNic %s is closed; create a new one" % self.arena_name)
+
+    @property
+    def closed(self):
+        return self._closed
+
+    # --- memory ---
+    def _heap_alloc(self, nbytes, align=64):
+        nbytes = int(nbytes)
+        if nbytes < 0 or align <= 0 or align & (align - 1):
+            raise ConfigError("alloc: nbytes must be >= 0 and align a power of two")
+        with self._lock:
+            T = self._arena.T
+            off = (int(T[H_HEAP_TOP]) + align - 1) & ~(align - 1)
+            if off + nbytes > self._arena.size:
+                raise ConfigError("arena %s is full (%d bytes): pass a larger arena_bytes to "
+                                  "SoftNic" % (self.arena_name, self._arena.size))
+            T[H_HEAP_TOP] = off + nbytes
+        return off
+
+    def alloc(self, nbytes, align=64):
+        """A zeroed np.uint8 view of ``nbytes`` in the arena (shared with peers, never freed)."""
+        self._check_open()
+        off = self._heap_alloc(nbytes, align)
+        return self._arena.u8[off:off + int(nbytes)]
+
+    def alloc_pd(self):
+        self._check_open()
+        return PD(self, next(self._pd_count))
+
+    def reg_mr(self, buf_or_addr, length=None, access=Access.ALL, kind="host", pd=None):
+        """Register memory: a numpy array / buffer (any dtype) or an integer address + length.
+
+        Memory inside this NIC's arena is reachable by peers in any process; other memory only by
+        peers in this process (a peer elsewhere gets a remote access error). On profile c500 a
+        ``device`` region also gets its HBM and L2-fill images in the arena (initialised to the
+        current contents). Returns an MR with lkey == rkey = index << 8 | variant.
+        """
+        self._check_open()
+        if kind not in _KINDS:
+            raise ConfigError("kind must be one of %s, not %r" % (sorted(_KINDS), kind))
+        pd = self.default_pd if pd is None else pd
+        if not isinstance(pd, PD) or pd.nic is not self:
+            raise ConfigError("pd must be a PD of this NIC")
+        access = Access(int(access) & 15)
+        if isinstance(buf_or_addr, (int, np.integer)):
+            if length is None:
+                raise ConfigError("reg_mr(address) needs a length")
+            addr, keep = int(buf_or_addr), None
+        else:
+            arr = buf_or_addr
+            if hasattr(arr, "data_ptr") and hasattr(arr, "numel"):      # torch tensor
+                addr = int(arr.data_ptr())
+                n = arr.numel() * arr.element_size()
+            else:
+                arr = np.asarray(arr)
+                if not arr.flags.c_contiguous:
+                    raise ConfigError("reg_mr needs contiguous memory")
+                addr, n = address_of(arr), arr.nbytes
+            keep = buf_or_addr
+            length = n if length is None else int(length)
+            if length > n:
+                raise ConfigError("reg_mr length %d exceeds the buffer's %d bytes" % (length, n))
+        length = int(length)
+        if length <= 0:
+            raise ConfigError("reg_mr length must be > 0")
+        live_off = addr - self._arena.base
+        if not (HEAP_START <= live_off and live_off + length <= self._arena.size):
+            live_off = -1
+        hbm = fetched = None
+        hbm_off = fetch_off = -1
+        if self.profile == "c500" and kind == "device":
+            hbm_off = self._heap_alloc(length, LINE_BYTES)
+            fetch_off = self._heap_alloc(length, LINE_BYTES)
+            hbm = self._arena.u8[hbm_off:hbm_off + length]
+            fetched = self._arena.u8[fetch_off:fetch_off + length]
+            live = u8_view(addr, length)
+            hbm[:] = live
+            fetched[:] = live
+        with self._lock:
+            if self._mr_free:
+                idx = self._mr_free.pop()
+            else:
+                idx = int(self._arena.T[H_NMR])
+                if idx >= MAX_MR:
+                    raise ConfigError("MR table full (%d regions)" % MAX_MR)
+                self._arena.T[H_NMR] = idx + 1
+            T = self._arena.T
+            me = MR_BASE + idx * MR_WORDS
+            variant = (int(T[me + M_VARIANT]) + 1) & 0xFF
+            T[me + M_VARIANT] = variant
+            key = idx << 8 | variant
+            T[me + M_PD] = pd.pdn
+            T[me + M_ADDR] = addr
+            T[me + M_LEN] = length
+            T[me + M_ACCESS] = int(access)
+            T[me + M_KIND] = _KINDS[kind]
+            T[me + M_LIVE_OFF] = live_off
+            T[me + M_HBM_OFF] = hbm_off
+            T[me + M_FETCH_OFF] = fetch_off
+            T[me + M_KEY] = key                 # last: the entry becomes valid
+        return MR(self, idx, key, addr, length, access, kind, pd, keep, hbm, fetched)
+
+    def dereg_mr(self, mr):
+        self._check_open()
+        with self._lock:
+            me = MR_BASE + mr.index * MR_WORDS
+            if int(self._arena.T[me + M_KEY]) == mr.lkey:
+                self._arena.T[me + M_KEY] = 0
+                self._mr_free.append(mr.index)
+
+    def evict(self, mr, offset=0, length=None):
+        """An L2 eviction event for the 128-byte lines covering [offset, offset+length) of ``mr``.
+
+        Only c500 ``device`` regions have anything to do: bytes the SM changed since the line was
+        filled reach the HBM image (what the NIC sees); then the line is refilled from HBM, so the
+        SM sees what the NIC wrote. Elsewhere it is a no-op.
+        """
+        self._check_open()
+        if mr.hbm is None:
+            return
+        length = mr.length - offset if length is None else int(length)
+        if offset < 0 or length < 0 or offset + length > mr.length:
+            raise ConfigError("evict range [%d, %d) outside the MR (%d bytes)"
+                              % (offset, offset + length, mr.length))
+        if length == 0:
+            return
+        a0 = (mr.addr + offset) & ~(LINE_BYTES - 1)
+        a1 = (mr.addr + offset + length + LINE_BYTES - 1) & ~(LINE_BYTES - 1)
+        start, end = max(a0 - mr.addr, 0), min(a1 - mr.addr, mr.length)
+        _evict(u8_view(mr.addr, mr.length), mr.hbm, mr.fetched, start, end)
+
+    # --- queues ---
+    def create_cq(self, cqe_cnt=256, collapsed=False):
+        """A CQ: owner-bit ring of ``cqe_cnt`` (power of two) CQEs, or one collapsed slot."""
+        self._check_open()
+        cqe_cnt = 1 if collapsed else int(cqe_cnt)
+        if cqe_cnt < 1 or cqe_cnt & (cqe_cnt - 1) or cqe_cnt > (1 << 22):
+            raise ConfigError("cqe_cnt must be a power of two in [1, 2**22], not %r" % cqe_cnt)
+        buf = self.alloc(cqe_cnt * mlx5.CQE_SIZE, 64)
+        dbrec = self.alloc(mlx5.DBREC_SIZE, 64)
+        mlx5.init_cq(buf, cqe_cnt)
+        with self._lock:
+            T = self._arena.T
+            cqn = int(T[H_NCQ])
+            if cqn >= MAX_CQ:
+                raise ConfigError("CQ table full (%d CQs)" % MAX_CQ)
+            T[H_NCQ] = cqn + 1
+            ce = CQ_BASE + cqn * CQ_WORDS
+            T[ce + C_BUF_OFF] = address_of(buf) - self._arena.base
+            T[ce + C_CNT] = cqe_cnt
+            T[ce + C_DBREC_OFF] = address_of(dbrec) - self._arena.base
+            T[ce + C_COLLAPSED] = int(bool(collapsed))
+            T[ce + C_VALID] = 1
+        return CQ(self, cqn, buf, dbrec, cqe_cnt, bool(collapsed))
+
+    def cq_state(self, cq):
+        """"OK", or "ERR" after an overrun (no CQE is written into it any more)."""
+        self._check_open()
+        return "ERR" if self._arena.T[CQ_BASE + cq.cqn * CQ_WORDS + C_STATE] else "OK"
+
+    def create_qp(self, send_cq, recv_cq=None, sq_wqebbs=256, max_inline=256, pd=None):
+        """An RC QP (state INIT until ``connect``). recv_cq (responder CQEs) defaults to send_cq."""
+        self._check_open()
+        recv_cq = send_cq if recv_cq is None else recv_cq
+        for c in (send_cq, recv_cq):
+            if not isinstance(c, CQ) or c.nic is not self:
+                raise ConfigError("create_qp needs CQs of this NIC")
+        sq_wqebbs = int(sq_wqebbs)
+        if sq_wqebbs < MIN_SQ_WQEBBS or sq_wqebbs > MAX_SQ_WQEBBS or sq_wqebbs & (sq_wqebbs - 1):
+            raise ConfigError("sq_wqebbs must be a power of two in [%d, %d], not %d"
+                              % (MIN_SQ_WQEBBS, MAX_SQ_WQEBBS, sq_wqebbs))
+        max_inline = int(max_inline)
+        if not 0 <= max_inline <= MAX_INLINE_LIMIT:
+            raise ConfigError("max_inline must be in [0, %d]" % MAX_INLINE_LIMIT)
+        pd = self.default_pd if pd is None else pd
+        if not isinstance(pd, PD) or pd.nic is not self:
+            raise ConfigError("pd must be a PD of this NIC")
+        sq = self.alloc(sq_wqebbs * mlx5.WQEBB, 4096)
+        dbrec = self.alloc(mlx5.DBREC_SIZE, 64)
+        db = self.alloc(8, 64)
+        with self._lock:
+            T = self._arena.T
+            qpn = int(T[H_NQP])
+            if qpn >= MAX_QP:
+                raise ConfigError("QP table full (%d QPs)" % MAX_QP)
+            qe = QP_BASE + qpn * QP_WORDS
+            b = self._arena.base
+            T[qe + Q_PD] = pd.pdn
+            T[qe + Q_SQ_OFF] = address_of(sq) - b
+            T[qe + Q_SQ_WQEBBS] = sq_wqebbs
+            T[qe + Q_DBREC_OFF] = address_of(dbrec) - b
+            T[qe + Q_DB_OFF] = address_of(db) - b
+            T[qe + Q_SCQ] = send_cq.cqn
+            T[qe + Q_RCQ] = recv_cq.cqn
+            T[qe + Q_MAX_INLINE] = max_inline
+            T[qe + Q_STATE] = QPS_INIT
+            T[H_NQP] = qpn + 1
+        return QP(self, qpn, sq, sq_wqebbs, dbrec, db, send_cq, recv_cq, max_inline, pd)
+
+    def connect(self, qp, remote_qp_info):
+        """Connect ``qp`` to the QP ``remote_qp_info`` (another QP's ``info()``, any process).
+
+        Both sides call it (like RTR with the peer's QPN); the QP then executes what is posted.
+        """
+        self._check_open()
+        if not isinstance(qp, QP) or qp.nic is not self:
+            raise ConfigError("connect needs a QP of this NIC")
+        try:
+            arena, rqpn = str(remote_qp_info["arena"]), int(remote_qp_info["qpn"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError("remote_qp_info must be a QP.info() dict")
+        with self._lock:
+            slot = self._peers.get(arena)
+            if slot is None:
+                if len(self._peer_arenas) >= MAX_PEERS:
+                    raise ConfigError("too many peer NICs (%d)" % MAX_PEERS)
+                a = _Arena(arena)
+                if int(a.T[H_MAGIC]) != ARENA_MAGIC:
+                    a.close()
+                    raise ConfigError("%s is not a soft NIC arena" % arena)
+                slot = len(self._peer_arenas)
+                self._peer_arenas.append(a)
+                self._peers[arena] = slot
+                self._peer_bases[slot] = a.base
+            P = self._arena.T if slot == 0 else self._peer_arenas[slot].T
+            if not (1 <= rqpn < int(P[H_NQP])) or int(P[QP_BASE + rqpn * QP_WORDS + Q_STATE]) == 0:
+                raise ConfigError("remote QP %d does not exist in %s" % (rqpn, arena))
+            T = self._arena.T
+            qe = QP_BASE + qp.qpn * QP_WORDS
+            T[qe + Q_PEER_SLOT] = slot
+            T[qe + Q_PEER_QPN] = rqpn
+            if int(T[qe + Q_STATE]) == QPS_INIT:
+                T[qe + Q_STATE] = QPS_RTS
+
+    def qp_state(self, qp):
+        self._check_open()
+        return _QP_STATE_NAMES.get(int(self._arena.T[QP_BASE + qp.qpn * QP_WORDS + Q_STATE]), "?")
+
+    def qp_sq_ci(self, qp):
+        """The engine's position in the SQ (16 bits): the next WQEBB it will execute."""
+        self._check_open()
+        return int(self._arena.T[QP_BASE + qp.qpn * QP_WORDS + Q_SQ_CI])
+
+    def stats(self):
+        """Counters: wqes executed, engine passes, heartbeat age."""
+        self._check_open()
+        T = self._arena.T
+        return {"wqes": int(T[H_WQES]), "engine_passes": int(T[H_ITERS]),
+                "heartbeat_age_s": (time.monotonic_ns() - int(T[H_HEARTBEAT])) / 1e9}
+
+    # --- coherence, liveness ---
+    def check(self):
+        """Strict mode: raise CoherenceViolation describing the first recorded violation."""
+        self._check_open()
+        T = self._arena.T
+        if int(T[H_VIO_VALID]) == 0:
+            return
+        op = int(T[H_VIO_OPCODE])
+        raise CoherenceViolation(
+            "NIC %s (QP %d of pid %d, opcode 0x%02x) %s c500 `device` memory at 0x%x "
+            "(%d bytes, key 0x%x) owned by %s: that memory is not coherent with the NIC "
+            "(the NIC sees HBM, SMs see L2). Use `finegrained` memory for NIC-read payload and "
+            "`host` memory for rings and signals." % (
+                "write" if int(T[H_VIO_WRITE]) else "read",
+                int(T[H_VIO_QPN]), int(T[H_VIO_PID]), op,
+                "wrote" if int(T[H_VIO_WRITE]) else "read",
+                int(T[H_VIO_ADDR]), int(T[H_VIO_LEN]), int(T[H_VIO_KEY]), self.arena_name))
+
+    def mark_down(self):
+        """Make this NIC dead: its engine stops executing, peers time out with retry exceeded."""
+        self._check_open()
+        self._arena.T[H_DOWN] = 1
+
+    def __repr__(self):
+        return "SoftNic(%s, profile=%s%s)" % (self.arena_name, self.profile,
+                                             ", closed" if self._closed else "")
+
+
+def u8_view(addr, n):
+    """A np.uint8 view of ``n`` bytes at virtual address ``addr`` of this process."""
+    import ctypes
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
+
+
+def _unlink_quiet(name):
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:
+        pass
+
+
+@atexit.register
+def _close_all():
+    for nic in list(_open_nics):
+        try:
+            nic.close()
+        except Exception:
+            pass

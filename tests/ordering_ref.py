@@ -1,0 +1,114 @@
+"""The sequential reference of device/kernels/ops.cu's SCHEDULE kernel, written independently in numba.
+
+Given the schedule parameters, it re-expands every thread's operation list with the same stateless
+hash (splitmix64-based ``mix64``) and applies the operations in each thread's program order to
+expected images of the memory. The schedule is designed so that this is well defined whatever the
+interleaving: each thread (and each warp, for warp puts) writes only its own ranges, gets read
+ranges nobody writes, and atomics only add (they commute); per-thread order is preserved by the
+in-order QP. Returns the expected put / get / warp destinations, signal counts, and the list of
+atomic (counter, addend, slot) triples for the exactly-once chain check.
+"""
+import numpy as np
+from numba import njit
+
+K_PUT, K_INLINE, K_GET, K_SIGNAL, K_ATOMIC, K_QUIET, K_FENCE, K_WARP = range(8)
+MAX_INLINE = 220
+_TABLE = np.array([0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 5], dtype=np.int64)
+M64 = (1 << 64) - 1
+
+
+@njit(cache=True, inline="always")
+def splitmix64(x):
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@njit(cache=True, inline="always")
+def mix64(seed, a, b, c):
+    return splitmix64(np.uint64(seed) ^ splitmix64(np.uint64(a) ^ splitmix64(np.uint64(b) ^ splitmix64(np.uint64(c)))))
+
+
+@njit(cache=True)
+def expand(seed, rounds, nops, nthreads, region, max_size, mix, ncounters, warp_region, ws,
+           src, wsrc, get_src, put_dst, get_dst, warp_dst, sig, atomics):
+    """Apply the schedule to the expected images (all uint8 / uint64 arrays, zeroed by the caller).
+
+    atomics: int64[rounds * nthreads * nops, 3] filled with (counter, add, 1) per atomic op slot,
+    (-1, 0, 0) elsewhere. Returns the number of WQEs the schedule posts (for accounting).
+    """
+    table = _TABLE
+    nwarps = (nthreads + ws - 1) // ws
+    wqes = 0
+    seed = np.uint64(seed)
+    for r in range(rounds):
+        for g in range(nthreads):
+            gw = g // ws
+            for i in range(nops):
+                slot = (r * nthreads + g) * nops + i
+                atomics[slot, 0] = -1
+                atomics[slot, 1] = 0
+                atomics[slot, 2] = 0
+                wh = mix64(seed, 0x1000 + r, gw, i)
+                if ((mix >> K_WARP) & 1) != 0 and (wh & np.uint64(7)) == 0:
+                    size = np.int64((wh >> np.uint64(8)) % np.uint64(warp_region + 1))
+                    off = np.int64((wh >> np.uint64(32)) % np.uint64(warp_region - size + 1))
+                    if g % ws == 0:          # the warp puts once; apply it once
+                        d0 = (r * nwarps + gw) * warp_region + off
+                        s0 = gw * warp_region + off
+                        for k in range(size):
+                            warp_dst[d0 + k] = wsrc[s0 + k]
+                    continue
+                h = mix64(seed, r, g, i)
+                kind = table[np.int64(h & np.uint64(15))]
+                if kind == K_QUIET and ((h >> np.uint64(4)) & np.uint64(1)) != 0:
+                    kind = K_FENCE
+                if ((mix >> kind) & 1) == 0:
+                    kind = K_PUT
+                size = np.int64((h >> np.uint64(8)) % np.uint64(max_size + 1))
+                if kind == K_INLINE and size > MAX_INLINE:
+                    size = MAX_INLINE
+                off = np.int64((h >> np.uint64(24)) % np.uint64(region - size + 1))
+                soff = np.int64((h >> np.uint64(44)) % np.uint64(region - size + 1))
+                s0 = g * region + soff
+                d0 = (r * nthreads + g) * region + off
+                if kind == K_PUT or kind == K_INLINE or kind == K_SIGNAL:
+                    for k in range(size):
+                        put_dst[d0 + k] = src[s0 + k]
+                    if size > 0:
+                        wqes += 1
+                    if kind == K_SIGNAL:
+                        sig[r * nthreads + g] += 1
+                        wqes += 1
+                elif kind == K_GET:
+                    for k in range(size):
+                        get_dst[d0 + k] = get_src[s0 + k]
+                    if size > 0:
+                        wqes += 1
+                elif kind == K_ATOMIC:
+                    atomics[slot, 0] = np.int64((h >> np.uint64(20)) % np.uint64(ncounters))
+                    atomics[slot, 1] = np.int64(1 + (h >> np.uint64(32)) % np.uint64(1000))
+                    atomics[slot, 2] = 1
+                    wqes += 1
+    return wqes
+
+
+def check_atomic_chains(atomics, results, counters):
+    """Exactly once: for every counter, the fetched old values sorted form the chain 0, a1,
+    a1+a2, ... and the final counter is the sum of the addends. ``results`` is the kernel's
+    per-op-slot old values (~0 where no atomic ran); ``counters`` the final values."""
+    res = np.asarray(results, dtype=np.uint64)
+    for c in range(len(counters)):
+        sel = (atomics[:, 0] == c) & (atomics[:, 2] == 1)
+        olds = res[sel].astype(np.int64)
+        adds = atomics[sel, 1]
+        assert (res[sel] != np.uint64(M64)).all(), "an atomic reported no result"
+        order = np.argsort(olds, kind="stable")
+        olds, adds = olds[order], adds[order]
+        expect = np.concatenate([[0], np.cumsum(adds)[:-1]]) if len(adds) else np.zeros(0, np.int64)
+        assert (olds == expect).all(), "counter %d: fetched values are not a chain (lost/duplicated atomic)" % c
+        assert int(counters[c]) == int(adds.sum()), "counter %d: %d != sum of adds %d" % (
+            c, int(counters[c]), int(adds.sum()))
+    unused = (atomics[:, 2] == 0)
+    assert (res[unused] == np.uint64(M64)).all(), "a result slot of a non-atomic op was written"

@@ -1,0 +1,233 @@
+"""Ordering of GPU-initiated operations: hypothesis-generated schedules on the HOST arm + soft NIC.
+
+What is generated (hypothesis draws compact parameters; the kernel expands them, see
+device/kernels/ops.cu ``k_schedule``, and tests/ordering_ref.py mirrors the expansion):
+  - T threads in 1-2 blocks of 1-2 warps, warps of 32 or 64 lanes;
+  - each thread: ROUNDS schedules back to back (own memory per round, quiet between), each a
+    sequence of 2-8 operations drawn from put / inline put / get / put_signal / atomic fetch-add /
+    quiet / fence, random sizes 0..256 and offsets; warp-collective bulk puts (put_nbi_warp);
+  - ring depths 8/16/64 (small enough to fill and wrap), doorbell batches 1/2/8/32, both CQ modes;
+  - the weak-memory model on or off, with its drain order and seed;
+  - on the c500 profile: finegrained (NIC-coherent) heaps with eviction events drawn anywhere.
+Invariants checked after every launch:
+  - final memory equals the sequential reference (each thread / warp writes its own ranges,
+    atomics commute), for puts, gets and warp puts;
+  - every operation completed exactly once: the fetched values of each atomic counter form a
+    chain 0, a1, a1+a2, ... ending at the counter, signal words equal the number of put_signals;
+  - a receiver that sees signal >= k sees the payload of the k-th put_signal (checked in-kernel:
+    ``violations``);
+  - no WQEBB reused before completion: resv_head == ready_head == db_head == done_head at the end,
+    the NIC's consumer index equals it (mod 2^16), the QP never went to error (a reused slot
+    would corrupt a WQE: wrong data or an error CQE), and the count of WQEBBs is >= the reference's
+    WQE count;
+  - no failure recorded (the Status block), no hang (every device wait is bounded).
+Scale: each hypothesis example runs ROUNDS schedules in one launch; the CI profile runs
+``max_examples * EXAMPLES_PER_PROFILE_EXAMPLE`` examples of the main test, so at least 10,000
+schedules (the count is printed and asserted by the last test).
+"""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpunet import errors
+from gpunet.device import abi
+from gpunet.device import loopback as L
+from gpunet.host.softnic import SoftNic
+
+from ordering_ref import check_atomic_chains, expand
+
+ROUNDS = 8                            # schedules per launch (each thread runs them back to back)
+EXAMPLES_PER_PROFILE_EXAMPLE = 25     # ci: 50 * 25 = 1250 examples * 8 rounds = 10,000 schedules
+REGION = 256
+WARP_REGION = 2048
+NCOUNTERS = 4
+HEAP = 4 << 20
+_count = {"schedules": 0, "launches": 0}
+
+
+def _examples(k=EXAMPLES_PER_PROFILE_EXAMPLE):
+    return settings().max_examples * k
+
+
+@pytest.fixture(scope="module")
+def world():
+    """One NIC per profile and a cache of Loopbacks per (profile, depth, collapsed, batch)."""
+    nics = {"nvidia": SoftNic(arena_bytes=512 << 20)}
+    lbs = {}
+
+    def get(profile="nvidia", depth=16, collapsed=False, batch=1, kind="host"):
+        if profile not in nics:
+            nics[profile] = SoftNic(profile=profile, arena_bytes=256 << 20)
+        key = (profile, depth, collapsed, batch, kind)
+        if key not in lbs:
+            lb = L.Loopback(nics[profile], sq_wqebbs=depth, collapsed=collapsed, db_batch=batch,
+                            timeout_s=20, heap_bytes=HEAP, kind=kind)
+            lb.keep = lb._top
+            lbs[key] = lb
+        lb = lbs[key]
+        lb.reset_heap(lb.keep)
+        return lb
+    get.nics = nics
+    yield get
+    for n in nics.values():
+        n.close()
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return L.load_ops()
+
+
+def run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, mix=abi.MIX_ALL, weak=False,
+             weak_seed=0, order=0, check_every=4, evict=None, check=True):
+    """Run ROUNDS schedules in one launch on ``lb`` and check every invariant; returns the
+    reference images for callers that check more."""
+    T = blocks * warps_per_block * ws
+    nwarps = blocks * warps_per_block
+    R = ROUNDS
+    o = {}
+    for name, n in [("src", T * REGION), ("wsrc", nwarps * WARP_REGION), ("get_src", T * REGION),
+                    ("get_dst", R * T * REGION), ("put_dst", R * T * REGION),
+                    ("warp_dst", R * nwarps * WARP_REGION), ("sig", R * T * 8), ("counters", NCOUNTERS * 8)]:
+        o[name] = lb.sym(n)
+    rng = np.random.default_rng(seed & 0xFFFFFFFF)
+    Lh, Rh = lb.local, lb.remote
+    src = rng.integers(0, 256, T * REGION, dtype=np.uint8)
+    wsrc = rng.integers(0, 256, nwarps * WARP_REGION, dtype=np.uint8)
+    gsrc = rng.integers(0, 256, T * REGION, dtype=np.uint8)
+    Lh[o["src"]:o["src"] + src.size] = src
+    Lh[o["wsrc"]:o["wsrc"] + wsrc.size] = wsrc
+    Rh[o["get_src"]:o["get_src"] + gsrc.size] = gsrc
+    for name, side in [("get_dst", Lh), ("put_dst", Rh), ("warp_dst", Rh), ("sig", Rh), ("counters", Rh)]:
+        n = {"get_dst": R * T * REGION, "put_dst": R * T * REGION, "warp_dst": R * nwarps * WARP_REGION,
+             "sig": R * T * 8, "counters": NCOUNTERS * 8}[name]
+        side[o[name]:o[name] + n] = 0
+    if evict is not None:
+        evict("before")
+    results = np.zeros(R * T * nops, dtype=np.uint64)
+    violations = np.zeros(T, dtype=np.uint64)
+    p = abi.alloc_struct(abi.SchedParams)
+    p.seed, p.rounds, p.ops, p.nthreads = seed, R, nops, T
+    p.region, p.max_size, p.mix, p.ncounters = REGION, REGION, mix, NCOUNTERS
+    p.warp_region, p.check_every, p.pe = WARP_REGION, check_every, L.PEER
+    b = lb.local_base
+    p.src, p.wsrc, p.get_src, p.get_dst = b + o["src"], b + o["wsrc"], b + o["get_src"], b + o["get_dst"]
+    p.put_dst, p.warp_dst, p.sig, p.counters = b + o["put_dst"], b + o["warp_dst"], b + o["sig"], b + o["counters"]
+    p.results, p.violations, p.peer_view = results.ctypes.data, violations.ctypes.data, lb.remote_base
+    heads0 = lb.heads()
+    L.run_schedule(lib, lb, p, L.Launch(grid=blocks, block=warps_per_block * ws, warp_size=ws, weak=weak,
+                                        seed=weak_seed, order=order), check=check)
+    _count["launches"] += 1
+    _count["schedules"] += R
+    if evict is not None:
+        evict("after")
+    # ---- the reference ----
+    e_put = np.zeros(R * T * REGION, np.uint8)
+    e_get = np.zeros(R * T * REGION, np.uint8)
+    e_warp = np.zeros(R * nwarps * WARP_REGION, np.uint8)
+    e_sig = np.zeros(R * T, np.uint64)
+    atomics = np.zeros((R * T * nops, 3), np.int64)
+    wqes = expand(seed, R, nops, T, REGION, REGION, mix, NCOUNTERS, WARP_REGION, ws,
+                  src, wsrc, gsrc, e_put, e_get, e_warp, e_sig, atomics)
+    got_put = Rh[o["put_dst"]:o["put_dst"] + e_put.size]
+    got_get = Lh[o["get_dst"]:o["get_dst"] + e_get.size]
+    got_warp = Rh[o["warp_dst"]:o["warp_dst"] + e_warp.size]
+    assert (got_put == e_put).all(), "put data differs from the sequential reference"
+    assert (got_get == e_get).all(), "get data differs from the sequential reference"
+    assert (got_warp == e_warp).all(), "warp-put data differs from the sequential reference"
+    sig = Rh[o["sig"]:o["sig"] + R * T * 8].view(">u8").astype(np.uint64)
+    assert (sig == e_sig).all(), "signal counts differ (a put_signal lost or duplicated)"
+    counters = Rh[o["counters"]:o["counters"] + NCOUNTERS * 8].view(">u8")
+    check_atomic_chains(atomics, results, counters)
+    assert int(violations.sum()) == 0, "a receiver saw a signal before its payload"
+    resv, ready, db, done = lb.heads()
+    assert resv == ready == db == done, (resv, ready, db, done)
+    assert resv - heads0[0] >= wqes
+    assert lb.nic.qp_sq_ci(lb.a) == resv & 0xFFFF
+    assert lb.nic.qp_state(lb.a) == "RTS"
+    assert lb.status.code == 0
+    return o
+
+
+schedule_params = dict(
+    seed=st.integers(0, (1 << 63) - 1),
+    blocks=st.integers(1, 2),
+    warps_per_block=st.just(1),        # 2 warps per block: test_schedules_many_warps
+    ws=st.sampled_from([32, 64]),
+    nops=st.integers(2, 8),
+    depth=st.sampled_from([8, 16, 64]),
+    batch=st.sampled_from([1, 2, 8, 32]),
+    collapsed=st.booleans(),
+    weak=st.booleans(),
+    weak_seed=st.integers(0, 1 << 32),
+    order=st.sampled_from([0, 1, 2]),
+)
+
+
+@settings(max_examples=_examples(), deadline=None, suppress_health_check=list(HealthCheck),
+          derandomize=False)
+@given(**schedule_params)
+def test_schedules_match_sequential_reference(world, lib, seed, blocks, warps_per_block, ws, nops, depth,
+                                              batch, collapsed, weak, weak_seed, order):
+    """Generated schedules (see the module docstring) leave exactly the sequential reference's memory,
+    complete every operation exactly once and never show a signal before its payload."""
+    lb = world(depth=depth, collapsed=collapsed, batch=batch)
+    run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, weak=weak, weak_seed=weak_seed, order=order)
+
+
+@settings(max_examples=max(2, settings().max_examples // 5), deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(**dict(schedule_params, blocks=st.just(2), warps_per_block=st.just(2)))
+def test_schedules_many_warps(world, lib, seed, blocks, warps_per_block, ws, nops, depth, batch, collapsed,
+                              weak, weak_seed, order):
+    """As above with 2 blocks x 2 warps (up to 256 threads): fewer examples, they cost more here."""
+    lb = world(depth=depth, collapsed=collapsed, batch=batch)
+    run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, weak=weak, weak_seed=weak_seed, order=order)
+
+
+@settings(max_examples=_examples(1), deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, (1 << 63) - 1), ws=st.sampled_from([32, 64]), nops=st.integers(2, 6),
+       collapsed=st.booleans(), kind=st.sampled_from(["finegrained", "host"]),
+       evict_before=st.booleans(), evict_after=st.booleans())
+def test_c500_coherent_kinds_any_eviction(world, lib, seed, ws, nops, collapsed, kind, evict_before,
+                                          evict_after):
+    """c500 profile, NIC-touched heaps in finegrained / host memory: correct for every eviction
+    choice (including never) — the protocol does not rely on evictions."""
+    lb = world(profile="c500", depth=16, collapsed=collapsed, batch=2, kind=kind)
+
+    def evict(when):
+        if (when == "before" and evict_before) or (when == "after" and evict_after):
+            lb.nic.evict(lb.local_mr)
+            lb.nic.evict(lb.remote_mr)
+    run_case(lib, lb, seed, 1, 1, ws, nops, evict=evict)
+
+
+def test_c500_device_kind_payload_is_stale(world, lib):
+    """Negative: on c500, payload in `device` memory that was never evicted is stale at the NIC:
+    the receiver gets the HBM image (zeros), not what the SMs wrote. This is why the coherence
+    policy puts NIC-read payload in finegrained memory."""
+    lb = world(profile="c500", depth=16, collapsed=False, batch=1, kind="device")
+    with pytest.raises(AssertionError, match="differs|chain|signal"):
+        run_case(lib, lb, 12345, 1, 1, 32, 8, mix=(1 << abi.K_PUT) | (1 << abi.K_GET), check_every=0)
+
+
+@pytest.mark.parametrize("collapsed", [False, True])
+def test_fault_mid_schedule_raises_and_drains(lib, collapsed):
+    """A bad rkey while 2 blocks x 2 warps run schedules: the launch returns (no hang), the status
+    names the error CQE, the host raises CompletionError."""
+    with SoftNic() as nic:
+        lb = L.Loopback(nic, sq_wqebbs=8, collapsed=collapsed, db_batch=2, timeout_s=5, heap_bytes=HEAP)
+        lb.peers[L.PEER].rkey ^= 0x40
+        with pytest.raises(errors.CompletionError) as ei:
+            run_case(lib, lb, 99, 2, 2, 32, 6)
+        assert ei.value.qpn == lb.a.qpn
+
+
+def test_zz_schedule_count(request):
+    """Records how many schedules ran (at least 10,000 in the ci profile when the module ran whole)."""
+    n = _count["schedules"]
+    print("\ntest_ordering: %d schedules in %d launches" % (n, _count["launches"]))
+    ran_main = any("test_schedules_match_sequential_reference" in i.nodeid for i in request.session.items)
+    if ran_main and settings().max_examples >= 50:
+        assert n >= 10_000, n

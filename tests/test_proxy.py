@@ -1,0 +1,490 @@
+"""The CPU-proxy transport: command format, FIFO protocol, completion protocol, failures.
+
+Producers are numba threads running ``proxy.cpu_push`` (the same steps as proxy.cuh's proxy_push)
+and, where g++ is available, real device code (device/kernels/proxy_kernels.cu on the HOST arm,
+warps of 32 and 64). Commands go through ``ProxyEngine`` into soft-NIC QPs between two soft NICs
+(``a``: ours, ``b``: the peers'), and the tests check what arrives in the peers' memory.
+"""
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numba import njit
+
+import gpunet
+from gpunet import mlx5
+from gpunet.host import proxy as P
+from gpunet.host.rawmem import load_acquire_u64
+
+softnic = pytest.importorskip("gpunet.host.softnic")
+
+HEAP = 1 << 20
+STATUS_TIMEOUT, STATUS_COMPLETION_ERROR = 1, 2      # qp.cuh
+SITE_CQE = 5
+
+
+def _max_examples(n):
+    return max(3, min(n, settings().max_examples // 5))
+
+
+@pytest.fixture(scope="module")
+def nics():
+    a = softnic.SoftNic(retry_timeout_s=0.3, name="proxy-a")
+    b = softnic.SoftNic(retry_timeout_s=0.3, name="proxy-b")
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def heaps(nics):
+    a, b = nics
+    lh, rh = a.alloc(HEAP), b.alloc(HEAP)
+    return lh, a.reg_mr(lh), rh, b.reg_mr(rh)
+
+
+def make_qps(a, b, n, sq_wqebbs=64):
+    """n RC QPs of `a` connected to n QPs of `b`; each with its own send CQ (cqe_cnt = SQ size)."""
+    out = []
+    for _ in range(n):
+        qa = a.create_qp(a.create_cq(sq_wqebbs), sq_wqebbs=sq_wqebbs)
+        qb = b.create_qp(b.create_cq(sq_wqebbs), sq_wqebbs=sq_wqebbs)
+        a.connect(qa, qb.info())
+        b.connect(qb, qa.info())
+        out.append(qa)
+    return out
+
+
+@njit(nogil=True, cache=True)
+def produce(fifo, depth, hctrl, dctrl, w0, w1, group, timeout_ns):
+    """Push w0/w1 in reservations of `group` commands (a warp's worth); returns the last issue
+    count, or -1 on a FIFO timeout."""
+    last = 0
+    i = 0
+    n = w0.shape[0]
+    while i < n:
+        k = min(group, n - i)
+        r = P.cpu_push(fifo, depth, hctrl, dctrl, w0[i:i + k], w1[i:i + k], k, timeout_ns)
+        if r < 0:
+            return -1
+        last = r
+        i += k
+    return last
+
+
+def run_producers(ch, cmd_lists, group=1, timeout_s=5.0):
+    """One numba thread per list of (w0, w1); returns the largest issue count."""
+    res = [0] * len(cmd_lists)
+
+    def body(j, cmds):
+        w = np.array(cmds, dtype=np.uint64).reshape(-1, 2)
+        res[j] = produce(ch.fifo_addr, ch.depth, ch.hctrl_addr, ch.dctrl_addr,
+                         np.ascontiguousarray(w[:, 0]), np.ascontiguousarray(w[:, 1]), group,
+                         int(timeout_s * 1e9))
+    ths = [threading.Thread(target=body, args=(j, c)) for j, c in enumerate(cmd_lists)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    assert min(res) >= 0, "a producer timed out on a full FIFO"
+    return max(res)
+
+
+# ---- the command format ---------------------------------------------------------------------
+ops = st.sampled_from([P.OP_NOP, P.OP_PUT, P.OP_GET, P.OP_ATOMIC_FA])
+offs = st.integers(0, P.MAX_OFFSET)
+
+
+@given(op=ops, peer=st.integers(0, P.MAX_PEERS - 1), arg=st.integers(0, P.MAX_SIZE),
+       loff=offs, roff=offs)
+def test_encode_decode_round_trip(op, peer, arg, loff, roff):
+    """Any op / peer (12 bits) / 32-bit arg / 39-bit offsets encode into two words with the valid
+    bit clear, and decode back to the same fields."""
+    w0, w1 = P.encode(op, peer, arg, loff, roff)
+    assert int(w0) >> 63 == 0
+    d = P.decode(w0, w1)
+    assert (d["op"], d["peer"], d["arg"], d["local_off"], d["remote_off"]) == (op, peer, arg, loff,
+                                                                              roff)
+
+
+@given(op=st.sampled_from([P.OP_SIGNAL_ADD, P.OP_SIGNAL_SET]), peer=st.integers(0, 4095),
+       value=st.integers(0, 2**64 - 1), roff=offs)
+def test_signal_value_round_trip(op, peer, value, roff):
+    """SIGNAL_ADD / SIGNAL_SET carry a full 64-bit value (ARG + LOCAL_LO) next to a 39-bit offset."""
+    w0, w1 = P.encode_signal(op, peer, np.uint64(value), roff)   # np.uint64: values >= 2**63
+    d = P.decode(w0, w1)
+    assert (d["op"], d["peer"], d["value"], d["remote_off"]) == (op, peer, value, roff)
+    assert int(P.cmd_signal_value(w0, w1)) == value
+
+
+@given(addend=st.integers(-2**31, 2**31 - 1))
+def test_atomic_addend_sign_extends(addend):
+    """ATOMIC_FA's 32-bit addend is sign-extended to the 64-bit two's-complement swap_add."""
+    w0, _ = P.encode(P.OP_ATOMIC_FA, 0, addend & 0xFFFFFFFF, 0, 0)
+    assert int(P.cmd_addend32(w0)) == addend & (2**64 - 1)
+    assert P.decode(w0, 0)["addend"] == addend
+
+
+def test_valid_bit_is_inverted_lap_parity():
+    """Lap 0 writes 1 into the zeroed ring, lap 1 writes 0, lap 2 writes 1 again."""
+    assert [int(P.valid_bit(s, 3)) for s in (0, 7, 8, 15, 16)] == [1, 1, 0, 0, 1]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loader = pytest.importorskip("gpunet.device.loader")
+    try:
+        return loader.build([loader.kernels_dir() / "proxy_kernels.cu"], arch="host")
+    except gpunet.ToolchainError as e:
+        pytest.skip(f"no HOST-arm toolchain: {e}")
+
+
+def test_header_layout_matches_python(kernels):
+    """proxy.cuh's struct layout and limits are the ones host/proxy.py uses."""
+    out = np.zeros(16, dtype=np.uint64)
+    kernels.proxy_layout(out.ctypes.data_as(__import__("ctypes").c_void_p))
+    assert list(map(int, out)) == [
+        P.CMD_BYTES, P.HOST_CTRL_BYTES, 8 * P.HC_TAIL, 8 * P.HC_COMPLETED, 8 * P.HC_ERROR,
+        8 * P.HC_ERR_SEQ, P.DEV_CTRL_BYTES, 8 * P.DC_HEAD, 8 * P.DC_CACHED_TAIL, 32, 24, P.OP_MAX,
+        P.MAX_OFFSET, P.MAX_PEERS, 16, 17]
+
+
+@settings(max_examples=_max_examples(20))
+@given(op=ops, peer=st.integers(0, 4095), arg=st.integers(0, P.MAX_SIZE), loff=offs, roff=offs,
+       value=st.integers(0, 2**64 - 1))
+def test_header_encoding_matches_python(kernels, op, peer, arg, loff, roff, value):
+    """proxy.cuh's encode / encode_signal produce the same words as host/proxy.py's."""
+    import ctypes
+    kernels.proxy_encode.argtypes = [ctypes.c_uint32, ctypes.c_uint32] + [ctypes.c_uint64] * 3 + [
+        ctypes.c_void_p]
+    kernels.proxy_encode_signal.argtypes = [ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64,
+                                            ctypes.c_uint64, ctypes.c_void_p]
+    out = np.zeros(2, dtype=np.uint64)
+    kernels.proxy_encode(op, peer, arg, loff, roff, out.ctypes.data)
+    assert tuple(map(int, out)) == tuple(map(int, P.encode(op, peer, arg, loff, roff)))
+    kernels.proxy_encode_signal(P.OP_SIGNAL_ADD, peer, value, roff, out.ctypes.data)
+    assert tuple(map(int, out)) == tuple(map(int, P.encode_signal(P.OP_SIGNAL_ADD, peer, value,
+                                                                  roff)))
+
+
+# ---- data path ---------------------------------------------------------------------------------
+SLOT = 4096
+
+
+@settings(max_examples=_max_examples(8))
+@given(data=st.data(), nprod=st.integers(1, 3), group=st.sampled_from([1, 4, 16]))
+def test_cpu_producers_puts_arrive(nics, heaps, data, nprod, group):
+    """nprod numba producer threads push PUTs (sizes 0..SLOT, random offsets inside disjoint slots,
+    reservations of `group` <= depth) into one 16-slot FIFO; after the host quiet every byte of every PUT
+    is at the peer and nothing else was written."""
+    a, b = nics
+    lh, lmr, rh, rmr = heaps
+    ncmd = data.draw(st.integers(1, 60))
+    sizes = data.draw(st.lists(st.integers(0, SLOT), min_size=ncmd, max_size=ncmd))
+    deltas = [data.draw(st.integers(0, SLOT - s)) for s in sizes]
+    lh[:] = np.random.default_rng(ncmd).integers(0, 256, HEAP, dtype=np.uint8)
+    rh[:] = 0
+    cmds = [P.encode(P.OP_PUT, 0, s, i * SLOT + d, i * SLOT + d)
+            for i, (s, d) in enumerate(zip(sizes, deltas))]
+    ch = P.ProxyChannel(16)
+    with P.ProxyEngine(a, [ch], [make_qps(a, b, 1)], lmr, [rmr]) as eng:
+        issued = run_producers(ch, [cmds[j::nprod] for j in range(nprod)], group)
+        eng.quiet(ch, ch.head)
+        assert issued <= ch.head == ncmd == ch.completed == ch.tail
+    expect = np.zeros(HEAP, dtype=np.uint8)
+    for i, (s, d) in enumerate(zip(sizes, deltas)):
+        o = i * SLOT + d
+        expect[o:o + s] = lh[o:o + s]
+    assert np.array_equal(rh, expect)
+
+
+def test_multi_peer_multi_qp_threads(nics, heaps):
+    """3 channels, 2 proxy threads, 2 peers with 2 QPs each: commands to different QPs complete
+    out of order, every channel's `completed` reaches its head, all data arrives."""
+    a, b = nics
+    lh, lmr, rh, rmr = heaps
+    r2 = b.alloc(HEAP)
+    r2mr = b.reg_mr(r2)
+    lh[:] = np.arange(HEAP) % 253
+    rh[:] = 0
+    r2[:] = 0
+    chans = [P.ProxyChannel(32) for _ in range(3)]
+    qps = [make_qps(a, b, 2), make_qps(a, b, 2)]
+    with P.ProxyEngine(a, chans, qps, lmr, [rmr, r2mr], threads=2) as eng:
+        for c, ch in enumerate(chans):
+            cmds = [P.encode(P.OP_PUT, i % 2, 256, (c * 200 + i) * 512, (c * 200 + i) * 512)
+                    for i in range(200)]
+            run_producers(ch, [cmds[0::2], cmds[1::2]], group=4)
+        for ch in chans:
+            eng.quiet(ch, ch.head)
+            assert ch.completed == ch.tail == 200
+        assert eng.stats_dict()["commands"] == 600
+    for c in range(3):
+        for i in range(200):
+            o = (c * 200 + i) * 512
+            dst = rh if i % 2 == 0 else r2
+            assert np.array_equal(dst[o:o + 256], lh[o:o + 256]), (c, i)
+
+
+def test_atomics_signals_and_get(nics, heaps):
+    """SIGNAL_ADD adds a 64-bit value, SIGNAL_SET stores one, ATOMIC_FA adds a negative addend and
+    returns the old value (big-endian, as the NIC writes it), GET reads peer memory."""
+    a, b = nics
+    lh, lmr, rh, rmr = heaps
+    rh[:] = 0
+    lh[:] = 0
+    rh[1000:1032] = np.arange(32, dtype=np.uint8)
+    ch = P.ProxyChannel(16)
+    with P.ProxyEngine(a, [ch], [make_qps(a, b, 1)], lmr, [rmr]) as eng:
+        big = (1 << 40) + 7
+        ch.push([P.encode_signal(P.OP_SIGNAL_ADD, 0, big, 64),
+                 P.encode_signal(P.OP_SIGNAL_ADD, 0, 5, 64),
+                 P.encode_signal(P.OP_SIGNAL_SET, 0, 0x1122334455667788, 72)])
+        issued = ch.push([P.encode(P.OP_ATOMIC_FA, 0, (-3) & 0xFFFFFFFF, 128, 64),
+                          P.encode(P.OP_GET, 0, 32, 2000, 1000), P.encode(P.OP_NOP, 0, 0, 0, 0)])
+        eng.quiet(ch, issued)
+    assert int.from_bytes(rh[64:72].tobytes(), "big") == big + 5 - 3
+    assert int.from_bytes(rh[72:80].tobytes(), "big") == 0x1122334455667788
+    assert int.from_bytes(lh[128:136].tobytes(), "big") == big + 5
+    assert np.array_equal(lh[2000:2032], np.arange(32, dtype=np.uint8))
+
+
+@njit(nogil=True, cache=True)
+def _observe(sig_addr, region_base, region, n, timeout_ns):
+    """Poll a big-endian signal counter; each time it reads c, regions 0..c-1 must carry their
+    markers (first and last 8 bytes == index + 1). Returns violations, or -1 on timeout."""
+    bad = 0
+    t0 = P.now_ns()
+    seen = 0
+    while seen < n:
+        raw = load_acquire_u64(sig_addr)
+        c = 0
+        for k in range(8):
+            c = (c << 8) | np.int64((raw >> np.uint64(8 * k)) & np.uint64(0xFF))
+        if c > seen:
+            for i in range(c):
+                p = region_base + i * region
+                if load_acquire_u64(p) != i + 1 or load_acquire_u64(p + region - 8) != i + 1:
+                    bad += 1
+            seen = c
+        if P.now_ns() - t0 > timeout_ns:
+            return -1
+    return bad
+
+
+def test_put_signal_ordering(nics, heaps):
+    """put_signal = PUT then SIGNAL_ADD(+1) in one reservation: a receiver that reads the signal
+    count c sees the payload of every one of the first c puts (checked continuously)."""
+    a, b = nics
+    lh, lmr, rh, rmr = heaps
+    n, region = 150, 2048
+    lh[:] = 0
+    rh[:] = 0
+    for i in range(n):
+        lh[i * region:(i + 1) * region].view(np.uint64)[:] = i + 1
+    sig = HEAP - 64
+    cmds = []
+    for i in range(n):
+        cmds += [P.encode(P.OP_PUT, 0, region, i * region, i * region),
+                 P.encode_signal(P.OP_SIGNAL_ADD, 0, 1, sig)]
+    ch = P.ProxyChannel(64)
+    result = []
+    obs = threading.Thread(target=lambda: result.append(
+        _observe(rh.ctypes.data + sig, rh.ctypes.data, region, n, int(10e9))))
+    obs.start()
+    with P.ProxyEngine(a, [ch], [make_qps(a, b, 1)], lmr, [rmr]) as eng:
+        for i in range(n):
+            ch.push(cmds[2 * i:2 * i + 2])
+        eng.quiet(ch, 2 * n)
+    obs.join()
+    assert result == [0]
+
+
+# ---- FIFO back-pressure ------------------------------------------------------------------------
+def test_full_fifo_times_out_without_proxy_and_poisons():
+    """With no proxy, a depth-8 FIFO takes 8 commands; the 9th push waits its bound and fails
+    (gpunet.TimeoutError), leaving its slot reserved and unwritten: a proxy started afterwards
+    drains the 8, then stops at the hole (completed stays 8; the channel is poisoned)."""
+    ch = P.ProxyChannel(8)
+    heap = np.zeros(4096, np.uint8)
+    nop = P.encode(P.OP_NOP, 0, 0, 0, 0)
+    for _ in range(8):
+        ch.push([nop])
+    t0 = time.monotonic()
+    with pytest.raises(gpunet.TimeoutError):
+        ch.push([nop], timeout_s=0.05)
+    assert 0.05 <= time.monotonic() - t0 < 2
+    with P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], drain_only=True) as eng:
+        eng.quiet(ch, 8)
+        with pytest.raises(gpunet.TimeoutError):
+            eng.quiet(ch, 9, timeout_s=0.1)
+    assert ch.completed == ch.tail == 8 and ch.head == 9
+
+
+def test_small_fifo_back_pressure_many_producers(nics, heaps):
+    """A depth-4 FIFO under 3 producers x 150 PUTs in reservations of 1..4: producers wait on the
+    proxy's tail (cached-tail protocol), no command is lost or overwritten, the data arrives and
+    the shared cached tail never runs ahead of the published tail."""
+    a, b = nics
+    lh, lmr, rh, rmr = heaps
+    lh[:] = np.arange(HEAP) % 249
+    rh[:] = 0
+    ch = P.ProxyChannel(4)
+    cmds = [P.encode(P.OP_PUT, 0, 100, i * 128, i * 128) for i in range(450)]
+    with P.ProxyEngine(a, [ch], [make_qps(a, b, 1, sq_wqebbs=8)], lmr, [rmr]) as eng:
+        run_producers(ch, [cmds[0::3], cmds[1::3], cmds[2::3]], group=1)
+        run_producers(ch, [[P.encode(P.OP_NOP, 0, 0, 0, 0)] * 40] * 2, group=4)
+        eng.quiet(ch, ch.head)
+        cached = int(ch._dctrl.view(np.uint64)[P.DC_CACHED_TAIL])
+        assert cached <= ch.tail == ch.completed == ch.head == 530
+    for i in range(450):
+        assert np.array_equal(rh[i * 128:i * 128 + 100], lh[i * 128:i * 128 + 100]), i
+
+
+# ---- completion semantics and failures -----------------------------------------------------------
+def test_completed_is_in_order_and_dead_peer_fails(nics, heaps):
+    """Command 0 goes to a dead peer, command 1 to a live one. Command 1's data lands at once, but
+    `completed` stays 0 (it only advances over a completed prefix) until command 0 fails with
+    'retry exceeded' (0x15) after the NIC's retry timeout; then completed = 2, the error names
+    command 0, the host quiet raises CompletionError, and nothing hangs."""
+    a, b = nics
+    lh, lmr, rh, rmr = heaps
+    c = softnic.SoftNic(retry_timeout_s=0.3, name="proxy-dead")
+    try:
+        rc = c.alloc(4096)
+        rcmr = c.reg_mr(rc)
+        qa = a.create_qp(a.create_cq(64), sq_wqebbs=64)
+        qc = c.create_qp(c.create_cq(64), sq_wqebbs=64)
+        a.connect(qa, qc.info())
+        c.connect(qc, qa.info())
+        c.mark_down()
+        lh[:64] = 7
+        rh[:64] = 0
+        ch = P.ProxyChannel(16)
+        with P.ProxyEngine(a, [ch], [[qa], make_qps(a, b, 1)], lmr, [rcmr, rmr]) as eng:
+            ch.push([P.encode(P.OP_PUT, 0, 64, 0, 0), P.encode(P.OP_PUT, 1, 64, 0, 0)])
+            deadline = time.monotonic() + 5
+            while rh[63] != 7 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert rh[63] == 7 and ch.completed == 0 and ch.error() is None
+            with pytest.raises(gpunet.CompletionError) as ei:
+                eng.quiet(ch, 2, timeout_s=5)
+            assert ei.value.syndrome == mlx5.SYNDROME_TRANSPORT_RETRY_EXC_ERR
+            assert ch.completed == 2 and ch.error()["seq"] == 0
+    finally:
+        c.close()
+
+
+def test_bad_rkey_error_recorded_and_raised(nics, heaps):
+    """A PUT with a wrong rkey completes with 'remote access error' (0x13): recorded in the
+    channel (first failure wins over the flushes behind it), raised by quiet/check, no hang."""
+    a, b = nics
+    lh, lmr, rh, rmr = heaps
+    ch = P.ProxyChannel(16)
+    with P.ProxyEngine(a, [ch], [make_qps(a, b, 1)], lmr, [(rmr.addr, rmr.rkey ^ 0x100)]) as eng:
+        issued = ch.push([P.encode(P.OP_PUT, 0, 64, 0, 0)] * 5)
+        with pytest.raises(gpunet.CompletionError) as ei:
+            eng.quiet(ch, issued, timeout_s=5)
+        assert ei.value.syndrome == mlx5.SYNDROME_REMOTE_ACCESS_ERR
+        assert ch.completed == 5 and ch.error()["seq"] == 0
+        with pytest.raises(gpunet.CompletionError):
+            eng.check()
+
+
+def test_malformed_command_recorded():
+    """An op the proxy does not know (or a peer it has no QP for) is recorded as a bad command and
+    completes, so quiet raises instead of hanging."""
+    ch = P.ProxyChannel(8)
+    heap = np.zeros(64, np.uint8)
+    with P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], drain_only=True) as eng:
+        ch.push([P.encode(P.OP_NOP, 0, 0, 0, 0), P.encode(31, 0, 0, 0, 0),
+                 P.encode(P.OP_PUT, 3, 8, 0, 0)])
+        with pytest.raises(gpunet.CompletionError, match="malformed"):
+            eng.quiet(ch, 3)
+        assert ch.error()["seq"] == 1 and ch.completed == 3
+
+
+def test_close_is_idempotent_and_stops_threads(nics):
+    """close() joins every proxy thread, twice is fine, and a closed engine refuses quiet."""
+    ch = P.ProxyChannel(8)
+    heap = np.zeros(64, np.uint8)
+    eng = P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], threads=2,
+                        drain_only=True)
+    assert len(eng.alive_threads()) == 2
+    eng.close()
+    eng.close()
+    assert eng.alive_threads() == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("gpunet-proxy")]
+    with pytest.raises(gpunet.ClosedError):
+        eng.quiet(ch, 0)
+
+
+# ---- device code on the HOST arm ----------------------------------------------------------------
+def _descs(chans):
+    return np.concatenate([c.descriptor() for c in chans])
+
+
+def _launch_produce(kernels, chans, status, mode, warp, grid, block, per_thread, size, stride,
+                    sig_base=0, active_mod=0, timeout_s=5.0, npeers=1):
+    import ctypes
+    f = kernels.proxy_produce
+    f.argtypes = [ctypes.c_uint32] * 3 + [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p,
+                                          ctypes.c_uint64] + [ctypes.c_uint32] * 5 + [
+        ctypes.c_uint64, ctypes.c_uint32]
+    d = _descs(chans)
+    rc = f(grid, block, warp, d.ctypes.data, len(chans), status.ctypes.data, int(timeout_s * 1e9),
+           mode, npeers, per_thread, size, stride, sig_base, active_mod)
+    assert rc == 0
+
+
+@pytest.mark.parametrize("warp", [32, 64])
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["push", "push_warp", "put_signal"])
+def test_host_arm_kernel_through_proxy(kernels, nics, heaps, warp, mode):
+    """proxy.cuh run as device code (HOST arm, 2 blocks x 64 threads, warps of 32 / 64): every
+    thread pushes 3 PUTs of 48 bytes (push: per thread; push_warp: one reservation per warp with
+    every 5th command's lane inactive; put_signal: each PUT followed by SIGNAL_ADD(+1) on the
+    thread's own signal word) on 2 channels and quiets; the data and signals arrive and the
+    Status block stays clean."""
+    a, b = nics
+    lh, lmr, rh, rmr = heaps
+    lh[:] = np.arange(HEAP) % 251
+    rh[:] = 0
+    grid, block, per, size, stride = 2, 64, 3, 48, 64
+    sig_base = HEAP - 8 * grid * block
+    status = np.zeros(128, np.uint8)
+    chans = [P.ProxyChannel(64), P.ProxyChannel(64)]
+    active_mod = 5 if mode == 1 else 0
+    with P.ProxyEngine(a, chans, [make_qps(a, b, 2)], lmr, [rmr], threads=1) as eng:
+        _launch_produce(kernels, chans, status, mode, warp, grid, block, per, size, stride,
+                        sig_base, active_mod)
+        assert int(status.view(np.uint64)[0]) == 0, status.view(np.uint32)[:8]
+        for ch in chans:
+            eng.quiet(ch, ch.head)
+    n = grid * block * per
+    active = [active_mod < 2 or i % active_mod != active_mod - 1 for i in range(n)]
+    for i in range(n):
+        o = i * stride
+        want = lh[o:o + size] if active[i] else np.zeros(size, np.uint8)
+        assert np.array_equal(rh[o:o + size], want), i
+    assert sum(c.head for c in chans) == sum(active) * (2 if mode == 2 else 1)
+    if mode == 2:
+        sig = rh[sig_base:sig_base + 8 * grid * block].view(">u8")
+        assert (sig == per).all()
+
+
+def test_host_arm_full_fifo_records_timeout(kernels):
+    """No proxy running, depth 8, 64 device threads pushing: the pushes past the 8th wait their
+    bound, STATUS_TIMEOUT / SITE_PROXY_FIFO is recorded (first failure wins), the kernel returns."""
+    status = np.zeros(128, np.uint8)
+    ch = P.ProxyChannel(8)
+    t0 = time.monotonic()
+    _launch_produce(kernels, [ch], status, 0, 32, 1, 64, 1, 8, 8, timeout_s=0.1)
+    assert time.monotonic() - t0 < 20
+    s32 = status.view(np.uint32)
+    # code, site: the FIFO wait of a thread that got no slot, or (they race, both bounded by
+    # 0.1 s) the quiet of one of the 8 that did
+    assert int(status.view(np.uint64)[0]) == STATUS_TIMEOUT and s32[4] in (16, 17)
+    assert ch.head == 64
