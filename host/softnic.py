@@ -26,6 +26,11 @@ Semantics chosen where the issue leaves a choice (docs/INTERFACES.md repeats the
   ERR; every other QP that later tries to complete into that CQ moves to ERR too. A WRITE_WITH_IMM
   whose responder CQE overruns moves the *responder* QP to ERR; the requester still completes.
 - A data segment's byte_count of 0 moves 0 bytes (real mlx5 reads it as 2 GiB).
+- A WQE whose ds runs past the posted DBR fails with SYNDROME_LOCAL_QP_OP_ERR and swallows every
+  WQEBB up to the DBR (no way to find the next WQE boundary inside it).
+- A peer is dead when its header's down flag is set (``mark_down()``, ``close()``), its heartbeat
+  is older than ``retry_timeout_s``, or (cross-process, heartbeat older than PID_CHECK_NS) its pid
+  no longer exists. A marked-down NIC's own engine stops executing too.
 - SEND / SEND_IMM (no receive queues are modelled), masked atomics and unknown opcodes complete
   with SYNDROME_LOCAL_QP_OP_ERR.
 - Coherence violations in strict mode are recorded in the header of the NIC that *owns* the
