@@ -745,10 +745,11 @@ class ProxyEngine:
       drain_only: build every WQE into a private ring and complete it at once: measures the proxy
         alone (FIFO reads, decode, WQE build, completion bookkeeping), no NIC.
       spin_us: how long an idle thread keeps polling before sleeping.
+      start: False starts no thread; drive it with ``step(t)`` (benchmarks, tests).
     """
 
     def __init__(self, nic, channels, qps_per_peer, local_heap, remote_heaps, threads=1,
-                 drain_only=False, spin_us=SPIN_US, sq_wqebbs_null=1024):
+                 drain_only=False, spin_us=SPIN_US, sq_wqebbs_null=1024, start=True):
         threads = int(threads)
         if threads < 1:
             raise ConfigError(f"threads must be >= 1, not {threads}")
@@ -873,12 +874,29 @@ class ProxyEngine:
             th = threading.Thread(target=self._run, args=(t,), name=f"gpunet-proxy-{t}",
                                   daemon=True)
             self._threads.append(th)
-        for th in self._threads:
-            th.start()
+        self._outs = [np.zeros(CQE_POLL_BATCH * mlx5.CQE_SIZE, dtype=np.uint8)
+                      for _ in range(threads)]
+        # compile (or load from numba's cache) before any thread starts: a first compile takes
+        # seconds, longer than a device-side quiet may wait (seen on a fresh H200 host)
+        proxy_step(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
+                   self.heap, self._thread_chs[0], self._thread_qps[0], self.stats[0],
+                   self._outs[0], 0, 0)
+        if start:
+            for th in self._threads:
+                th.start()
+
+    def step(self, t=0, spin_us=0.0, max_us=20_000.0):
+        """Run thread t's drain loop once in the caller's thread (only with start=False): passes
+        until idle for ``spin_us`` or busy for ``max_us``. Returns the work done."""
+        if self._threads and self._threads[0].is_alive():
+            raise ConfigError("step() is for an engine made with start=False")
+        return proxy_step(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
+                          self.heap, self._thread_chs[t], self._thread_qps[t], self.stats[t],
+                          self._outs[t], int(spin_us * 1000), int(max_us * 1000))
 
     def _run(self, t):
-        my_ch, my_qp, st = self._thread_chs[t], self._thread_qps[t], self.stats[t]
-        out = np.zeros(CQE_POLL_BATCH * mlx5.CQE_SIZE, dtype=np.uint8)   # CQEs copied per poll
+        my_ch, my_qp, st, out = (self._thread_chs[t], self._thread_qps[t], self.stats[t],
+                                 self._outs[t])
         sleep = IDLE_SLEEP_MIN_S
         try:
             while not self._stop:
@@ -931,7 +949,8 @@ class ProxyEngine:
             return
         self._stop = True
         for th in self._threads:
-            th.join()
+            if th.is_alive():
+                th.join()
         self.closed = True
         for c in self.channels:
             c.engine = None

@@ -117,7 +117,7 @@ def test_signal_value_round_trip(op, peer, value, roff):
     w0, w1 = P.encode_signal(op, peer, np.uint64(value), roff)   # np.uint64: values >= 2**63
     d = P.decode(w0, w1)
     assert (d["op"], d["peer"], d["value"], d["remote_off"]) == (op, peer, value, roff)
-    assert int(P.cmd_signal_value(w0, w1)) == value
+    assert int(P.cmd_signal_value(np.uint64(w0), np.uint64(w1))) == value
 
 
 @given(addend=st.integers(-2**31, 2**31 - 1))
