@@ -37,17 +37,14 @@ import time
 import weakref
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
 
 from gpunet import mlx5
 from gpunet.errors import ClosedError, CompletionError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import wq
-from gpunet.host.rawmem import (atomic_cas_u64, atomic_fetch_add_u64, load_acquire_u64,
-                                store_release_u32, store_release_u64, u8_at)
+from gpunet.host.rawmem import (atomic_cas_u64, atomic_fetch_add_u64, clock_ns, load_acquire_u64,
+                                store_release_u64, u8_at)
 
 # ---- the command format (mirrors proxy.cuh) --------------------------------------------------
 CMD_BYTES = 16
@@ -231,32 +228,12 @@ def unpack_error(word):
 
 
 # ---- a CPU producer: exactly what proxy.cuh's proxy_push does, in numba ----------------------
-@intrinsic
-def _clock_monotonic_ns(typingctx):
-    """clock_gettime(CLOCK_MONOTONIC) called directly from the generated code: unlike a ctypes
-    function pointer it keeps the callers cacheable (numba's on-disk cache)."""
-    sig = types.int64()
-
-    def codegen(context, builder, signature, args):
-        i32, i64 = ir.IntType(32), ir.IntType(64)
-        ts_t = ir.LiteralStructType([i64, i64])
-        fnty = ir.FunctionType(i32, [i32, ts_t.as_pointer()])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "clock_gettime")
-        ts = cgutils.alloca_once(builder, ts_t)
-        builder.call(fn, [ir.Constant(i32, _CLOCK_MONOTONIC), ts])
-        sec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 0))
-        nsec = builder.load(cgutils.gep_inbounds(builder, ts, 0, 1))
-        return builder.add(builder.mul(sec, ir.Constant(i64, 1000000000)), nsec)
-    return sig, codegen
-
-
-_CLOCK_MONOTONIC = 1
 
 
 @njit(cache=True)
 def now_ns():
     """CLOCK_MONOTONIC in nanoseconds (callable from nopython code)."""
-    return _clock_monotonic_ns()
+    return clock_ns()
 
 
 @njit(cache=True, inline="always")

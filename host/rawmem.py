@@ -10,19 +10,11 @@ ordering, so numba can neither cache a polled word in a register nor move a payl
 the store that publishes it. The atomics are sequentially consistent hardware read-modify-writes,
 atomic with respect to every other thread and process mapping the same memory.
 """
-import ctypes
-
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
-
-_libc = ctypes.CDLL(None)
-_memmove = _libc.memmove
-_memmove.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_memmove.restype = ctypes.c_void_p
-
 
 @intrinsic
 def _voidptr(typingctx, addr):
@@ -127,7 +119,7 @@ def u64_at(addr, n):
 def memmove(dst, src, n):
     """libc memmove between two virtual addresses (full memcpy speed; overlap allowed)."""
     if n > 0:
-        _memmove(_voidptr(dst), _voidptr(src), n)
+        c_memmove(dst, src, n)
 
 
 @njit(inline="always")
@@ -142,3 +134,92 @@ def bswap64(v):
 def address_of(arr):
     """The virtual address of a numpy array's (or a buffer's) first byte."""
     return int(np.asarray(arr).ctypes.data)
+
+
+# --- libc calls as LLVM declarations -----------------------------------------------------------
+# Declared in the generated code rather than called through ctypes function pointers, so that
+# the njit functions calling them stay cacheable on disk and never take the GIL.
+
+
+def _libc_fn(builder, name, ret, args):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
+
+
+@intrinsic
+def c_memmove(typingctx, dst, src, n):
+    """memmove(dst, src, n) on integer addresses."""
+    sig = types.void(dst, src, n)
+
+    def codegen(context, builder, signature, args):
+        vp = cgutils.voidptr_t
+        fn = _libc_fn(builder, "memmove", vp, [vp, vp, ir.IntType(64)])
+        builder.call(fn, [builder.inttoptr(args[0], vp), builder.inttoptr(args[1], vp),
+                          context.cast(builder, args[2], signature.args[2], types.int64)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def clock_ns(typingctx):
+    """CLOCK_MONOTONIC in nanoseconds (system-wide: comparable across processes)."""
+    sig = types.int64()
+
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        fn = _libc_fn(builder, "clock_gettime", i32, [i32, i64.as_pointer()])
+        ts = cgutils.alloca_once(builder, i64, size=2)
+        builder.call(fn, [ir.Constant(i32, 1), ts])      # CLOCK_MONOTONIC = 1
+        sec = builder.load(ts)
+        nsec = builder.load(builder.gep(ts, [ir.Constant(i32, 1)]))
+        return builder.add(builder.mul(sec, ir.Constant(i64, 1000000000)), nsec)
+    return sig, codegen
+
+
+@intrinsic
+def c_usleep(typingctx, us):
+    sig = types.void(us)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = _libc_fn(builder, "usleep", i32, [i32])
+        builder.call(fn, [context.cast(builder, args[0], signature.args[0], types.int32)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def c_sched_yield(typingctx):
+    sig = types.void()
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        builder.call(_libc_fn(builder, "sched_yield", i32, []), [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def c_kill0(typingctx, pid):
+    """kill(pid, 0): 0 while the process exists."""
+    sig = types.int32(pid)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = _libc_fn(builder, "kill", i32, [i32, i32])
+        return builder.call(fn, [context.cast(builder, args[0], signature.args[0], types.int32),
+                                 ir.Constant(i32, 0)])
+    return sig, codegen
+
+
+@njit(inline="always")
+def i64_at(addr, n):
+    return carray(_i64ptr(addr), (n,), np.int64)
+
+
+@intrinsic
+def _i64ptr(typingctx, addr):
+    sig = types.CPointer(types.int64)(addr)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+    return sig, codegen
