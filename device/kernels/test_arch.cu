@@ -123,6 +123,46 @@ GPUNET_GLOBAL void k_mp_step(uint32_t mode, uint32_t* data, uint32_t* flag, uint
     g_mp_step.store(2);
   }
 }
+// The doorbell litmus, deterministic: after each single pop of the writer's store buffer the
+// observer inspects memory (harness channel outside the model). seen[0] counts states in which
+// the doorbell was visible but the DBR or the WQE word was not; seen[1] counts states checked.
+GPUNET_GLOBAL void k_doorbell_step(uint32_t fence_before_db, uint32_t release_dbr, uint64_t* wqe,
+                                   uint32_t* dbr, uint64_t* db, uint32_t* seen) {
+  constexpr uint32_t kDone = 0xffffffffu;
+  if (arch::block_idx().x == 0) {
+    arch::store_relaxed(wqe, uint64_t(0x1122334455667788ull));
+    if (release_dbr)
+      arch::store_release_sys(dbr, arch::bswap32(1u));
+    else
+      arch::store_relaxed(dbr, arch::bswap32(1u));
+    if (fence_before_db) arch::fence_sys();
+    arch::doorbell_store64(db, uint64_t(0xabcdull));
+    uint32_t step = 0;
+    for (;;) {
+      const bool last = gpunet::host::weak_pending() == 0;
+      gpunet::host::weak_drain_partial(1);
+      g_mp_step.store(2 * step + 1);
+      while (g_mp_step.load() != 2 * step + 2) std::this_thread::yield();
+      ++step;
+      if (last) break;
+    }
+    g_mp_step.store(kDone);
+  } else {
+    uint32_t step = 0;
+    for (;;) {
+      uint32_t s;
+      while (((s = g_mp_step.load()) & 1) == 0) std::this_thread::yield();
+      if (s == kDone) break;
+      const bool db_seen = arch::load_acquire_sys(const_cast<const uint64_t*>(db)) != 0;
+      const bool dbr_ok = arch::load_acquire_sys(dbr) == arch::bswap32(1u);
+      const bool wqe_ok = arch::load_relaxed(wqe) == 0x1122334455667788ull;
+      if (db_seen && !(dbr_ok && wqe_ok)) ++seen[0];
+      ++seen[1];
+      g_mp_step.store(2 * step + 2);
+      ++step;
+    }
+  }
+}
 #endif
 
 // Both litmus threads are running before the writer stores anything: thread start-up on a
@@ -252,6 +292,15 @@ int test_mp_step(uint32_t mode, uint32_t weak, uint64_t seed, uint32_t order, ui
   s.weak_order = order;
   g_mp_step.store(0);
   return gpunet::launch_kernel(s, k_mp_step, mode, data, flag, seen);
+}
+int test_doorbell_step(uint32_t fence_before_db, uint32_t release_dbr, uint64_t seed, uint32_t order,
+                       uint64_t* wqe, uint32_t* dbr, uint64_t* db, uint32_t* seen) {
+  gpunet::LaunchSpec s = spec(2, 1, 32, 0);
+  s.weak = true;
+  s.weak_seed = seed;
+  s.weak_order = order;
+  g_mp_step.store(0);
+  return gpunet::launch_kernel(s, k_doorbell_step, fence_before_db, release_dbr, wqe, dbr, db, seen);
 }
 #endif
 
