@@ -7,5 +7,17 @@ from .errors import (ClosedError, CoherenceViolation, CompletionError, ConfigErr
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    # The API pulls in torch and numba: import it on first use, so `import gpunet` stays light.
+    if name in _API:
+        from gpunet import api
+        return getattr(api, name)
+    raise AttributeError("module 'gpunet' has no attribute %r" % name)
+
+
+_API = ("init", "put", "get", "put_signal", "atomic_add", "quiet", "barrier", "Context", "Remote",
+        "read_signal")
+
 __all__ = ["GpunetError", "ConfigError", "ToolchainError", "TimeoutError", "CompletionError",
-           "CoherenceViolation", "ClosedError", "__version__"]
+           "CoherenceViolation", "ClosedError", "__version__", *_API]

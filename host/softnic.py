@@ -633,7 +633,9 @@ class SoftNic:
         self.profile, self.strict = profile, bool(strict)
         self.retry_timeout_s = float(retry_timeout_s)
         self.pid = os.getpid()
-        tag = name if name is not None else "%d-%s" % (next(_instance_counter), os.urandom(3).hex())
+        # The counter keeps names unique when one process makes several NICs of the same name.
+        tag = "%s-%d" % (name, next(_instance_counter)) if name is not None else \
+            "%d-%s" % (next(_instance_counter), os.urandom(3).hex())
         self.arena_name = "gpunet-%d-%s" % (self.pid, tag)
         if "/" in self.arena_name or len(self.arena_name) > 200:
             raise ConfigError("bad NIC name %r" % (name,))

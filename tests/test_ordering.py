@@ -176,7 +176,7 @@ def test_schedules_match_sequential_reference(world, lib, seed, blocks, warps_pe
     run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, weak=weak, weak_seed=weak_seed, order=order)
 
 
-@settings(max_examples=max(2, settings().max_examples // 5), deadline=None,
+@settings(max_examples=max(2, settings().max_examples // 16), deadline=None,
           suppress_health_check=list(HealthCheck))
 @given(**dict(schedule_params, blocks=st.just(2), warps_per_block=st.just(2)))
 def test_schedules_many_warps(world, lib, seed, blocks, warps_per_block, ws, nops, depth, batch, collapsed,

@@ -62,21 +62,7 @@
 #include <stdint.h>
 
 #include "arch.cuh"
-#if __has_include("mlx5.cuh")
 #include "mlx5.cuh"
-#else
-// TEMPORARY until device/include/gpunet/mlx5.cuh (the mirror of gpunet/mlx5.py) lands: the few
-// wire constants this file uses, with gpunet/mlx5.py's names and values. Delete when it exists.
-namespace gpunet::mlx5 {
-constexpr uint32_t WQEBB = 64, CQE_SIZE = 64, DBREC_SND = 1;
-constexpr uint32_t DS_RDMA = 3, DS_ATOMIC = 4, DS_NOP = 1;
-constexpr uint32_t OPCODE_NOP = 0x00, OPCODE_RDMA_WRITE = 0x08, OPCODE_RDMA_READ = 0x10,
-                   OPCODE_ATOMIC_FA = 0x12;
-constexpr uint32_t WQE_CTRL_CQ_UPDATE = 0x08;
-constexpr uint32_t INLINE_SEG = 0x80000000u;
-constexpr uint32_t CQE_REQ_ERR = 13, CQE_RESP_ERR = 14, CQE_INVALID = 15;
-}  // namespace gpunet::mlx5
-#endif
 
 namespace gpunet {
 

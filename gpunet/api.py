@@ -1,0 +1,51 @@
+"""Module-level host wrappers: ``gpunet.init`` and ``gpunet.put`` & co. on the current Context.
+
+Shapes and dtypes: every tensor argument is a contiguous CPU tensor of any dtype inside the
+symmetric heap (``ctx.alloc``); sizes are in bytes of the local tensor; a Remote
+(``ctx.remote(rank, tensor, offset)``) names the same tensor on another rank.
+"""
+from gpunet import context as _context
+from gpunet.context import Context, Remote, read_signal  # noqa: F401 - re-exported
+
+
+def init(group=None, transport="auto", nic="auto", **kwargs):
+    """Start gpunet on this rank and return its Context (a context manager).
+
+    ``group``: a torch.distributed process group (default: the initialised default group, or
+    torchrun's environment, or a single rank); ``transport``: "auto" | "ibgda" | "proxy";
+    ``nic``: "auto" | "soft" | "verbs". Keyword arguments go to :class:`gpunet.context.Context`
+    (heap_bytes, timeout_s, warp_size, proxy_threads).
+    """
+    ctx = Context(group=group, transport=transport, nic=nic, **kwargs)
+    _context._current = ctx
+    return ctx
+
+
+def put(remote, tensor, ctx=None):
+    """Non-blocking: copy heap ``tensor`` to ``remote``. Complete after :func:`quiet`."""
+    (ctx or _context.current()).put(remote, tensor)
+
+
+def get(tensor, remote, ctx=None):
+    """Non-blocking: copy ``remote`` into heap ``tensor``. Complete after :func:`quiet`."""
+    (ctx or _context.current()).get(tensor, remote)
+
+
+def put_signal(remote, tensor, signal, value=1, ctx=None):
+    """Put, then add ``value`` to the 8-byte ``signal`` on the same rank, in that order."""
+    (ctx or _context.current()).put_signal(remote, tensor, signal, value)
+
+
+def atomic_add(remote, value, ctx=None):
+    """Fetch-and-add on the big-endian 8-byte word at ``remote``; returns the old value."""
+    return (ctx or _context.current()).atomic_add(remote, value)
+
+
+def quiet(ctx=None):
+    """Wait for every operation this rank issued to complete."""
+    (ctx or _context.current()).quiet()
+
+
+def barrier(ctx=None):
+    """All ranks meet (through the NIC; bounded)."""
+    (ctx or _context.current()).barrier()

@@ -1,0 +1,140 @@
+"""Jobs the multi-process API tests run on every rank (see mp_ranks.py). Each takes the rank's
+``state`` dict first; what it returns goes back to the test."""
+import os
+import threading
+import time
+
+import torch
+
+import gpunet
+
+SLOT_ELEMS = 1 << 14          # per-rank slot of the exchange buffer, in bytes (uint8 elements)
+
+
+def init(state, transport, heap_bytes=8 << 20, timeout_s=10.0):
+    ctx = gpunet.init(transport=transport, heap_bytes=heap_bytes, timeout_s=timeout_s)
+    state["ctx"] = ctx
+    n = ctx.world_size
+    state["src"] = ctx.alloc((SLOT_ELEMS,), torch.uint8)
+    state["dst"] = ctx.alloc((n * SLOT_ELEMS,), torch.uint8)   # slot r: written by rank r
+    state["sig"] = ctx.alloc((n,), torch.int64)               # word r: signalled by rank r
+    state["ctr"] = ctx.alloc((1,), torch.int64)               # a shared atomic counter
+    state["sig_base"] = [0] * n
+    ctx.barrier()
+    return {"rank": ctx.rank, "transports": dict(ctx.transports), "pid": os.getpid(),
+            "arena": ctx.nic.arena_name}
+
+
+def _pattern(rank, round_, n):
+    g = torch.Generator().manual_seed(rank * 1000003 + round_)
+    return torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+
+
+def exchange(state, ops, round_):
+    """Every rank runs ``ops``: a list of (kind, src_rank, dst_rank, nbytes, offset) the test
+    generated; the rows whose src_rank is this rank are issued by it. Returns what landed here.
+
+    put: src[0:n] of src_rank -> dst slot src_rank at ``offset`` on dst_rank;
+    put_signal: the same, then +1 on dst_rank's sig word src_rank;
+    get: dst_rank reads src_rank's src[0:n] into its slot src_rank at ``offset`` (issued by dst_rank).
+    """
+    ctx = state["ctx"]
+    me, n = ctx.rank, ctx.world_size
+    src, dst, sig = state["src"], state["dst"], state["sig"]
+    src[:] = _pattern(me, round_, SLOT_ELEMS)
+    dst.zero_()
+    ctx.barrier()
+    for kind, s, d, nbytes, off in ops:
+        if kind in ("put", "put_signal") and s == me:
+            remote = ctx.remote(d, dst, s * SLOT_ELEMS + off)
+            if kind == "put":
+                gpunet.put(remote, src[:nbytes])
+            else:
+                gpunet.put_signal(remote, src[:nbytes], ctx.remote(d, sig, s))
+        elif kind == "get" and d == me:
+            gpunet.get(dst[s * SLOT_ELEMS + off: s * SLOT_ELEMS + off + nbytes],
+                       ctx.remote(s, src))
+    gpunet.quiet()
+    ctx.barrier()
+    sigs = [gpunet.read_signal(sig, r) for r in range(n)]
+    return {"dst": dst.clone(), "sigs": sigs}
+
+
+def pattern(state, rank, round_):
+    return _pattern(rank, round_, SLOT_ELEMS)
+
+
+def atomics(state, k):
+    """Every rank adds 1 to rank 0's counter k times; returns the old values it saw."""
+    ctx = state["ctx"]
+    ctx.barrier()
+    olds = [gpunet.atomic_add(ctx.remote(0, state["ctr"]), 1) for _ in range(k)]
+    ctx.barrier()
+    return {"olds": olds, "final": gpunet.read_signal(state["ctr"]) if ctx.rank == 0 else None}
+
+
+def signal_order(state, rounds, nbytes):
+    """Rank 1 streams put_signal(payload_i, +1) to rank 0; rank 0 polls its signal word and, each
+    time it sees k, checks payload slot k-1 arrived whole. Returns rank 0's violations."""
+    ctx = state["ctx"]
+    me = ctx.rank
+    dst, sig, src = state["dst"], state["sig"], state["src"]
+    ctx.barrier()
+    bad = 0
+    if me == 1:
+        for i in range(rounds):
+            src[:nbytes] = (i + 1) % 251 + 1
+            gpunet.put_signal(ctx.remote(0, dst, i * nbytes), src[:nbytes], ctx.remote(0, sig, 1))
+            gpunet.quiet()       # src is reused next round
+    elif me == 0:
+        seen = state["sig_base"][1]
+        deadline = time.monotonic() + 60
+        while seen < state["sig_base"][1] + rounds and time.monotonic() < deadline:
+            k = gpunet.read_signal(sig, 1)
+            for j in range(seen, k):
+                i = j - state["sig_base"][1]
+                if not bool((dst[i * nbytes:(i + 1) * nbytes] == (i + 1) % 251 + 1).all()):
+                    bad += 1
+            seen = max(seen, k)
+    ctx.barrier()
+    state["sig_base"] = [gpunet.read_signal(sig, r) for r in range(ctx.world_size)]
+    return bad
+
+
+def die_if(state, rank):
+    """The given rank exits at once, without closing anything (a crash)."""
+    if state["ctx"].rank == rank:
+        os._exit(0)
+    return "alive"
+
+
+def put_to(state, peer, timeout_s):
+    """Put to ``peer`` and wait: returns the exception type name it raised, and the time taken."""
+    ctx = state["ctx"]
+    t0 = time.monotonic()
+    try:
+        gpunet.put(ctx.remote(peer, state["dst"]), state["src"][:64])
+        gpunet.quiet()
+        gpunet.barrier()
+        return {"raised": None, "seconds": time.monotonic() - t0}
+    except gpunet.GpunetError as e:
+        return {"raised": type(e).__name__, "msg": str(e)[:300], "seconds": time.monotonic() - t0}
+
+
+def close(state):
+    ctx = state.pop("ctx", None)
+    arena = ctx.nic.arena_name if ctx else None
+    if ctx is not None:
+        ctx.close()
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()
+            and ("gpunet" in t.name.lower() or "softnic" in t.name.lower())]
+    return {"arena_left": bool(arena) and os.path.exists("/dev/shm/" + arena), "threads": left}
+
+
+def teardown(state):
+    ctx = state.pop("ctx", None)
+    if ctx is not None:
+        try:
+            ctx.close()
+        except Exception:  # noqa: BLE001 - tearing down anyway
+            pass

@@ -1,0 +1,93 @@
+"""A pool of rank processes for multi-process tests: spawned once, fed jobs, torn down at the end.
+
+Each rank is a ``spawn``-ed process (numba threads and fork do not mix) that joins a gloo group on
+127.0.0.1, then runs jobs the test sends: a job is the name of a function in ``tests/mp_jobs.py``
+plus arguments, run on every rank at once; each rank answers ("ok", result) or ("err", repr).
+Every wait is bounded, so a broken rank fails the test instead of hanging it.
+"""
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+JOB_TIMEOUT_S = 120
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, inbox, outbox, env):
+    os.environ.update(env)
+    try:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                                world_size=world)
+        import mp_jobs
+        state = {}
+        while True:
+            job = inbox.get()
+            if job is None:
+                break
+            name, args = job
+            try:
+                outbox.put(("ok", getattr(mp_jobs, name)(state, *args)))
+            except BaseException as e:  # noqa: BLE001 - reported to the test
+                outbox.put(("err", "%s: %s\n%s" % (type(e).__name__, e, traceback.format_exc())))
+        mp_jobs.teardown(state)
+        outbox.put(("ok", "bye"))
+    except BaseException as e:  # noqa: BLE001
+        outbox.put(("err", "rank %d died: %r\n%s" % (rank, e, traceback.format_exc())))
+
+
+class Ranks:
+    """``world`` rank processes. ``run(name, *args)`` -> list of per-rank results (raises on error)."""
+
+    def __init__(self, world, env=None):
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.world = world
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.outboxes = [ctx.Queue() for _ in range(world)]
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = dict(env or {})
+        env["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+        os.environ["PYTHONPATH"] = env["PYTHONPATH"]          # spawn children import mp_jobs
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r],
+                                                        self.outboxes[r], env), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, name, *args, timeout=JOB_TIMEOUT_S):
+        for q in self.inboxes:
+            q.put((name, args))
+        return self.collect(timeout)
+
+    def collect(self, timeout=JOB_TIMEOUT_S):
+        out, errs = [], []
+        for r, q in enumerate(self.outboxes):
+            try:
+                status, val = q.get(timeout=timeout)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                status, val = "err", "rank %d gave no answer within %d s" % (r, timeout)
+            out.append(val)
+            if status != "ok":
+                errs.append("rank %d: %s" % (r, val))
+        if errs:
+            raise AssertionError("\n".join(errs))
+        return out
+
+    def close(self):
+        for q in self.inboxes:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
