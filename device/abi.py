@@ -35,6 +35,10 @@ SITE_CQE = 5
 SITE_WAIT_UNTIL = 6
 SITE_ATOMIC = 7
 SITE_POST_ARG = 8
+SITE_PROXY_FIFO = 16        # proxy.cuh: the proxy transport's wait sites
+SITE_PROXY_QUIET = 17
+SITE_PROXY_ARG = 18
+SITE_PROXY_CMD = 19
 SITE_NAMES = {
     SITE_NONE: "nothing",
     SITE_SQ_SPACE: "a post waiting for send-queue space (completions)",
@@ -45,6 +49,10 @@ SITE_NAMES = {
     SITE_WAIT_UNTIL: "wait_until on a signal word",
     SITE_ATOMIC: "atomic_fetch_add waiting for its result",
     SITE_POST_ARG: "the argument checks of a post",
+    SITE_PROXY_FIFO: "a proxy push waiting for FIFO space (is the proxy thread running?)",
+    SITE_PROXY_QUIET: "quiet waiting for the proxy's completed counter",
+    SITE_PROXY_ARG: "the argument checks of a proxy command",
+    SITE_PROXY_CMD: "a command the proxy rejected",
 }
 
 # --- gpunet.cuh ---------------------------------------------------------------------------------
@@ -79,7 +87,7 @@ class QpDesc(ctypes.Structure):
 
 
 class PeerDesc(ctypes.Structure):
-    _fields_ = [("qp", u64), ("remote_base", u64), ("rkey", u32), ("pad0", u32), ("reserved", u64)]
+    _fields_ = [("qp", u64), ("remote_base", u64), ("rkey", u32), ("pad0", u32), ("proxy", u64)]
 
 
 class DevCtx(ctypes.Structure):

@@ -124,64 +124,71 @@ class Context:
         self._launch = Launch(grid=1, block=1, warp_size=self.warp_size)
         self._ops_lib = load_ops("host")
 
-        # One RC QP per peer (and a loopback pair for this rank itself), exchanged over bootstrap.
+        # Transports. The soft NIC's doorbell is ordinary memory, so "auto" gives ibgda; a real
+        # NIC whose UAR cannot be mapped into the GPU (cudaHostRegister IoMemory refused) would
+        # give the proxy here.
         n, me = self.world_size, self.rank
-        qps, self_pair = {}, None
-        for p in range(n):
-            cq = self.nic.create_cq(cqe_cnt=SQ_WQEBBS)
-            qps[p] = self.nic.create_qp(cq, sq_wqebbs=SQ_WQEBBS)
-        cq_self = self.nic.create_cq(cqe_cnt=SQ_WQEBBS)
-        self_pair = self.nic.create_qp(cq_self, sq_wqebbs=SQ_WQEBBS)
-        mine = {"qps": {p: qps[p].info() for p in range(n)}, "heap": self.heap_base,
-                "rkey": self._mr.rkey}
-        everyone = boot.allgather_obj(mine)
-        for p in range(n):
-            if p == me:
-                self.nic.connect(qps[p], self_pair.info())
-                self.nic.connect(self_pair, qps[p].info())
-            else:
-                self.nic.connect(qps[p], everyone[p]["qps"][me])
-        self._qps = qps
-        self._self_pair = self_pair
-
-        # Transports.
         self.transports, self.reasons = {}, {}
         for p in range(n):
             if transport == "proxy":
                 t, why = "proxy", "asked for (transport='proxy')"
+            elif transport == "ibgda":
+                t, why = "ibgda", "asked for (transport='ibgda')"
             else:
-                t, why = "ibgda", ("the soft NIC's doorbell word is ordinary memory the device "
-                                   "can store to" if transport == "auto" else "asked for")
+                t, why = "ibgda", "auto: the soft NIC's doorbell is memory the device can store to"
             self.transports[p], self.reasons[p] = t, why
-        for p in range(n):
-            log.info("gpunet rank %d -> peer %d: %s (%s)", me, p, self.transports[p], self.reasons[p])
+            log.info("gpunet rank %d -> peer %d: %s (%s)", me, p, t, why)
+
+        # One RC QP per peer and transport user (the device, or the proxy threads: a QP has one
+        # poster), plus loopback partners for this rank itself; exchanged over bootstrap.
+        users = sorted(set(self.transports.values()))
+        qps, partner = {}, {}
+        for u in users:
+            for p in range(n):
+                cq = self.nic.create_cq(cqe_cnt=SQ_WQEBBS)
+                qps[u, p] = self.nic.create_qp(cq, sq_wqebbs=SQ_WQEBBS)
+            cq = self.nic.create_cq(cqe_cnt=SQ_WQEBBS)
+            partner[u] = self.nic.create_qp(cq, sq_wqebbs=SQ_WQEBBS)
+        mine = {"qps": {k: q.info() for k, q in qps.items()}, "heap": self.heap_base,
+                "rkey": self._mr.rkey}
+        everyone = boot.allgather_obj(mine)
+        for (u, p), q in qps.items():
+            if p == me:
+                self.nic.connect(q, partner[u].info())
+                self.nic.connect(partner[u], q.info())
+            else:
+                self.nic.connect(q, everyone[p]["qps"][u, me])
 
         # The device context.
         scratch = self.heap_base + 4096
         self._dev = DeviceContext(self.heap_base, heap_bytes, self._mr.lkey, n, me, scratch,
                                   SCRATCH_SLOTS, scratch + SCRATCH_SLOTS * 8, timeout_s)
-        proxied = [p for p in range(n) if self.transports[p] == "proxy"]
         for p in range(n):
             if self.transports[p] == "ibgda":
-                self._dev.set_peer_qp(p, QpDescriptor(qps[p], p), everyone[p]["heap"],
+                self._dev.set_peer_qp(p, QpDescriptor(qps["ibgda", p], p), everyone[p]["heap"],
                                       everyone[p]["rkey"])
-        if proxied:
-            self._setup_proxy(proxied, qps, everyone, proxy_threads)
+        if "proxy" in users:
+            self._setup_proxy([p for p in range(n) if self.transports[p] == "proxy"],
+                              [[qps["proxy", p]] for p in range(n)], everyone, proxy_threads)
         boot.barrier()
 
-    def _setup_proxy(self, proxied, qps, everyone, threads):
+    def _setup_proxy(self, proxied, qps_per_peer, everyone, threads):
+        """One proxy channel for this rank's device code, drained by ``threads`` proxy threads."""
         from gpunet.host.proxy import ProxyChannel, ProxyEngine
 
+        if threads != 1:
+            raise ConfigError("proxy_threads: one channel per rank is drained by one thread here")
         ch = ProxyChannel(depth=PROXY_DEPTH)
         self._closers.append(("proxy channel", ch.close))
-        remote_heaps = {p: (everyone[p]["heap"], everyone[p]["rkey"]) for p in proxied}
-        eng = ProxyEngine(self.nic, [ch], {p: [qps[p]] for p in proxied},
-                          (self.heap_base, self._mr.lkey), remote_heaps, threads=threads)
+        remote_heaps = [(everyone[p]["heap"], everyone[p]["rkey"]) for p in range(len(everyone))]
+        eng = ProxyEngine(self.nic, [ch], qps_per_peer, (self.heap_base, self._mr.lkey),
+                          remote_heaps, threads=threads)
         self._closers.append(("proxy engine", eng.close))
         self._proxy = eng
+        desc = ch.descriptor()           # uint64[4]: kept alive by the DeviceContext
         for p in proxied:
-            self._dev.set_peer_proxy(p, ch.descriptor(), everyone[p]["heap"], everyone[p]["rkey"],
-                                     keep=ch)
+            self._dev.set_peer_proxy(p, address_of(desc), everyone[p]["heap"],
+                                     everyone[p]["rkey"], keep=desc)
 
     # --- lifetime -----------------------------------------------------------------------------
     def close(self):
@@ -278,6 +285,8 @@ class Context:
         if not tensor.is_contiguous():
             raise ConfigError("%s: tensor is not contiguous; call .contiguous() on a heap tensor "
                               "view, or copy into a symmetric tensor first" % what)
+        if tensor.numel() == 0:
+            return RESERVED_BYTES       # an empty slice moves nothing; torch may give it no address
         addr = tensor.data_ptr()
         off = addr - self.heap_base
         if off < RESERVED_BYTES or off + tensor.nbytes > self.heap_bytes:

@@ -35,17 +35,20 @@
 
 #include <stdint.h>
 
+#include "proxy.cuh"
 #include "qp.cuh"
 
 namespace gpunet {
 
-// How one PE is reached. 32 B. abi.py: PeerDesc.
+// How one PE is reached: by GPU-initiated posting on a QP (ibgda) or through a CPU proxy
+// channel (proxy) — DESIGN.md "Transports under one device API". Exactly one of `qp` / `proxy`
+// is set; both 0: unreachable. 32 B. abi.py: PeerDesc.
 struct PeerDesc {
-  uint64_t qp;           // QpDesc* (device memory) of the QP connected to this PE; 0: unreachable
+  uint64_t qp;           // QpDesc* (device memory) of the QP connected to this PE (ibgda)
   uint64_t remote_base;  // the PE's symmetric heap base, as its NIC resolves addresses
   uint32_t rkey;         // the PE's heap rkey
   uint32_t pad0;
-  uint64_t reserved;
+  uint64_t proxy;        // proxy::ProxyChannel* (device memory) serving this PE (proxy)
 };
 static_assert(sizeof(PeerDesc) == 32, "PeerDesc layout is mirrored in device/abi.py");
 
@@ -90,7 +93,7 @@ GPUNET_DEVICE const PeerDesc* peer(const DevCtx& ctx, const Waiter& w, int pe) {
     return nullptr;
   }
   const PeerDesc* p = reinterpret_cast<const PeerDesc*>(uintptr_t(ctx.peers)) + pe;
-  if (p->qp == 0) {
+  if (p->qp == 0 && p->proxy == 0) {
     record_failure(w.st, STATUS_BAD_ARGUMENT, SITE_POST_ARG, 0, uint32_t(pe), 0, 1, 0, 0);
     return nullptr;
   }
@@ -98,6 +101,14 @@ GPUNET_DEVICE const PeerDesc* peer(const DevCtx& ctx, const Waiter& w, int pe) {
 }
 
 GPUNET_DEVICE QpDesc* qp_of(const PeerDesc* p) { return reinterpret_cast<QpDesc*>(uintptr_t(p->qp)); }
+
+// The proxy transport: the peer has no QP of ours, a CPU thread posts for us (proxy.cuh).
+GPUNET_DEVICE const proxy::ProxyChannel* proxy_of(const PeerDesc* p) {
+  return p->qp ? nullptr : reinterpret_cast<const proxy::ProxyChannel*>(uintptr_t(p->proxy));
+}
+GPUNET_DEVICE uint64_t heap_off(const DevCtx& ctx, const void* local) {
+  return uint64_t(uintptr_t(local)) - ctx.local_base;
+}
 
 GPUNET_DEVICE uint64_t remote(const DevCtx& ctx, const PeerDesc* p, const void* sym) {
   return p->remote_base + (uint64_t(uintptr_t(sym)) - ctx.local_base);
@@ -145,6 +156,11 @@ GPUNET_DEVICE bool put_nbi(const DevCtx& ctx, void* dst_sym, const void* src, ui
   const Waiter w = api::waiter(ctx);
   const PeerDesc* p = api::peer(ctx, w, pe);
   if (!p) return false;
+  if (const proxy::ProxyChannel* ch = api::proxy_of(p)) {
+    if (nbytes == 0) return !failed(w);
+    return proxy::proxy_put(*ch, w, uint32_t(pe), api::heap_off(ctx, src),
+                            api::heap_off(ctx, dst_sym), nbytes);
+  }
   return api::rdma(ctx, mlx5::OPCODE_RDMA_WRITE, api::remote(ctx, p, dst_sym),
                    uint64_t(uintptr_t(src)), nbytes, pe);
 }
@@ -157,6 +173,15 @@ GPUNET_DEVICE bool put_inline_nbi(const DevCtx& ctx, void* dst_sym, const void* 
   const PeerDesc* p = api::peer(ctx, w, pe);
   if (!p) return false;
   if (nbytes == 0) return !failed(w);
+  if (const proxy::ProxyChannel* ch = api::proxy_of(p)) {
+    // The proxy reads the source later: keep the inline promise (src reusable on return) by
+    // waiting for this channel's commands to complete.
+    const Waiter& pw = w;
+    uint64_t issued = 0;
+    return proxy::proxy_put(*ch, pw, uint32_t(pe), api::heap_off(ctx, src),
+                            api::heap_off(ctx, dst_sym), nbytes, &issued) &&
+           proxy::proxy_quiet(*ch, pw, issued);
+  }
   QpDesc* qp = api::qp_of(p);
   if (nbytes > kMaxInline || nbytes > qp->max_inline)
     return api::rdma(ctx, mlx5::OPCODE_RDMA_WRITE, api::remote(ctx, p, dst_sym),
@@ -172,6 +197,11 @@ GPUNET_DEVICE bool get_nbi(const DevCtx& ctx, void* dst, const void* src_sym, ui
   const Waiter w = api::waiter(ctx);
   const PeerDesc* p = api::peer(ctx, w, pe);
   if (!p) return false;
+  if (const proxy::ProxyChannel* ch = api::proxy_of(p)) {
+    if (nbytes == 0) return !failed(w);
+    return proxy::proxy_get(*ch, w, uint32_t(pe), api::heap_off(ctx, dst),
+                            api::heap_off(ctx, src_sym), nbytes);
+  }
   return api::rdma(ctx, mlx5::OPCODE_RDMA_READ, api::remote(ctx, p, src_sym),
                    uint64_t(uintptr_t(dst)), nbytes, pe);
 }
@@ -185,6 +215,20 @@ GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, void* dst_sym, const void* 
   const Waiter w = api::waiter(ctx);
   const PeerDesc* p = api::peer(ctx, w, pe);
   if (!p) return false;
+  if (const proxy::ProxyChannel* ch = api::proxy_of(p)) {
+    // Same order through the proxy: the channel keeps a peer's commands on one QP, in order.
+    const Waiter& pw = w;
+    const uint64_t cmax = proxy::MAX_CMD_SIZE;
+    const uint64_t head = nbytes > cmax ? ((nbytes - 1) / cmax) * cmax : 0;
+    if (head && !proxy::proxy_put(*ch, pw, uint32_t(pe), api::heap_off(ctx, src),
+                                  api::heap_off(ctx, dst_sym), head))
+      return false;
+    if (nbytes == head)
+      return proxy::proxy_signal(*ch, pw, uint32_t(pe), api::heap_off(ctx, sig_sym), add, true);
+    return proxy::proxy_put_signal(*ch, pw, uint32_t(pe), api::heap_off(ctx, src) + head,
+                                   api::heap_off(ctx, dst_sym) + head, nbytes - head,
+                                   api::heap_off(ctx, sig_sym), add, true);
+  }
   const uint64_t step = api::max_wqe(ctx);
   // Payload beyond one WQE goes first, the last chunk travels with the signal.
   uint64_t head = nbytes > step ? ((nbytes - 1) / step) * step : 0;
@@ -216,6 +260,18 @@ GPUNET_DEVICE uint64_t atomic_fetch_add(const DevCtx& ctx, uint64_t* sym_addr, u
   const uint64_t gtid = uint64_t(b.x + g.x * (b.y + g.y * b.z)) * (bd.x * bd.y * bd.z) + arch::thread_rank();
   const uint64_t slots = ctx.scratch_slots ? ctx.scratch_slots : 1;
   uint64_t* result = reinterpret_cast<uint64_t*>(uintptr_t(ctx.scratch)) + (gtid % slots);
+  if (const proxy::ProxyChannel* ch = api::proxy_of(p)) {
+    // Through the proxy the addend travels in 32 bits (signed): larger ones are a bad argument.
+    uint64_t old = 0;
+    if (!proxy::proxy_atomic_fetch_add(*ch, w, uint32_t(pe),
+                                       api::heap_off(ctx, sym_addr), int64_t(v),
+                                       api::heap_off(ctx, result),
+                                       reinterpret_cast<const uint8_t*>(uintptr_t(ctx.local_base)),
+                                       &old))
+      return 0;
+    if (ok) *ok = true;
+    return old;
+  }
   QpDesc* qp = api::qp_of(p);
   Wqe q;
   wqe_atomic_fa(q, api::remote(ctx, p, sym_addr), p->rkey, uint64_t(uintptr_t(result)), ctx.lkey, v);
@@ -257,8 +313,17 @@ GPUNET_DEVICE bool quiet(const DevCtx& ctx) {
   const Waiter w = api::waiter(ctx);
   const PeerDesc* peers = reinterpret_cast<const PeerDesc*>(uintptr_t(ctx.peers));
   bool ok = true;
-  for (uint32_t pe = 0; pe < ctx.npes; ++pe)
-    if (peers[pe].qp) ok = quiet(reinterpret_cast<QpDesc*>(uintptr_t(peers[pe].qp)), w) && ok;
+  for (uint32_t pe = 0; pe < ctx.npes; ++pe) {
+    if (peers[pe].qp) {
+      ok = quiet(reinterpret_cast<QpDesc*>(uintptr_t(peers[pe].qp)), w) && ok;
+    } else if (peers[pe].proxy) {
+      // Peers often share a channel: quiet it once, at the first peer that uses it.
+      bool first = true;
+      for (uint32_t q = 0; q < pe && first; ++q) first = peers[q].qp || peers[q].proxy != peers[pe].proxy;
+      if (first)
+        ok = proxy::proxy_quiet_all(*api::proxy_of(&peers[pe]), w) && ok;
+    }
+  }
   return ok && !failed(w);
 }
 
@@ -266,6 +331,7 @@ GPUNET_DEVICE bool quiet(const DevCtx& ctx) {
 GPUNET_DEVICE bool quiet_pe(const DevCtx& ctx, int pe) {
   const Waiter w = api::waiter(ctx);
   const PeerDesc* p = api::peer(ctx, w, pe);
+  if (p && api::proxy_of(p)) return proxy::proxy_quiet_all(*api::proxy_of(p), w);
   return p && quiet(api::qp_of(p), w);
 }
 
@@ -286,13 +352,20 @@ GPUNET_DEVICE bool put_nbi_warp(const DevCtx& ctx, void* dst_sym, const void* sr
   const uint32_t ws = arch::warp_size(), lane = arch::lane_id();
   const PeerDesc* p = nullptr;
   if (pe < 0 || uint32_t(pe) >= ctx.npes ||
-      reinterpret_cast<const PeerDesc*>(uintptr_t(ctx.peers))[pe].qp == 0) {
+      (reinterpret_cast<const PeerDesc*>(uintptr_t(ctx.peers))[pe].qp == 0 &&
+       reinterpret_cast<const PeerDesc*>(uintptr_t(ctx.peers))[pe].proxy == 0)) {
     if (lane == 0) api::peer(ctx, w, pe);  // records the bad argument
     arch::syncwarp();
     return false;
   }
   p = reinterpret_cast<const PeerDesc*>(uintptr_t(ctx.peers)) + pe;
   if (nbytes == 0) return arch::all(!failed(w));
+  if (api::proxy_of(p)) {
+    // One command carries the whole put (the proxy splits it into WQEs): lane 0 pushes it.
+    bool ok = true;
+    if (lane == 0) ok = put_nbi(ctx, dst_sym, src, nbytes, pe);
+    return arch::shfl(uint32_t(ok), 0) != 0;
+  }
   const uint64_t step_max = api::max_wqe(ctx);
   const uint64_t round_bytes = step_max * ws;
   const uint64_t raddr = api::remote(ctx, p, dst_sym);
