@@ -16,8 +16,8 @@ def __getattr__(name):
     raise AttributeError("module 'gpunet' has no attribute %r" % name)
 
 
-_API = ("init", "put", "get", "put_signal", "atomic_add", "quiet", "barrier", "Context", "Remote",
-        "read_signal")
+_API = ("init", "put", "get", "put_signal", "atomic_add", "wait_until", "quiet", "barrier",
+        "Context", "Remote", "read_signal")
 
 __all__ = ["GpunetError", "ConfigError", "ToolchainError", "TimeoutError", "CompletionError",
            "CoherenceViolation", "ClosedError", "__version__", *_API]

@@ -1,4 +1,4 @@
-"""gpunet's command line: ``python -m gpunet selftest``."""
+"""gpunet's command line: ``python -m gpunet demo`` (the main job) or ``selftest``."""
 import argparse
 import sys
 
@@ -7,7 +7,14 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="gpunet", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("selftest", help="two connected QPs on the soft NIC, every operation, a table")
-    args = p.parse_args(argv)
+    sub.add_parser("demo", help="N ranks on the soft NIC: ping-pong and bandwidth, both transports",
+                   add_help=False)
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "demo":
+        from gpunet.demo import main as demo_main
+        return demo_main(rest)
+    if rest:
+        p.error("unrecognized arguments: %s" % " ".join(rest))
     if args.cmd == "selftest":
         from gpunet.selftest import run
         return run()

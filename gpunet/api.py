@@ -41,6 +41,12 @@ def atomic_add(remote, value, ctx=None):
     return (ctx or _context.current()).atomic_add(remote, value)
 
 
+def wait_until(signal, value, cmp="ge", index=0, ctx=None):
+    """Bounded wait until the NIC-updated int64 signal ``signal[index]`` compares ``cmp`` to
+    ``value`` ("eq" | "ne" | "ge" | "gt" | "le" | "lt"); raises gpunet.TimeoutError."""
+    (ctx or _context.current()).wait_until(signal, value, cmp, index)
+
+
 def quiet(ctx=None):
     """Wait for every operation this rank issued to complete."""
     (ctx or _context.current()).quiet()

@@ -379,6 +379,23 @@ class Context:
                                        value=int(value) & 0xFFFFFFFFFFFFFFFF)), "atomic_add")
         return int(ops[0].result)
 
+    def wait_until(self, signal, value, cmp="ge", index=0):
+        """Wait (bounded by the Context's timeout) until the 8-byte signal word ``signal[index]``
+        (an int64 heap tensor, NIC-updated, big-endian) compares ``cmp`` to ``value``:
+        "eq" | "ne" | "ge" | "gt" | "le" | "lt". After it returns, every payload the signalling
+        peer put before the signal is visible. Raises gpunet.TimeoutError on timeout."""
+        cmps = {"eq": abi.CMP_EQ, "ne": abi.CMP_NE, "ge": abi.CMP_GE, "gt": abi.CMP_GT,
+                "le": abi.CMP_LE, "lt": abi.CMP_LT}
+        if cmp not in cmps:
+            raise ConfigError("wait_until: cmp must be one of %s, not %r" % (sorted(cmps), cmp))
+        if signal.element_size() != 8:
+            raise ConfigError("wait_until: the signal tensor must have 8-byte elements (int64)")
+        if not 0 <= index < signal.numel():
+            raise ConfigError("wait_until: index %d out of range" % index)
+        off = self._offset_of(signal, "wait_until") + 8 * index
+        self._run(self._ops(dict(kind=abi.OP_WAIT_UNTIL, pe=self.rank, dst=self.heap_base + off,
+                                 cmp=cmps[cmp], value=int(value) & 0xFFFFFFFFFFFFFFFF)), "wait_until")
+
     def quiet(self):
         """Wait until every put/get/put_signal this rank issued has completed."""
         self._run(self._ops(dict(kind=abi.OP_QUIET)), "quiet")

@@ -3,7 +3,8 @@
 #   - libibverbs-dev: rdma-core's mlx5dv.h, the independent oracle for gpunet's wire format;
 #   - g++: compiles the device code's HOST arm (the SIMT emulator) and the oracle programs;
 #   - CPU torch, pinned: a bare `torch` would pull a multi-GB CUDA build;
-#   - gpunet itself, editable, with its test extra (pytest, hypothesis).
+#   - gpunet itself, editable, with its test extra (pytest, hypothesis) and matplotlib (the demo's
+#     PNG plot).
 # Set GPUNET_SKIP_APT=1 to skip the apt step (no root, or already installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,5 +17,5 @@ if [ "${GPUNET_SKIP_APT:-0}" != "1" ]; then
 fi
 PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check torch==2.13.0
-$PY -m pip install -q --disable-pip-version-check -e '.[test]'
+$PY -m pip install -q --disable-pip-version-check -e '.[test,plot]'
 echo "gpunet installed: $($PY -c 'import gpunet; print(gpunet.__version__)')"

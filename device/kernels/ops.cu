@@ -262,14 +262,19 @@ uint32_t gpunet_ops_abi_size(uint32_t which) {
 
 // Every thread of grid x block runs its op list (per_thread ops), then quiet. HOST: weak/seed/
 // order/sleep_ns select the weak-memory model; GPUs ignore them. Returns 0 or a launch error.
+// OpDesc / SchedParams travel as void*: they live in the anonymous namespace, and nvcc gives an
+// extern "C" function whose signature names such a type internal linkage (the symbol vanished
+// from the CUDA build).
 int gpunet_ops_launch(uint32_t grid, uint32_t block, uint32_t ws, uint32_t weak, uint64_t seed,
-                      uint32_t order, uint32_t sleep_ns, const DevCtx* ctx, OpDesc* ops, uint32_t per_thread) {
-  return gpunet::launch_kernel(spec(grid, block, ws, weak, seed, order, sleep_ns), k_ops, ctx, ops, per_thread);
+                      uint32_t order, uint32_t sleep_ns, const DevCtx* ctx, void* ops, uint32_t per_thread) {
+  return gpunet::launch_kernel(spec(grid, block, ws, weak, seed, order, sleep_ns), k_ops, ctx,
+                               static_cast<OpDesc*>(ops), per_thread);
 }
 
 int gpunet_schedule_launch(uint32_t grid, uint32_t block, uint32_t ws, uint32_t weak, uint64_t seed,
-                           uint32_t order, uint32_t sleep_ns, const DevCtx* ctx, const SchedParams* p) {
-  return gpunet::launch_kernel(spec(grid, block, ws, weak, seed, order, sleep_ns), k_schedule, ctx, p);
+                           uint32_t order, uint32_t sleep_ns, const DevCtx* ctx, const void* p) {
+  return gpunet::launch_kernel(spec(grid, block, ws, weak, seed, order, sleep_ns), k_schedule, ctx,
+                               static_cast<const SchedParams*>(p));
 }
 
 uint64_t gpunet_mix64(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) { return mix64(seed, a, b, c); }

@@ -1,0 +1,708 @@
+"""GPU-initiated posting on a real GPU: the ordering schedules on the CUDA arm, and the post rate.
+
+    python bench/device_post.py [--quick] [--json PATH]     # needs an NVIDIA GPU (CUDA arm)
+    python bench/device_post.py --compile-only              # builds the CUDA kernels, runs nothing
+    python bench/device_post.py --cpu-smoke                 # the same script on the HOST arm (CI box)
+
+The device code is gpunet's own (device/include/gpunet/qp.cuh through device/kernels/ops.cu and
+device/kernels/bench_post.cu), built with device/loader.py for arch "cuda" (nvcc -arch=sm_90).
+
+Memory (the same on every row):
+- SQ rings, CQs, doorbell records and doorbell words: in a soft NIC's arena (an mmap'd /dev/shm
+  file), registered whole with cudaHostRegister(Mapped | Portable) through host/platform.py; the
+  GPU uses the device pointer it returns (translated per address), the CPU the arena address.
+- QpDesc (with its device-only state), its slot arrays, DevCtx, PeerDesc, Status, SchedParams, the
+  schedule's results / violations and the bench kernel's arguments: device memory (cudaMalloc),
+  written and read back with platform.memcpy.
+- Payload: post-rate ("sink") rows: WRITE sources and destinations are device memory (cudaMalloc);
+  nothing reads them, the sink does not execute WQEs. End-to-end and ordering rows: the soft NIC
+  moves the bytes with memmove on the CPU, so the symmetric heaps are in the arena (host memory
+  mapped into the GPU), not in device memory. The ordering kernel also dereferences heap
+  addresses on the GPU (inline sources, atomic results, the receiver-side check) with the same
+  numbers the NIC uses, so it needs the registered arena's device pointer to equal its host
+  address (true on x86 Linux with UVA; checked, and the ordering rows are skipped with the reason
+  if not).
+
+Rows (the table says which is which):
+- ``store ceiling``: k_store, each lane stores 64-byte records (8 relaxed 8-byte stores) into a
+  host-mapped ring, no protocol: the upper bound any posting path can reach here.
+- ``post, sink``: k_post, W warps each post rounds of 32 64-byte RDMA WRITEs through qp.cuh's
+  post_warp (one reservation per warp, ordered publish, doorbell at db_batch boundaries: DBR,
+  fence, 64-bit doorbell store) on Q QPs (warp w uses QP w % Q), then quiet. The consumer is a
+  numba nogil CPU thread (the sink) that watches each QP's DBR and answers every change with one
+  CQE naming the last WQE (owner-bit CQ of sq_wqebbs entries by default, never overrunning it) —
+  it executes nothing, so the ring never blocks on execution. WQE/s = WQEs / kernel time (CUDA
+  events around the launch; the kernel ends after quiet, i.e. after the sink has credited the
+  last WQE).
+- ``post, soft NIC``: the same kernel on a connected soft NIC QP pair: the engine executes each
+  64-byte WRITE (memmove in the arena) and writes a CQE per WQE. End to end; bounded by the soft
+  NIC's engine thread, not by the GPU. The destination is compared with the source afterwards.
+- ``ordering``: ops.cu's k_schedule (tests/ordering_ref.py is the reference) against the soft
+  NIC, checking tests/test_ordering.py's invariants: memory == sequential reference (puts, gets,
+  warp puts), signals counted exactly, atomic fetch-add chains (exactly once), no signal before
+  its payload (in-kernel receiver check), heads equal and the NIC's consumer index at them, QP in
+  RTS, no failure in the Status. PASS / FAIL per launch (each launch = ROUNDS schedules).
+
+Target (the device-API issue): >= 100 M WQE/s posted by many warps with batched doorbells.
+Prints a table with the machine last; writes JSON (default bench/out/device_post.json).
+"""
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import platform as pyplatform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+from numba import njit
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))       # ordering_ref (the schedule's reference)
+
+from gpunet import errors, mlx5                                        # noqa: E402
+from gpunet.device import abi, loader                                  # noqa: E402
+from gpunet.device import loopback as L                                # noqa: E402
+from gpunet.host import platform as P                                  # noqa: E402
+from gpunet.host.rawmem import (address_of, c_sched_yield, load_acquire_u32,  # noqa: E402
+                                load_acquire_u64, store_release_u32)
+
+TARGET_MWQES = 100.0
+WARPS = (1, 4, 32, 132, 264)
+REGION, WARP_REGION, NCOUNTERS, ROUNDS = 256, 2048, 4, 8     # as tests/test_ordering.py
+PAYLOAD_SPAN = 1 << 20                                        # WRITE src/dst cycle (bytes)
+
+
+class PostArgs(ctypes.Structure):
+    """Mirror of bench_post.cu's PostArgs."""
+    _fields_ = [("qps", ctypes.c_uint64), ("status", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
+                ("raddr", ctypes.c_uint64), ("laddr", ctypes.c_uint64), ("span", ctypes.c_uint64),
+                ("nqps", ctypes.c_uint32), ("iters", ctypes.c_uint32), ("rkey", ctypes.c_uint32),
+                ("lkey", ctypes.c_uint32), ("nbytes", ctypes.c_uint32), ("do_quiet", ctypes.c_uint32)]
+
+
+# --- building ----------------------------------------------------------------------------------
+def build(arch):
+    """(ops lib, bench lib) for ``arch``, bound. nvcc missing: ToolchainError from the loader."""
+    ops = L.load_ops(arch)
+    b = loader.build([loader.kernels_dir() / "bench_post.cu"], arch=arch)
+    u32, vp = ctypes.c_uint32, ctypes.c_void_p
+    b.gpunet_bench_post_args_size.restype = u32
+    b.gpunet_bench_post.argtypes = [u32, u32, vp, ctypes.POINTER(ctypes.c_float)]
+    b.gpunet_bench_post.restype = ctypes.c_int
+    b.gpunet_bench_store.argtypes = [u32, u32, ctypes.c_uint64, u32, u32, ctypes.POINTER(ctypes.c_float)]
+    b.gpunet_bench_store.restype = ctypes.c_int
+    if b.gpunet_bench_post_args_size() != ctypes.sizeof(PostArgs):
+        raise errors.ToolchainError("bench_post.cu PostArgs is %d bytes, the mirror %d"
+                                    % (b.gpunet_bench_post_args_size(), ctypes.sizeof(PostArgs)))
+    return ops, b
+
+
+# --- device memory helpers -----------------------------------------------------------------------
+class Dev:
+    """Device-memory copies of ctypes objects / numpy arrays through the platform (CPU: memmove)."""
+
+    def __init__(self, plat):
+        self.plat = plat
+        self.allocs = []
+
+    def put(self, obj):
+        """A device copy of ``obj`` (ctypes object or numpy array); returns its device address."""
+        src, n = (obj.ctypes.data, obj.nbytes) if isinstance(obj, np.ndarray) else \
+            (ctypes.addressof(obj), ctypes.sizeof(obj))
+        a = self.plat.alloc("device", max(n, 64))
+        self.allocs.append(a)
+        self.plat.memcpy(a.ptr, src, n)
+        return a.ptr
+
+    def zeros(self, n):
+        return self.put(np.zeros(max(int(n), 8), np.uint8))
+
+    def get(self, obj, dptr):
+        """Copy device memory at ``dptr`` back into ``obj``."""
+        dst, n = (obj.ctypes.data, obj.nbytes) if isinstance(obj, np.ndarray) else \
+            (ctypes.addressof(obj), ctypes.sizeof(obj))
+        self.plat.memcpy(dst, dptr, n)
+        return obj
+
+    def write(self, dptr, obj):
+        src, n = (obj.ctypes.data, obj.nbytes) if isinstance(obj, np.ndarray) else \
+            (ctypes.addressof(obj), ctypes.sizeof(obj))
+        self.plat.memcpy(dptr, src, n)
+
+    def close(self):
+        for a in reversed(self.allocs):
+            self.plat.free(a)
+        self.allocs = []
+
+
+class Mapped:
+    """A soft NIC's whole arena registered with the GPU (cudaHostRegister Mapped)."""
+
+    def __init__(self, plat, nic):
+        # The arena's mapping (private attribute of SoftNic: the one file that holds every ring).
+        self.plat, self.base, self.size = plat, nic._arena.base, nic._arena.size
+        self.dptr = plat.host_register(self.base, self.size)
+
+    def g(self, addr):
+        """The GPU's address for arena address ``addr``."""
+        return int(addr) - self.base + self.dptr
+
+    @property
+    def identity(self):
+        return self.dptr == self.base
+
+    def close(self):
+        self.plat.host_unregister(self.base)
+
+
+def device_qpdesc(m, dev, nic_qp, cq, peer, db_batch):
+    """A QpDesc for ``nic_qp`` whose ring pointers are GPU addresses; slot arrays in device memory."""
+    d = abi.QpDesc()
+    d.sq, d.dbrec, d.db = m.g(nic_qp.sq_addr), m.g(nic_qp.dbrec_addr), m.g(nic_qp.db_addr)
+    d.slot_db = dev.zeros(nic_qp.sq_wqebbs * 8)
+    d.slot_nbb = dev.zeros(nic_qp.sq_wqebbs * 4)
+    d.sq_wqebbs, d.qpn, d.peer, d.db_batch, d.max_inline = (nic_qp.sq_wqebbs, nic_qp.qpn, peer, db_batch,
+                                                          nic_qp.max_inline)
+    d.cq.buf, d.cq.dbrec, d.cq.cqe_cnt, d.cq.collapsed = m.g(cq.buf_addr), m.g(cq.dbrec_addr), cq.cqe_cnt, \
+        int(cq.collapsed)
+    return d
+
+
+def heads(d):
+    return int(d.resv_head), int(d.ready_head), int(d.db_head), int(d.done_head)
+
+
+# --- the sink consumer ---------------------------------------------------------------------------
+@njit(cache=True, nogil=True)
+def _sink(dbrecs, cqbufs, cqdbrecs, cnts, collapsed, last, pis, ctl_addr, stats):
+    """Until the u64 at ctl_addr is non-zero: for each QP whose DBR changed, write one CQE naming
+    the last WQE before the DBR (its 16-bit counter = DBR - 1; every bench WQE is one WQEBB). Owner
+    mode never writes more than cnt CQEs ahead of the consumer's CQ DBR. stats: [CQEs, passes]."""
+    n = dbrecs.shape[0]
+    idle = 0
+    while load_acquire_u64(ctl_addr) == 0:
+        did = 0
+        for q in range(n):
+            dbr = np.int64(mlx5.bswap32(load_acquire_u32(dbrecs[q] + 4))) & 0xFFFF
+            if dbr == last[q]:
+                continue
+            c = (dbr - 1) & 0xFFFF
+            w = ((c & 0xFF) << 8) | ((c >> 8) & 0xFF)        # wqe_counter be16 @60, signature @62 = 0
+            if collapsed[q] != 0:
+                store_release_u32(cqbufs[q] + 60, np.uint32(w))  # op_own 0x00: REQ
+            else:
+                ci = np.int64(mlx5.bswap32(load_acquire_u32(cqdbrecs[q]))) & 0xFFFFFF
+                pi = pis[q]
+                if ((pi - ci) & 0xFFFFFF) >= cnts[q]:
+                    continue                                     # CQ full: wait for the consumer
+                owner = 1 if (pi & cnts[q]) != 0 else 0
+                store_release_u32(cqbufs[q] + (pi & (cnts[q] - 1)) * 64 + 60, np.uint32(w | (owner << 24)))
+                pis[q] = pi + 1
+            last[q] = dbr
+            did += 1
+        stats[0] += did
+        stats[1] += 1
+        if did == 0:
+            idle += 1
+            if (idle & 1023) == 0:
+                c_sched_yield()
+        else:
+            idle = 0
+    return 0
+
+
+class Sink:
+    """The sink thread over a list of (QP, CQ) of a soft NIC whose engine does not run them."""
+
+    def __init__(self, pairs):
+        self.dbrecs = np.array([q.dbrec_addr for q, _ in pairs], np.int64)
+        self.cqbufs = np.array([c.buf_addr for _, c in pairs], np.int64)
+        self.cqdbrecs = np.array([c.dbrec_addr for _, c in pairs], np.int64)
+        self.cnts = np.array([c.cqe_cnt for _, c in pairs], np.int64)
+        self.collapsed = np.array([int(c.collapsed) for _, c in pairs], np.int64)
+        self.last = np.zeros(len(pairs), np.int64)
+        self.pis = np.zeros(len(pairs), np.int64)
+        self.ctl = np.zeros(8, np.uint64)
+        self.stats = np.zeros(2, np.int64)
+        self.ctl[0] = 1
+        self._call()                       # compile (or load) with the stop flag set
+        self.ctl[0] = 0
+        self.thread = threading.Thread(target=self._call, name="device-post-sink", daemon=True)
+        self.thread.start()
+
+    def _call(self):
+        _sink(self.dbrecs, self.cqbufs, self.cqdbrecs, self.cnts, self.collapsed, self.last, self.pis,
+              address_of(self.ctl), self.stats)
+
+    def close(self):
+        self.ctl[0] = 1
+        self.thread.join()
+
+
+# --- post-rate rows ------------------------------------------------------------------------------
+def _geometry(warps):
+    """(grid, block): one warp per block up to 132 (one per SM on an H200), then 2 per block."""
+    if warps <= 132:
+        return warps, 32
+    return (warps + 1) // 2, 64
+
+
+def run_post(blib, dev, qdescs_dev, nqps, status_dev, warps, iters, raddr, laddr, rkey, lkey,
+             timeout_s=10.0):
+    a = PostArgs(qps=qdescs_dev, status=status_dev, timeout_ns=int(timeout_s * 1e9), raddr=raddr,
+                 laddr=laddr, span=PAYLOAD_SPAN, nqps=nqps, iters=iters, rkey=rkey, lkey=lkey, nbytes=64,
+                 do_quiet=1)
+    grid, block = _geometry(warps)
+    ms = ctypes.c_float(0)
+    rc = blib.gpunet_bench_post(grid, block, ctypes.addressof(a), ctypes.byref(ms))
+    if rc != 0:
+        raise errors.GpunetError("bench post kernel failed: error %d" % rc)
+    st = dev.get(abi.Status(), status_dev)
+    abi.raise_for_status(st, "post kernel")
+    return ms.value / 1e3
+
+
+class SinkWorld:
+    """``nqps`` QPs (rings of ``sq`` WQEBBs) on a soft NIC that never executes them, the sink thread,
+    device QpDescs, device payload buffers."""
+
+    def __init__(self, plat, nqps, sq, collapsed, db_batch):
+        from gpunet.host.softnic import SoftNic
+        self.plat, self.nqps, self.sq = plat, nqps, sq
+        need = nqps * sq * 64 * (1 if collapsed else 2) + (4 << 20)
+        self.nic = SoftNic(arena_bytes=max(16 << 20, need + (need >> 2)))
+        self.pairs = []
+        for _ in range(nqps):
+            cq = self.nic.create_cq(cqe_cnt=sq, collapsed=collapsed)
+            qp = self.nic.create_qp(cq, sq_wqebbs=sq)          # never connected: the engine skips it
+            self.pairs.append((qp, cq))
+        self.m = Mapped(plat, self.nic)
+        self.dev = Dev(plat)
+        arr = (abi.QpDesc * nqps)()
+        for i, (qp, cq) in enumerate(self.pairs):
+            arr[i] = device_qpdesc(self.m, self.dev, qp, cq, 1, db_batch)
+        self.qds = arr
+        self.qds_dev = self.dev.put(arr)
+        self.status_dev = self.dev.zeros(ctypes.sizeof(abi.Status))
+        self.src = plat.alloc("device", PAYLOAD_SPAN)
+        self.dst = plat.alloc("device", PAYLOAD_SPAN)
+        self.sink = Sink(self.pairs)
+
+    def set_batch(self, db_batch):
+        self.dev.get(self.qds, self.qds_dev)
+        for i in range(self.nqps):
+            self.qds[i].db_batch = db_batch
+        self.dev.write(self.qds_dev, self.qds)
+
+    def run(self, blib, warps, iters):
+        before = [heads(d) for d in self.dev.get(self.qds, self.qds_dev)]
+        secs = run_post(blib, self.dev, self.qds_dev, self.nqps, self.status_dev, warps, iters,
+                        self.dst.ptr, self.src.ptr, 0, 0)
+        after = [heads(d) for d in self.dev.get(self.qds, self.qds_dev)]
+        posted = sum(a[0] - b[0] for a, b in zip(after, before))
+        for h in after:
+            if not h[0] == h[1] == h[2] == h[3]:
+                raise errors.GpunetError("heads differ after the post kernel: %s" % (h,))
+        return secs, posted
+
+    def close(self):
+        self.sink.close()
+        self.plat.free(self.src)
+        self.plat.free(self.dst)
+        self.dev.close()
+        self.m.close()
+        self.nic.close()
+
+
+def store_row(blib, plat, warps, iters, ring_slots=4096):
+    from gpunet.host.softnic import SoftNic
+    with SoftNic(arena_bytes=8 << 20) as nic:
+        ring = nic.alloc(ring_slots * 64, 4096)
+        m = Mapped(plat, nic)
+        try:
+            grid, block = _geometry(warps)
+            ms = ctypes.c_float(0)
+            rc = blib.gpunet_bench_store(grid, block, m.g(address_of(ring)), ring_slots, iters, ctypes.byref(ms))
+            if rc != 0:
+                raise errors.GpunetError("store kernel failed: error %d" % rc)
+        finally:
+            m.close()
+    return ms.value / 1e3, warps * iters * 32
+
+
+# --- the soft NIC as consumer ---------------------------------------------------------------------
+class NicWorld:
+    """One soft NIC (engine running), its arena mapped into the GPU, Loopbacks built on it, and
+    device mirrors of their descriptors."""
+
+    def __init__(self, plat, arena_bytes=160 << 20):
+        from gpunet.host.softnic import SoftNic
+        self.plat = plat
+        self.nic = SoftNic(arena_bytes=arena_bytes)
+        self.m = Mapped(plat, self.nic)          # registered before any allocation: covers them all
+        self.lbs = {}
+
+    def loopback(self, depth, collapsed, batch, heap=2 << 20):
+        key = (depth, collapsed, batch, heap)
+        if key not in self.lbs:
+            lb = L.Loopback(self.nic, sq_wqebbs=depth, collapsed=collapsed, db_batch=batch, timeout_s=5.0,
+                            heap_bytes=heap)
+            lb.keep = lb._top
+            lb.dm = DeviceLoopback(self.plat, self.m, lb, batch)
+            self.lbs[key] = lb
+        lb = self.lbs[key]
+        lb.reset_heap(lb.keep)
+        return lb
+
+    def close(self):
+        for lb in self.lbs.values():
+            lb.dm.dev.close()
+        self.m.close()
+        self.nic.close()
+
+
+class DeviceLoopback:
+    """Device-memory copies of a Loopback's QpDesc (+ slots), PeerDesc[2], Status, DevCtx."""
+
+    def __init__(self, plat, m, lb, batch):
+        self.dev = Dev(plat)
+        self.qd = device_qpdesc(m, self.dev, lb.a, lb.cq, L.PEER, batch)
+        self.qd_dev = self.dev.put(self.qd)
+        self.status_dev = self.dev.zeros(ctypes.sizeof(abi.Status))
+        peers = (abi.PeerDesc * 2)()
+        ctypes.memmove(ctypes.addressof(peers), ctypes.addressof(lb.peers), ctypes.sizeof(peers))
+        peers[L.PEER].qp = self.qd_dev
+        self.peers_dev = self.dev.put(peers)
+        ctx = abi.DevCtx()
+        ctypes.memmove(ctypes.addressof(ctx), ctypes.addressof(lb.ctx), ctypes.sizeof(ctx))
+        ctx.peers, ctx.status = self.peers_dev, self.status_dev
+        self.ctx_dev = self.dev.put(ctx)
+
+    def heads(self):
+        return heads(self.dev.get(self.qd, self.qd_dev))
+
+    def status(self):
+        return self.dev.get(abi.Status(), self.status_dev)
+
+
+def e2e_row(blib, world, warps, iters, depth, batch, collapsed=False):
+    lb = world.loopback(depth, collapsed, batch, heap=4 << 20)
+    src_off, dst_off = lb.sym(PAYLOAD_SPAN), lb.sym(PAYLOAD_SPAN)
+    pattern = np.random.default_rng(warps).integers(0, 256, PAYLOAD_SPAN, dtype=np.uint8)
+    lb.local[src_off:src_off + PAYLOAD_SPAN] = pattern
+    lb.remote[dst_off:dst_off + PAYLOAD_SPAN] = 0
+    h0 = lb.dm.heads()
+    w0 = world.nic.stats()["wqes"]
+    secs = run_post(blib, lb.dm.dev, lb.dm.qd_dev, 1, lb.dm.status_dev, warps, iters,
+                    lb.remote_base + dst_off, lb.local_base + src_off, lb.remote_mr.rkey, lb.local_mr.lkey)
+    h1 = lb.dm.heads()
+    posted = h1[0] - h0[0]
+    executed = world.nic.stats()["wqes"] - w0
+    covered = min(PAYLOAD_SPAN, posted * 64)
+    same = bool((lb.remote[dst_off:dst_off + covered] == pattern[:covered]).all())
+    ok = (h1[0] == h1[1] == h1[2] == h1[3] and executed >= posted and same
+          and world.nic.qp_state(lb.a) == "RTS")
+    return secs, posted, ok, "executed %d, dst==src over %d B: %s" % (executed, covered, same)
+
+
+# --- the ordering schedules on the GPU -------------------------------------------------------------
+def schedule_case(ops, world, seed, blocks, wpb, nops, depth, batch, collapsed, ws=32, check_every=4):
+    """One launch (ROUNDS schedules) of ops.cu's k_schedule; returns (ok, message)."""
+    from ordering_ref import check_atomic_chains, expand
+    T, nwarps, R, mix = blocks * wpb * ws, blocks * wpb, ROUNDS, abi.MIX_ALL
+    sizes = {"src": T * REGION, "wsrc": nwarps * WARP_REGION, "get_src": T * REGION,
+             "get_dst": R * T * REGION, "put_dst": R * T * REGION, "warp_dst": R * nwarps * WARP_REGION,
+             "sig": R * T * 8, "counters": NCOUNTERS * 8}
+    heap = 1 << 20
+    while heap < sum(sizes.values()) + len(sizes) * 64 + (64 << 10):
+        heap <<= 1
+    lb = world.loopback(depth, collapsed, batch, heap=heap)
+    dm, dev = lb.dm, lb.dm.dev
+    o = {k: lb.sym(n) for k, n in sizes.items()}
+    rng = np.random.default_rng(seed & 0xFFFFFFFF)
+    Lh, Rh = lb.local, lb.remote
+    src = rng.integers(0, 256, sizes["src"], dtype=np.uint8)
+    wsrc = rng.integers(0, 256, sizes["wsrc"], dtype=np.uint8)
+    gsrc = rng.integers(0, 256, sizes["get_src"], dtype=np.uint8)
+    Lh[o["src"]:o["src"] + src.size] = src
+    Lh[o["wsrc"]:o["wsrc"] + wsrc.size] = wsrc
+    Rh[o["get_src"]:o["get_src"] + gsrc.size] = gsrc
+    for k, side in [("get_dst", Lh), ("put_dst", Rh), ("warp_dst", Rh), ("sig", Rh), ("counters", Rh)]:
+        side[o[k]:o[k] + sizes[k]] = 0
+    results = np.zeros(R * T * nops, np.uint64)
+    violations = np.zeros(T, np.uint64)
+    res_dev, vio_dev = dev.put(results), dev.put(violations)
+    p = abi.SchedParams()
+    p.seed, p.rounds, p.ops, p.nthreads = seed, R, nops, T
+    p.region, p.max_size, p.mix, p.ncounters = REGION, REGION, mix, NCOUNTERS
+    p.warp_region, p.check_every, p.pe = WARP_REGION, check_every, L.PEER
+    b = lb.local_base
+    p.src, p.wsrc, p.get_src, p.get_dst = b + o["src"], b + o["wsrc"], b + o["get_src"], b + o["get_dst"]
+    p.put_dst, p.warp_dst, p.sig, p.counters = b + o["put_dst"], b + o["warp_dst"], b + o["sig"], b + o["counters"]
+    p.results, p.violations, p.peer_view = res_dev, vio_dev, lb.remote_base
+    p_dev = dev.put(p)
+    h0 = dm.heads()
+    t0 = time.perf_counter()
+    rc = ops.gpunet_schedule_launch(blocks, wpb * ws, ws, 0, 0, 0, 0, dm.ctx_dev, p_dev)
+    secs = time.perf_counter() - t0
+    if rc != 0:
+        return False, "launch failed: error %d" % rc, secs
+    st = dm.status()
+    err = abi.status_error(st, "schedule kernel")
+    if err is not None:
+        dev.write(dm.status_dev, abi.Status())        # clear for the next case on this QP
+        return False, str(err), secs
+    dev.get(results, res_dev)
+    dev.get(violations, vio_dev)
+    e_put = np.zeros(sizes["put_dst"], np.uint8)
+    e_get = np.zeros(sizes["get_dst"], np.uint8)
+    e_warp = np.zeros(sizes["warp_dst"], np.uint8)
+    e_sig = np.zeros(R * T, np.uint64)
+    atomics = np.zeros((R * T * nops, 3), np.int64)
+    wqes = expand(seed, R, nops, T, REGION, REGION, mix, NCOUNTERS, WARP_REGION, ws,
+                  src, wsrc, gsrc, e_put, e_get, e_warp, e_sig, atomics)
+    try:
+        assert (Rh[o["put_dst"]:o["put_dst"] + e_put.size] == e_put).all(), "put data != reference"
+        assert (Lh[o["get_dst"]:o["get_dst"] + e_get.size] == e_get).all(), "get data != reference"
+        assert (Rh[o["warp_dst"]:o["warp_dst"] + e_warp.size] == e_warp).all(), "warp-put data != reference"
+        sig = Rh[o["sig"]:o["sig"] + R * T * 8].view(">u8").astype(np.uint64)
+        assert (sig == e_sig).all(), "signal counts differ"
+        check_atomic_chains(atomics, results, Rh[o["counters"]:o["counters"] + NCOUNTERS * 8].view(">u8"))
+        assert int(violations.sum()) == 0, "a receiver saw a signal before its payload"
+        h = dm.heads()
+        assert h[0] == h[1] == h[2] == h[3], "heads differ %s" % (h,)
+        assert h[0] - h0[0] >= wqes, "fewer WQEBBs (%d) than the reference's WQEs (%d)" % (h[0] - h0[0], wqes)
+        assert world.nic.qp_sq_ci(lb.a) == h[0] & 0xFFFF, "NIC consumer index != heads"
+        assert world.nic.qp_state(lb.a) == "RTS", "QP not in RTS"
+    except AssertionError as e:
+        return False, str(e), secs
+    return True, "%d WQEs, %d schedules" % (wqes, R), secs
+
+
+SCHEDULES = [  # (blocks, warps per block, ops, depth, db_batch, collapsed CQ)
+    (1, 1, 8, 16, 1, False),
+    (2, 2, 6, 8, 2, False),
+    (2, 2, 8, 64, 32, False),
+    (4, 4, 8, 64, 8, False),
+    (8, 4, 6, 256, 32, False),
+    (1, 1, 8, 16, 2, True),
+    (2, 2, 8, 64, 8, True),
+]
+
+
+class _Abandon(Exception):
+    pass
+
+
+# --- machine ------------------------------------------------------------------------------------
+def machine(plat):
+    cpu = pyplatform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    out = {"node": pyplatform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": pyplatform.python_version(),
+           "platform": plat.name, "date": datetime.date.today().isoformat()}
+    try:
+        import torch
+        out["torch"] = torch.__version__
+        out["cuda"] = torch.version.cuda
+        if plat.name == "cuda":
+            out["gpu"] = torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        if r.returncode == 0 and r.stdout.strip():
+            name, drv = [s.strip() for s in r.stdout.strip().splitlines()[0].split(",", 1)]
+            out["gpu"], out["driver"] = name, drv
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    return out
+
+
+def _fmt_table(rows, mach, ordering):
+    lines = []
+    lines.append("| row | warps | QPs | ring | db_batch | CQ | WQEs | time (ms) | M WQE/s | note |")
+    lines.append("|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
+    for r in rows:
+        lines.append("| %s | %d | %s | %s | %s | %s | %d | %.2f | %.1f | %s |" % (
+            r["row"], r["warps"], r.get("qps", "-"), r.get("ring", "-"), r.get("db_batch", "-"),
+            r.get("cq", "-"), r["wqes"], r["seconds"] * 1e3, r["mwqes"], r.get("note", "")))
+    if ordering:
+        lines.append("")
+        lines.append("| ordering launch | blocks x warps | ops | depth | db_batch | CQ | result | detail |")
+        lines.append("|---|---|---:|---:|---:|---|---|---|")
+        for o in ordering:
+            lines.append("| seed %d | %dx%d | %d | %d | %d | %s | %s | %s |" % (
+                o["seed"], o["blocks"], o["wpb"], o["ops"], o["depth"], o["db_batch"],
+                "collapsed" if o["collapsed"] else "owner", "PASS" if o["ok"] else "FAIL", o["detail"]))
+    lines.append("")
+    lines.append("machine: %s" % ", ".join("%s=%s" % kv for kv in mach.items()))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--compile-only", action="store_true", help="build the CUDA kernels and exit")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="run everything small on the HOST arm (no GPU): checks the script's logic")
+    ap.add_argument("--quick", action="store_true", help="fewer WQEs per row")
+    ap.add_argument("--json", default=str(ROOT / "bench" / "out" / "device_post.json"))
+    ap.add_argument("--warps", default=",".join(map(str, WARPS)))
+    ap.add_argument("--qps", default="1,8", help="QP counts of the sink rows")
+    ap.add_argument("--batches", default="32,256", help="db_batch values of the sink rows")
+    ap.add_argument("--sq", type=int, default=4096, help="ring depth (WQEBBs) of the sink rows")
+    ap.add_argument("--cq", choices=["owner", "collapsed", "both"], default="owner")
+    ap.add_argument("--wqes", type=int, default=1 << 22, help="WQEs per sink row (about)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per row (best is reported)")
+    ap.add_argument("--seeds", type=int, default=2, help="seeds per ordering configuration")
+    ap.add_argument("--skip", default="", help="comma list of: store,sink,e2e,ordering")
+    args = ap.parse_args(argv)
+
+    if args.compile_only:
+        ops, b = build("cuda")
+        print("built for CUDA (%s): %s, %s" % (os.environ.get("GPUNET_CUDA_ARCH", "sm_90"),
+                                               ops.gpunet_path, b.gpunet_path))
+        return 0
+
+    if args.cpu_smoke:
+        os.environ["GPUNET_PLATFORM"] = "cpu"
+        P.reset_platform()
+    plat = P.get_platform()
+    if not args.cpu_smoke and plat.name != "cuda":
+        print("device_post.py needs an NVIDIA GPU (the CUDA arm): the platform here is %r (%s). "
+              "Use --compile-only to build the kernels, or --cpu-smoke to run the logic on the HOST arm."
+              % (plat.name, plat.detected_by), file=sys.stderr)
+        return 2
+    arch = "host" if args.cpu_smoke else "cuda"
+    if plat.name == "cuda":
+        import torch
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")          # make the primary context current first
+    ops, blib = build(arch)
+    skip = set(filter(None, args.skip.split(",")))
+    warps_list = [int(w) for w in args.warps.split(",")]
+    total = args.wqes // (8 if args.quick else 1)
+    if args.cpu_smoke:
+        warps_list, total, args.repeat = [1, 2], 2048, 1
+    mach = machine(plat)
+    rows, ordering = [], []
+    t_start = time.perf_counter()
+
+    if "store" not in skip:
+        for w in warps_list:
+            iters = max(16, total // (w * 32))
+            best = None
+            for _ in range(args.repeat):
+                s, n = store_row(blib, plat, w, iters)
+                best = s if best is None or s < best else best
+            rows.append({"row": "store ceiling", "warps": w, "ring": 4096, "wqes": n, "seconds": best,
+                         "mwqes": n / best / 1e6, "note": "64-B records, no protocol"})
+            print(rows[-1], flush=True)
+
+    if "sink" not in skip:
+        cqs = ["owner", "collapsed"] if args.cq == "both" else [args.cq]
+        for cqmode in cqs:
+            for nq in [int(q) for q in args.qps.split(",")]:
+                world = SinkWorld(plat, nq, args.sq, cqmode == "collapsed", 32)
+                try:
+                    for batch in [int(b) for b in args.batches.split(",")]:
+                        world.set_batch(batch)
+                        for w in warps_list:
+                            if nq > w:
+                                continue
+                            iters = max(16, total // (w * 32))
+                            try:
+                                world.run(blib, w, min(iters, 16))     # warm-up
+                                best, n = None, 0
+                                for _ in range(args.repeat):
+                                    s, n = world.run(blib, w, iters)
+                                    best = s if best is None or s < best else best
+                            except errors.GpunetError as e:
+                                rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
+                                             "db_batch": batch, "cq": cqmode, "wqes": 0, "seconds": 1.0,
+                                             "mwqes": 0.0, "note": "FAIL: %s" % str(e)[:300]})
+                                print(rows[-1], flush=True)
+                                raise _Abandon()
+                            rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
+                                         "db_batch": batch, "cq": cqmode, "wqes": n, "seconds": best,
+                                         "mwqes": n / best / 1e6,
+                                         "note": "sink CQEs %d" % int(world.sink.stats[0])})
+                            print(rows[-1], flush=True)
+                except _Abandon:
+                    pass                  # this world's QPs are in an unknown state: next config
+                finally:
+                    world.close()
+
+    world = None
+    if not ({"e2e", "ordering"} <= skip):
+        world = NicWorld(plat, arena_bytes=(96 << 20) if args.cpu_smoke else (512 << 20))
+    try:
+        if "e2e" not in skip:
+            for coll in (False, True):
+                for w in ([1, 2] if args.cpu_smoke else [32, 132]):
+                  n_e2e = (1 << 20) // (8 if args.quick else 1) if not args.cpu_smoke else 1024
+                  iters = max(4, n_e2e // (w * 32))
+                  try:
+                      s, n, ok, note = e2e_row(blib, world, w, iters, 4096, 64, coll)
+                  except errors.GpunetError as e:
+                      s, n, ok, note = 1.0, 0, False, str(e)[:300]
+                  rows.append({"row": "post, soft NIC", "warps": w, "qps": 1, "ring": 4096, "db_batch": 64,
+                               "cq": "collapsed" if coll else "owner", "wqes": n, "seconds": s,
+                               "mwqes": n / s / 1e6,
+                               "note": ("OK " if ok else "FAIL ") + note})
+                  print(rows[-1], flush=True)
+        if "ordering" not in skip:
+            if not world.m.identity:
+                ordering.append({"seed": 0, "blocks": 0, "wpb": 0, "ops": 0, "depth": 0, "db_batch": 0,
+                                 "collapsed": False, "ok": False,
+                                 "detail": "SKIPPED: the registered arena's device pointer 0x%x != its host "
+                                           "address 0x%x" % (world.m.dptr, world.m.base)})
+            else:
+                scheds = SCHEDULES[:2] + SCHEDULES[5:6] if args.cpu_smoke else SCHEDULES
+                for k, (bl, wpb, nops, depth, batch, coll) in enumerate(scheds):
+                    for s_i in range(1 if args.cpu_smoke else args.seeds):
+                        seed = 1000003 * (k + 1) + s_i
+                        ok, detail, secs = schedule_case(ops, world, seed, bl, wpb, nops, depth, batch, coll)
+                        ordering.append({"seed": seed, "blocks": bl, "wpb": wpb, "ops": nops, "depth": depth,
+                                         "db_batch": batch, "collapsed": coll, "ok": ok,
+                                         "detail": "%s (%.1f ms)" % (detail, secs * 1e3)})
+                        print("ordering", ordering[-1], flush=True)
+    finally:
+        if world is not None:
+            world.close()
+
+    out = {"machine": mach, "target_mwqes": TARGET_MWQES, "rows": rows, "ordering": ordering,
+           "arch": arch, "elapsed_s": time.perf_counter() - t_start}
+    sink_rows = [r for r in rows if r["row"] == "post, sink"]
+    if sink_rows:
+        best = max(sink_rows, key=lambda r: r["mwqes"])
+        out["best_sink"] = best
+        out["target_met"] = best["mwqes"] >= TARGET_MWQES
+    out["ordering_pass"] = all(o["ok"] for o in ordering) if ordering else None
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print()
+    print(_fmt_table(rows, mach, ordering))
+    if sink_rows:
+        print("best post rate (sink): %.1f M WQE/s (target %.0f: %s)" % (
+            out["best_sink"]["mwqes"], TARGET_MWQES, "met" if out["target_met"] else "NOT met"))
+    if ordering:
+        print("ordering: %d/%d launches PASS" % (sum(o["ok"] for o in ordering), len(ordering)))
+    return 0 if out["ordering_pass"] in (None, True) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+// Post-rate kernels for bench/device_post.py: how fast GPU warps put RDMA-WRITE WQEs into a
+// host-mapped send queue through qp.cuh's warp-cooperative path (post_warp: one reservation per
+// warp, lane i writes WQE i, lane 0 publishes in order and rings at db_batch boundaries).
+//
+//   k_post   warp w posts `iters` rounds of 32 (warp size) 64-byte RDMA WRITEs on qps[w % nqps],
+//            then lane 0 quiets that QP (every WQE completed, as the consumer reports it).
+//   k_store  the ceiling: the same 64-byte WQE stores into the same kind of ring with no protocol
+//            (no reservation, publish, doorbell or completion), as FACTS.md's 200 M/s row.
+//
+// Launchers time the kernel with CUDA events (HOST arm: steady_clock) and return 0 or the error.
+#include <gpunet/qp.cuh>
+
+#if defined(GPUNET_ARM_HOST)
+#include <chrono>
+#endif
+
+namespace arch = gpunet::arch;
+
+namespace {
+
+struct PostArgs {          // mirrored in bench/device_post.py (PostArgs)
+  uint64_t qps;            // QpDesc[nqps], device memory
+  uint64_t status;         // Status, device memory
+  uint64_t timeout_ns;
+  uint64_t raddr;          // WRITE destination base (the consumer never reads it in sink mode)
+  uint64_t laddr;          // WRITE source base
+  uint64_t span;           // bytes of the src/dst regions the WQEs cycle through (multiple of 64)
+  uint32_t nqps;
+  uint32_t iters;          // warp posts per warp (each warp_size WQEs)
+  uint32_t rkey;
+  uint32_t lkey;
+  uint32_t nbytes;         // bytes per WRITE
+  uint32_t do_quiet;       // 1: lane 0 quiets its QP at the end
+};
+static_assert(sizeof(PostArgs) == 72, "PostArgs is mirrored in bench/device_post.py");
+
+GPUNET_GLOBAL void k_post(PostArgs a) {
+  const uint32_t ws = arch::warp_size(), lane = arch::lane_id();
+  const arch::Dim3 b = arch::block_idx(), bd = arch::block_dim();
+  const uint64_t gwarp = uint64_t(b.x) * ((bd.x + ws - 1) / ws) + arch::warp_id();
+  gpunet::QpDesc* qp = reinterpret_cast<gpunet::QpDesc*>(uintptr_t(a.qps)) + (gwarp % a.nqps);
+  const gpunet::Waiter w{reinterpret_cast<gpunet::Status*>(uintptr_t(a.status)), a.timeout_ns};
+  const uint64_t slots = a.span / 64 ? a.span / 64 : 1;
+  bool ok = true;
+  for (uint32_t it = 0; it < a.iters && ok; ++it) {
+    const uint64_t k = ((gwarp * a.iters + it) * ws + lane) % slots;
+    gpunet::Wqe q;
+    gpunet::wqe_rdma(q, gpunet::mlx5::OPCODE_RDMA_WRITE, a.raddr + k * 64, a.rkey, a.laddr + k * 64, a.lkey,
+                     a.nbytes);
+    ok = gpunet::post_warp(qp, w, q, ws);
+  }
+  if (a.do_quiet && lane == 0 && ok) gpunet::quiet(qp, w);
+  arch::syncwarp();
+}
+
+// Lane i of warp w stores 64-byte record (w * iters + it) * ws + i (mod ring) — 8 relaxed u64
+// stores, like write_wqe — and nothing else; one fence_sys at the end.
+GPUNET_GLOBAL void k_store(uint64_t ring, uint32_t ring_slots, uint32_t iters) {
+  const uint32_t ws = arch::warp_size(), lane = arch::lane_id();
+  const arch::Dim3 b = arch::block_idx(), bd = arch::block_dim();
+  const uint64_t gwarp = uint64_t(b.x) * ((bd.x + ws - 1) / ws) + arch::warp_id();
+  for (uint32_t it = 0; it < iters; ++it) {
+    const uint64_t k = ((gwarp * iters + it) * ws + lane) & (ring_slots - 1);
+    uint64_t* p = reinterpret_cast<uint64_t*>(uintptr_t(ring + k * 64));
+    for (int i = 0; i < 8; ++i) arch::store_relaxed(p + i, k * 8 + i);
+  }
+  arch::fence_sys();
+}
+
+template <class K, class... Args>
+int timed(uint32_t grid, uint32_t block, float* ms, K kernel, Args... args) {
+  gpunet::LaunchSpec s;
+  s.grid = grid;
+  s.block = block;
+#if defined(GPUNET_ARM_HOST)
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rc = gpunet::launch_kernel(s, kernel, args...);
+  *ms = std::chrono::duration<float, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return rc;
+#else
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  s.sync = false;
+  cudaEventRecord(e0, 0);
+  int rc = gpunet::launch_kernel(s, kernel, args...);
+  cudaEventRecord(e1, 0);
+  cudaError_t err = cudaEventSynchronize(e1);
+  if (rc == 0) rc = int(err);
+  if (rc == 0) rc = int(cudaGetLastError());
+  cudaEventElapsedTime(ms, e0, e1);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return rc;
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
+uint32_t gpunet_bench_post_args_size() { return sizeof(PostArgs); }
+
+// grid x block threads (block a multiple of the warp size); *ms = kernel time. 0 or an error code.
+// (PostArgs travels as void*: a type of the anonymous namespace in an extern "C" signature
+// makes nvcc drop the symbol.)
+int gpunet_bench_post(uint32_t grid, uint32_t block, const void* a, float* ms) {
+  return timed(grid, block, ms, k_post, *static_cast<const PostArgs*>(a));
+}
+
+int gpunet_bench_store(uint32_t grid, uint32_t block, uint64_t ring, uint32_t ring_slots, uint32_t iters,
+                       float* ms) {
+  return timed(grid, block, ms, k_store, ring, ring_slots, iters);
+}
+
+}  // extern "C"

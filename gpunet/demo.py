@@ -1,0 +1,196 @@
+"""``python -m gpunet demo``: N ranks on the soft NIC, a ping-pong and a bandwidth sweep, both
+transports, a table (and a PNG plot when matplotlib is installed).
+
+Every rank is its own process (torch.multiprocessing, gloo bootstrap on 127.0.0.1) with its own
+soft mlx5 NIC; ranks reach each other through shared memory exactly as two hosts' NICs would
+through a fabric. Rank 0 and rank 1 do the measuring; other ranks join the barriers.
+
+- ping-pong: rank 0 put_signal()s 8 bytes to rank 1, which wait_until()s the signal and
+  put_signal()s back; the round trip is the time rank 0 waits, median over iterations.
+- bandwidth: rank 0 puts ``size`` bytes to rank 1 ``reps`` times, then quiet(); GB/s = bytes / time.
+
+On the CPU these figures measure the soft NIC and the HOST arm's emulated device threads, not a
+network: they show the stack working end to end and the two transports side by side.
+"""
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+SIZES = [64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
+TRANSPORTS = ["ibgda", "proxy"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _progress(msg):
+    """One progress line, rewritten in place on a terminal; one line per step in a log."""
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K[gpunet demo] " + msg)
+    else:
+        sys.stderr.write("[gpunet demo] " + msg.rstrip("\n") + "\n")
+    sys.stderr.flush()
+
+
+def _rank_main(rank, world, port, args, results):
+    import torch
+    import torch.distributed as dist
+
+    import gpunet
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                            world_size=world)
+    rows = []
+    steps = len(TRANSPORTS) * (1 + len(args.sizes))
+    step = 0
+    for transport in TRANSPORTS:
+        with gpunet.init(transport=transport, heap_bytes=max(args.sizes) * 2 + (4 << 20),
+                         timeout_s=30.0) as ctx:
+            buf = ctx.alloc((max(args.sizes),), torch.uint8)
+            sig = ctx.alloc((2,), torch.int64)        # [0]: ping count, [1]: pong count
+            gpunet.barrier()
+            # ping-pong
+            step += 1
+            if rank == 0:
+                _progress("%s: ping-pong (%d/%d)" % (transport, step, steps))
+            times = []
+            for i in range(args.iters + args.warmup):
+                if rank == 0:
+                    t0 = time.perf_counter()
+                    gpunet.put_signal(ctx.remote(1, buf), buf[:8], ctx.remote(1, sig, 0))
+                    gpunet.wait_until(sig, i + 1, "ge", index=1)
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - t0)
+                elif rank == 1:
+                    gpunet.wait_until(sig, i + 1, "ge", index=0)
+                    gpunet.put_signal(ctx.remote(0, buf), buf[:8], ctx.remote(0, sig, 1))
+            gpunet.quiet()
+            gpunet.barrier()
+            if rank == 0:
+                times.sort()
+                rows.append({"transport": transport, "test": "ping-pong", "bytes": 8,
+                             "median_us": times[len(times) // 2] * 1e6,
+                             "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e6})
+            # bandwidth sweep
+            for size in args.sizes:
+                step += 1
+                if rank == 0:
+                    _progress("%s: put %s x %d (%d/%d)" % (transport, _fmt(size), args.reps,
+                                                           step, steps))
+                    gpunet.put(ctx.remote(1, buf), buf[:size])     # warm-up
+                    gpunet.quiet()
+                    t0 = time.perf_counter()
+                    for _ in range(args.reps):
+                        gpunet.put(ctx.remote(1, buf), buf[:size])
+                    gpunet.quiet()
+                    dt = time.perf_counter() - t0
+                    rows.append({"transport": transport, "test": "put bandwidth", "bytes": size,
+                                 "GBps": size * args.reps / dt / 1e9,
+                                 "us_per_put": dt / args.reps * 1e6})
+                gpunet.barrier()
+    if rank == 0:
+        _progress("done\n")
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def _fmt(n):
+    for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= k and n % k == 0:
+            return "%d %s" % (n // k, unit)
+    return "%d B" % n
+
+
+def _table(rows, world):
+    lines = ["gpunet demo: %d ranks, soft NIC (CPU), HOST-arm device code, %s"
+             % (world, time.strftime("%Y-%m-%d")), ""]
+    lines.append("%-9s %-14s %10s %14s %14s" % ("transport", "test", "size", "median / MB/s",
+                                                "p99 / us/put"))
+    lines.append("-" * 65)
+    for r in rows:
+        if r["test"] == "ping-pong":
+            lines.append("%-9s %-14s %10s %11.1f us %11.1f us" % (
+                r["transport"], r["test"], _fmt(r["bytes"]), r["median_us"], r["p99_us"]))
+        else:
+            lines.append("%-9s %-14s %10s %9.1f MB/s %11.1f us" % (
+                r["transport"], r["test"], _fmt(r["bytes"]), r["GBps"] * 1e3, r["us_per_put"]))
+    return "\n".join(lines)
+
+
+def _plot(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for t in TRANSPORTS:
+        pts = [(r["bytes"], r["GBps"]) for r in rows if r["transport"] == t and "GBps" in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=t)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("put size (bytes)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("gpunet put bandwidth, soft NIC")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="gpunet demo", description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=2, help="rank processes (>= 2)")
+    p.add_argument("--iters", type=int, default=200, help="ping-pong round trips")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--reps", type=int, default=20, help="puts per bandwidth point")
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)
+    p.add_argument("--json", default=None, help="write the rows as JSON here")
+    p.add_argument("--plot", default="gpunet_demo.png", help="PNG path (needs matplotlib)")
+    args = p.parse_args(argv)
+    if args.ranks < 2:
+        p.error("--ranks must be >= 2")
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    _progress("starting %d ranks (first run compiles the device code: a minute)" % args.ranks)
+    procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, args, results))
+             for r in range(args.ranks)]
+    for pr in procs:
+        pr.start()
+    rows = None
+    deadline = time.monotonic() + 900
+    while rows is None and time.monotonic() < deadline:
+        try:
+            rows = results.get(timeout=1.0)
+        except Exception:  # noqa: BLE001 - queue.Empty: check the ranks are alive
+            dead = [i for i, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+            if dead:
+                break
+    for pr in procs:
+        pr.join(timeout=60)
+        if pr.is_alive():
+            pr.kill()
+    if rows is None:
+        print("\ngpunet demo failed: ranks exited with %s" % [pr.exitcode for pr in procs],
+              file=sys.stderr)
+        return 1
+    print(_table(rows, args.ranks))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"ranks": args.ranks, "rows": rows}, f, indent=1)
+    png = _plot(rows, args.plot)
+    print("\nplot: %s" % (png or "not saved (pip install matplotlib for a PNG)"))
+    return 0
