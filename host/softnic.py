@@ -58,7 +58,7 @@ from gpunet.host.rawmem import (address_of, atomic_cas_u64, bswap64, c_kill0, c_
 ARENA_MAGIC = 0x676E65745F534E31     # "gnet_SN1"
 HEADER_BYTES = 4096
 H_MAGIC, H_PID, H_HEARTBEAT, H_DOWN, H_PROFILE, H_STRICT, H_HEAP_TOP, H_SIZE = range(8)
-H_STOP, H_NQP, H_NCQ, H_NMR, H_RETRY_NS, H_WQES, H_ITERS = range(8, 15)
+H_STOP, H_NQP, H_NCQ, H_NMR, H_RETRY_NS, H_WQES, H_ITERS, H_SPIN_NS = range(8, 16)
 H_VIO_CLAIM, H_VIO_VALID, H_VIO_QPN, H_VIO_OPCODE, H_VIO_KEY, H_VIO_ADDR, H_VIO_LEN, \
     H_VIO_WRITE, H_VIO_PID = range(16, 25)
 H_NAME_BYTE = 1024                   # arena name, NUL-terminated, 256 bytes at most
@@ -451,6 +451,7 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
     T = i64_at(base, TABLE_WORDS)
     idle = 0
     it = 0
+    last_work = clock_ns()
     while load_acquire_u64(base + H_STOP * 8) == 0:
         now = clock_ns()
         store_release_u64(base + H_HEARTBEAT * 8, now)
@@ -463,9 +464,10 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
             break
         if did > 0:
             idle = 0
+            last_work = now
             continue
         idle += 1
-        if idle < SPIN_IDLE:
+        if idle < SPIN_IDLE or now - last_work < T[H_SPIN_NS]:
             c_sched_yield()
         else:
             c_usleep(min(20 << min(idle - SPIN_IDLE, 4), MAX_SLEEP_US))
@@ -618,10 +620,13 @@ class SoftNic:
     retry_timeout_s: how long a WQE waits on a dead peer before completing with 0x15; also the
         heartbeat age after which a peer counts as dead.
     name: optional tag in the arena's file name (gpunet-<pid>-<name>).
+    idle_spin_us: after its last work the engine keeps polling (sched_yield only) this long before
+        it starts sleeping. 0 (the default) suits shared CPUs; a latency benchmark on a machine
+        with cores to spare passes ~100 (a sleeping engine adds up to its back-off to a doorbell).
     """
 
     def __init__(self, profile="nvidia", strict=False, arena_bytes=64 << 20, retry_timeout_s=1.0,
-                 name=None):
+                 name=None, idle_spin_us=0.0):
         if profile not in PROFILES:
             raise ConfigError("profile must be one of %s, not %r" % (sorted(PROFILES), profile))
         if arena_bytes < HEAP_START + (1 << 16):
@@ -655,6 +660,7 @@ class SoftNic:
             T[H_NCQ] = 1
             T[H_NMR] = 1
             T[H_RETRY_NS] = int(self.retry_timeout_s * 1e9)
+            T[H_SPIN_NS] = int(max(0.0, float(idle_spin_us)) * 1e3)
             T[H_HEARTBEAT] = time.monotonic_ns()
             nb = self.arena_name.encode()
             self._arena.u8[H_NAME_BYTE:H_NAME_BYTE + len(nb)] = np.frombuffer(nb, np.uint8)
