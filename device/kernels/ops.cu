@@ -229,6 +229,10 @@ GPUNET_GLOBAL void k_schedule(const DevCtx* ctxp, const SchedParams* pp) {
   }
 }
 
+GPUNET_GLOBAL void k_poll_once(gpunet::QpDesc* qp, gpunet::Status* st) {
+  gpunet::poll_cq(qp, gpunet::Waiter{st, 1000000000ull});
+}
+
 inline gpunet::LaunchSpec spec(uint32_t grid, uint32_t block, uint32_t ws, uint32_t weak, uint64_t seed,
                                uint32_t order, uint32_t sleep_ns) {
   gpunet::LaunchSpec s;
@@ -278,5 +282,12 @@ int gpunet_schedule_launch(uint32_t grid, uint32_t block, uint32_t ws, uint32_t 
 }
 
 uint64_t gpunet_mix64(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) { return mix64(seed, a, b, c); }
+
+// One poll of qp's CQ by one thread (tests/test_device_qp.py drives the collapsed-CQ
+// reconstruction from hand-made QP states and CQE slots). Returns 0 or a launch error.
+int gpunet_poll_cq_once(gpunet::QpDesc* qp, gpunet::Status* st) {
+  gpunet::LaunchSpec s = spec(1, 1, 32, 0, 0, 0, 0);
+  return gpunet::launch_kernel(s, k_poll_once, qp, st);
+}
 
 }  // extern "C"
