@@ -48,11 +48,8 @@ Prints a table with the machine last; writes JSON (default bench/out/device_post
 """
 import argparse
 import ctypes
-import datetime
 import json
 import os
-import platform as pyplatform
-import subprocess
 import sys
 import threading
 import time
@@ -70,6 +67,7 @@ from gpunet.device import loopback as L                                # noqa: E
 from gpunet.host import platform as P                                  # noqa: E402
 from gpunet.host.rawmem import (address_of, c_sched_yield, load_acquire_u32,  # noqa: E402
                                 load_acquire_u64, store_release_u32)
+from machine import machine       # noqa: E402 - bench/machine.py (the script's folder is on sys.path)
 
 TARGET_MWQES = 100.0
 WARPS = (1, 4, 32, 132, 264)
@@ -500,37 +498,6 @@ class _Abandon(Exception):
 
 
 # --- machine ------------------------------------------------------------------------------------
-def machine(plat):
-    cpu = pyplatform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    out = {"node": pyplatform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": pyplatform.python_version(),
-           "platform": plat.name, "date": datetime.date.today().isoformat()}
-    try:
-        import torch
-        out["torch"] = torch.__version__
-        out["cuda"] = torch.version.cuda
-        if plat.name == "cuda":
-            out["gpu"] = torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30)
-        if r.returncode == 0 and r.stdout.strip():
-            name, drv = [s.strip() for s in r.stdout.strip().splitlines()[0].split(",", 1)]
-            out["gpu"], out["driver"] = name, drv
-    except (OSError, subprocess.SubprocessError, ValueError):
-        pass
-    return out
-
-
 def _fmt_table(rows, mach, ordering):
     lines = []
     lines.append("| row | warps | QPs | ring | db_batch | CQ | WQEs | time (ms) | M WQE/s | note |")
@@ -596,7 +563,8 @@ def main(argv=None):
     total = args.wqes // (8 if args.quick else 1)
     if args.cpu_smoke:
         warps_list, total, args.repeat = [1, 2], 2048, 1
-    mach = machine(plat)
+    mach = machine(gpu=plat.name == "cuda")
+    mach["platform"] = plat.name
     rows, ordering = [], []
     t_start = time.perf_counter()
 

@@ -25,7 +25,6 @@ Usage: python bench/proxy.py [--quick] [--json PATH] [--gpu] [--threads 1,2]
 import argparse
 import json
 import os
-import platform
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ import numpy as np
 from numba import njit
 
 from gpunet.host import proxy as P
+from machine import machine  # bench/machine.py (the script's folder is on sys.path)
 
 FLOOR_US = 2.85          # FACTS.md: GPU <-> CPU round trip through host-mapped memory, H200
 WARP = 32                # reservation size of a CPU producer (one warp's worth)
@@ -56,12 +56,6 @@ def _produce(fifo, depth, hctrl, dctrl, n, group, peer, size, stride, slot0, tim
             return -1
         i += k
     return 0
-
-
-def _machine():
-    import numba
-    return {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "numba": numba.__version__, "processor": platform.processor() or platform.machine()}
 
 
 def run_cpu(mode, threads, producers, ncmd, size=64):
@@ -254,7 +248,7 @@ def main(argv=None):
               "Target >= 2 M commands/s per proxy thread.")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"bench": "proxy", "machine": _machine(), "argv": sys.argv[1:], "rows": rows}, f,
+        json.dump({"bench": "proxy", "machine": machine(), "argv": sys.argv[1:], "rows": rows}, f,
                   indent=2)
     print(f"wrote {args.json}")
 

@@ -24,11 +24,9 @@ bench/out/softnic.json).
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
-import numba
 import numpy as np
 from numba import njit
 
@@ -36,6 +34,7 @@ from gpunet import mlx5
 from gpunet.host import wq
 from gpunet.host import softnic
 from gpunet.host.softnic import SoftNic, c_sched_yield
+from machine import machine  # bench/machine.py (the script's folder is on sys.path)
 
 TARGET_MWQES = 5.0           # M WQE/s per engine thread, 64-byte WRITEs (the target)
 TARGET_RATIO = 0.70          # 1 MiB WRITE bandwidth / numpy copy bandwidth (the target)
@@ -101,21 +100,6 @@ def _stream(sq_addr, depth, qpn, dbrec_addr, db_addr, cq_addr, cqe_cnt, cq_dbrec
         elif pi == end or pi + batch - done > depth:
             c_sched_yield()          # nothing to post: give the core to the engine (2-core CI)
     return ci
-
-
-def machine():
-    cpu = platform.processor() or "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "numba": numba.__version__, "numpy": np.__version__,
-            "platform": platform.platform(), "loadavg_1min_before": os.getloadavg()[0]}
 
 
 class Rig:
@@ -286,7 +270,7 @@ def table(results, mach):
     lines = ["soft NIC benchmark — %s, %d cores, python %s, numba %s, numpy %s; load average "
              "%.1f before the run (other work on the machine skews every row)"
              % (mach["cpu"], mach["cores"], mach["python"], mach["numba"], mach["numpy"],
-                mach["loadavg_1min_before"]), ""]
+                mach["loadavg_1min"]), ""]
     hdr = "%-20s %10s %9s %10s %9s %11s %7s  %-8s" % (
         "test", "WQEs", "seconds", "M WQE/s", "GB/s", "numpy GB/s", "ratio", "target")
     lines += [hdr, "-" * len(hdr)]
