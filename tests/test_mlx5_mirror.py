@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpunet import mlx5
+from lineproc import LineProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 INCLUDE = ROOT / "device" / "include"
@@ -31,30 +32,6 @@ u16 = st.integers(0, 0xFFFF)
 u24 = st.integers(0, 0xFFFFFF)
 u32 = st.integers(0, 0xFFFFFFFF)
 u64 = st.integers(0, 0xFFFFFFFFFFFFFFFF)
-
-
-class LineProcess:
-    """A child process that answers one stdout line per stdin line."""
-
-    def __init__(self, argv):
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
-
-    def ask(self, requests):
-        self.proc.stdin.write("".join(r + "\n" for r in requests))
-        self.proc.stdin.flush()
-        answers = []
-        for r in requests:
-            line = self.proc.stdout.readline()
-            assert line, "mirror harness died (exit %s) on %r" % (self.proc.poll(), r)
-            line = line.rstrip("\n")
-            assert not line.startswith("ERR"), "harness rejected %r: %s" % (r, line)
-            answers.append(line)
-        return answers
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="session")
@@ -75,7 +52,7 @@ def mirror_exe(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def mirror(mirror_exe):
-    p = LineProcess([str(mirror_exe)])
+    p = LineProcess([str(mirror_exe)], "mirror harness")
     yield p
     p.close()
 

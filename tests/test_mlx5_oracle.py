@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpunet import mlx5
+from lineproc import LineProcess
 
 ORACLE_SRC = Path(__file__).parent / "oracle" / "mlx5_oracle.c"
 HEADER_PACKAGE = "libibverbs-dev"
@@ -41,31 +42,6 @@ u64 = st.integers(0, 0xFFFFFFFFFFFFFFFF)
 # numba's dispatcher types every Python int as int64 and raises OverflowError at >= 2**63, so
 # 64-bit wire values (addresses, atomic operands) go into gpunet.mlx5 as np.uint64, as callers do.
 U64 = np.uint64
-
-
-class LineOracle:
-    """A child process that answers one stdout line per stdin line."""
-
-    def __init__(self, argv):
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
-
-    def ask(self, requests):
-        """Send ``requests`` (strings without newline) in one write; return their answers."""
-        self.proc.stdin.write("".join(r + "\n" for r in requests))
-        self.proc.stdin.flush()
-        answers = []
-        for r in requests:
-            line = self.proc.stdout.readline()
-            assert line, "oracle process died (exit %s) on %r" % (self.proc.poll(), r)
-            line = line.strip()
-            assert not line.startswith("ERR"), "oracle rejected %r: %s" % (r, line)
-            answers.append(line)
-        return answers
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait(timeout=10)
 
 
 def _compile_oracle(out_dir):
@@ -100,7 +76,7 @@ def layout(oracle_exe):
 
 @pytest.fixture(scope="session")
 def oracle(oracle_exe):
-    o = LineOracle([str(oracle_exe)])
+    o = LineProcess([str(oracle_exe)], "oracle process")
     yield o
     o.close()
 
