@@ -182,6 +182,100 @@ def test_wqe_counter_wraps_past_65536(nic, lib, collapsed):
 
 
 # ------------------------------------------------------------------------------------------------
+# Collapsed CQ: the reconstruction of a CQE's 64-bit WQE start from its 16-bit wqe_counter (qp.cuh,
+# "Collapsed CQ"). White box: a hand-made QP state and CQE slot, one poll by one thread.
+def _collapsed_qp(depth=64):
+    qp = abi.alloc_struct(abi.QpDesc)
+    cqbuf = np.zeros(64, dtype=np.uint8)
+    slot_nbb = np.ones(depth, dtype=np.uint32)
+    qp.sq_wqebbs, qp.qpn = depth, 7
+    qp.slot_nbb = slot_nbb.ctypes.data
+    qp.cq.buf, qp.cq.cqe_cnt, qp.cq.collapsed = cqbuf.ctypes.data, 1, 1
+    qp._keep = (cqbuf, slot_nbb)
+    return qp, cqbuf, slot_nbb
+
+
+@pytest.mark.parametrize("case", ["rung_before_db_head", "exactly_full", "exactly_full_multi_wqebb",
+                                  "wrap_16bit", "credited_already", "credited_already_after_wrap",
+                                  "beyond_ready", "invalid"])
+def test_collapsed_cq_credits_the_newest_cqe_exactly(lib, case):
+    """Collapsed CQ, one poll: a CQE naming a published WQE not yet credited is credited (also when
+    the ringer has not stored db_head yet: the NIC completes before that store; also with the ring
+    exactly full and across the 16-bit counter wrap); a CQE already credited, or naming nothing
+    published, changes nothing. The first case is the collapsed-CQ hang of the hypothesis run
+    (depth 64, db_batch 2, counters ~70,885): the old rule (s < db_head) refused that CQE, and with
+    every poster waiting for space no newer CQE came to replace it."""
+    qp, cqbuf, slot_nbb = _collapsed_qp(64)
+    # (done, ready, db, s named by the CQE, nbb of s, op_own, expected done after the poll)
+    D = 70_880
+    cases = {
+        "rung_before_db_head": (D, D + 40, D + 20, D + 39, 1, 0x00, D + 40),
+        "exactly_full": (D, D + 64, D + 64, D + 63, 1, 0x00, D + 64),
+        "exactly_full_multi_wqebb": (D, D + 64, D + 64, D + 60, 4, 0x00, D + 64),
+        "wrap_16bit": (65_530, 65_530 + 10, 65_530 + 10, 65_538, 2, 0x00, 65_540),
+        "credited_already": (D, D + 30, D + 30, D - 1, 1, 0x00, D),
+        "credited_already_after_wrap": (131_077, 131_077 + 64, 131_077 + 64, 131_075, 2, 0x00, 131_077),
+        "beyond_ready": (D, D + 8, D + 8, D + 8, 1, 0x00, D),
+        "invalid": (D, D + 8, D + 8, D + 3, 1, 0xF0, D),
+    }
+    done, ready, db, s, nbb, op_own, want = cases[case]
+    qp.done_head, qp.ready_head, qp.db_head, qp.resv_head = done, ready, db, ready
+    slot_nbb[s % 64] = nbb
+    cqbuf[60], cqbuf[61], cqbuf[63] = (s >> 8) & 0xFF, s & 0xFF, op_own
+    st = abi.alloc_struct(abi.Status)
+    assert lib.gpunet_poll_cq_once(ctypes.addressof(qp), ctypes.addressof(st)) == 0
+    assert int(qp.done_head) == want
+    assert st.code == 0
+
+
+@pytest.mark.parametrize("weak", [False, True], ids=["strong", "weak"])
+def test_collapsed_cq_batch2_many_threads_past_65536(nic, lib, weak):
+    """The configuration of the hypothesis hang, deterministic: ring depth 64, db_batch 2, collapsed
+    CQ, 64 threads (2 blocks x 32) posting puts, 1-4-WQEBB inline puts, put_signals and blocking
+    atomics until more than 70,000 WQEBBs went through (16-bit counters wrap): everything completes
+    once, the heads meet, the NIC's consumer index agrees, no timeout. Weak: the store-buffer model
+    with a random drain order."""
+    T = 64
+    N = 700
+    lb = L.Loopback(nic, sq_wqebbs=64, collapsed=True, db_batch=2, timeout_s=20, heap_bytes=1 << 18)
+    S = 220
+    src = lb.sym(T * S)
+    dst = lb.sym(T * S)
+    sig = lb.sym(T * 8)
+    ctr = lb.sym(8)
+    rng = np.random.default_rng(70885)
+    lb.local[src:src + T * S] = rng.integers(0, 256, T * S, dtype=np.uint8)
+    b = lb.local_base
+    rows, nsig, natomic = [], [0] * T, 0
+    for t in range(T):
+        row = []
+        for i in range(N):
+            k = int(rng.integers(0, 4))
+            if k == 0:
+                row.append(_op(abi.OP_PUT, b + dst + t * S, b + src + t * S, S))
+            elif k == 1:
+                row.append(_op(abi.OP_PUT_INLINE, b + dst + t * S, b + src + t * S, int(rng.integers(1, S + 1))))
+            elif k == 2:
+                row.append(_op(abi.OP_PUT_SIGNAL, b + dst + t * S, b + src + t * S, S, sig=b + sig + 8 * t, value=1))
+                nsig[t] += 1
+            else:
+                row.append(_op(abi.OP_ATOMIC_ADD, b + ctr, value=1))
+                natomic += 1
+        rows.append(row)
+    arr, per = _ops_array(rows)
+    L.run_ops(lib, lb, arr, per, L.Launch(grid=2, block=T // 2, warp_size=32, weak=weak, seed=70885, order=0))
+    resv, ready, db, done = lb.heads()
+    assert resv == ready == db == done > 70_000
+    assert nic.qp_sq_ci(lb.a) == resv & 0xFFFF
+    assert nic.qp_state(lb.a) == "RTS"
+    assert (lb.remote[dst:dst + T * S] == lb.local[src:src + T * S]).all()
+    assert list(lb.remote[sig:sig + 8 * T].view(">u8")) == nsig
+    assert int(lb.remote[ctr:ctr + 8].view(">u8")[0]) == natomic
+    olds = sorted(int(arr[i].result) for i in range(len(arr)) if arr[i].kind == abi.OP_ATOMIC_ADD)
+    assert olds == list(range(natomic))          # every fetch-add exactly once
+
+
+# ------------------------------------------------------------------------------------------------
 def _fault_run(lib, lb, op, threads=1):
     rows = [[op, _op(abi.OP_PUT, lb.local_base, lb.local_base, 8)] for _ in range(threads)]
     arr, per = _ops_array(rows)

@@ -37,8 +37,8 @@ from gpunet.host.softnic import SoftNic
 
 from ordering_ref import check_atomic_chains, expand
 
-ROUNDS = 8                            # schedules per launch (each thread runs them back to back)
-EXAMPLES_PER_PROFILE_EXAMPLE = 25     # ci: 50 * 25 = 1250 examples * 8 rounds = 10,000 schedules
+ROUNDS = 16                           # schedules per launch (each thread runs them back to back)
+EXAMPLES_PER_PROFILE_EXAMPLE = 13     # ci: 50 * 13 = 650 examples * 16 rounds = 10,400 schedules
 REGION = 256
 WARP_REGION = 2048
 NCOUNTERS = 4
@@ -53,13 +53,17 @@ def _examples(k=EXAMPLES_PER_PROFILE_EXAMPLE):
 @pytest.fixture(scope="module")
 def world():
     """One NIC per profile and a cache of Loopbacks per (profile, depth, collapsed, batch)."""
-    nics = {"nvidia": SoftNic(arena_bytes=512 << 20)}
+    # idle_spin_us: the engine answers doorbells at yield latency while a launch runs (blocking
+    # atomics and quiets are round trips), and sleeps between examples.
+    nics = {"nvidia": SoftNic(arena_bytes=512 << 20, idle_spin_us=2000)}
     lbs = {}
 
     def get(profile="nvidia", depth=16, collapsed=False, batch=1, kind="host"):
         if profile not in nics:
-            nics[profile] = SoftNic(profile=profile, arena_bytes=256 << 20)
+            nics[profile] = SoftNic(profile=profile, arena_bytes=256 << 20, idle_spin_us=2000)
         key = (profile, depth, collapsed, batch, kind)
+        if key in lbs and not _healthy(lbs[key]):
+            del lbs[key]                  # a failed example left it stuck or in error: rebuild
         if key not in lbs:
             lb = L.Loopback(nics[profile], sq_wqebbs=depth, collapsed=collapsed, db_batch=batch,
                             timeout_s=20, heap_bytes=HEAP, kind=kind)
@@ -72,6 +76,13 @@ def world():
     yield get
     for n in nics.values():
         n.close()
+
+
+def _healthy(lb):
+    """A cached Loopback may be reused only if the last example left it clean."""
+    resv, ready, db, done = lb.heads()
+    return (lb.status.code == 0 and resv == ready == db == done and lb.nic.qp_state(lb.a) == "RTS"
+            and lb.nic.qp_sq_ci(lb.a) == resv & 0xFFFF)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +165,7 @@ schedule_params = dict(
     seed=st.integers(0, (1 << 63) - 1),
     blocks=st.integers(1, 2),
     warps_per_block=st.just(1),        # 2 warps per block: test_schedules_many_warps
-    ws=st.sampled_from([32, 64]),
+    ws=st.sampled_from([32, 32, 32, 64]),   # 64-lane warps cost 2x the OS threads: drawn 1 in 4
     nops=st.integers(2, 8),
     depth=st.sampled_from([8, 16, 64]),
     batch=st.sampled_from([1, 2, 8, 32]),
@@ -171,7 +182,10 @@ schedule_params = dict(
 def test_schedules_match_sequential_reference(world, lib, seed, blocks, warps_per_block, ws, nops, depth,
                                               batch, collapsed, weak, weak_seed, order):
     """Generated schedules (see the module docstring) leave exactly the sequential reference's memory,
-    complete every operation exactly once and never show a signal before its payload."""
+    complete every operation exactly once and never show a signal before its payload. Warps of 64
+    run as one block (64 OS threads; 2 blocks of 64: test_schedules_many_warps)."""
+    if ws == 64:
+        blocks = 1
     lb = world(depth=depth, collapsed=collapsed, batch=batch)
     run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, weak=weak, weak_seed=weak_seed, order=order)
 
