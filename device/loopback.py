@@ -110,6 +110,7 @@ def load_ops(arch="host", defines=None):
     lib.gpunet_schedule_launch.argtypes = common + [vp]
     lib.gpunet_schedule_launch.restype = ctypes.c_int
     lib.gpunet_mix64.argtypes, lib.gpunet_mix64.restype = [u64, u64, u64, u64], u64
+    lib.gpunet_poll_cq_once.argtypes, lib.gpunet_poll_cq_once.restype = [vp, vp], ctypes.c_int
     for i, name in enumerate(["Status", "CqDesc", "QpDesc", "PeerDesc", "DevCtx", "OpDesc", "SchedParams"]):
         got = lib.gpunet_ops_abi_size(i)
         if got != abi.SIZES[name]:

@@ -275,6 +275,17 @@ int gpunet_ops_launch(uint32_t grid, uint32_t block, uint32_t ws, uint32_t weak,
                                static_cast<OpDesc*>(ops), per_thread);
 }
 
+// The Python API's launcher: one op list on ``stream`` (a cudaStream_t; 0 = the legacy default
+// stream; HOST: ignored, the launch is synchronous). sync = 0: enqueue and return (GPUs report
+// only launch errors); sync != 0: also wait for the kernel and report its error.
+int gpunet_ops_launch_stream(uint32_t grid, uint32_t block, uint32_t ws, const DevCtx* ctx, void* ops,
+                             uint32_t per_thread, void* stream, uint32_t sync) {
+  gpunet::LaunchSpec s = spec(grid, block, ws, 0, 0, 0, 0);
+  s.stream = stream;
+  s.sync = sync != 0;
+  return gpunet::launch_kernel(s, k_ops, ctx, static_cast<OpDesc*>(ops), per_thread);
+}
+
 int gpunet_schedule_launch(uint32_t grid, uint32_t block, uint32_t ws, uint32_t weak, uint64_t seed,
                            uint32_t order, uint32_t sleep_ns, const DevCtx* ctx, const void* p) {
   return gpunet::launch_kernel(spec(grid, block, ws, weak, seed, order, sleep_ns), k_schedule, ctx,

@@ -297,6 +297,7 @@ GPUNET_DEVICE uint64_t signal_read(const uint64_t* sig_addr) {
 GPUNET_DEVICE bool wait_until(const DevCtx& ctx, const uint64_t* sig_addr, uint32_t cmp, uint64_t value) {
   const Waiter w = api::waiter(ctx);
   Spin spin;
+  spin.progress = false;  // a user's word under any comparison: a plain bound (qp.cuh Spin)
   uint64_t v = signal_read(sig_addr);
   while (!api::compare(v, cmp, value)) {
     if (!spin.keep_going(w, SITE_WAIT_UNTIL, nullptr, uint64_t(uintptr_t(sig_addr)), value, v)) return false;

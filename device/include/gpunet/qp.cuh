@@ -27,12 +27,35 @@
 //     needs done_head >= r, and nothing at or above db_head completes before it is rung.
 //
 //   Every WQE is signalled (CQ_UPDATE) and completes in order, so one CQE tells how far the ring
-//   is done. Collapsed CQ (one slot, any thread, no lock): s = the WQE start the CQE names, rebuilt
-//   from its 16-bit wqe_counter and done_head (s - done_head is in [0, sq_wqebbs) for a CQE not
-//   yet credited; anything else is a CQE already credited); done_head = max(done_head, s +
-//   slot_nbb[s & mask]) by CAS. Owner-bit CQ: one consumer at a time (try-lock poll_lock)
-//   consumes every valid CQE (rdma-core's ownership rule), credits done_head, then writes the CQ
-//   DBR. cqe_cnt >= sq_wqebbs, so the CQ can never overrun.
+//   is done. Owner-bit CQ: one consumer at a time (try-lock poll_lock) consumes every valid CQE
+//   (rdma-core's ownership rule), credits done_head, then writes the CQ DBR. cqe_cnt >=
+//   sq_wqebbs, so the CQ can never overrun.
+//
+//   Collapsed CQ (one slot, overwritten by every completion, polled by any thread, no lock):
+//     d = (cqe.wqe_counter - done) & 0xffff      done = done_head read BEFORE the CQE
+//     r = ready_head                               read AFTER the CQE (acquire)
+//     credit iff d < r - done:  s = done + d;  done_head = max(done_head, s + slot_nbb[s & mask])
+//   Why this is exact: the slot holds the NEWEST completion s_true. The NIC completes only rung
+//   WQEs, a WQE is rung only after its publish (ready_head release; the ringer fences after
+//   reading it, before the DBR), so r > s_true for every CQE we can read (causality through the
+//   NIC). If s_true >= done then d = s_true - done < r - done: credited. If s_true < done, the CQE
+//   was credited already (done only grows from CQEs, done <= s_true + nbb), d >= 2^16 - kMaxWqeBBs
+//   > r - done (r - done <= sq_wqebbs <= 32768 for a fresh done): ignored. A done read very late
+//   (stale by ~2^16) can only alias to a start s < s_true - 2^16 + sq_wqebbs, whose credit is below
+//   the current done_head: harmless. A ring exactly full (r - done == sq_wqebbs) works: d <= r -
+//   done - 1.
+//   The previous rule bounded s by db_head (s < db_head) and by sq_wqebbs. It ignored a VALID
+//   newest CQE whenever the poller read db_head before the ringer's db_head store was visible (the
+//   NIC completes WQEs before the ringer stores db_head: the window of the owner-bit bug), leaving
+//   every waiter's progress hostage to the visibility of one relaxed store of a thread that may be
+//   descheduled (2-core CI, 256 emulated threads) or, in the weak model, hold it in its store
+//   buffer while blocked at a warp collective; with every poster waiting for space no further CQE
+//   arrives to replace it, so all of them spin on a CQE they refuse, and the time until that store
+//   shows counted against their deadlines. The suspected cause of the hypothesis run's timeout
+//   (SITE_SQ_SPACE on a 64-deep ring, db_batch 2, counters ~70,885, a loaded 2-core box); not
+//   reproduced as a permanent hang, the refusal itself is (test_device_qp.py
+//   test_collapsed_cq_credits_the_newest_cqe_exactly[rung_before_db_head]). ready_head is
+//   visible to the poller whenever the CQE is, so no valid CQE is ever refused.
 //
 // Memory orders (arch.cuh's atomics are RELAXED, like CUDA's): locks are CAS then fence_sys;
 // credits to done_head follow a fence_sys, so a thread that reads done_head with acquire also
@@ -197,9 +220,17 @@ GPUNET_DEVICE void record_failure(Status* st, uint32_t code, uint32_t site, uint
 
 // One spin of a bounded wait: false when the wait must give up (a failure is recorded, by us on
 // timeout or by someone else before). `t0` is 0 until the first check.
+// Waits on the QP's monotone counters (db_head, done_head, ready_head) are bounded by the time
+// WITHOUT PROGRESS (`progress`: an observed value larger than the last one restarts the clock):
+// a poster behind hundreds of others on a busy ring is not hung while the ring moves, and a
+// dead ring (no completion for timeout_ns) still fails. The distance to the target is finite
+// and every step restarts a finite clock, so the wait stays bounded. Status::waited_ns is the
+// time since the last progress. wait_until (a user's word, any comparison) keeps a plain bound.
 struct Spin {
   uint64_t t0 = 0;
+  uint64_t last = 0;
   uint32_t n = 0;
+  bool progress = true;
   GPUNET_DEVICE bool keep_going(const Waiter& w, uint32_t site, const QpDesc* qp,
                                 uint64_t wqe_index, uint64_t expected, uint64_t observed) {
     if ((n++ % kCheckEvery) != 0) {
@@ -208,7 +239,10 @@ struct Spin {
     }
     if (failed(w)) return false;
     const uint64_t now = arch::now_ns();
-    if (t0 == 0) t0 = now;
+    if (t0 == 0 || (progress && observed > last)) {
+      t0 = now;
+      last = observed;
+    }
     if (now - t0 > w.timeout_ns) {
       record_failure(w.st, STATUS_TIMEOUT, site, qp ? qp->qpn : 0, qp ? qp->peer : 0, wqe_index,
                      expected, observed, now - t0);
@@ -368,16 +402,18 @@ GPUNET_DEVICE void poll_cq(QpDesc* qp, const Waiter& w) {
   const uint64_t mask = qp->sq_wqebbs - 1;
   const uint32_t* slot_nbb = qpd::u32p(qp->slot_nbb);
   if (cq.collapsed) {
+    // The rule and why it is exact: the header comment ("Collapsed CQ"). Order matters: done
+    // before the CQE (a stale done can only under-credit), ready_head after it (never older than
+    // the WQE the CQE names).
     const uint64_t done = arch::load_acquire_sys(&qp->done_head);
     const uint32_t last = arch::load_acquire_sys(qpd::u32p(cq.buf + 60));
     const uint32_t op = (last >> 24) >> 4;
     if (op == mlx5::CQE_INVALID) return;
-    const uint64_t s = cqe_start(qp, done, last);
-    if (s == UINT64_MAX) return;
-    // A CQE names a WQE that was rung. The ringer advances db_head only after the doorbell, so a
-    // CQE may arrive first: then leave it for a later poll (the slot keeps it until a newer CQE,
-    // which credits at least as much). This also rejects anything the ring never held.
-    if (s >= arch::load_acquire_sys(&qp->db_head)) return;
+    const uint64_t ready = arch::load_acquire_sys(&qp->ready_head);
+    const uint32_t wc = ((last & 0xff) << 8) | ((last >> 8) & 0xff);
+    const uint64_t d = (uint64_t(wc) - done) & 0xffff;  // s - done modulo 2^16
+    if (ready <= done || d >= ready - done) return;     // credited already (or nothing posted)
+    const uint64_t s = done + d;
     if (op == mlx5::CQE_REQ_ERR || op == mlx5::CQE_RESP_ERR) cqe_error(qp, w, cq.buf, s, last);
     qpd::credit_done(qp, s + arch::load_relaxed(&slot_nbb[s & mask]));
     return;
