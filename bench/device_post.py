@@ -65,6 +65,7 @@ from gpunet import errors, mlx5                                        # noqa: E
 from gpunet.device import abi, loader                                  # noqa: E402
 from gpunet.device import loopback as L                                # noqa: E402
 from gpunet.host import platform as P                                  # noqa: E402
+from gpunet.host.devctx import DeviceMemory, MappedArena, device_qpdesc  # noqa: E402
 from gpunet.host.rawmem import (address_of, c_sched_yield, load_acquire_u32,  # noqa: E402
                                 load_acquire_u64, store_release_u32)
 from machine import machine       # noqa: E402 - bench/machine.py (the script's folder is on sys.path)
@@ -100,75 +101,9 @@ def build(arch):
     return ops, b
 
 
-# --- device memory helpers -----------------------------------------------------------------------
-class Dev:
-    """Device-memory copies of ctypes objects / numpy arrays through the platform (CPU: memmove)."""
-
-    def __init__(self, plat):
-        self.plat = plat
-        self.allocs = []
-
-    def put(self, obj):
-        """A device copy of ``obj`` (ctypes object or numpy array); returns its device address."""
-        src, n = (obj.ctypes.data, obj.nbytes) if isinstance(obj, np.ndarray) else \
-            (ctypes.addressof(obj), ctypes.sizeof(obj))
-        a = self.plat.alloc("device", max(n, 64))
-        self.allocs.append(a)
-        self.plat.memcpy(a.ptr, src, n)
-        return a.ptr
-
-    def zeros(self, n):
-        return self.put(np.zeros(max(int(n), 8), np.uint8))
-
-    def get(self, obj, dptr):
-        """Copy device memory at ``dptr`` back into ``obj``."""
-        dst, n = (obj.ctypes.data, obj.nbytes) if isinstance(obj, np.ndarray) else \
-            (ctypes.addressof(obj), ctypes.sizeof(obj))
-        self.plat.memcpy(dst, dptr, n)
-        return obj
-
-    def write(self, dptr, obj):
-        src, n = (obj.ctypes.data, obj.nbytes) if isinstance(obj, np.ndarray) else \
-            (ctypes.addressof(obj), ctypes.sizeof(obj))
-        self.plat.memcpy(dptr, src, n)
-
-    def close(self):
-        for a in reversed(self.allocs):
-            self.plat.free(a)
-        self.allocs = []
-
-
-class Mapped:
-    """A soft NIC's whole arena registered with the GPU (cudaHostRegister Mapped)."""
-
-    def __init__(self, plat, nic):
-        # The arena's mapping (private attribute of SoftNic: the one file that holds every ring).
-        self.plat, self.base, self.size = plat, nic._arena.base, nic._arena.size
-        self.dptr = plat.host_register(self.base, self.size)
-
-    def g(self, addr):
-        """The GPU's address for arena address ``addr``."""
-        return int(addr) - self.base + self.dptr
-
-    @property
-    def identity(self):
-        return self.dptr == self.base
-
-    def close(self):
-        self.plat.host_unregister(self.base)
-
-
-def device_qpdesc(m, dev, nic_qp, cq, peer, db_batch):
-    """A QpDesc for ``nic_qp`` whose ring pointers are GPU addresses; slot arrays in device memory."""
-    d = abi.QpDesc()
-    d.sq, d.dbrec, d.db = m.g(nic_qp.sq_addr), m.g(nic_qp.dbrec_addr), m.g(nic_qp.db_addr)
-    d.slot_db = dev.zeros(nic_qp.sq_wqebbs * 8)
-    d.slot_nbb = dev.zeros(nic_qp.sq_wqebbs * 4)
-    d.sq_wqebbs, d.qpn, d.peer, d.db_batch, d.max_inline = (nic_qp.sq_wqebbs, nic_qp.qpn, peer, db_batch,
-                                                          nic_qp.max_inline)
-    d.cq.buf, d.cq.dbrec, d.cq.cqe_cnt, d.cq.collapsed = m.g(cq.buf_addr), m.g(cq.dbrec_addr), cq.cqe_cnt, \
-        int(cq.collapsed)
-    return d
+# --- device memory helpers (shared with the Python API: host/devctx.py) ----------------------------
+Dev = DeviceMemory          # device-memory copies of ctypes objects / numpy arrays
+Mapped = MappedArena        # a soft NIC's whole arena registered with the GPU
 
 
 def heads(d):

@@ -8,9 +8,25 @@
         gpunet.barrier()
 
 Each host wrapper (put / get / put_signal / atomic_add / quiet / barrier) launches the device
-kernel of device/kernels/ops.cu with one thread: the same gpunet.cuh code a user kernel calls,
-here run by the HOST arm's SIMT emulator (on the CPU the launch is synchronous). A failure the
-kernel records in its Status block is raised as a gpunet.GpunetError subclass.
+kernel of device/kernels/ops.cu with one thread: the same gpunet.cuh code a user kernel calls.
+A failure the kernel records in its Status block is raised as a gpunet.GpunetError subclass.
+
+Platforms (host/platform.py decides; GPUNET_PLATFORM=cpu forces the CPU):
+- ``cpu``: the HOST arm's SIMT emulator runs the kernel; every launch is synchronous and every
+  wrapper raises its own errors. Heap tensors are CPU tensors.
+- ``cuda``: the kernel runs on the GPU, launched on ``torch.cuda.current_stream()``.
+  put / get / put_signal only ENQUEUE the launch and return (stream-ordered after the work the
+  caller queued before, e.g. the kernel that produced the payload); quiet / barrier /
+  wait_until / atomic_add synchronize the stream, copy the Status block back and raise. So an
+  error of an earlier non-blocking call surfaces at the next synchronizing call (its message
+  names that call, not the failed put). Heap tensors are CUDA tensors (``device="cuda"``) over
+  HOST-MAPPED memory: the soft NIC is a CPU thread that moves bytes with memmove, so the
+  symmetric heap lives in its arena (pinned with cudaHostRegister); GPU kernels can compute on
+  these tensors, but every access crosses PCIe (slow; copy into ordinary CUDA memory for heavy
+  compute). gpunet needs the registered arena's device pointer to equal its host address (UVA,
+  x86-64 Linux) because the NIC and the GPU use the same heap addresses; otherwise ConfigError.
+  Descriptors (DevCtx, PeerDesc, QpDesc, Status) are in device memory (host/devctx.py); the op
+  lists of in-flight launches are in the mapped arena.
 
 Transports, per peer (DESIGN.md "Transports under one device API"):
 - ``ibgda``: the kernel writes WQEs into the peer QP's send ring and rings its doorbell itself.
@@ -41,6 +57,7 @@ SCRATCH_SLOTS = 1024              # atomic_add result slots (one per concurrent 
 ALIGN = 256                       # symmetric allocations: 256-byte aligned (a GPU cache line x2)
 SQ_WQEBBS = 256                   # per-peer send ring: 16 KiB, deep enough for a doorbell batch
 PROXY_DEPTH = 1024                # proxy FIFO slots per channel
+OPS_RING = 1024                   # GPU: OpDesc slots for launches in flight (64 KiB, mapped arena)
 
 _current = None                   # the Context the module-level wrappers use
 
@@ -98,11 +115,15 @@ class Context:
         from gpunet.host.softnic import SoftNic
 
         self.platform = get_platform()
-        if self.platform.name != "cpu":
-            raise ConfigError("gpunet.init on %s: the Python API runs on the CPU platform (soft NIC, "
-                              "HOST arm) in this release; GPU kernels are reached through the C++ "
-                              "device API (see README). Set GPUNET_PLATFORM=cpu to use the CPU path."
-                              % self.platform.name)
+        self._gpu = self.platform.name == "cuda"
+        self._tensor_device = "cuda" if self._gpu else "cpu"     # what ctx.alloc returns
+        if self.platform.name not in ("cpu", "cuda"):
+            raise ConfigError("gpunet.init on %s: the Python API runs on the CPU and CUDA platforms "
+                              "in this release (the MACA arm is unverified); set GPUNET_PLATFORM=cpu "
+                              "to use the CPU path." % self.platform.name)
+        if self._gpu and not torch.cuda.is_available():
+            raise ConfigError("gpunet.init on cuda: torch.cuda is not available (a CPU-only torch?); "
+                              "install a CUDA build of torch or set GPUNET_PLATFORM=cpu")
         boot = Bootstrap(group) if group is not None else Bootstrap.from_env()
         self._boot = boot
         self._closers.append(("bootstrap", boot.close))
@@ -114,6 +135,9 @@ class Context:
         self.nic = SoftNic(profile=self.platform.profile, retry_timeout_s=min(timeout_s / 2, 2.0),
                            arena_bytes=heap_bytes + (8 << 20), name="rank%d" % self.rank)
         self._closers.append(("soft NIC", self.nic.close))
+        self._mem = None                 # descriptors: HOST arm = the host structs themselves
+        if self._gpu:
+            self._setup_gpu_memory()
         self.heap_bytes = heap_bytes
         self._heap = self.nic.alloc(heap_bytes, 4096)
         kind = self.platform.policy("payload_dst").kind
@@ -122,7 +146,13 @@ class Context:
         self.timeout_s = timeout_s
         self.warp_size = warp_size or self.platform.warp_size
         self._launch = Launch(grid=1, block=1, warp_size=self.warp_size)
-        self._ops_lib = load_ops("host")
+        self._ops_lib = load_ops("cuda" if self._gpu else "host")
+        if self._gpu:
+            u32, vp = ctypes.c_uint32, ctypes.c_void_p
+            f = self._ops_lib.gpunet_ops_launch_stream
+            f.argtypes, f.restype = [u32, u32, u32, vp, vp, u32, vp, u32], ctypes.c_int
+            self._ops_ring = self.nic.alloc(OPS_RING * ctypes.sizeof(abi.OpDesc), 4096)
+            self._ops_top = 0            # next free OpDesc slot; reset after each stream sync
 
         # Transports. The soft NIC's doorbell is ordinary memory, so "auto" gives ibgda; a real
         # NIC whose UAR cannot be mapped into the GPU (cudaHostRegister IoMemory refused) would
@@ -134,6 +164,9 @@ class Context:
                 t, why = "proxy", "asked for (transport='proxy')"
             elif transport == "ibgda":
                 t, why = "ibgda", "asked for (transport='ibgda')"
+            elif self._gpu:
+                t, why = "ibgda", ("auto: the soft NIC's doorbell is host memory, mapped into the GPU "
+                                   "(cudaHostRegister)")
             else:
                 t, why = "ibgda", "auto: the soft NIC's doorbell is memory the device can store to"
             self.transports[p], self.reasons[p] = t, why
@@ -162,15 +195,34 @@ class Context:
         # The device context.
         scratch = self.heap_base + 4096
         self._dev = DeviceContext(self.heap_base, heap_bytes, self._mr.lkey, n, me, scratch,
-                                  SCRATCH_SLOTS, scratch + SCRATCH_SLOTS * 8, timeout_s)
+                                  SCRATCH_SLOTS, scratch + SCRATCH_SLOTS * 8, timeout_s, mem=self._mem)
         for p in range(n):
             if self.transports[p] == "ibgda":
-                self._dev.set_peer_qp(p, QpDescriptor(qps["ibgda", p], p), everyone[p]["heap"],
-                                      everyone[p]["rkey"])
+                qpd = QpDescriptor(qps["ibgda", p], p, mem=self._mem,
+                                   mapped=getattr(self, "_mapped", None))
+                self._dev.set_peer_qp(p, qpd, everyone[p]["heap"], everyone[p]["rkey"])
         if "proxy" in users:
             self._setup_proxy([p for p in range(n) if self.transports[p] == "proxy"],
                               [[qps["proxy", p]] for p in range(n)], everyone, proxy_threads)
+        if self._gpu:                    # closed first: no kernel may run on freed descriptors
+            self._closers.append(("CUDA stream", lambda: torch.cuda.current_stream().synchronize()))
         boot.barrier()
+
+    def _setup_gpu_memory(self):
+        """CUDA: register the soft NIC's whole arena (heap, rings, CQs, DBRs, doorbell words, op
+        lists) with the GPU, check UVA, and make the device-memory allocator for descriptors."""
+        from gpunet.host.devctx import DeviceMemory, MappedArena
+
+        torch.cuda.init()                # the runtime calls below then use torch's current device
+        self._mapped = MappedArena(self.platform, self.nic)
+        self._closers.append(("arena registration", self._mapped.close))
+        if not self._mapped.identity:
+            raise ConfigError("gpunet on cuda: the soft NIC arena registered at host 0x%x got device "
+                              "pointer 0x%x; the Python API needs them equal (unified addressing, "
+                              "x86-64 Linux with a 64-bit CUDA driver), because the NIC and the GPU "
+                              "use the same heap addresses" % (self._mapped.base, self._mapped.dptr))
+        self._mem = DeviceMemory(self.platform)
+        self._closers.append(("device descriptors", self._mem.close))
 
     def _setup_proxy(self, proxied, qps_per_peer, everyone, threads):
         """One proxy channel for this rank's device code, drained by ``threads`` proxy threads."""
@@ -178,17 +230,16 @@ class Context:
 
         if threads != 1:
             raise ConfigError("proxy_threads: one channel per rank is drained by one thread here")
-        ch = ProxyChannel(depth=PROXY_DEPTH)
+        ch = ProxyChannel(depth=PROXY_DEPTH, platform=self.platform if self._gpu else None)
         self._closers.append(("proxy channel", ch.close))
         remote_heaps = [(everyone[p]["heap"], everyone[p]["rkey"]) for p in range(len(everyone))]
         eng = ProxyEngine(self.nic, [ch], qps_per_peer, (self.heap_base, self._mr.lkey),
                           remote_heaps, threads=threads)
         self._closers.append(("proxy engine", eng.close))
         self._proxy = eng
-        desc = ch.descriptor()           # uint64[4]: kept alive by the DeviceContext
+        desc = self._dev.place(ch.descriptor())   # uint64[4]: HOST arm in place, GPU a device copy
         for p in proxied:
-            self._dev.set_peer_proxy(p, address_of(desc), everyone[p]["heap"],
-                                     everyone[p]["rkey"], keep=desc)
+            self._dev.set_peer_proxy(p, desc, everyone[p]["heap"], everyone[p]["rkey"])
 
     # --- lifetime -----------------------------------------------------------------------------
     def close(self):
@@ -224,8 +275,11 @@ class Context:
     def alloc(self, shape, dtype=torch.float32):
         """A zeroed symmetric tensor: collective, the same offset on every rank.
 
-        ``shape``: int or tuple; ``dtype``: a torch dtype. Returns a CPU torch tensor viewing the
-        registered heap (so puts and gets reach it without a copy).
+        ``shape``: int or tuple; ``dtype``: a torch dtype. Returns a torch tensor viewing the
+        registered heap (so puts and gets reach it without a copy): a CPU tensor on the CPU
+        platform; on CUDA a ``device="cuda"`` tensor over the host-mapped heap (see the module
+        docstring: GPU kernels can use it, over PCIe). On CUDA, alloc first synchronizes the
+        current stream (a reused range must not still be read by an enqueued put).
         """
         self._check()
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -242,6 +296,10 @@ class Context:
             raise ConfigError("alloc is collective: every rank must allocate the same shapes in the "
                               "same order (offsets/sizes per rank: %r)" % (offs,))
         self._allocs[off] = size
+        if self._gpu:
+            self._sync("alloc")
+            self._heap[off:off + size] = 0
+            return _cuda_view(self.heap_base + off, nbytes, self).view(dtype).reshape(shape)
         self._heap[off:off + size] = 0
         t = torch.frombuffer(memoryview(self._heap[off:off + nbytes]), dtype=torch.uint8) \
             if nbytes else torch.empty(0, dtype=torch.uint8)
@@ -279,9 +337,10 @@ class Context:
         """Heap offset of a tensor's first byte; raises ConfigError if it is not a heap tensor."""
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError("%s: expected a torch.Tensor, got %s" % (what, type(tensor).__name__))
-        if tensor.device.type != "cpu":
-            raise ConfigError("%s: tensor is on %s; this Context's heap is on the CPU"
-                              % (what, tensor.device))
+        want = self._tensor_device
+        if tensor.device.type != want:
+            raise ConfigError("%s: tensor is on %s; this Context's heap tensors are %s tensors "
+                              "(ctx.alloc)" % (what, tensor.device, want))
         if not tensor.is_contiguous():
             raise ConfigError("%s: tensor is not contiguous; call .contiguous() on a heap tensor "
                               "view, or copy into a symmetric tensor first" % what)
@@ -307,8 +366,13 @@ class Context:
         return Remote(rank, base + offset * es, tensor.nbytes - offset * es)
 
     # --- device launches -------------------------------------------------------------------------
-    def _run(self, ops, what):
+    def _run(self, ops, what, blocking=True):
+        """Launch ops.cu's op-list kernel on ``ops``. CPU: synchronous, raises. CUDA: enqueued on
+        the current stream; ``blocking``: then synchronize and raise (see the module docstring).
+        Returns the OpDesc array the kernel wrote (results valid once synchronized)."""
         self._check()
+        if self._gpu:
+            return self._run_gpu(ops, what, blocking)
         self._dev.clear_status()
         rc = self._ops_lib.gpunet_ops_launch(*self._launch.args(), self._dev.addr,
                                              ctypes.addressof(ops), len(ops))
@@ -318,6 +382,38 @@ class Context:
         if getattr(self, "_proxy", None) is not None:
             self._proxy.check()
         return ops
+
+    def _run_gpu(self, ops, what, blocking):
+        n = len(ops)
+        if n > OPS_RING:
+            raise ConfigError("%s: %d ops exceed the launch ring (%d)" % (what, n, OPS_RING))
+        if self._ops_top + n > OPS_RING:
+            self._sync(what)             # every slot in flight: wait for them (and raise)
+        addr = address_of(self._ops_ring) + self._ops_top * ctypes.sizeof(abi.OpDesc)
+        self._ops_top += n
+        dops = (abi.OpDesc * n).from_address(addr)
+        ctypes.memmove(addr, ctypes.addressof(ops), ctypes.sizeof(ops))
+        stream = torch.cuda.current_stream()
+        rc = self._ops_lib.gpunet_ops_launch_stream(1, 1, self.warp_size, self._dev.addr, addr, n,
+                                                    stream.cuda_stream or None, 0)
+        if rc != 0:
+            raise GpunetError("%s: CUDA kernel launch failed (cudaError %d)" % (what, rc))
+        if blocking:
+            self._sync(what)
+        return dops
+
+    def _sync(self, what):
+        """CUDA: wait for the current stream, then raise what the kernels (or the proxy) recorded
+        since the last synchronizing call, and clear it."""
+        torch.cuda.current_stream().synchronize()
+        self._ops_top = 0
+        err = abi.status_error(self._dev.read_status(),
+                               what + " (or an earlier non-blocking call on this stream)")
+        if err is not None:
+            self._dev.clear_status()
+            raise err
+        if getattr(self, "_proxy", None) is not None:
+            self._proxy.check()
 
     def _ops(self, *specs):
         ops = (abi.OpDesc * len(specs))()
@@ -341,14 +437,16 @@ class Context:
         off = self._offset_of(tensor, "put")
         self._check_remote(remote, tensor.nbytes, "put")
         self._run(self._ops(dict(kind=abi.OP_PUT, pe=remote.rank, dst=self.heap_base + remote.offset,
-                                 src=self.heap_base + off, nbytes=tensor.nbytes)), "put")
+                                 src=self.heap_base + off, nbytes=tensor.nbytes)), "put",
+                  blocking=False)
 
     def get(self, tensor, remote):
         """Non-blocking get of ``tensor.nbytes`` from ``remote`` into heap ``tensor``; see quiet()."""
         off = self._offset_of(tensor, "get")
         self._check_remote(remote, tensor.nbytes, "get")
         self._run(self._ops(dict(kind=abi.OP_GET, pe=remote.rank, dst=self.heap_base + off,
-                                 src=self.heap_base + remote.offset, nbytes=tensor.nbytes)), "get")
+                                 src=self.heap_base + remote.offset, nbytes=tensor.nbytes)), "get",
+                  blocking=False)
 
     def put_signal(self, remote, tensor, signal, value=1):
         """Put ``tensor`` to ``remote``, then add ``value`` to the 8-byte ``signal`` (a Remote on
@@ -363,7 +461,8 @@ class Context:
         self._run(self._ops(dict(kind=abi.OP_PUT_SIGNAL, pe=remote.rank,
                                  dst=self.heap_base + remote.offset, src=self.heap_base + off,
                                  nbytes=tensor.nbytes, sig=self.heap_base + signal.offset,
-                                 value=int(value) & 0xFFFFFFFFFFFFFFFF)), "put_signal")
+                                 value=int(value) & 0xFFFFFFFFFFFFFFFF)), "put_signal",
+                  blocking=False)
 
     def atomic_add(self, remote, value):
         """Atomically add ``value`` to the 8-byte word at ``remote``; returns the old value (int).
@@ -420,5 +519,29 @@ class Context:
 
 def read_signal(tensor_or_array, index=0):
     """The value of a NIC-updated 8-byte signal word (big-endian in memory) at element ``index``."""
-    b = bytes(np.asarray(tensor_or_array).view(np.uint8)[8 * index:8 * index + 8])
+    a = tensor_or_array
+    if isinstance(a, torch.Tensor):
+        a = a.detach().cpu()             # CUDA (host-mapped heap): a stream-ordered copy
+    b = bytes(np.asarray(a).view(np.uint8)[8 * index:8 * index + 8])
     return int.from_bytes(b, "big")
+
+
+class _MappedBytes:
+    """``nbytes`` of host-mapped memory at ``addr`` as a CUDA array (``__cuda_array_interface__``);
+    holds ``owner`` (the Context) so the heap's Python objects outlive the tensor's storage."""
+
+    def __init__(self, addr, nbytes, owner):
+        self._owner = owner
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
+                                         "strides": None, "version": 3, "stream": None}
+
+
+def _cuda_view(addr, nbytes, owner):
+    """A torch uint8 CUDA tensor over the host-mapped heap bytes [addr, addr + nbytes)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8, device="cuda")
+    t = torch.as_tensor(_MappedBytes(addr, nbytes, owner), device="cuda")
+    if t.data_ptr() != addr:
+        raise ConfigError("alloc: torch placed the heap view at 0x%x, not at the heap address 0x%x"
+                          % (t.data_ptr(), addr))
+    return t

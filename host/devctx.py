@@ -4,12 +4,111 @@ The layouts are device/abi.py's (mirrored from qp.cuh and gpunet.cuh). This modu
 from soft-NIC (or, later, verbs) QPs and CQs, so that every user of device code — the Python API's
 Context, the tests' Loopback, the benchmarks — builds them the same way.
 
-On the HOST arm "device memory" is ordinary 64-byte-aligned host memory (abi.alloc_struct).
+Where the descriptors live (the one place that chooses):
+- HOST arm (CPU platform, ``mem=None``): "device memory" is ordinary 64-byte-aligned host memory
+  (abi.alloc_struct); the kernels read the very objects Python fills.
+- GPU (``mem=DeviceMemory(platform)``): Python fills host shadows (the same abi structs) and
+  copies them into device memory (cudaMalloc + platform.memcpy); the kernels get the device
+  copies' addresses. Status and QP heads are read back with ``get``. NIC rings (SQ, CQ, DBRs,
+  doorbell word) stay in the soft NIC's arena, which :class:`MappedArena` registers with the GPU;
+  their addresses are translated with its ``g`` (identity where UVA gives device == host).
 """
+import ctypes
+
 import numpy as np
 
 from gpunet.device import abi
 from gpunet.host.rawmem import address_of
+
+
+class DeviceMemory:
+    """Device-memory copies of ctypes objects / numpy arrays through a Platform (CPU: memmove).
+
+    ``put(obj)`` -> device address of a new copy; ``zeros(n)``; ``get(obj, dptr)`` copies back into
+    ``obj``; ``write(dptr, obj)`` overwrites; ``close()`` frees everything (reverse order).
+    """
+
+    def __init__(self, plat):
+        self.plat = plat
+        self.allocs = []
+
+    @staticmethod
+    def _span(obj):
+        if isinstance(obj, np.ndarray):
+            return obj.ctypes.data, obj.nbytes
+        return ctypes.addressof(obj), ctypes.sizeof(obj)
+
+    def put(self, obj):
+        src, n = self._span(obj)
+        a = self.plat.alloc("device", max(n, 64))
+        self.allocs.append(a)
+        self.plat.memcpy(a.ptr, src, n)
+        return a.ptr
+
+    def zeros(self, n):
+        return self.put(np.zeros(max(int(n), 8), np.uint8))
+
+    def get(self, obj, dptr):
+        dst, n = self._span(obj)
+        self.plat.memcpy(dst, dptr, n)
+        return obj
+
+    def write(self, dptr, obj):
+        src, n = self._span(obj)
+        self.plat.memcpy(dptr, src, n)
+
+    def close(self):
+        for a in reversed(self.allocs):
+            self.plat.free(a)
+        self.allocs = []
+
+
+class MappedArena:
+    """A soft NIC's whole arena registered with the GPU (cudaHostRegister Mapped | Portable).
+
+    ``dptr``: the GPU's address of the arena's first byte; ``g(addr)`` translates an arena address;
+    ``identity``: device pointer == host address (UVA), which code that hands the same heap
+    addresses to the NIC and to GPU loads/stores needs.
+    """
+
+    def __init__(self, plat, nic):
+        # The arena's mapping (a private attribute of SoftNic: the one file that holds every ring).
+        self.plat, self.base, self.size = plat, nic._arena.base, nic._arena.size
+        self.dptr = plat.host_register(self.base, self.size)
+        self.closed = False
+
+    def g(self, addr):
+        """The GPU's address for arena address ``addr``."""
+        return int(addr) - self.base + self.dptr
+
+    @property
+    def identity(self):
+        return self.dptr == self.base
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.plat.host_unregister(self.base)
+
+
+def fill_qpdesc(d, qp, peer, db_batch, slot_db, slot_nbb, g=int):
+    """Fill QpDesc ``d`` for soft-NIC ``qp``: ring addresses through ``g``, slot arrays given."""
+    cq = qp.send_cq
+    d.sq, d.dbrec, d.db = g(qp.sq_addr), g(qp.dbrec_addr), g(qp.db_addr)
+    d.slot_db, d.slot_nbb = slot_db, slot_nbb
+    d.sq_wqebbs, d.qpn, d.peer, d.db_batch = qp.sq_wqebbs, qp.qpn, peer, db_batch
+    d.max_inline = qp.max_inline
+    d.cq.buf, d.cq.dbrec, d.cq.cqe_cnt = g(cq.buf_addr), g(cq.dbrec_addr), cq.cqe_cnt
+    d.cq.collapsed = int(cq.collapsed)
+    return d
+
+
+def device_qpdesc(m, dev, nic_qp, cq, peer, db_batch):
+    """A host QpDesc for ``nic_qp`` whose ring pointers are GPU addresses (``m``: MappedArena) and
+    whose slot arrays are in device memory (``dev``: DeviceMemory). ``cq`` must be its send CQ."""
+    assert cq is nic_qp.send_cq
+    return fill_qpdesc(abi.QpDesc(), nic_qp, peer, db_batch, dev.zeros(nic_qp.sq_wqebbs * 8),
+                       dev.zeros(nic_qp.sq_wqebbs * 4), m.g)
 
 
 class QpDescriptor:
@@ -17,32 +116,36 @@ class QpDescriptor:
 
     ``qp``: a soft-NIC QP; ``peer``: the PE it reaches; ``db_batch``: ring the doorbell every
     that many WQEBBs at most (1 = every post). The CQ must hold at least ``qp.sq_wqebbs`` CQEs in
-    owner-bit mode (every device WQE is signalled), or be collapsed.
+    owner-bit mode (every device WQE is signalled), or be collapsed. ``mem``/``mapped``: on a GPU,
+    a DeviceMemory for the descriptor and slot arrays and the MappedArena holding the rings.
     """
 
-    def __init__(self, qp, peer, db_batch=1):
+    def __init__(self, qp, peer, db_batch=1, mem=None, mapped=None):
         cq = qp.send_cq
         if not cq.collapsed and cq.cqe_cnt < qp.sq_wqebbs:
             raise ValueError("device QPs signal every WQE: the CQ needs >= %d CQEs (has %d)"
                              % (qp.sq_wqebbs, cq.cqe_cnt))
-        self.qp = qp
+        self.qp, self._mem = qp, mem
         self.desc = abi.alloc_struct(abi.QpDesc)
-        self.slot_db = np.zeros(qp.sq_wqebbs, dtype=np.uint64)
-        self.slot_nbb = np.zeros(qp.sq_wqebbs, dtype=np.uint32)
-        d = self.desc
-        d.sq, d.dbrec, d.db = qp.sq_addr, qp.dbrec_addr, qp.db_addr
-        d.slot_db, d.slot_nbb = address_of(self.slot_db), address_of(self.slot_nbb)
-        d.sq_wqebbs, d.qpn, d.peer, d.db_batch = qp.sq_wqebbs, qp.qpn, peer, db_batch
-        d.max_inline = qp.max_inline
-        d.cq.buf, d.cq.dbrec, d.cq.cqe_cnt = cq.buf_addr, cq.dbrec_addr, cq.cqe_cnt
-        d.cq.collapsed = int(cq.collapsed)
+        if mem is None:
+            self.slot_db = np.zeros(qp.sq_wqebbs, dtype=np.uint64)
+            self.slot_nbb = np.zeros(qp.sq_wqebbs, dtype=np.uint32)
+            fill_qpdesc(self.desc, qp, peer, db_batch, address_of(self.slot_db),
+                        address_of(self.slot_nbb))
+            self._dptr = None
+        else:
+            fill_qpdesc(self.desc, qp, peer, db_batch, mem.zeros(qp.sq_wqebbs * 8),
+                        mem.zeros(qp.sq_wqebbs * 4), mapped.g if mapped is not None else int)
+            self._dptr = mem.put(self.desc)
 
     @property
     def addr(self):
-        return abi.addr_of(self.desc)
+        return abi.addr_of(self.desc) if self._dptr is None else self._dptr
 
     def heads(self):
         """(resv_head, ready_head, db_head, done_head): the device's posting counters."""
+        if self._dptr is not None:
+            self._mem.get(self.desc, self._dptr)
         d = self.desc
         return int(d.resv_head), int(d.ready_head), int(d.db_head), int(d.done_head)
 
@@ -52,27 +155,41 @@ class DeviceContext:
 
     ``local_base``/``heap_bytes``/``lkey``: this PE's registered symmetric heap; ``npes``/``my_pe``;
     ``scratch``/``discard``: addresses inside the heap for atomic results and NIC-written scratch;
-    ``timeout_s``: the bound of every device wait.
+    ``timeout_s``: the bound of every device wait. ``mem``: None (HOST arm: the structs are the
+    device's) or a DeviceMemory (GPU: device copies, pushed on every change; the Status is read
+    back by ``raise_for_status``).
     """
 
     def __init__(self, local_base, heap_bytes, lkey, npes, my_pe, scratch, scratch_slots, discard,
-                 timeout_s, max_wqe_bytes=0):
+                 timeout_s, max_wqe_bytes=0, mem=None):
+        self._mem = mem
         self.status = abi.alloc_struct(abi.Status)
         self.peers = abi.alloc_struct(abi.PeerDesc, npes)
         c = self.ctx = abi.alloc_struct(abi.DevCtx)
         c.local_base, c.heap_bytes, c.lkey = local_base, heap_bytes, lkey
         c.npes, c.my_pe, c.scratch_slots = npes, my_pe, scratch_slots
-        c.peers, c.status = abi.addr_of(self.peers), abi.addr_of(self.status)
         c.timeout_ns = int(timeout_s * 1e9)
         c.scratch, c.discard = scratch, discard
         c.max_wqe_bytes = max_wqe_bytes
         self._keep = []
+        if mem is None:
+            c.peers, c.status = abi.addr_of(self.peers), abi.addr_of(self.status)
+            self._status_dptr = self._peers_dptr = self._ctx_dptr = None
+        else:
+            self._status_dptr, self._peers_dptr = mem.put(self.status), mem.put(self.peers)
+            c.peers, c.status = self._peers_dptr, self._status_dptr
+            self._ctx_dptr = mem.put(c)
+
+    def _push_peers(self):
+        if self._mem is not None:
+            self._mem.write(self._peers_dptr, self.peers)
 
     def set_peer_qp(self, pe, qpd, remote_base, rkey):
         """PE ``pe`` is reached by GPU-initiated posting on ``qpd`` (a QpDescriptor)."""
         p = self.peers[pe]
         p.qp, p.remote_base, p.rkey = qpd.addr, remote_base, rkey
         self._keep.append(qpd)
+        self._push_peers()
 
     def set_peer_proxy(self, pe, channel_desc_addr, remote_base, rkey, keep=None):
         """PE ``pe`` is reached through a CPU-proxy channel (its device descriptor address)."""
@@ -80,14 +197,30 @@ class DeviceContext:
         p.qp, p.proxy, p.remote_base, p.rkey = 0, channel_desc_addr, remote_base, rkey
         if keep is not None:
             self._keep.append(keep)
+        self._push_peers()
+
+    def place(self, obj):
+        """The address device code should use for a small host object (ctypes / numpy) that must
+        outlive this context: the object itself on the HOST arm, a device copy on a GPU."""
+        self._keep.append(obj)
+        if self._mem is None:
+            return address_of(obj) if isinstance(obj, np.ndarray) else abi.addr_of(obj)
+        return self._mem.put(obj)
 
     @property
     def addr(self):
-        return abi.addr_of(self.ctx)
+        return abi.addr_of(self.ctx) if self._ctx_dptr is None else self._ctx_dptr
 
     def clear_status(self):
-        import ctypes
         ctypes.memset(abi.addr_of(self.status), 0, ctypes.sizeof(self.status))
+        if self._mem is not None:
+            self._mem.write(self._status_dptr, self.status)
+
+    def read_status(self):
+        """The Status block as the device last wrote it (a GPU: copied back; sync first)."""
+        if self._mem is not None:
+            self._mem.get(self.status, self._status_dptr)
+        return self.status
 
     def raise_for_status(self, what="device kernel"):
-        abi.raise_for_status(self.status, what)
+        abi.raise_for_status(self.read_status(), what)

@@ -1,0 +1,176 @@
+"""The Python API on an NVIDIA GPU (platform "cuda"): the same wrappers, kernels on the GPU.
+
+Runs only where torch.cuda.is_available(); elsewhere every test is skipped with the reason.
+The heap is host-mapped memory (the soft NIC moves bytes with memmove), viewed as CUDA tensors;
+put / get / put_signal are enqueued on torch's current stream, the other wrappers synchronize it.
+"""
+import os
+import socket
+
+import pytest
+import torch
+
+import gpunet
+from gpunet.errors import ConfigError, TimeoutError
+from gpunet.host import platform as P
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
+
+TRANSPORTS = ["ibgda", "proxy"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_platform():
+    old = os.environ.get("GPUNET_PLATFORM")
+    os.environ["GPUNET_PLATFORM"] = "cuda"
+    P.reset_platform()
+    yield
+    if old is None:
+        os.environ.pop("GPUNET_PLATFORM", None)
+    else:
+        os.environ["GPUNET_PLATFORM"] = old
+    P.reset_platform()
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def ctx(request):
+    c = gpunet.init(transport=request.param, nic="soft", heap_bytes=8 << 20, timeout_s=4.0)
+    try:
+        assert set(c.transports.values()) == {request.param}
+        yield c
+    finally:
+        c.close()
+
+
+def test_auto_is_ibgda_on_cuda():
+    with gpunet.init(nic="soft", heap_bytes=1 << 20) as c:
+        assert c.platform.name == "cuda"
+        assert c.transports == {0: "ibgda"}
+        assert "mapped" in c.reasons[0]
+
+
+def test_alloc_is_a_cuda_tensor_on_the_heap(ctx):
+    x = ctx.alloc((1000,), torch.float32)
+    assert x.device.type == "cuda" and x.is_contiguous()
+    assert ctx.heap_base <= x.data_ptr() < ctx.heap_base + ctx.heap_bytes
+    assert int(torch.count_nonzero(x)) == 0
+    x += 2.5                                      # a GPU kernel on the host-mapped heap
+    assert float(x.sum()) == 2500.0
+    with pytest.raises(ConfigError, match="cuda"):
+        ctx.put(ctx.remote(0, x), torch.zeros(4))     # a CPU tensor is not a heap tensor here
+    ctx.free(x)
+
+
+@pytest.mark.parametrize("nbytes", [1, 64, 4096, 100000])
+def test_put_get_quiet(ctx, nbytes):
+    src = ctx.alloc((nbytes,), torch.uint8)
+    dst = ctx.alloc((nbytes,), torch.uint8)
+    back = ctx.alloc((nbytes,), torch.uint8)
+    pat = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    src.copy_(pat)                                # queued on the stream before the put: ordered
+    gpunet.put(ctx.remote(0, dst), src, ctx=ctx)
+    gpunet.quiet(ctx=ctx)
+    assert torch.equal(dst, pat)
+    gpunet.get(back, ctx.remote(0, dst), ctx=ctx)
+    gpunet.quiet(ctx=ctx)
+    assert torch.equal(back, pat)
+    for t in (back, dst, src):
+        ctx.free(t)
+
+
+def test_many_nonblocking_puts_then_quiet(ctx):
+    """More launches than fit one op ring: the wrapper synchronizes when the ring is full."""
+    n = 1200
+    src = ctx.alloc((n,), torch.int64)
+    dst = ctx.alloc((n,), torch.int64)
+    src.copy_(torch.arange(n, device="cuda"))
+    for i in range(n):
+        ctx.put(ctx.remote(0, dst, i), src[i:i + 1])
+    ctx.quiet()
+    assert torch.equal(dst, src)
+    ctx.free(dst)
+    ctx.free(src)
+
+
+def test_put_signal_wait_until_atomic_add(ctx):
+    x = ctx.alloc((256,), torch.float32)
+    y = ctx.alloc((256,), torch.float32)
+    sig = ctx.alloc((2,), torch.int64)
+    x.fill_(3.0)
+    gpunet.put_signal(ctx.remote(0, y), x, ctx.remote(0, sig, 1), 5, ctx=ctx)
+    gpunet.wait_until(sig, 5, "ge", index=1, ctx=ctx)
+    assert gpunet.read_signal(sig, 1) == 5
+    assert float(y.sum()) == 768.0
+    assert gpunet.atomic_add(ctx.remote(0, sig), 7, ctx=ctx) == 0
+    assert gpunet.atomic_add(ctx.remote(0, sig), 1, ctx=ctx) == 7
+    assert gpunet.read_signal(sig, 0) == 8
+    for t in (sig, y, x):
+        ctx.free(t)
+
+
+def test_barrier(ctx):
+    for _ in range(3):
+        gpunet.barrier(ctx=ctx)
+
+
+def test_wait_until_timeout_raises_then_recovers(ctx):
+    sig = ctx.alloc((1,), torch.int64)
+    with pytest.raises(TimeoutError):
+        ctx.wait_until(sig, 1)
+    ctx.quiet()                                   # the Status was cleared: nothing stale raises
+    ctx.free(sig)
+
+
+# --- two ranks (spawned processes, gloo bootstrap, one GPU) --------------------------------------
+def _rank_main(rank, world, port, transport, q):
+    import torch.distributed as dist
+    os.environ["GPUNET_PLATFORM"] = "cuda"
+    try:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                                world_size=world)
+        with gpunet.init(transport=transport, nic="soft", heap_bytes=4 << 20, timeout_s=8.0) as c:
+            peer = (rank + 1) % world
+            x = c.alloc((4096,), torch.int32)
+            y = c.alloc((4096,), torch.int32)
+            sig = c.alloc((1,), torch.int64)
+            ctr = c.alloc((1,), torch.int64)
+            x.copy_(torch.arange(4096, device="cuda", dtype=torch.int32) + 1000 * rank)
+            c.barrier()
+            c.put_signal(c.remote(peer, y), x, c.remote(peer, sig), 1)
+            c.wait_until(sig, 1)
+            got_ok = bool(torch.equal(y, torch.arange(4096, device="cuda", dtype=torch.int32)
+                                      + 1000 * peer))
+            old = c.atomic_add(c.remote(0, ctr), 1)
+            c.barrier()
+            total = gpunet.read_signal(ctr) if rank == 0 else None
+            c.barrier()
+            q.put((rank, got_ok, old, total, dict(c.transports)))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - report to the test
+        q.put((rank, "error", repr(e), None, None))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_two_ranks(transport):
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mpc = mp.get_context("spawn")
+    q = mpc.Queue()
+    procs = [mpc.Process(target=_rank_main, args=(r, 2, port, transport, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        res = sorted(q.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for r in res:
+        assert r[1] is True, r
+    assert sorted(r[2] for r in res) == [0, 1]
+    assert res[0][3] == 2
+    assert all(set(r[4].values()) == {transport} for r in res)
