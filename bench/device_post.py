@@ -85,10 +85,11 @@ class PostArgs(ctypes.Structure):
 
 
 # --- building ----------------------------------------------------------------------------------
-def build(arch):
-    """(ops lib, bench lib) for ``arch``, bound. nvcc missing: ToolchainError from the loader."""
-    ops = L.load_ops(arch)
-    b = loader.build([loader.kernels_dir() / "bench_post.cu"], arch=arch)
+def build(arch, defines=None):
+    """(ops lib, bench lib) for ``arch``, bound. nvcc missing: ToolchainError from the loader.
+    ``defines``: extra -D for both (a protocol variant, e.g. GPUNET_PUBLISH_GPU_SCOPE)."""
+    ops = L.load_ops(arch, defines=defines)
+    b = loader.build([loader.kernels_dir() / "bench_post.cu"], arch=arch, defines=defines or {})
     u32, vp = ctypes.c_uint32, ctypes.c_void_p
     b.gpunet_bench_post_args_size.restype = u32
     b.gpunet_bench_post.argtypes = [u32, u32, vp, ctypes.POINTER(ctypes.c_float)]
@@ -470,10 +471,13 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per row (best is reported)")
     ap.add_argument("--seeds", type=int, default=2, help="seeds per ordering configuration")
     ap.add_argument("--skip", default="", help="comma list of: store,sink,e2e,ordering")
+    ap.add_argument("--define", action="append", default=[],
+                    help="NAME[=VALUE] for the device build (a protocol variant); repeatable")
     args = ap.parse_args(argv)
+    defines = dict((d.split("=", 1) + [""])[:2] for d in args.define) or None
 
     if args.compile_only:
-        ops, b = build("cuda")
+        ops, b = build("cuda", defines)
         print("built for CUDA (%s): %s, %s" % (os.environ.get("GPUNET_CUDA_ARCH", "sm_90"),
                                                ops.gpunet_path, b.gpunet_path))
         return 0
@@ -492,7 +496,7 @@ def main(argv=None):
         import torch
         torch.cuda.init()
         torch.zeros(1, device="cuda")          # make the primary context current first
-    ops, blib = build(arch)
+    ops, blib = build(arch, defines)
     skip = set(filter(None, args.skip.split(",")))
     warps_list = [int(w) for w in args.warps.split(",")]
     total = args.wqes // (8 if args.quick else 1)
@@ -500,6 +504,7 @@ def main(argv=None):
         warps_list, total, args.repeat = [1, 2], 2048, 1
     mach = machine(gpu=plat.name == "cuda")
     mach["platform"] = plat.name
+    mach["defines"] = " ".join(args.define) or "none"
     rows, ordering = [], []
     t_start = time.perf_counter()
 

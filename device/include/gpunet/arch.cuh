@@ -18,6 +18,8 @@
 //
 // Primitives (T in {u8,u16,u32,u64} where templated):
 //   u32/u64 load_acquire_sys(const u32*/u64*)       void store_release_sys(u32*/u64*, v)
+//   u64 load_acquire_gpu(const u64*)                 void store_release_gpu(u64*, v)
+//              (device scope: for words only GPU threads exchange; see qp.cuh's publish)
 //   T load_relaxed(const T*)                         void store_relaxed(T*, T)
 //   void fence_sys()
 //   u32/u64 atomic_add(p, v) -> old                  u32/u64 atomic_cas(p, expected, desired) -> old
@@ -86,6 +88,14 @@ GPUNET_DEVICE void store_release_sys(uint32_t* p, uint32_t v) {
 }
 GPUNET_DEVICE void store_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+GPUNET_DEVICE uint64_t load_acquire_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+GPUNET_DEVICE void store_release_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.gpu.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 // Relaxed NIC-visible stores/loads: volatile so the compiler neither drops, merges nor caches
 // them; the ordering comes from the fence/release that follows.
@@ -216,6 +226,15 @@ GPUNET_DEVICE void store_release_sys(uint64_t* p, uint64_t v) {
   __threadfence_system();
   *const_cast<volatile uint64_t*>(p) = v;
 }
+GPUNET_DEVICE uint64_t load_acquire_gpu(const uint64_t* p) {
+  uint64_t v = *const_cast<const volatile uint64_t*>(p);
+  __threadfence();
+  return v;
+}
+GPUNET_DEVICE void store_release_gpu(uint64_t* p, uint64_t v) {
+  __threadfence();
+  *const_cast<volatile uint64_t*>(p) = v;
+}
 template <class T>
 GPUNET_DEVICE void store_relaxed(T* p, T v) {
   static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8, "1/2/4/8 bytes");
@@ -321,6 +340,9 @@ GPUNET_DEVICE uint32_t load_acquire_sys(const uint32_t* p) { return host_load(p,
 GPUNET_DEVICE uint64_t load_acquire_sys(const uint64_t* p) { return host_load(p, __ATOMIC_ACQUIRE); }
 GPUNET_DEVICE void store_release_sys(uint32_t* p, uint32_t v) { host_store(p, v, __ATOMIC_RELEASE); }
 GPUNET_DEVICE void store_release_sys(uint64_t* p, uint64_t v) { host_store(p, v, __ATOMIC_RELEASE); }
+// One memory on the HOST arm: device scope is system scope (the weak model buffers it the same).
+GPUNET_DEVICE uint64_t load_acquire_gpu(const uint64_t* p) { return host_load(p, __ATOMIC_ACQUIRE); }
+GPUNET_DEVICE void store_release_gpu(uint64_t* p, uint64_t v) { host_store(p, v, __ATOMIC_RELEASE); }
 template <class T>
 GPUNET_DEVICE void store_relaxed(T* p, T v) { host_store(p, v, __ATOMIC_RELAXED); }
 template <class T>

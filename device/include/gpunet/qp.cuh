@@ -27,11 +27,11 @@
 //     needs done_head >= r, and nothing at or above db_head completes before it is rung.
 //
 //   Every WQE is signalled (CQ_UPDATE) and completes in order, so one CQE tells how far the ring
-//   is done. Owner-bit CQ: one consumer at a time (try-lock poll_lock) consumes every valid CQE
+//   is done (one poller at a time: try-lock poll_lock). Owner-bit CQ: that poller consumes every valid CQE
 //   (rdma-core's ownership rule), credits done_head, then writes the CQ DBR. cqe_cnt >=
 //   sq_wqebbs, so the CQ can never overrun.
 //
-//   Collapsed CQ (one slot, overwritten by every completion, polled by any thread, no lock):
+//   Collapsed CQ (one slot, overwritten by every completion; read by the poll_lock holder):
 //     d = (cqe.wqe_counter - done) & 0xffff      done = done_head read BEFORE the CQE
 //     r = ready_head                               read AFTER the CQE (acquire)
 //     credit iff d < r - done:  s = done + d;  done_head = max(done_head, s + slot_nbb[s & mask])
@@ -167,7 +167,7 @@ struct QpDesc {
   uint64_t db_head;     // WQEBBs announced to the NIC (DBR written, doorbell rung)
   uint64_t done_head;   // WQEBBs completed (credited from CQEs)
   uint64_t db_lock;     // 0 free, 1 held: the DBR + doorbell sequence
-  uint64_t poll_lock;   // 0 free, 1 held: owner-bit CQ consumer
+  uint64_t poll_lock;   // 0 free, 1 held: the one CQ poller (either mode)
   uint64_t errored;     // 1 once an error CQE was seen: posts fail fast
   uint64_t pad2;
 };
@@ -402,20 +402,25 @@ GPUNET_DEVICE void poll_cq(QpDesc* qp, const Waiter& w) {
   const uint64_t mask = qp->sq_wqebbs - 1;
   const uint32_t* slot_nbb = qpd::u32p(qp->slot_nbb);
   if (cq.collapsed) {
+    // One poller at a time: every waiting warp reading the host-mapped CQE slot over PCIe made
+    // 264 warps on one QP 20x slower (bench/RESULTS.md); the others re-read done_head instead.
+    if (!qpd::try_lock(&qp->poll_lock)) return;
     // The rule and why it is exact: the header comment ("Collapsed CQ"). Order matters: done
     // before the CQE (a stale done can only under-credit), ready_head after it (never older than
     // the WQE the CQE names).
     const uint64_t done = arch::load_acquire_sys(&qp->done_head);
     const uint32_t last = arch::load_acquire_sys(qpd::u32p(cq.buf + 60));
     const uint32_t op = (last >> 24) >> 4;
-    if (op == mlx5::CQE_INVALID) return;
     const uint64_t ready = arch::load_acquire_sys(&qp->ready_head);
     const uint32_t wc = ((last & 0xff) << 8) | ((last >> 8) & 0xff);
     const uint64_t d = (uint64_t(wc) - done) & 0xffff;  // s - done modulo 2^16
-    if (ready <= done || d >= ready - done) return;     // credited already (or nothing posted)
-    const uint64_t s = done + d;
-    if (op == mlx5::CQE_REQ_ERR || op == mlx5::CQE_RESP_ERR) cqe_error(qp, w, cq.buf, s, last);
-    qpd::credit_done(qp, s + arch::load_relaxed(&slot_nbb[s & mask]));
+    // Skip an INVALID slot, and a CQE credited already (or with nothing posted).
+    if (op != mlx5::CQE_INVALID && ready > done && d < ready - done) {
+      const uint64_t s = done + d;
+      if (op == mlx5::CQE_REQ_ERR || op == mlx5::CQE_RESP_ERR) cqe_error(qp, w, cq.buf, s, last);
+      qpd::credit_done(qp, s + arch::load_relaxed(&slot_nbb[s & mask]));
+    }
+    qpd::unlock(&qp->poll_lock);
     return;
   }
   QpDesc* q = qp;
@@ -522,6 +527,11 @@ GPUNET_DEVICE bool publish(QpDesc* qp, const Waiter& w, uint64_t base, uint32_t 
   arch::store_relaxed(&qpd::u64p(qp->slot_db)[(base + n) & mask], last_word0);
 #if defined(GPUNET_TEST_RELAXED_PUBLISH)
   arch::atomic_store(&qp->ready_head, base + n);
+#elif defined(GPUNET_PUBLISH_GPU_SCOPE)
+  // Option (measured in bench/device_post.py, not the default): ready_head is read only by GPU
+  // threads, and whoever rings fences at system scope after reading it, so by cumulativity a
+  // device-scope release should suffice; unverified against a real NIC, hence off by default.
+  arch::store_release_gpu(&qp->ready_head, base + n);
 #else
   arch::store_release_sys(&qp->ready_head, base + n);
 #endif
