@@ -72,7 +72,7 @@ from machine import machine       # noqa: E402 - bench/machine.py (the script's 
 
 TARGET_MWQES = 100.0
 WARPS = (1, 4, 32, 132, 264)
-REGION, WARP_REGION, NCOUNTERS, ROUNDS = 256, 2048, 4, 8     # as tests/test_ordering.py
+ROUNDS = 8                                                    # schedules per ordering launch
 PAYLOAD_SPAN = 1 << 20                                        # WRITE src/dst cycle (bytes)
 
 
@@ -347,38 +347,22 @@ def e2e_row(blib, world, warps, iters, depth, batch, collapsed=False):
 # --- the ordering schedules on the GPU -------------------------------------------------------------
 def schedule_case(ops, world, seed, blocks, wpb, nops, depth, batch, collapsed, ws=32, check_every=4):
     """One launch (ROUNDS schedules) of ops.cu's k_schedule; returns (ok, message)."""
-    from ordering_ref import check_atomic_chains, expand
+    from ordering_ref import (NCOUNTERS, REGION, WARP_REGION, check_atomic_chains, expand,
+                              prepare_schedule, schedule_sizes)
     T, nwarps, R, mix = blocks * wpb * ws, blocks * wpb, ROUNDS, abi.MIX_ALL
-    sizes = {"src": T * REGION, "wsrc": nwarps * WARP_REGION, "get_src": T * REGION,
-             "get_dst": R * T * REGION, "put_dst": R * T * REGION, "warp_dst": R * nwarps * WARP_REGION,
-             "sig": R * T * 8, "counters": NCOUNTERS * 8}
+    sizes = schedule_sizes(R, T, nwarps)
     heap = 1 << 20
     while heap < sum(sizes.values()) + len(sizes) * 64 + (64 << 10):
         heap <<= 1
     lb = world.loopback(depth, collapsed, batch, heap=heap)
     dm, dev = lb.dm, lb.dm.dev
-    o = {k: lb.sym(n) for k, n in sizes.items()}
-    rng = np.random.default_rng(seed & 0xFFFFFFFF)
+    p = abi.SchedParams()
+    o, (src, wsrc, gsrc) = prepare_schedule(lb, p, seed, R, T, nwarps, nops, mix, check_every, L.PEER)
     Lh, Rh = lb.local, lb.remote
-    src = rng.integers(0, 256, sizes["src"], dtype=np.uint8)
-    wsrc = rng.integers(0, 256, sizes["wsrc"], dtype=np.uint8)
-    gsrc = rng.integers(0, 256, sizes["get_src"], dtype=np.uint8)
-    Lh[o["src"]:o["src"] + src.size] = src
-    Lh[o["wsrc"]:o["wsrc"] + wsrc.size] = wsrc
-    Rh[o["get_src"]:o["get_src"] + gsrc.size] = gsrc
-    for k, side in [("get_dst", Lh), ("put_dst", Rh), ("warp_dst", Rh), ("sig", Rh), ("counters", Rh)]:
-        side[o[k]:o[k] + sizes[k]] = 0
     results = np.zeros(R * T * nops, np.uint64)
     violations = np.zeros(T, np.uint64)
     res_dev, vio_dev = dev.put(results), dev.put(violations)
-    p = abi.SchedParams()
-    p.seed, p.rounds, p.ops, p.nthreads = seed, R, nops, T
-    p.region, p.max_size, p.mix, p.ncounters = REGION, REGION, mix, NCOUNTERS
-    p.warp_region, p.check_every, p.pe = WARP_REGION, check_every, L.PEER
-    b = lb.local_base
-    p.src, p.wsrc, p.get_src, p.get_dst = b + o["src"], b + o["wsrc"], b + o["get_src"], b + o["get_dst"]
-    p.put_dst, p.warp_dst, p.sig, p.counters = b + o["put_dst"], b + o["warp_dst"], b + o["sig"], b + o["counters"]
-    p.results, p.violations, p.peer_view = res_dev, vio_dev, lb.remote_base
+    p.results, p.violations = res_dev, vio_dev
     p_dev = dev.put(p)
     h0 = dm.heads()
     t0 = time.perf_counter()

@@ -112,3 +112,45 @@ def check_atomic_chains(atomics, results, counters):
             c, int(counters[c]), int(adds.sum()))
     unused = (atomics[:, 2] == 0)
     assert (res[unused] == np.uint64(M64)).all(), "a result slot of a non-atomic op was written"
+
+
+# --- laying a launch of schedules out in a Loopback's heaps (tests and bench/device_post.py) ----
+REGION = 256            # bytes each thread owns per schedule for puts / gets
+WARP_REGION = 2048      # bytes each warp owns per schedule for warp puts
+NCOUNTERS = 4           # shared atomic counters
+
+
+def schedule_sizes(rounds, nthreads, nwarps):
+    """Bytes of each buffer a launch of ``rounds`` schedules needs."""
+    return {"src": nthreads * REGION, "wsrc": nwarps * WARP_REGION, "get_src": nthreads * REGION,
+            "get_dst": rounds * nthreads * REGION, "put_dst": rounds * nthreads * REGION,
+            "warp_dst": rounds * nwarps * WARP_REGION, "sig": rounds * nthreads * 8,
+            "counters": NCOUNTERS * 8}
+
+
+def prepare_schedule(lb, params, seed, rounds, nthreads, nwarps, nops, mix, check_every, pe):
+    """Allocate the launch's buffers in ``lb``'s symmetric heaps, fill the sources with bytes
+    seeded by ``seed``, zero the destinations, and fill ``params`` (an abi.SchedParams) except
+    its results / violations addresses, which live where the caller's device can write them.
+    Returns ({name: heap offset}, (src, wsrc, get_src)): the offsets and copies of the source
+    bytes, which ``expand`` needs for the reference."""
+    sizes = schedule_sizes(rounds, nthreads, nwarps)
+    o = {k: lb.sym(n) for k, n in sizes.items()}
+    rng = np.random.default_rng(seed & 0xFFFFFFFF)
+    local, remote = lb.local, lb.remote
+    sources = []
+    for name, side in (("src", local), ("wsrc", local), ("get_src", remote)):
+        sources.append(rng.integers(0, 256, sizes[name], dtype=np.uint8))
+        side[o[name]:o[name] + sizes[name]] = sources[-1]
+    for name, side in (("get_dst", local), ("put_dst", remote), ("warp_dst", remote),
+                       ("sig", remote), ("counters", remote)):
+        side[o[name]:o[name] + sizes[name]] = 0
+    p = params
+    p.seed, p.rounds, p.ops, p.nthreads = seed, rounds, nops, nthreads
+    p.region, p.max_size, p.mix, p.ncounters = REGION, REGION, mix, NCOUNTERS
+    p.warp_region, p.check_every, p.pe = WARP_REGION, check_every, pe
+    b = lb.local_base
+    for name in ("src", "wsrc", "get_src", "get_dst", "put_dst", "warp_dst", "sig", "counters"):
+        setattr(p, name, b + o[name])
+    p.peer_view = lb.remote_base
+    return o, tuple(sources)

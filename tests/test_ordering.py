@@ -35,13 +35,11 @@ from gpunet.device import abi
 from gpunet.device import loopback as L
 from gpunet.host.softnic import SoftNic
 
-from ordering_ref import check_atomic_chains, expand
+from ordering_ref import (NCOUNTERS, REGION, WARP_REGION, check_atomic_chains, expand,
+                          prepare_schedule)
 
 ROUNDS = 16                           # schedules per launch (each thread runs them back to back)
 EXAMPLES_PER_PROFILE_EXAMPLE = 13     # ci: 50 * 13 = 650 examples * 16 rounds = 10,400 schedules
-REGION = 256
-WARP_REGION = 2048
-NCOUNTERS = 4
 HEAP = 4 << 20
 _count = {"schedules": 0, "launches": 0}
 
@@ -97,35 +95,14 @@ def run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, mix=abi.MIX_ALL, 
     T = blocks * warps_per_block * ws
     nwarps = blocks * warps_per_block
     R = ROUNDS
-    o = {}
-    for name, n in [("src", T * REGION), ("wsrc", nwarps * WARP_REGION), ("get_src", T * REGION),
-                    ("get_dst", R * T * REGION), ("put_dst", R * T * REGION),
-                    ("warp_dst", R * nwarps * WARP_REGION), ("sig", R * T * 8), ("counters", NCOUNTERS * 8)]:
-        o[name] = lb.sym(n)
-    rng = np.random.default_rng(seed & 0xFFFFFFFF)
+    p = abi.alloc_struct(abi.SchedParams)
+    o, (src, wsrc, gsrc) = prepare_schedule(lb, p, seed, R, T, nwarps, nops, mix, check_every, L.PEER)
     Lh, Rh = lb.local, lb.remote
-    src = rng.integers(0, 256, T * REGION, dtype=np.uint8)
-    wsrc = rng.integers(0, 256, nwarps * WARP_REGION, dtype=np.uint8)
-    gsrc = rng.integers(0, 256, T * REGION, dtype=np.uint8)
-    Lh[o["src"]:o["src"] + src.size] = src
-    Lh[o["wsrc"]:o["wsrc"] + wsrc.size] = wsrc
-    Rh[o["get_src"]:o["get_src"] + gsrc.size] = gsrc
-    for name, side in [("get_dst", Lh), ("put_dst", Rh), ("warp_dst", Rh), ("sig", Rh), ("counters", Rh)]:
-        n = {"get_dst": R * T * REGION, "put_dst": R * T * REGION, "warp_dst": R * nwarps * WARP_REGION,
-             "sig": R * T * 8, "counters": NCOUNTERS * 8}[name]
-        side[o[name]:o[name] + n] = 0
     if evict is not None:
         evict("before")
     results = np.zeros(R * T * nops, dtype=np.uint64)
     violations = np.zeros(T, dtype=np.uint64)
-    p = abi.alloc_struct(abi.SchedParams)
-    p.seed, p.rounds, p.ops, p.nthreads = seed, R, nops, T
-    p.region, p.max_size, p.mix, p.ncounters = REGION, REGION, mix, NCOUNTERS
-    p.warp_region, p.check_every, p.pe = WARP_REGION, check_every, L.PEER
-    b = lb.local_base
-    p.src, p.wsrc, p.get_src, p.get_dst = b + o["src"], b + o["wsrc"], b + o["get_src"], b + o["get_dst"]
-    p.put_dst, p.warp_dst, p.sig, p.counters = b + o["put_dst"], b + o["warp_dst"], b + o["sig"], b + o["counters"]
-    p.results, p.violations, p.peer_view = results.ctypes.data, violations.ctypes.data, lb.remote_base
+    p.results, p.violations = results.ctypes.data, violations.ctypes.data
     heads0 = lb.heads()
     L.run_schedule(lib, lb, p, L.Launch(grid=blocks, block=warps_per_block * ws, warp_size=ws, weak=weak,
                                         seed=weak_seed, order=order), check=check)
