@@ -99,7 +99,6 @@ MAX_INLINE_LIMIT = mlx5.MAX_DS * mlx5.DS_UNIT - 32 - mlx5.INLINE_HDR_SIZE   # 97
 
 ENGINE_BUDGET = 4096                 # WQEs per QP per engine pass: fairness between QPs
 SPIN_IDLE = 32                       # idle passes that only sched_yield() before sleeping
-CLOCK_EVERY = 16                     # engine passes per clock read / heartbeat (a power of two)
 MAX_SLEEP_US = 200                   # idle back-off cap: bounds doorbell-to-execution latency
 PID_CHECK_NS = 2_000_000             # heartbeat age (> the 200 us idle sleep) after which a
                                      # cross-process peer's pid is checked with kill(pid, 0)
@@ -452,15 +451,10 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
     T = i64_at(base, TABLE_WORDS)
     idle = 0
     it = 0
-    now = clock_ns()
-    last_work = now
+    last_work = clock_ns()
     while load_acquire_u64(base + H_STOP * 8) == 0:
-        # The clock and the heartbeat every CLOCK_EVERY passes: clock_gettime costs ~1 us under
-        # some hypervisors (gVisor), which a busy engine would pay on every doorbell; heartbeats
-        # and dead-peer timeouts are milliseconds, a few stale microseconds cost nothing.
-        if (it & (CLOCK_EVERY - 1)) == 0:
-            now = clock_ns()
-            store_release_u64(base + H_HEARTBEAT * 8, now)
+        now = clock_ns()
+        store_release_u64(base + H_HEARTBEAT * 8, now)
         did = 0
         if load_acquire_u64(base + H_DOWN * 8) == 0:
             did = engine_step(base, peer_bases, now, ENGINE_BUDGET, scratch, segs)
