@@ -467,7 +467,9 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
             last_work = now
             continue
         idle += 1
-        if idle < SPIN_IDLE or now - last_work < T[H_SPIN_NS]:
+        if now - last_work < T[H_SPIN_NS]:
+            pass                      # spin: no syscall (a sched_yield is slow under some VMs)
+        elif idle < SPIN_IDLE:
             c_sched_yield()
         else:
             c_usleep(min(20 << min(idle - SPIN_IDLE, 4), MAX_SLEEP_US))
@@ -620,8 +622,8 @@ class SoftNic:
     retry_timeout_s: how long a WQE waits on a dead peer before completing with 0x15; also the
         heartbeat age after which a peer counts as dead.
     name: optional tag in the arena's file name (gpunet-<pid>-<name>).
-    idle_spin_us: after its last work the engine keeps polling (sched_yield only) this long before
-        it starts sleeping. 0 (the default) suits shared CPUs; a latency benchmark on a machine
+    idle_spin_us: after its last work the engine keeps polling (a pure spin, no syscall) this long
+        before it yields and then sleeps. 0 (the default) suits shared CPUs; a latency benchmark on a machine
         with cores to spare passes ~100 (a sleeping engine adds up to its back-off to a doorbell).
     """
 
