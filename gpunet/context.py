@@ -154,22 +154,12 @@ class Context:
             self._ops_ring = self.nic.alloc(OPS_RING * ctypes.sizeof(abi.OpDesc), 4096)
             self._ops_top = 0            # next free OpDesc slot; reset after each stream sync
 
-        # Transports. The soft NIC's doorbell is ordinary memory, so "auto" gives ibgda; a real
-        # NIC whose UAR cannot be mapped into the GPU (cudaHostRegister IoMemory refused) would
-        # give the proxy here.
+        # Transports, per peer (all peers share this NIC's doorbell page, so one probe decides).
         n, me = self.world_size, self.rank
-        self.transports, self.reasons = {}, {}
+        t, why = choose_transport(transport, self._probe_doorbell)
+        self.transports = {p: t for p in range(n)}
+        self.reasons = {p: why for p in range(n)}
         for p in range(n):
-            if transport == "proxy":
-                t, why = "proxy", "asked for (transport='proxy')"
-            elif transport == "ibgda":
-                t, why = "ibgda", "asked for (transport='ibgda')"
-            elif self._gpu:
-                t, why = "ibgda", ("auto: the soft NIC's doorbell is host memory, mapped into the GPU "
-                                   "(cudaHostRegister)")
-            else:
-                t, why = "ibgda", "auto: the soft NIC's doorbell is memory the device can store to"
-            self.transports[p], self.reasons[p] = t, why
             log.info("gpunet rank %d -> peer %d: %s (%s)", me, p, t, why)
 
         # One RC QP per peer and transport user (the device, or the proxy threads: a QP has one
@@ -223,6 +213,15 @@ class Context:
                               "use the same heap addresses" % (self._mapped.base, self._mapped.dptr))
         self._mem = DeviceMemory(self.platform)
         self._closers.append(("device descriptors", self._mem.close))
+
+    def _probe_doorbell(self):
+        """Map the NIC's doorbell into the device, or raise VendorRuntimeError. The soft NIC's
+        doorbell word lives in its arena: ordinary memory on the CPU, and on CUDA the arena is
+        already registered (Mapped) by _setup_gpu_memory. A real mlx5 UAR would be registered here
+        with cudaHostRegister(Mapped | IoMemory), which drivers may refuse (error 800)."""
+        return "the soft NIC's doorbell word is %s" % (
+            "host memory registered with the GPU (cudaHostRegister)" if self._gpu else
+            "memory the HOST arm's device threads store to")
 
     def _setup_proxy(self, proxied, qps_per_peer, everyone, threads):
         """One proxy channel for this rank's device code, drained by ``threads`` proxy threads."""
@@ -515,6 +514,31 @@ class Context:
                   dict(kind=abi.OP_WAIT_UNTIL, pe=self.rank, dst=word, cmp=abi.CMP_GE,
                        value=self._barrier_epoch * self.world_size)]
         self._run(self._ops(*specs), "barrier")
+
+
+def choose_transport(requested, probe_doorbell):
+    """("ibgda" | "proxy", reason) for a requested transport ("auto" | "ibgda" | "proxy").
+
+    ``probe_doorbell()`` maps the NIC's doorbell into the device and returns a description, or
+    raises host.platform.VendorRuntimeError when the driver refuses (cudaHostRegister with
+    IoMemory: error 800 where the driver does not allow it). "auto" falls back to the CPU proxy
+    then; "ibgda" cannot work and raises ConfigError; "proxy" does not probe.
+    """
+    from gpunet.host.platform import VendorRuntimeError
+
+    if requested == "proxy":
+        return "proxy", "asked for (transport='proxy')"
+    try:
+        how = probe_doorbell()
+    except VendorRuntimeError as e:
+        if requested == "ibgda":
+            raise ConfigError("transport='ibgda' needs the NIC's doorbell mapped into the device, "
+                              "and the driver refused (%s); use transport='auto' or 'proxy'" % e)
+        return "proxy", ("auto: the doorbell cannot be mapped into the device (%s, code %s), so a "
+                         "CPU proxy thread posts for the kernels" % (e.call or "runtime", e.code))
+    if requested == "ibgda":
+        return "ibgda", "asked for (transport='ibgda'); %s" % how
+    return "ibgda", "auto: %s" % how
 
 
 def read_signal(tensor_or_array, index=0):

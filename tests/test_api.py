@@ -206,3 +206,51 @@ def test_context_closes_after_an_error():
             name = c.nic.arena_name
             raise RuntimeError("user code failed")
     assert c.closed and not os.path.exists("/dev/shm/" + name)
+
+
+def test_auto_transport_falls_back_to_the_proxy_when_the_doorbell_cannot_be_mapped():
+    """choose_transport: a driver that refuses to map the doorbell (cudaHostRegister IoMemory,
+    error 800) makes "auto" pick the proxy and say why; "ibgda" then raises; "proxy" never probes."""
+    from gpunet.context import choose_transport
+    from gpunet.host.platform import ERR_NOT_PERMITTED, VendorRuntimeError
+
+    def refused():
+        raise VendorRuntimeError("not permitted", call="cudaHostRegister", code=ERR_NOT_PERMITTED)
+
+    def mapped():
+        return "UAR mapped"
+
+    def must_not_probe():
+        raise AssertionError("proxy must not probe the doorbell")
+
+    t, why = choose_transport("auto", refused)
+    assert t == "proxy" and "800" in why and "cudaHostRegister" in why
+    assert choose_transport("auto", mapped) == ("ibgda", "auto: UAR mapped")
+    assert choose_transport("proxy", must_not_probe)[0] == "proxy"
+    with pytest.raises(ConfigError, match="doorbell"):
+        choose_transport("ibgda", refused)
+
+
+def test_context_logs_the_transport_of_every_peer(caplog):
+    """init() logs, per peer, the transport it got and why."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="gpunet"):
+        c = gpunet.init(heap_bytes=1 << 20)
+        c.close()
+    assert any("-> peer 0: ibgda (auto:" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_init_under_torchrun():
+    """torchrun starts 2 ranks; gpunet.init() bootstraps from its environment (gloo on the CPU),
+    each rank puts to the next and checks what it received."""
+    import subprocess
+    import sys
+
+    from mp_ranks import _free_port
+
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_job.py")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), job],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "torchrun rank 0 of 2 OK" in r.stdout and "torchrun rank 1 of 2 OK" in r.stdout
