@@ -7,9 +7,8 @@ offset in both, so a symmetric address ``local_base + off`` names ``local[off]``
 ``remote[off]`` on PE 1. The device descriptors (QpDesc, its slot arrays, DevCtx, PeerDesc[2],
 Status) live in plain 64-byte-aligned host memory: the HOST arm's "device memory".
 """
-import numpy as np
-
-from gpunet.device import abi
+from gpunet.device.ops import Launch, load_ops, run_ops, run_schedule  # noqa: F401 - the tests' API
+from gpunet.host.devctx import DeviceContext, QpDescriptor
 from gpunet.host.rawmem import address_of
 
 PEER = 1                      # the PE device code targets
@@ -40,31 +39,16 @@ class Loopback:
         nic.connect(self.a, self.b.info())
         self.peer_nic.connect(self.b, self.a.info())
 
-        self.qp = abi.alloc_struct(abi.QpDesc)
-        self.slot_db = np.zeros(sq_wqebbs, dtype=np.uint64)
-        self.slot_nbb = np.zeros(sq_wqebbs, dtype=np.uint32)
-        q = self.qp
-        q.sq, q.dbrec, q.db = self.a.sq_addr, self.a.dbrec_addr, self.a.db_addr
-        q.slot_db, q.slot_nbb = address_of(self.slot_db), address_of(self.slot_nbb)
-        q.sq_wqebbs, q.qpn, q.peer, q.db_batch, q.max_inline = sq_wqebbs, self.a.qpn, PEER, db_batch, max_inline
-        q.cq.buf, q.cq.dbrec, q.cq.cqe_cnt = self.cq.buf_addr, self.cq.dbrec_addr, self.cq.cqe_cnt
-        q.cq.collapsed = int(collapsed)
-
-        self.status = abi.alloc_struct(abi.Status)
-        self.peers = abi.alloc_struct(abi.PeerDesc, 2)
-        self.peers[PEER].qp = abi.addr_of(self.qp)
-        self.peers[PEER].remote_base = self.remote_base
-        self.peers[PEER].rkey = self.remote_mr.rkey
         self._top = 0
         scratch = self.sym(SCRATCH_SLOTS * 8)
         discard = self.sym(64)
-        c = self.ctx = abi.alloc_struct(abi.DevCtx)
-        c.local_base, c.heap_bytes, c.lkey = self.local_base, heap_bytes, self.local_mr.lkey
-        c.npes, c.my_pe, c.scratch_slots = 2, 0, SCRATCH_SLOTS
-        c.peers, c.status = abi.addr_of(self.peers), abi.addr_of(self.status)
-        c.timeout_ns = int(timeout_s * 1e9)
-        c.scratch, c.discard = self.local_base + scratch, self.local_base + discard
-        c.max_wqe_bytes = max_wqe_bytes
+        self.qpd = QpDescriptor(self.a, PEER, db_batch)
+        self.qp, self.slot_db, self.slot_nbb = self.qpd.desc, self.qpd.slot_db, self.qpd.slot_nbb
+        self.dev = DeviceContext(self.local_base, heap_bytes, self.local_mr.lkey, 2, 0,
+                                 self.local_base + scratch, SCRATCH_SLOTS, self.local_base + discard,
+                                 timeout_s, max_wqe_bytes)
+        self.dev.set_peer_qp(PEER, self.qpd, self.remote_base, self.remote_mr.rkey)
+        self.status, self.peers, self.ctx = self.dev.status, self.dev.peers, self.dev.ctx
 
     def sym(self, nbytes, align=64):
         """Offset of a fresh symmetric range of ``nbytes`` (same offset in both heaps)."""
@@ -79,78 +63,8 @@ class Loopback:
         self._top = keep
 
     def heads(self):
-        q = self.qp
-        return int(q.resv_head), int(q.ready_head), int(q.db_head), int(q.done_head)
+        """(resv_head, ready_head, db_head, done_head) of PE 0's QP."""
+        return self.qpd.heads()
 
     def clear_status(self):
-        ctypes_zero(self.status)
-
-
-def ctypes_zero(obj):
-    import ctypes
-    ctypes.memset(ctypes.addressof(obj), 0, ctypes.sizeof(obj))
-
-
-# --- the kernels of device/kernels/ops.cu -------------------------------------------------------
-def load_ops(arch="host", defines=None):
-    """Build (cached) and bind device/kernels/ops.cu for ``arch``; checks the struct sizes."""
-    import ctypes
-
-    from gpunet.device import loader
-    from gpunet.errors import ToolchainError
-
-    lib = loader.build([loader.kernels_dir() / "ops.cu"], arch=arch, defines=defines or {})
-    if getattr(lib, "_gpunet_bound", False):
-        return lib
-    u32, u64, vp = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
-    lib.gpunet_ops_abi_size.argtypes, lib.gpunet_ops_abi_size.restype = [u32], u32
-    common = [u32, u32, u32, u32, u64, u32, u32, vp]
-    lib.gpunet_ops_launch.argtypes = common + [vp, u32]
-    lib.gpunet_ops_launch.restype = ctypes.c_int
-    lib.gpunet_schedule_launch.argtypes = common + [vp]
-    lib.gpunet_schedule_launch.restype = ctypes.c_int
-    lib.gpunet_mix64.argtypes, lib.gpunet_mix64.restype = [u64, u64, u64, u64], u64
-    lib.gpunet_poll_cq_once.argtypes, lib.gpunet_poll_cq_once.restype = [vp, vp], ctypes.c_int
-    for i, name in enumerate(["Status", "CqDesc", "QpDesc", "PeerDesc", "DevCtx", "OpDesc", "SchedParams"]):
-        got = lib.gpunet_ops_abi_size(i)
-        if got != abi.SIZES[name]:
-            raise ToolchainError("ops.cu was built with sizeof(%s) = %d, device/abi.py expects %d"
-                                 % (name, got, abi.SIZES[name]))
-    lib._gpunet_bound = True
-    return lib
-
-
-class Launch:
-    """Launch geometry and the HOST weak-memory choices (ignored on GPUs)."""
-
-    def __init__(self, grid=1, block=1, warp_size=32, weak=False, seed=0, order=0, sleep_ns=0):
-        self.grid, self.block, self.warp_size = grid, block, warp_size
-        self.weak, self.seed, self.order, self.sleep_ns = weak, seed, order, sleep_ns
-
-    def args(self):
-        return (self.grid, self.block, self.warp_size, int(self.weak), self.seed, self.order, self.sleep_ns)
-
-
-def run_ops(lib, lb, ops, per_thread, launch, check=True):
-    """Run ``ops`` (abi.OpDesc array, per_thread per thread) on ``lb``; raise the Status if ``check``."""
-    import ctypes
-
-    from gpunet.errors import GpunetError
-
-    rc = lib.gpunet_ops_launch(*launch.args(), ctypes.addressof(lb.ctx), ctypes.addressof(ops), per_thread)
-    if rc != 0:
-        raise GpunetError("ops kernel launch failed (%d)" % rc)
-    if check:
-        abi.raise_for_status(lb.status, "ops kernel")
-
-
-def run_schedule(lib, lb, params, launch, check=True):
-    import ctypes
-
-    from gpunet.errors import GpunetError
-
-    rc = lib.gpunet_schedule_launch(*launch.args(), ctypes.addressof(lb.ctx), ctypes.addressof(params))
-    if rc != 0:
-        raise GpunetError("schedule kernel launch failed (%d)" % rc)
-    if check:
-        abi.raise_for_status(lb.status, "schedule kernel")
+        self.dev.clear_status()

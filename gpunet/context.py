@@ -110,7 +110,7 @@ class Context:
 
     # --- set-up -----------------------------------------------------------------------------
     def _setup(self, group, transport, nic, heap_bytes, timeout_s, warp_size, proxy_threads):
-        from gpunet.device.loopback import Launch, load_ops
+        from gpunet.device.ops import Launch, load_ops
         from gpunet.host import verbs
         from gpunet.host.softnic import SoftNic
 
