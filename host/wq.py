@@ -316,6 +316,11 @@ class SendQueue:
         pi = self.pi
         used = fn(self.qp.sq_addr, self.n, pi, *args)
         assert used == nbb, (used, nbb)
+        return self._advance(nbb, signaled, doorbell)
+
+    def _advance(self, nbb, signaled, doorbell):
+        """Account for the WQE just written at ``self.pi`` (``nbb`` WQEBBs); returns its index."""
+        pi = self.pi
         self._outstanding.append((pi, nbb))
         self.pi += nbb
         if signaled:
@@ -395,16 +400,8 @@ class SendQueue:
         w = np.frombuffer(bytes(wqe_bytes), dtype=np.uint8).copy()
         nb = (w.nbytes + 63) // 64 if nbb is None else int(nbb)
         self._reserve(nb)
-        pi = self.pi
-        post_raw(self.qp.sq_addr, self.n, pi, address_of(w), w.nbytes)
-        self._outstanding.append((pi, nb))
-        self.pi += nb
-        if signaled:
-            self._last_signal = self.pi
-        self._last_wqe = pi
-        if doorbell:
-            self.ring()
-        return pi
+        post_raw(self.qp.sq_addr, self.n, self.pi, address_of(w), w.nbytes)
+        return self._advance(nb, signaled, doorbell)
 
     def quiet(self, timeout=5.0):
         """Wait until every posted WQE completed (posts a signalled NOP if the tail is unsignalled).
