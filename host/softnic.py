@@ -99,7 +99,6 @@ MAX_INLINE_LIMIT = mlx5.MAX_DS * mlx5.DS_UNIT - 32 - mlx5.INLINE_HDR_SIZE   # 97
 
 ENGINE_BUDGET = 4096                 # WQEs per QP per engine pass: fairness between QPs
 SPIN_IDLE = 32                       # idle passes that only sched_yield() before sleeping
-SPIN_YIELD_EVERY = 64                # idle_spin_us phase: passes per sched_yield (a power of two)
 MAX_SLEEP_US = 200                   # idle back-off cap: bounds doorbell-to-execution latency
 PID_CHECK_NS = 2_000_000             # heartbeat age (> the 200 us idle sleep) after which a
                                      # cross-process peer's pid is checked with kill(pid, 0)
@@ -469,11 +468,10 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
             continue
         idle += 1
         if now - last_work < T[H_SPIN_NS]:
-            # Spin without a syscall (sched_yield costs ~0.7 us on the H200 host and doubled the
-            # proxy round trip), yielding once every SPIN_YIELD_EVERY passes so that a spinning
-            # engine cannot starve the threads that feed it on a machine with few cores.
-            if (idle & (SPIN_YIELD_EVERY - 1)) == 0:
-                c_sched_yield()
+            # A pure spin: on the H200 host even one sched_yield every 64 passes took the proxy
+            # round trip from 4.7 to 8.0 us (bench/RESULTS.md). Only for machines with a core to
+            # spare: on 2 cores a spinning engine starves the threads that feed it.
+            pass
         elif idle < SPIN_IDLE:
             c_sched_yield()
         else:
@@ -628,8 +626,9 @@ class SoftNic:
         heartbeat age after which a peer counts as dead.
     name: optional tag in the arena's file name (gpunet-<pid>-<name>).
     idle_spin_us: after its last work the engine keeps polling (a pure spin, no syscall) this long
-        before it yields and then sleeps. 0 (the default) suits shared CPUs; a latency benchmark on a machine
-        with cores to spare passes ~100 (a sleeping engine adds up to its back-off to a doorbell).
+        before it yields and then sleeps. 0 (the default) suits shared CPUs; a latency benchmark on
+        a machine with cores to spare passes ~1000 (a sleeping engine adds up to its back-off to a
+        doorbell; a yielding one a sched_yield syscall).
     """
 
     def __init__(self, profile="nvidia", strict=False, arena_bytes=64 << 20, retry_timeout_s=1.0,
