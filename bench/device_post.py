@@ -81,7 +81,8 @@ class PostArgs(ctypes.Structure):
     _fields_ = [("qps", ctypes.c_uint64), ("status", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
                 ("raddr", ctypes.c_uint64), ("laddr", ctypes.c_uint64), ("span", ctypes.c_uint64),
                 ("nqps", ctypes.c_uint32), ("iters", ctypes.c_uint32), ("rkey", ctypes.c_uint32),
-                ("lkey", ctypes.c_uint32), ("nbytes", ctypes.c_uint32), ("do_quiet", ctypes.c_uint32)]
+                ("lkey", ctypes.c_uint32), ("nbytes", ctypes.c_uint32), ("do_quiet", ctypes.c_uint32),
+                ("per_lane", ctypes.c_uint32), ("pad0", ctypes.c_uint32)]
 
 
 # --- building ----------------------------------------------------------------------------------
@@ -187,10 +188,11 @@ def _geometry(warps):
 
 
 def run_post(blib, dev, qdescs_dev, nqps, status_dev, warps, iters, raddr, laddr, rkey, lkey,
-             timeout_s=10.0):
+             timeout_s=10.0, per_lane=1):
+    """One k_post launch: each warp posts ``iters`` times warp_size * ``per_lane`` WQEs."""
     a = PostArgs(qps=qdescs_dev, status=status_dev, timeout_ns=int(timeout_s * 1e9), raddr=raddr,
                  laddr=laddr, span=PAYLOAD_SPAN, nqps=nqps, iters=iters, rkey=rkey, lkey=lkey, nbytes=64,
-                 do_quiet=1)
+                 do_quiet=1, per_lane=per_lane)
     grid, block = _geometry(warps)
     ms = ctypes.c_float(0)
     rc = blib.gpunet_bench_post(grid, block, ctypes.addressof(a), ctypes.byref(ms))
@@ -233,10 +235,10 @@ class SinkWorld:
             self.qds[i].db_batch = db_batch
         self.dev.write(self.qds_dev, self.qds)
 
-    def run(self, blib, warps, iters):
+    def run(self, blib, warps, iters, per_lane=1):
         before = [heads(d) for d in self.dev.get(self.qds, self.qds_dev)]
         secs = run_post(blib, self.dev, self.qds_dev, self.nqps, self.status_dev, warps, iters,
-                        self.dst.ptr, self.src.ptr, 0, 0)
+                        self.dst.ptr, self.src.ptr, 0, 0, per_lane=per_lane)
         after = [heads(d) for d in self.dev.get(self.qds, self.qds_dev)]
         posted = sum(a[0] - b[0] for a, b in zip(after, before))
         for h in after:
@@ -324,7 +326,7 @@ class DeviceLoopback:
         return self.dev.get(abi.Status(), self.status_dev)
 
 
-def e2e_row(blib, world, warps, iters, depth, batch, collapsed=False):
+def e2e_row(blib, world, warps, iters, depth, batch, collapsed=False, per_lane=1):
     lb = world.loopback(depth, collapsed, batch, heap=4 << 20)
     src_off, dst_off = lb.sym(PAYLOAD_SPAN), lb.sym(PAYLOAD_SPAN)
     pattern = np.random.default_rng(warps).integers(0, 256, PAYLOAD_SPAN, dtype=np.uint8)
@@ -333,7 +335,8 @@ def e2e_row(blib, world, warps, iters, depth, batch, collapsed=False):
     h0 = lb.dm.heads()
     w0 = world.nic.stats()["wqes"]
     secs = run_post(blib, lb.dm.dev, lb.dm.qd_dev, 1, lb.dm.status_dev, warps, iters,
-                    lb.remote_base + dst_off, lb.local_base + src_off, lb.remote_mr.rkey, lb.local_mr.lkey)
+                    lb.remote_base + dst_off, lb.local_base + src_off, lb.remote_mr.rkey, lb.local_mr.lkey,
+                    per_lane=per_lane)
     h1 = lb.dm.heads()
     posted = h1[0] - h0[0]
     executed = world.nic.stats()["wqes"] - w0
@@ -455,6 +458,8 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per row (best is reported)")
     ap.add_argument("--seeds", type=int, default=2, help="seeds per ordering configuration")
     ap.add_argument("--skip", default="", help="comma list of: store,sink,e2e,ordering")
+    ap.add_argument("--per-lane", type=int, default=1,
+                    help="WQEs each lane writes per warp post: 1 = post_warp, k > 1 = post_warp_k")
     ap.add_argument("--define", action="append", default=[],
                     help="NAME[=VALUE] for the device build (a protocol variant); repeatable")
     args = ap.parse_args(argv)
@@ -514,12 +519,12 @@ def main(argv=None):
                         for w in warps_list:
                             if nq > w:
                                 continue
-                            iters = max(16, total // (w * 32))
+                            iters = max(16, total // (w * 32 * args.per_lane))
                             try:
-                                world.run(blib, w, min(iters, 16))     # warm-up
+                                world.run(blib, w, min(iters, 16), args.per_lane)     # warm-up
                                 best, n = None, 0
                                 for _ in range(args.repeat):
-                                    s, n = world.run(blib, w, iters)
+                                    s, n = world.run(blib, w, iters, args.per_lane)
                                     best = s if best is None or s < best else best
                             except errors.GpunetError as e:
                                 rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
@@ -530,7 +535,8 @@ def main(argv=None):
                             rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
                                          "db_batch": batch, "cq": cqmode, "wqes": n, "seconds": best,
                                          "mwqes": n / best / 1e6,
-                                         "note": "sink CQEs %d" % int(world.sink.stats[0])})
+                                         "note": "sink CQEs %d, %d WQEs/lane/post" % (
+                                             int(world.sink.stats[0]), args.per_lane)})
                             print(rows[-1], flush=True)
                 except _Abandon:
                     pass                  # this world's QPs are in an unknown state: next config
@@ -545,9 +551,9 @@ def main(argv=None):
             for coll in (False, True):
                 for w in ([1, 2] if args.cpu_smoke else [32, 132]):
                   n_e2e = (1 << 20) // (8 if args.quick else 1) if not args.cpu_smoke else 1024
-                  iters = max(4, n_e2e // (w * 32))
+                  iters = max(4, n_e2e // (w * 32 * args.per_lane))
                   try:
-                      s, n, ok, note = e2e_row(blib, world, w, iters, 4096, 64, coll)
+                      s, n, ok, note = e2e_row(blib, world, w, iters, 4096, 64, coll, args.per_lane)
                   except errors.GpunetError as e:
                       s, n, ok, note = 1.0, 0, False, str(e)[:300]
                   rows.append({"row": "post, soft NIC", "warps": w, "qps": 1, "ring": 4096, "db_batch": 64,

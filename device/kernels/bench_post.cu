@@ -2,8 +2,9 @@
 // host-mapped send queue through qp.cuh's warp-cooperative path (post_warp: one reservation per
 // warp, lane i writes WQE i, lane 0 publishes in order and rings at db_batch boundaries).
 //
-//   k_post   warp w posts `iters` rounds of 32 (warp size) 64-byte RDMA WRITEs on qps[w % nqps],
-//            then lane 0 quiets that QP (every WQE completed, as the consumer reports it).
+//   k_post   warp w posts `iters` rounds of warp_size * per_lane 64-byte RDMA WRITEs on
+//            qps[w % nqps] (post_warp, or post_warp_k when per_lane > 1), then lane 0 quiets that
+//            QP (every WQE completed, as the consumer reports it).
 //   k_store  the ceiling: the same 64-byte WQE stores into the same kind of ring with no protocol
 //            (no reservation, publish, doorbell or completion), as FACTS.md's 200 M/s row.
 //
@@ -31,8 +32,10 @@ struct PostArgs {          // mirrored in bench/device_post.py (PostArgs)
   uint32_t lkey;
   uint32_t nbytes;         // bytes per WRITE
   uint32_t do_quiet;       // 1: lane 0 quiets its QP at the end
+  uint32_t per_lane;       // WQEs per lane per warp post: 1 = post_warp, k > 1 = post_warp_k
+  uint32_t pad0;
 };
-static_assert(sizeof(PostArgs) == 72, "PostArgs is mirrored in bench/device_post.py");
+static_assert(sizeof(PostArgs) == 80, "PostArgs is mirrored in bench/device_post.py");
 
 GPUNET_GLOBAL void k_post(PostArgs a) {
   const uint32_t ws = arch::warp_size(), lane = arch::lane_id();
@@ -42,12 +45,22 @@ GPUNET_GLOBAL void k_post(PostArgs a) {
   const gpunet::Waiter w{reinterpret_cast<gpunet::Status*>(uintptr_t(a.status)), a.timeout_ns};
   const uint64_t slots = a.span / 64 ? a.span / 64 : 1;
   bool ok = true;
+  const uint32_t per = a.per_lane ? a.per_lane : 1;
   for (uint32_t it = 0; it < a.iters && ok; ++it) {
-    const uint64_t k = ((gwarp * a.iters + it) * ws + lane) % slots;
-    gpunet::Wqe q;
-    gpunet::wqe_rdma(q, gpunet::mlx5::OPCODE_RDMA_WRITE, a.raddr + k * 64, a.rkey, a.laddr + k * 64, a.lkey,
-                     a.nbytes);
-    ok = gpunet::post_warp(qp, w, q, ws);
+    if (per == 1) {
+      const uint64_t k = ((gwarp * a.iters + it) * ws + lane) % slots;
+      gpunet::Wqe q;
+      gpunet::wqe_rdma(q, gpunet::mlx5::OPCODE_RDMA_WRITE, a.raddr + k * 64, a.rkey, a.laddr + k * 64,
+                       a.lkey, a.nbytes);
+      ok = gpunet::post_warp(qp, w, q, ws);
+    } else {
+      const uint64_t first = (gwarp * a.iters + it) * ws * per;
+      ok = gpunet::post_warp_k(qp, w, per, [&](uint32_t j, gpunet::Wqe& q) {
+        const uint64_t k = (first + uint64_t(j) * ws + lane) % slots;
+        gpunet::wqe_rdma(q, gpunet::mlx5::OPCODE_RDMA_WRITE, a.raddr + k * 64, a.rkey,
+                         a.laddr + k * 64, a.lkey, a.nbytes);
+      });
+    }
   }
   if (a.do_quiet && lane == 0 && ok) gpunet::quiet(qp, w);
   arch::syncwarp();

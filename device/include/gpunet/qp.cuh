@@ -613,6 +613,51 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
   return ok && res != 0;
 }
 
+// Warp-cooperative posting of warp_size * k single-WQEBB WQEs with ONE reservation and ONE
+// publish (one system-scope release per warp_size * k WQEs instead of per warp_size: on the H200
+// the release, not the stores, bounds post_warp's rate, bench/RESULTS.md). Lane l builds WQE j
+// (0 <= j < k) with make(j, wqe) and writes it at base + j * warp_size + l, so every store
+// instruction of the warp covers warp_size consecutive WQEBBs. All lanes call it converged with
+// the same k (1 <= k, warp_size * k <= sq_wqebbs); a WQE of more than one WQEBB is a bad argument.
+template <class Make>
+GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make make) {
+  const uint32_t lane = arch::lane_id(), ws = arch::warp_size();
+  const uint64_t total = uint64_t(ws) * k;
+  // The last WQE's doorbell word travels to lane 0 before any WQE store (see post_warp).
+  Wqe last;
+  make(k - 1, last);
+  bool ok = !failed(w) && !arch::atomic_load(&qp->errored) && k >= 1 && total <= qp->sq_wqebbs &&
+            last.nbb == 1;
+  ok = arch::all(ok);
+  if (!ok) {
+    if (lane == 0 && !failed(w) && !arch::atomic_load(&qp->errored))
+      record_failure(w.st, STATUS_BAD_ARGUMENT, SITE_POST_ARG, qp->qpn, qp->peer, 0, qp->sq_wqebbs,
+                     total, 0);
+    return false;
+  }
+  uint64_t base = 0;
+  bool lane0_ok = true;
+  if (lane == 0) lane0_ok = reserve(qp, w, uint32_t(total), base);
+  base = arch::shfl(base, 0);
+  ok = arch::shfl(uint32_t(lane0_ok), 0) != 0;
+  uint64_t word = qpd::ctrl_word0(base + total - ws + lane, last.opcode, qp->qpn, last.ds);
+  word = arch::shfl(word, ws - 1);
+  for (uint32_t j = 0; ok && j < k; ++j) {
+    if (j + 1 == k) {
+      write_wqe(qp, base + uint64_t(j) * ws + lane, last);
+    } else {
+      Wqe q;
+      make(j, q);
+      write_wqe(qp, base + uint64_t(j) * ws + lane, q);
+    }
+  }
+  arch::syncwarp();  // every lane's WQE stores happen-before lane 0's release (cumulative)
+  uint32_t res = 1;
+  if (lane == 0) res = ok && publish(qp, w, base, uint32_t(total), word);
+  res = arch::shfl(res, 0);
+  return ok && res != 0;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Completion
 // ------------------------------------------------------------------------------------------------
