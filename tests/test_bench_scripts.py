@@ -43,6 +43,20 @@ def test_device_post_cpu_smoke(tmp_path):
     assert all(row["note"].startswith("OK") for row in d["rows"] if row["row"] == "post, soft NIC")
 
 
+def test_post_warp_k_moves_every_byte_on_the_host_arm(tmp_path):
+    """post_warp_k (8 WQEs per lane per reservation, warps of 32 interleaved so each store covers
+    consecutive WQEBBs): on the soft NIC every WQE executes and the destination equals the source,
+    in both CQ modes; the sink rows account for every WQEBB (heads agree)."""
+    out = tmp_path / "dpk.json"
+    r = _run("--cpu-smoke", "--per-lane", "8", "--skip", "ordering", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+    rows = json.loads(out.read_text())["rows"]
+    e2e = [row for row in rows if row["row"] == "post, soft NIC"]
+    assert len(e2e) == 4 and all(row["note"].startswith("OK") for row in e2e), e2e
+    assert all(row["wqes"] > 0 for row in rows if row["row"] == "post, sink")
+
+
 def test_device_post_without_gpu_fails_fast():
     """No GPU: a clear message and exit status 2, not a crash or a hang."""
     env = dict(os.environ, GPUNET_PLATFORM="cpu")
