@@ -16,6 +16,10 @@ step() { echo "=== $* ==="; }
 step "device post rate (default protocol)"
 python3 bench/device_post.py --cq both --qps 1,32 --batches 256 --warps 1,32,132,264 \
     --json "$OUT/device_post.json" > "$OUT/device_post.log" 2>&1; tail -32 "$OUT/device_post.log"
+step "device post rate with post_warp_k (8 WQEs per lane per post)"
+python3 bench/device_post.py --cq both --qps 8,32 --batches 256 --warps 132,264 --per-lane 8 \
+    --skip store,e2e,ordering --json "$OUT/dp_perlane8.json" > "$OUT/dp_perlane8.log" 2>&1
+tail -12 "$OUT/dp_perlane8.log"
 step "proxy GPU round trip"
 python3 bench/proxy.py --gpu --json "$OUT/proxy_gpu.json" 2>&1 | tail -8
 step "device post rate (GPUNET_PUBLISH_GPU_SCOPE variant)"
