@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT / "tests"))       # ordering_ref (the schedule's ref
 from gpunet import errors, mlx5                                        # noqa: E402
 from gpunet.device import abi, loader                                  # noqa: E402
 from gpunet.device import loopback as L                                # noqa: E402
+from gpunet.device import ops as dops                                  # noqa: E402
 from gpunet.host import platform as P                                  # noqa: E402
 from gpunet.host.devctx import DeviceMemory, MappedArena, device_qpdesc  # noqa: E402
 from gpunet.host.rawmem import (address_of, c_sched_yield, load_acquire_u32,  # noqa: E402
@@ -89,7 +90,7 @@ class PostArgs(ctypes.Structure):
 def build(arch, defines=None):
     """(ops lib, bench lib) for ``arch``, bound. nvcc missing: ToolchainError from the loader.
     ``defines``: extra -D for both (a protocol variant, e.g. GPUNET_PUBLISH_GPU_SCOPE)."""
-    ops = L.load_ops(arch, defines=defines)
+    ops = dops.load_ops(arch, defines=defines)
     b = loader.build([loader.kernels_dir() / "bench_post.cu"], arch=arch, defines=defines or {})
     u32, vp = ctypes.c_uint32, ctypes.c_void_p
     b.gpunet_bench_post_args_size.restype = u32

@@ -11,8 +11,6 @@ for descriptors in 64-byte-aligned memory that stays alive with the returned obj
 """
 import ctypes
 
-import numpy as np
-
 from gpunet import errors, mlx5
 
 u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
@@ -129,13 +127,12 @@ def alloc_struct(cls, count=None):
 
     The backing numpy buffer is kept on the returned object (``._gpunet_buf``).
     """
+    from gpunet.host.rawmem import aligned_zeros
+
     ty = cls if count is None else cls * count
-    n = ctypes.sizeof(ty)
-    raw = np.zeros(n + 64, dtype=np.uint8)
-    addr = raw.ctypes.data
-    off = (-addr) % 64
-    obj = ty.from_address(addr + off)
-    obj._gpunet_buf = raw
+    buf = aligned_zeros(ctypes.sizeof(ty))
+    obj = ty.from_address(buf.ctypes.data)
+    obj._gpunet_buf = buf
     return obj
 
 

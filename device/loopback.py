@@ -7,7 +7,6 @@ offset in both, so a symmetric address ``local_base + off`` names ``local[off]``
 ``remote[off]`` on PE 1. The device descriptors (QpDesc, its slot arrays, DevCtx, PeerDesc[2],
 Status) live in plain 64-byte-aligned host memory: the HOST arm's "device memory".
 """
-from gpunet.device.ops import Launch, load_ops, run_ops, run_schedule  # noqa: F401 - the tests' API
 from gpunet.host.devctx import DeviceContext, QpDescriptor
 from gpunet.host.rawmem import address_of
 

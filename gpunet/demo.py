@@ -15,18 +15,13 @@ network: they show the stack working end to end and the two transports side by s
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 
+from gpunet.host.bootstrap import free_port
+
 SIZES = [64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 TRANSPORTS = ["ibgda", "proxy"]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _progress(msg):
@@ -163,7 +158,7 @@ def main(argv=None):
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     _progress("starting %d ranks (first run compiles the device code: a minute)" % args.ranks)
     procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, args, results))
              for r in range(args.ranks)]

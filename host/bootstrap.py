@@ -12,6 +12,7 @@ marker instead when it is bad, so a bad call on one rank raises ``ConfigError`` 
 import datetime
 import os
 import pickle
+import socket
 
 from gpunet.errors import ClosedError, ConfigError, GpunetError
 
@@ -21,6 +22,14 @@ _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 # How long a collective may wait for the slowest rank before torch raises. Setup exchanges are
 # small; a rank that has not arrived in this time has died or is stuck in a different call.
 DEFAULT_TIMEOUT_S = 300
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 free right now: the rendezvous port of a one-machine process group
+    (tests, the demo). Loopback only."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class _Bad:

@@ -43,8 +43,8 @@ from gpunet import mlx5
 from gpunet.errors import ClosedError, CompletionError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import wq
-from gpunet.host.rawmem import (atomic_cas_u64, atomic_fetch_add_u64, clock_ns, load_acquire_u64,
-                                store_release_u64, u8_at)
+from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_u64, clock_ns,
+                                load_acquire_u64, store_release_u64, u8_at)
 
 # ---- the command format (mirrors proxy.cuh) --------------------------------------------------
 CMD_BYTES = 16
@@ -230,12 +230,6 @@ def unpack_error(word):
 # ---- a CPU producer: exactly what proxy.cuh's proxy_push does, in numba ----------------------
 
 
-@njit(cache=True)
-def now_ns():
-    """CLOCK_MONOTONIC in nanoseconds (callable from nopython code)."""
-    return clock_ns()
-
-
 @njit(cache=True, inline="always")
 def _log2(n):
     k = 0
@@ -260,7 +254,7 @@ def cpu_push(fifo, depth, hctrl, dctrl, w0, w1, n, timeout_ns):
     need = seq + n - depth
     ct = np.int64(load_acquire_u64(dctrl + 8 * DC_CACHED_TAIL))
     if ct < need:
-        t0 = now_ns()
+        t0 = clock_ns()
         backoff = 1
         while True:
             t = np.int64(load_acquire_u64(hctrl + 8 * HC_TAIL))
@@ -273,7 +267,7 @@ def cpu_push(fifo, depth, hctrl, dctrl, w0, w1, n, timeout_ns):
                 cur = old
             if t >= need:
                 break
-            if now_ns() - t0 > timeout_ns:
+            if clock_ns() - t0 > timeout_ns:
                 return -1
             for _ in range(backoff):
                 pass
@@ -292,14 +286,14 @@ def cpu_push(fifo, depth, hctrl, dctrl, w0, w1, n, timeout_ns):
 def cpu_wait_completed(hctrl, issued, timeout_ns):
     """Bounded wait until HostCtrl.completed >= issued; returns 0, or the packed error word, or
     -1 on timeout (proxy_quiet's CPU twin)."""
-    t0 = now_ns()
+    t0 = clock_ns()
     while True:
         err = load_acquire_u64(hctrl + 8 * HC_ERROR)
         if err != 0:
             return np.int64(err & np.uint64(0x7FFFFFFFFFFFFFFF))
         if np.int64(load_acquire_u64(hctrl + 8 * HC_COMPLETED)) >= issued:
             return 0
-        if now_ns() - t0 > timeout_ns:
+        if clock_ns() - t0 > timeout_ns:
             return -1
 
 
@@ -534,7 +528,7 @@ def proxy_step(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, sta
 
     Runs without the GIL: the Python driver thread calls it in a loop and sleeps when it returns 0.
     """
-    t0 = now_ns()
+    t0 = clock_ns()
     last_work = t0
     total = 0
     k = 0
@@ -543,7 +537,7 @@ def proxy_step(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, sta
         total += w
         k += 1
         if (k & 15) == 0 or w == 0:
-            t = now_ns()
+            t = clock_ns()
             if w != 0:
                 last_work = t
             if t - last_work >= spin_ns or t - t0 >= max_ns:
@@ -552,12 +546,6 @@ def proxy_step(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, sta
 
 
 # ---- Python objects ---------------------------------------------------------------------------
-def _aligned_zeros(nbytes, align=64):
-    raw = np.zeros(nbytes + align, dtype=np.uint8)
-    off = (-raw.ctypes.data) % align
-    return raw[off:off + nbytes]
-
-
 class ProxyChannel:
     """One command FIFO with its control blocks.
 
@@ -579,9 +567,9 @@ class ProxyChannel:
         self._allocs = []
         self.closed = False
         if platform is None or platform.name == "cpu":
-            self._fifo = _aligned_zeros(depth * CMD_BYTES)
-            self._hctrl = _aligned_zeros(HOST_CTRL_BYTES)
-            self._dctrl = _aligned_zeros(DEV_CTRL_BYTES)
+            self._fifo = aligned_zeros(depth * CMD_BYTES)
+            self._hctrl = aligned_zeros(HOST_CTRL_BYTES)
+            self._dctrl = aligned_zeros(DEV_CTRL_BYTES)
             self.fifo_addr = self.dev_fifo_addr = self._fifo.ctypes.data
             self.hctrl_addr = self.dev_hctrl_addr = self._hctrl.ctypes.data
             self.dctrl_addr = self.dev_dctrl_addr = self._dctrl.ctypes.data
@@ -766,10 +754,10 @@ class ProxyEngine:
         # QPs
         if drain_only:
             k = threads
-            self._null_rings = [_aligned_zeros(sq_wqebbs_null * mlx5.WQEBB)
+            self._null_rings = [aligned_zeros(sq_wqebbs_null * mlx5.WQEBB)
                                 for _ in range(npeer * k)]
-            self._null_db = _aligned_zeros(64)
-            self._null_scratch = _aligned_zeros(64 * npeer * k)
+            self._null_db = aligned_zeros(64)
+            self._null_scratch = aligned_zeros(64 * npeer * k)
             qps = [[None] * k for _ in range(npeer)]
         else:
             qps = [list(x) for x in qps_per_peer]

@@ -131,6 +131,14 @@ def bswap64(v):
     return r
 
 
+def aligned_zeros(nbytes, align=64):
+    """A zeroed uint8 array of ``nbytes`` whose first byte is ``align``-aligned (the view keeps
+    its over-allocated base alive)."""
+    raw = np.zeros(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    return raw[off:off + nbytes]
+
+
 def address_of(arr):
     """The virtual address of a numpy array's (or a buffer's) first byte."""
     return int(np.asarray(arr).ctypes.data)

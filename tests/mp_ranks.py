@@ -7,16 +7,11 @@ Every wait is bounded, so a broken rank fails the test instead of hanging it.
 """
 import multiprocessing as mp
 import os
-import socket
 import traceback
 
+from gpunet.host.bootstrap import free_port
+
 JOB_TIMEOUT_S = 120
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, inbox, outbox, env):
@@ -47,7 +42,7 @@ class Ranks:
 
     def __init__(self, world, env=None):
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.world = world
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.outboxes = [ctx.Queue() for _ in range(world)]

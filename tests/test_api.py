@@ -3,9 +3,7 @@
 Each rank process is started once per (world, transport) and fed generated jobs (mp_ranks.py).
 """
 import os
-import time
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import Phase, given, settings
@@ -13,7 +11,8 @@ from hypothesis import strategies as st
 
 import gpunet
 from gpunet.errors import ClosedError, ConfigError
-from mp_jobs import SLOT_ELEMS
+from gpunet.host.bootstrap import free_port
+from mp_jobs import SLOT_ELEMS, _pattern
 from mp_ranks import Ranks
 
 TRANSPORTS = ["ibgda", "proxy"]
@@ -66,7 +65,7 @@ class TestAcrossRanks:
             for kind, s, dd, n, off in ops:
                 if dd != d:
                     continue
-                src = _pattern(s, rnd)
+                src = _pattern(s, rnd, SLOT_ELEMS)
                 slot = s if kind != "get" else ranks.world + s
                 expect[slot * SLOT_ELEMS + off: slot * SLOT_ELEMS + off + n] = src[:n]
                 if kind == "put_signal":
@@ -91,11 +90,6 @@ class TestAcrossRanks:
         """A receiver that sees signal >= k sees every payload put before the k-th signal."""
         bad = ranks.run("signal_order", 40, 256)
         assert bad[0] == 0
-
-
-def _pattern(rank, round_):
-    g = torch.Generator().manual_seed(rank * 1000003 + round_)
-    return torch.randint(0, 256, (SLOT_ELEMS,), generator=g, dtype=torch.uint8)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -246,11 +240,9 @@ def test_init_under_torchrun():
     import subprocess
     import sys
 
-    from mp_ranks import _free_port
-
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchrun_job.py")
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), job],
+                        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), job],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "torchrun rank 0 of 2 OK" in r.stdout and "torchrun rank 1 of 2 OK" in r.stdout

@@ -4,21 +4,14 @@ Multi-rank tests start 2 and 4 processes with torch.multiprocessing (fork); ever
 ranks, and a failed assertion on any rank fails the test.
 """
 import os
-import socket
 
 import pytest
 import torch.multiprocessing as mp
 
 from gpunet.errors import ClosedError, ConfigError
-from gpunet.host.bootstrap import Bootstrap, LocalBootstrap
+from gpunet.host.bootstrap import Bootstrap, LocalBootstrap, free_port
 
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _expect_config_error_everywhere(fn, fragment):
@@ -93,7 +86,7 @@ def test_object_collectives_and_barrier_across_ranks(world_size, tmp_path):
     # (After CUDA was initialised in this process a forked child could not use it: spawn then.)
     import torch
     method = "spawn" if torch.cuda.is_initialized() else "fork"
-    mp.start_processes(_rank_main, args=(world_size, _free_port(), str(tmp_path)),
+    mp.start_processes(_rank_main, args=(world_size, free_port(), str(tmp_path)),
                        nprocs=world_size, join=True, start_method=method)
 
 

@@ -16,6 +16,7 @@ import pytest
 from gpunet import errors, mlx5
 from gpunet.device import abi, loader
 from gpunet.device import loopback as L
+from gpunet.device import ops as dops
 from gpunet.host.softnic import SoftNic
 
 WARPS = [32, 64]
@@ -31,7 +32,7 @@ def nic():
 
 @pytest.fixture(scope="module")
 def lib():
-    return L.load_ops()
+    return dops.load_ops()
 
 
 def _op(kind, dst=0, src=0, nbytes=0, sig=0, value=0, cmp=0, pe=L.PEER):
@@ -113,7 +114,7 @@ def test_each_operation_once(nic, lib, collapsed, ws):
         r += [_op(abi.OP_NOP)] * (len(lane0) - len(r))
         r.append(_op(abi.OP_PUT_WARP, b + dst + 5000, b + src + 5000, 3000))
     arr, per = _ops_array(rows)
-    L.run_ops(lib, lb, arr, per, L.Launch(grid=1, block=ws, warp_size=ws))
+    dops.run_ops(lib, lb, arr, per, dops.Launch(grid=1, block=ws, warp_size=ws))
     R, Lc = lb.remote, lb.local
     assert (R[dst:dst + 1000] == Lc[src:src + 1000]).all()
     assert (R[dst + 1000:dst + 1024] == 0).all()
@@ -152,7 +153,7 @@ def test_ring_of_8_under_hundreds_of_posts(nic, lib, collapsed, batch):
             row.append(_op(kind, b + dst + k, b + src + k, S, sig=b + sig + 8 * t, value=1))
         rows.append(row)
     arr, per = _ops_array(rows)
-    L.run_ops(lib, lb, arr, per, L.Launch(grid=2, block=3, warp_size=32))
+    dops.run_ops(lib, lb, arr, per, dops.Launch(grid=2, block=3, warp_size=32))
     assert (lb.remote[dst:dst + T * N * S] == lb.local[src:src + T * N * S]).all()
     sigs = lb.remote[sig:sig + 8 * T].view(">u8")
     assert list(sigs) == [len(range(2, N, 3))] * T
@@ -174,7 +175,7 @@ def test_wqe_counter_wraps_past_65536(nic, lib, collapsed):
     b = lb.local_base
     rows = [[_op(abi.OP_PUT_INLINE, b + dst + t * S, b + src + t * S, S)] * N for t in range(T)]
     arr, per = _ops_array(rows)
-    L.run_ops(lib, lb, arr, per, L.Launch(grid=1, block=T, warp_size=32))
+    dops.run_ops(lib, lb, arr, per, dops.Launch(grid=1, block=T, warp_size=32))
     resv, ready, db, done = lb.heads()
     assert resv == ready == db == done == T * N * 2 > 65536
     assert nic.qp_sq_ci(lb.a) == resv & 0xFFFF
@@ -263,7 +264,7 @@ def test_collapsed_cq_batch2_many_threads_past_65536(nic, lib, weak):
                 natomic += 1
         rows.append(row)
     arr, per = _ops_array(rows)
-    L.run_ops(lib, lb, arr, per, L.Launch(grid=2, block=T // 2, warp_size=32, weak=weak, seed=70885, order=0))
+    dops.run_ops(lib, lb, arr, per, dops.Launch(grid=2, block=T // 2, warp_size=32, weak=weak, seed=70885, order=0))
     resv, ready, db, done = lb.heads()
     assert resv == ready == db == done > 70_000
     assert nic.qp_sq_ci(lb.a) == resv & 0xFFFF
@@ -279,7 +280,7 @@ def test_collapsed_cq_batch2_many_threads_past_65536(nic, lib, weak):
 def _fault_run(lib, lb, op, threads=1):
     rows = [[op, _op(abi.OP_PUT, lb.local_base, lb.local_base, 8)] for _ in range(threads)]
     arr, per = _ops_array(rows)
-    L.run_ops(lib, lb, arr, per, L.Launch(grid=1, block=threads, warp_size=32))
+    dops.run_ops(lib, lb, arr, per, dops.Launch(grid=1, block=threads, warp_size=32))
 
 
 @pytest.mark.parametrize("collapsed", MODES, ids=MODE_IDS)
@@ -371,7 +372,7 @@ def _weak_trial(nic, vlib, seed, collapsed, T=8, N=16, S=64):
                  b + src + (t * N + i) * S, S) for i in range(N)] for t in range(T)]
     arr, per = _ops_array(rows)
     try:
-        L.run_ops(vlib, lb, arr, per, L.Launch(grid=2, block=T // 2, warp_size=32, weak=True, seed=seed,
+        dops.run_ops(vlib, lb, arr, per, dops.Launch(grid=2, block=T // 2, warp_size=32, weak=True, seed=seed,
                                                sleep_ns=2000))
     except errors.GpunetError as e:
         return type(e).__name__
@@ -383,7 +384,7 @@ def _weak_trial(nic, vlib, seed, collapsed, T=8, N=16, S=64):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fence_test_weak_memory(nic, variant):
     """Real build: every seed passes. Each broken build: some seed fails."""
-    vlib = L.load_ops(defines=VARIANTS[variant])
+    vlib = dops.load_ops(defines=VARIANTS[variant])
     outcomes = {}
     for seed in range(FENCE_SEEDS):
         r = _weak_trial(nic, vlib, seed, collapsed=bool(seed % 2))

@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from gpunet import errors
 from gpunet.device import abi
 from gpunet.device import loopback as L
+from gpunet.device import ops as dops
 from gpunet.host.softnic import SoftNic
 
 from ordering_ref import (NCOUNTERS, REGION, WARP_REGION, check_atomic_chains, expand,
@@ -85,7 +86,7 @@ def _healthy(lb):
 
 @pytest.fixture(scope="module")
 def lib():
-    return L.load_ops()
+    return dops.load_ops()
 
 
 def run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, mix=abi.MIX_ALL, weak=False,
@@ -104,7 +105,7 @@ def run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, mix=abi.MIX_ALL, 
     violations = np.zeros(T, dtype=np.uint64)
     p.results, p.violations = results.ctypes.data, violations.ctypes.data
     heads0 = lb.heads()
-    L.run_schedule(lib, lb, p, L.Launch(grid=blocks, block=warps_per_block * ws, warp_size=ws, weak=weak,
+    dops.run_schedule(lib, lb, p, dops.Launch(grid=blocks, block=warps_per_block * ws, warp_size=ws, weak=weak,
                                         seed=weak_seed, order=order), check=check)
     _count["launches"] += 1
     _count["schedules"] += R

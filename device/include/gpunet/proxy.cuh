@@ -358,33 +358,33 @@ GPUNET_DEVICE bool proxy_quiet_all(const ProxyChannel& ch, const Waiter& w) {
 // ---- operations (what gpunet.cuh's per-peer dispatch calls for a proxy peer) ----------------------
 // Offsets are into the symmetric heap (the proxy adds the local / the peer's heap base and keys).
 
-// PUT of any size: split into commands of at most MAX_CMD_SIZE bytes (one reservation each).
-GPUNET_DEVICE bool proxy_put(const ProxyChannel& ch, const Waiter& w, uint32_t peer,
-                             uint64_t local_off, uint64_t remote_off, uint64_t nbytes,
-                             uint64_t* issued = nullptr) {
-  if (!detail::check_args(ch, w, peer, local_off + nbytes, remote_off + nbytes, true)) return false;
+namespace detail {
+// PUT or GET of any size: commands of at most MAX_CMD_SIZE bytes (one reservation each).
+GPUNET_DEVICE bool push_split(const ProxyChannel& ch, const Waiter& w, uint32_t op, uint32_t peer,
+                              uint64_t local_off, uint64_t remote_off, uint64_t nbytes,
+                              uint64_t* issued) {
+  if (!check_args(ch, w, peer, local_off + nbytes, remote_off + nbytes, true)) return false;
   do {
     const uint64_t n = nbytes < MAX_CMD_SIZE ? nbytes : MAX_CMD_SIZE;
-    if (!proxy_push(ch, w, encode(OP_PUT, peer, n, local_off, remote_off), issued)) return false;
+    if (!proxy_push(ch, w, encode(op, peer, n, local_off, remote_off), issued)) return false;
     local_off += n;
     remote_off += n;
     nbytes -= n;
   } while (nbytes > 0);
   return true;
 }
+}  // namespace detail
+
+GPUNET_DEVICE bool proxy_put(const ProxyChannel& ch, const Waiter& w, uint32_t peer,
+                             uint64_t local_off, uint64_t remote_off, uint64_t nbytes,
+                             uint64_t* issued = nullptr) {
+  return detail::push_split(ch, w, OP_PUT, peer, local_off, remote_off, nbytes, issued);
+}
 
 GPUNET_DEVICE bool proxy_get(const ProxyChannel& ch, const Waiter& w, uint32_t peer,
                              uint64_t local_off, uint64_t remote_off, uint64_t nbytes,
                              uint64_t* issued = nullptr) {
-  if (!detail::check_args(ch, w, peer, local_off + nbytes, remote_off + nbytes, true)) return false;
-  do {
-    const uint64_t n = nbytes < MAX_CMD_SIZE ? nbytes : MAX_CMD_SIZE;
-    if (!proxy_push(ch, w, encode(OP_GET, peer, n, local_off, remote_off), issued)) return false;
-    local_off += n;
-    remote_off += n;
-    nbytes -= n;
-  } while (nbytes > 0);
-  return true;
+  return detail::push_split(ch, w, OP_GET, peer, local_off, remote_off, nbytes, issued);
 }
 
 // Signal alone: SIGNAL_ADD (add = true) or SIGNAL_SET of `value` on peer[sig_off].

@@ -662,25 +662,6 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
 // Completion
 // ------------------------------------------------------------------------------------------------
 
-// Wait until every WQE published on this QP before the call has completed (flushing the doorbell
-// first). true: they all completed successfully; false: a failure is recorded in the Status.
-GPUNET_DEVICE bool quiet(QpDesc* qp, const Waiter& w) {
-  const uint64_t target = arch::load_acquire_sys(&qp->ready_head);
-  if (!flush_doorbell(qp, w)) return false;
-  Spin spin;
-  uint64_t done = arch::load_acquire_sys(&qp->done_head);
-  while (done < target) {
-    poll_cq(qp, w);
-    done = arch::load_acquire_sys(&qp->done_head);
-    if (done >= target) break;
-    if (arch::atomic_load(&qp->errored)) return false;
-    if (!spin.keep_going(w, SITE_QUIET, qp, target, target, done)) return false;
-    // Someone may have published after us and not rung yet (their duty, but cheap to help).
-    if (!flush_doorbell(qp, w)) return false;
-  }
-  return !arch::atomic_load(&qp->errored) && !failed(w);
-}
-
 // Wait until the WQEBB counter `end` is completed (a specific post: atomic results, reads).
 GPUNET_DEVICE bool wait_done(QpDesc* qp, const Waiter& w, uint64_t end, uint32_t site) {
   if (!flush_doorbell(qp, w)) return false;
@@ -692,9 +673,16 @@ GPUNET_DEVICE bool wait_done(QpDesc* qp, const Waiter& w, uint64_t end, uint32_t
     if (done >= end) break;
     if (arch::atomic_load(&qp->errored)) return false;
     if (!spin.keep_going(w, site, qp, end, end, done)) return false;
+    // Someone may have published after us and not rung yet (their duty, but cheap to help).
     if (!flush_doorbell(qp, w)) return false;
   }
   return !arch::atomic_load(&qp->errored);
+}
+
+// Wait until every WQE published on this QP before the call has completed (flushing the doorbell
+// first). true: they all completed successfully; false: a failure is recorded in the Status.
+GPUNET_DEVICE bool quiet(QpDesc* qp, const Waiter& w) {
+  return wait_done(qp, w, arch::load_acquire_sys(&qp->ready_head), SITE_QUIET) && !failed(w);
 }
 
 }  // namespace gpunet
