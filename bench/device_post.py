@@ -422,14 +422,25 @@ class _Abandon(Exception):
 
 
 # --- machine ------------------------------------------------------------------------------------
+def _timed_row(row, n, runs):
+    """``row`` completed with the median time of ``runs`` (seconds) and the rate's spread."""
+    runs = sorted(runs)
+    med = runs[len(runs) // 2] if len(runs) % 2 else 0.5 * (runs[len(runs) // 2 - 1] + runs[len(runs) // 2])
+    row.update(seconds=med, runs_s=runs, mwqes=n / med / 1e6, mwqes_min=n / runs[-1] / 1e6,
+               mwqes_max=n / runs[0] / 1e6)
+    return row
+
+
 def _fmt_table(rows, mach, ordering):
     lines = []
-    lines.append("| row | warps | QPs | ring | db_batch | CQ | WQEs | time (ms) | M WQE/s | note |")
+    lines.append("| row | warps | QPs | ring | db_batch | CQ | WQEs | median time (ms) | M WQE/s median "
+                 "[min, max] | note |")
     lines.append("|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
     for r in rows:
-        lines.append("| %s | %d | %s | %s | %s | %s | %d | %.2f | %.1f | %s |" % (
+        spread = " [%.1f, %.1f]" % (r["mwqes_min"], r["mwqes_max"]) if "mwqes_min" in r else ""
+        lines.append("| %s | %d | %s | %s | %s | %s | %d | %.2f | %.1f%s | %s |" % (
             r["row"], r["warps"], r.get("qps", "-"), r.get("ring", "-"), r.get("db_batch", "-"),
-            r.get("cq", "-"), r["wqes"], r["seconds"] * 1e3, r["mwqes"], r.get("note", "")))
+            r.get("cq", "-"), r["wqes"], r["seconds"] * 1e3, r["mwqes"], spread, r.get("note", "")))
     if ordering:
         lines.append("")
         lines.append("| ordering launch | blocks x warps | ops | depth | db_batch | CQ | result | detail |")
@@ -456,7 +467,8 @@ def main(argv=None):
     ap.add_argument("--sq", type=int, default=4096, help="ring depth (WQEBBs) of the sink rows")
     ap.add_argument("--cq", choices=["owner", "collapsed", "both"], default="owner")
     ap.add_argument("--wqes", type=int, default=1 << 22, help="WQEs per sink row (about)")
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs per row (best is reported)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed runs per row (the median is reported, with min and max)")
     ap.add_argument("--seeds", type=int, default=2, help="seeds per ordering configuration")
     ap.add_argument("--skip", default="", help="comma list of: store,sink,e2e,ordering")
     ap.add_argument("--per-lane", type=int, default=1,
@@ -501,12 +513,12 @@ def main(argv=None):
     if "store" not in skip:
         for w in warps_list:
             iters = max(16, total // (w * 32))
-            best = None
+            runs = []
             for _ in range(args.repeat):
                 s, n = store_row(blib, plat, w, iters)
-                best = s if best is None or s < best else best
-            rows.append({"row": "store ceiling", "warps": w, "ring": 4096, "wqes": n, "seconds": best,
-                         "mwqes": n / best / 1e6, "note": "64-B records, no protocol"})
+                runs.append(s)
+            rows.append(_timed_row({"row": "store ceiling", "warps": w, "ring": 4096, "wqes": n,
+                                    "note": "64-B records, no protocol"}, n, runs))
             print(rows[-1], flush=True)
 
     if "sink" not in skip:
@@ -523,21 +535,21 @@ def main(argv=None):
                             iters = max(16, total // (w * 32 * args.per_lane))
                             try:
                                 world.run(blib, w, min(iters, 16), args.per_lane)     # warm-up
-                                best, n = None, 0
+                                runs, n = [], 0
                                 for _ in range(args.repeat):
                                     s, n = world.run(blib, w, iters, args.per_lane)
-                                    best = s if best is None or s < best else best
+                                    runs.append(s)
                             except errors.GpunetError as e:
                                 rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
                                              "db_batch": batch, "cq": cqmode, "wqes": 0, "seconds": 1.0,
                                              "mwqes": 0.0, "note": "FAIL: %s" % str(e)[:300]})
                                 print(rows[-1], flush=True)
                                 raise _Abandon()
-                            rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
-                                         "db_batch": batch, "cq": cqmode, "wqes": n, "seconds": best,
-                                         "mwqes": n / best / 1e6,
-                                         "note": "sink CQEs %d, %d WQEs/lane/post" % (
-                                             int(world.sink.stats[0]), args.per_lane)})
+                            rows.append(_timed_row(
+                                {"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
+                                 "db_batch": batch, "cq": cqmode, "wqes": n,
+                                 "note": "sink CQEs %d, %d WQEs/lane/post" % (
+                                     int(world.sink.stats[0]), args.per_lane)}, n, runs))
                             print(rows[-1], flush=True)
                 except _Abandon:
                     pass                  # this world's QPs are in an unknown state: next config
@@ -586,9 +598,10 @@ def main(argv=None):
            "arch": arch, "elapsed_s": time.perf_counter() - t_start}
     sink_rows = [r for r in rows if r["row"] == "post, sink"]
     if sink_rows:
-        best = max(sink_rows, key=lambda r: r["mwqes"])
-        out["best_sink"] = best
-        out["target_met"] = best["mwqes"] >= TARGET_MWQES
+        top = max(sink_rows, key=lambda r: r["mwqes"])
+        out["top_sink"] = top
+        # A target counts as met only when every run of the row holds it (its slowest run).
+        out["target_met"] = any(r.get("mwqes_min", r["mwqes"]) >= TARGET_MWQES for r in sink_rows)
     out["ordering_pass"] = all(o["ok"] for o in ordering) if ordering else None
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
@@ -596,8 +609,10 @@ def main(argv=None):
     print()
     print(_fmt_table(rows, mach, ordering))
     if sink_rows:
-        print("best post rate (sink): %.1f M WQE/s (target %.0f: %s)" % (
-            out["best_sink"]["mwqes"], TARGET_MWQES, "met" if out["target_met"] else "NOT met"))
+        print("top post rate (sink, median of %d runs): %.1f M WQE/s (min %.1f, max %.1f; target %.0f "
+              "in every run: %s)" % (args.repeat, out["top_sink"]["mwqes"],
+                                     out["top_sink"].get("mwqes_min", 0), out["top_sink"].get("mwqes_max", 0),
+                                     TARGET_MWQES, "met" if out["target_met"] else "NOT met"))
     if ordering:
         print("ordering: %d/%d launches PASS" % (sum(o["ok"] for o in ordering), len(ordering)))
     return 0 if out["ordering_pass"] in (None, True) else 1
