@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The GPU gate. Run it on the H200 machine (the device tool's `run`) before any change to device/ or
+# host/platform.py lands:   bash scripts/gpu-check.sh        (OUT=dir keeps the logs and JSON there)
+#
+# It installs gpunet (editable, no deps: the image has torch, numba, nvcc), runs every CUDA test
+# (a test skipped for want of a GPU or CUDA counts as a failure here), the GPU benchmarks and the
+# worked example, and prints one table. Rows of kind "test" gate: the last line says PASS only when
+# all of them passed. Rows of kind "target" report a performance target (met / NOT met, with the
+# median and spread of the runs); they are listed, and counted in the last line, but a missed
+# target does not fail the gate (performance is judged from bench/RESULTS.md, not from one run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+export GATE_ROWS="$OUT/gate_rows.jsonl" PYTHONUNBUFFERED=1
+: > "$GATE_ROWS"
+step() { echo; echo "=== $* ===  ($(date +%T))"; }
+gate() { python3 scripts/gate.py "$@"; }
+
+step "install"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 \
+  && gate row test install PASS "pip install --no-deps -e ." \
+  || { tail -20 "$OUT/install.log"; gate row test install FAIL "see install.log"; }
+nvidia-smi -L
+
+step "CUDA tests"
+# Every test file that exercises the CUDA arm (the *_cuda.py files, the platform probes, the
+# worked examples); the CPU-only tests run in CI, not here.
+CUDA_TESTS=$(ls tests/test_*cuda*.py tests/test_platform.py tests/test_examples.py 2>/dev/null)
+timeout 420 python3 -m pytest -q -rs --junitxml="$OUT/cuda_tests.xml" $CUDA_TESTS 2>&1 | tail -15
+gate junit "CUDA tests" "$OUT/cuda_tests.xml"
+
+step "proxy: GPU -> proxy -> soft NIC round trip (3 runs)"
+timeout 240 python3 bench/proxy.py --gpu --reps 3 --json "$OUT/proxy_gpu.json" 2>&1 | tail -12
+gate proxy_gpu "$OUT/proxy_gpu.json"
+
+step "proxy: commands per second per proxy thread (this host's CPU, GPU-fed shape)"
+timeout 240 python3 bench/proxy.py --json "$OUT/proxy_cpu.json" 2>&1 | tail -12
+gate proxy_cpu "$OUT/proxy_cpu.json"
+
+step "device post rate (sink consumer, collapsed CQ, post_warp: one WQE per lane)"
+timeout 300 python3 bench/device_post.py --cq collapsed --qps 1,32 --batches 256 --warps 1,32,132,264 \
+    --skip store,e2e,ordering --repeat 3 --json "$OUT/device_post.json" > "$OUT/device_post.log" 2>&1
+tail -14 "$OUT/device_post.log"
+gate device_post "$OUT/device_post.json"
+
+if [ -f bench/ep_gpu.sh ]; then
+  step "MoE EP low-latency dispatch / combine (2 and 4 ranks on one GPU under MPS)"
+  OUT="$OUT" timeout 540 bash bench/ep_gpu.sh 2>&1 | tail -30
+  gate ep "$OUT"
+fi
+
+step "summary"
+gate table
