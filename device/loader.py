@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from gpunet import config
 from gpunet.errors import ConfigError, ToolchainError
 
 __all__ = ["build", "include_dir", "kernels_dir", "cache_dir", "ARCHS"]
@@ -55,24 +56,23 @@ def kernels_dir() -> Path:
 
 def cache_dir() -> Path:
     """Where built libraries live: ``$GPUNET_CACHE_DIR``, else ``~/.cache/gpunet``."""
-    env = os.environ.get("GPUNET_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "gpunet"
+    return Path(config.get("GPUNET_CACHE_DIR"))
 
 
 def _find_compiler(arch: str) -> str:
     """The compiler's path for `arch`, or ToolchainError saying what to install."""
     if arch == "host":
-        name, env, hint = "g++", "GPUNET_HOST_CXX", "install g++ (Debian/Ubuntu: apt-get install g++)"
+        env, hint = "GPUNET_HOST_CXX", "install g++ (Debian/Ubuntu: apt-get install g++)"
     elif arch == "cuda":
-        name, env, hint = "nvcc", "GPUNET_NVCC", "install the CUDA toolkit (nvcc) and put it on PATH"
+        env, hint = "GPUNET_NVCC", "install the CUDA toolkit (nvcc) and put it on PATH"
     else:
-        name, env, hint = "mxcc", "GPUNET_MXCC", "install the MACA SDK (mxcc) and set MACA_PATH"
-    chosen = os.environ.get(env, name)
+        env, hint = "GPUNET_MXCC", "install the MACA SDK (mxcc) and set MACA_PATH"
+    chosen = config.get(env)
     path = shutil.which(chosen)
-    if path is None and arch == "cuda" and env not in os.environ:
+    if path is None and arch == "cuda" and not config.is_set(env):
         fallback = Path("/usr/local/cuda/bin/nvcc")
         path = str(fallback) if fallback.exists() else None
-    if path is None and arch == "maca" and env not in os.environ:
+    if path is None and arch == "maca" and not config.is_set(env):
         fallback = Path(os.environ.get("MACA_PATH", "/opt/maca")) / "mxgpu_llvm" / "bin" / "mxcc"
         path = str(fallback) if fallback.exists() else None
     if path is None:
@@ -108,7 +108,7 @@ def _command(
         return [compiler, "-O2", "-std=c++17", "-fPIC", "-shared", "-pthread", "-DGPUNET_ARCH_HOST",
                 *defs, *incs, *extra_flags, "-o", output, "-x", "c++", *srcs]
     if arch == "cuda":
-        cuda_arch = os.environ.get("GPUNET_CUDA_ARCH", "sm_90")
+        cuda_arch = config.get("GPUNET_CUDA_ARCH")
         return [compiler, "-std=c++17", "-O3", "-Xcompiler", "-fPIC", "-shared", f"-arch={cuda_arch}",
                 *defs, *incs, *extra_flags, "-o", output, "-x", "cu", *srcs]
     # maca — UNVERIFIED (FACTS.md: "mxcc -x maca f.cpp --maca-path=$MACA_PATH", link mcruntime).

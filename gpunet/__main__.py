@@ -1,4 +1,4 @@
-"""gpunet's command line: ``python -m gpunet demo`` (the main job) or ``selftest``."""
+"""gpunet's command line: ``python -m gpunet demo`` (the main job), ``selftest`` or ``config``."""
 import argparse
 import sys
 
@@ -7,6 +7,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="gpunet", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("selftest", help="two connected QPs on the soft NIC, every operation, a table")
+    sub.add_parser("config", help="every GPUNET_* knob: type, default, the value in effect, doc")
     sub.add_parser("demo", help="N ranks on the soft NIC: ping-pong and bandwidth, both transports",
                    add_help=False)
     args, rest = p.parse_known_args(argv)
@@ -15,6 +16,10 @@ def main(argv=None):
         return demo_main(rest)
     if rest:
         p.error("unrecognized arguments: %s" % " ".join(rest))
+    if args.cmd == "config":
+        from gpunet.config import table
+        print(table())
+        return 0
     if args.cmd == "selftest":
         from gpunet.selftest import run
         return run()

@@ -34,6 +34,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from gpunet import config
 from gpunet.errors import ClosedError, ConfigError, GpunetError, ToolchainError
 
 log = logging.getLogger("gpunet.platform")
@@ -263,7 +264,7 @@ def _mapped_libraries(fragment):
 
 def _runtime_candidates(api):
     """Library paths to try for ``api``, in order. ``GPUNET_RUNTIME_LIB`` replaces the search."""
-    forced = os.environ.get("GPUNET_RUNTIME_LIB")
+    forced = config.get("GPUNET_RUNTIME_LIB")
     if forced:
         return [forced]
     stem = "libcudart" if api.platform == "cuda" else "libmcruntime"
@@ -435,13 +436,13 @@ class DmaBuf(NamedTuple):
 
 
 def _env_choice(var, allowed, default=None):
-    val = os.environ.get(var)
-    if val is None or val == "":
-        return default
-    val = val.strip().lower()
-    if val not in allowed:
-        raise ConfigError(f"{var}={os.environ[var]!r} is not valid; use one of {', '.join(map(str, allowed))}")
-    return val
+    """The value of choice knob ``var`` (gpunet/config.py's table), or ``default`` when unset."""
+    try:
+        val = config.get(var)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    assert val is None or val in allowed, (var, val, allowed)
+    return default if val is None else val
 
 
 def _detect_maca(torch):

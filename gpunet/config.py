@@ -1,0 +1,118 @@
+"""gpunet's knobs in one table: every ``GPUNET_*`` environment variable and build define, with its
+type, default and one line of doc. ``python -m gpunet config`` prints it with the values in effect.
+
+Ground floor: this module imports nothing from gpunet (errors are raised as ValueError and the
+callers wrap them), so every layer may read its knobs here. Environment variables are read when
+asked for (``get``), not at import, so tests that change the environment see the change.
+tests/test_config.py checks that every ``GPUNET_*`` name in the sources is in this table.
+"""
+import os
+from typing import NamedTuple
+
+
+class Knob(NamedTuple):
+    name: str
+    kind: str        # "env": read from the environment at run time; "define": a C++ build define
+    type: str        # "choice" | "int" | "path" | "str" | "flag"
+    default: object  # what applies when unset (None: detected / searched, see doc)
+    choices: tuple   # allowed values of a "choice" knob
+    doc: str
+
+
+KNOBS = (
+    # --- environment: platform and toolchain ---------------------------------------------------
+    Knob("GPUNET_PLATFORM", "env", "choice", None, ("cpu", "cuda", "maca"),
+         "skip platform detection (default: detected from torch and the runtimes present)"),
+    Knob("GPUNET_PROFILE", "env", "choice", None, ("nvidia", "c500"),
+         "coherence model of the soft NIC on the CPU or CUDA platform (default: nvidia; MACA is c500)"),
+    Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
+         "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
+    Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),
+         "path of libcudart / libmcruntime to load (default: searched under CUDA_HOME, MACA_PATH, ...)"),
+    Knob("GPUNET_CACHE_DIR", "env", "path", "~/.cache/gpunet", (),
+         "where built device libraries are cached (keyed by a hash of sources, flags and compiler)"),
+    Knob("GPUNET_HOST_CXX", "env", "str", "g++", (), "C++ compiler of the HOST arm"),
+    Knob("GPUNET_NVCC", "env", "str", "nvcc", (), "CUDA compiler (falls back to /usr/local/cuda/bin/nvcc)"),
+    Knob("GPUNET_MXCC", "env", "str", "mxcc", (), "MACA compiler (falls back to $MACA_PATH/mxgpu_llvm/bin)"),
+    Knob("GPUNET_CUDA_ARCH", "env", "str", "sm_90", (), "nvcc -arch of the CUDA arm"),
+    Knob("GPUNET_HOST_MAX_THREADS", "env", "int", 1024, (),
+         "HOST arm: most OS threads one emulated launch may start (read by host_simt.h)"),
+    Knob("GPUNET_SKIP_APT", "env", "flag", "0", ("0", "1"),
+         "scripts/install.sh: 1 skips the apt step (no root, or packages already there)"),
+    # --- build defines (pass with device/loader.py build(defines=...)) --------------------------
+    Knob("GPUNET_WARP_MIN_CHUNK", "define", "int", 256, (),
+         "put_nbi_warp: smallest chunk one lane posts (a WQE per few bytes costs NIC work)"),
+    Knob("GPUNET_MACA_CLOCK_MHZ", "define", "int", 1500, (),
+         "MACA arm: clock64() rate used to turn device timeouts into ticks (unverified)"),
+    Knob("GPUNET_PUBLISH_GPU_SCOPE", "define", "flag", None, (),
+         "qp.cuh variant: publish ready_head with a device-scope release (unverified vs a real NIC)"),
+    Knob("GPUNET_TEST_DELAY_POINTS", "define", "flag", None, (),
+         "tests: spin pauses where real hardware may stall, to widen race windows"),
+    Knob("GPUNET_TEST_RELAXED_PUBLISH", "define", "flag", None, (),
+         "tests: a deliberately broken publish (the ordering tests must catch it)"),
+    Knob("GPUNET_TEST_DROP_DOORBELL_FENCE", "define", "flag", None, (),
+         "tests: the doorbell fence removed (the weak-memory tests must catch it)"),
+    Knob("GPUNET_SYNTAX_CHECK_ONLY", "define", "flag", None, (),
+         "tests: type-check the MACA arm with g++ against declared stand-ins"),
+)
+
+_BY_NAME = {k.name: k for k in KNOBS}
+
+
+def knob(name):
+    """The table entry of ``name`` (KeyError if gpunet has no such knob)."""
+    return _BY_NAME[name]
+
+
+def get(name):
+    """The value in effect for environment knob ``name``: the variable if set and non-empty
+    (checked against its type: ValueError names the allowed values), else the default."""
+    k = _BY_NAME[name]
+    if k.kind != "env":
+        raise KeyError("%s is a build define, not an environment variable" % name)
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return os.path.expanduser(k.default) if k.type == "path" and k.default else k.default
+    val = raw.strip()
+    if k.type == "choice" or k.type == "flag":
+        val = val.lower()
+        if k.choices and val not in k.choices:
+            raise ValueError("%s=%r is not valid; use one of %s" % (name, raw, ", ".join(k.choices)))
+    elif k.type == "int":
+        try:
+            val = int(val)
+        except ValueError:
+            raise ValueError("%s=%r is not an integer" % (name, raw)) from None
+        if val <= 0:
+            raise ValueError("%s=%r must be positive" % (name, raw))
+    elif k.type == "path":
+        val = os.path.expanduser(val)
+    return val
+
+
+def is_set(name):
+    """True when environment knob ``name`` is set to a non-empty value."""
+    return bool(os.environ.get(name, "").strip())
+
+
+def table():
+    """The table as text: name, kind, type, default, value in effect (env knobs), doc."""
+    rows = []
+    for k in KNOBS:
+        if k.kind == "env":
+            try:
+                now = get(k.name)
+            except ValueError as e:
+                now = "INVALID (%s)" % e
+            now = "%s%s" % (now, " (set)" if is_set(k.name) else "")
+        else:
+            now = "-"
+        rows.append((k.name, k.kind, k.type, "unset" if k.default is None else str(k.default),
+                     str(now), k.doc))
+    widths = [max(len(r[i]) for r in rows + [("knob", "kind", "type", "default", "in effect", "")])
+              for i in range(5)]
+    head = ("knob", "kind", "type", "default", "in effect")
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  doc"]
+    for r in rows:
+        out.append("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+    return "\n".join(out)
