@@ -89,6 +89,17 @@ def device_post(path):
         add("test", "device post rate", "FAIL", d["_error"])
         return
     sink = [r for r in d.get("rows", []) if r.get("row") == "post, sink"]
+    e2e = [r for r in d.get("rows", []) if r.get("row") == "post, soft NIC"]
+    if e2e:
+        bad = [r for r in e2e if not str(r.get("note", "")).startswith("OK")]
+        add("test", "posts through the soft NIC land (dst == src)", "PASS" if not bad else "FAIL",
+            "%d rows, %d failed" % (len(e2e), len(bad)))
+    if d.get("ordering"):
+        o = d["ordering"]
+        add("test", "GPU ordering schedules", "PASS" if d.get("ordering_pass") else "FAIL",
+            "%d/%d launches pass" % (sum(x["ok"] for x in o), len(o)))
+    if not sink:
+        return
     for (w, q), goal in POST_GOALS:
         r = next((r for r in sink if r["warps"] == w and r.get("qps") == q), None)
         if r is None:

@@ -44,6 +44,12 @@ timeout 300 python3 bench/device_post.py --cq collapsed --qps 1,32 --batches 256
 tail -14 "$OUT/device_post.log"
 gate device_post "$OUT/device_post.json"
 
+step "GPU ordering schedules and end-to-end posts through the soft NIC (correctness)"
+timeout 300 python3 bench/device_post.py --skip store,sink --seeds 1 --json "$OUT/device_order.json" \
+    > "$OUT/device_order.log" 2>&1
+tail -12 "$OUT/device_order.log"
+gate device_post "$OUT/device_order.json"
+
 if [ -f bench/ep_gpu.sh ]; then
   step "MoE EP low-latency dispatch / combine (2 and 4 ranks on one GPU under MPS)"
   OUT="$OUT" timeout 540 bash bench/ep_gpu.sh 2>&1 | tail -30
