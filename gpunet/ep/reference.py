@@ -140,7 +140,8 @@ def random_routing(num_tokens: int, num_topk: int, num_experts: int, seed: int, 
 
     Experts are the top-k of uniform random scores (DeepEP's test does the same with randn), so
     the load is uniform in expectation. holes: that many (token, slot) entries, chosen at random,
-    become -1 (no expert). hot_expert: expert id that a hot_fraction of the tokens all select.
+    become -1 (no expert). hot_expert: expert id that round(hot_fraction * num_tokens) tokens,
+    chosen at random, select (others may select it too).
     empty_experts: ids no token selects. Same arguments -> same tensor."""
     if num_topk < 1 or num_experts < 1 or num_tokens < 0:
         raise ConfigError("random_routing: need num_topk >= 1, num_experts >= 1, num_tokens >= 0")
@@ -157,8 +158,8 @@ def random_routing(num_tokens: int, num_topk: int, num_experts: int, seed: int, 
     if empty:
         scores[:, empty] = -1.0
     if hot_expert is not None:
-        hot = torch.rand(num_tokens, generator=gen) < hot_fraction
-        scores[hot, hot_expert] = 2.0
+        n_hot = int(round(hot_fraction * num_tokens))
+        scores[torch.randperm(num_tokens, generator=gen)[:n_hot], hot_expert] = 2.0
     topk = scores.topk(num_topk, dim=1).indices.to(torch.int64)
     n = topk.numel()
     if holes:
