@@ -38,6 +38,7 @@ Semantics chosen where the issue leaves a choice (docs/INTERFACES.md repeats the
 """
 import atexit
 import enum
+import fcntl
 import itertools
 import os
 import mmap
@@ -49,7 +50,7 @@ import numpy as np
 from numba import njit
 
 from gpunet import mlx5
-from gpunet.errors import ClosedError, CoherenceViolation, ConfigError
+from gpunet.errors import ClosedError, CoherenceViolation, ConfigError, GpunetError
 from gpunet.host.rawmem import (address_of, atomic_cas_u64, bswap64, c_kill0, c_memmove,
                                 c_sched_yield, c_usleep, clock_ns, i64_at, load_acquire_u32,
                                 load_acquire_u64, store_release_u32, store_release_u64, u8_at)
@@ -103,6 +104,8 @@ MAX_SLEEP_US = 200                   # idle back-off cap: bounds doorbell-to-exe
 PID_CHECK_NS = 2_000_000             # heartbeat age (> the 200 us idle sleep) after which a
                                      # cross-process peer's pid is checked with kill(pid, 0)
 CQ_LOCK_SPINS = 1 << 26              # bound on the CQ lock spin (a holder that died)
+STALE_MIN_AGE_S = 10.0               # an unlocked arena without a header is young for this long:
+                                     # its creator may be between O_CREAT and flock
 
 
 class Access(enum.IntFlag):
@@ -503,22 +506,56 @@ def _pid_alive(pid):
     return True
 
 
-def remove_stale_arenas():
-    """Unlink /dev/shm/gpunet-<pid>-* files of processes that no longer exist (killed peers)."""
+def remove_stale_arenas(min_age_s=STALE_MIN_AGE_S):
+    """Unlink the /dev/shm/gpunet-<pid>-* arenas whose owner process is gone (a crashed or killed
+    rank); returns their names. SoftNic calls it when it starts and when it closes, so the next
+    NIC on the machine, or a survivor closing, reclaims what a crash left.
+
+    Never removes a live NIC's arena. An arena is stale only when all of these hold:
+    - no process <pid> exists (the name's pid; a live pid keeps its arenas, also older ones);
+    - nobody holds the arena's lock: every SoftNic holds a shared flock on its arena file from
+      creation until close, and the kernel drops it when the process dies, so the lock is the
+      owner's liveness even where the pid cannot be seen (another pid namespace sharing /dev/shm);
+    - the header is complete (magic written: the owner took its lock before writing it), or,
+      for a file still without one, it is older than ``min_age_s`` (a creator between its
+      O_CREAT and its flock looks the same for that instant).
+    tests/test_softnic.py::test_stale_arena_of_a_killed_process_is_reclaimed_and_live_ones_kept.
+    """
     removed = []
-    for n in os.listdir("/dev/shm"):
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return removed
+    for n in names:
         if not n.startswith("gpunet-"):
             continue
         try:
             pid = int(n.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if not _pid_alive(pid):
+        if _pid_alive(pid):
+            continue
+        path = os.path.join("/dev/shm", n)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
             try:
-                os.unlink(os.path.join("/dev/shm", n))
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue                            # locked: its owner is alive somewhere
+            head = os.pread(fd, 8, H_MAGIC * 8)
+            complete = len(head) == 8 and int.from_bytes(head, "little") == ARENA_MAGIC
+            if not complete and time.time() - os.fstat(fd).st_ctime < min_age_s:
+                continue
+            try:
+                os.unlink(path)
                 removed.append(n)
-            except FileNotFoundError:
+            except OSError:                         # gone already, or not ours to remove
                 pass
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -528,15 +565,19 @@ class _Arena:
     def __init__(self, name, size=None, create=False):
         path = os.path.join("/dev/shm", name)
         self.name = name
+        self._lock_fd = None
         if create:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
+                # held until close (or death): remove_stale_arenas never takes a locked arena
+                fcntl.flock(fd, fcntl.LOCK_SH)
                 os.ftruncate(fd, size)          # sparse: pages appear when touched
                 self.mm = mmap.mmap(fd, size)
             except BaseException:
                 os.close(fd)
                 os.unlink(path)
                 raise
+            self._lock_fd = fd
         else:
             try:
                 fd = os.open(path, os.O_RDWR)
@@ -544,7 +585,7 @@ class _Arena:
                 raise ConfigError("peer arena %s not found: is the peer NIC still open?" % name)
             size = os.fstat(fd).st_size
             self.mm = mmap.mmap(fd, size)
-        os.close(fd)
+            os.close(fd)
         self.size = size
         self.u8 = np.frombuffer(self.mm, dtype=np.uint8)
         self.base = address_of(self.u8)
@@ -557,6 +598,9 @@ class _Arena:
             self.mm.close()
         except BufferError:
             pass                                # user views still alive: the mapping dies with them
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)             # drops the liveness lock
+            self._lock_fd = None
 
 
 class PD:
@@ -651,6 +695,7 @@ class SoftNic:
         if "/" in self.arena_name or len(self.arena_name) > 200:
             raise ConfigError("bad NIC name %r" % (name,))
         arena_bytes = (int(arena_bytes) + 4095) & ~4095
+        remove_stale_arenas()            # what crashed NICs on this machine left in /dev/shm
         self._arena = _Arena(self.arena_name, arena_bytes, create=True)
         self._finalizer = weakref.finalize(self, _unlink_quiet, self.arena_name)
         self._closed = False
@@ -708,6 +753,7 @@ class SoftNic:
             if a is not None:
                 a.close()
         self._arena.close()
+        remove_stale_arenas()            # a survivor reclaims the arenas of peers that crashed
 
     def __enter__(self):
         return self
@@ -960,6 +1006,66 @@ class SoftNic:
         """The engine's position in the SQ (16 bits): the next WQEBB it will execute."""
         self._check_open()
         return int(self._arena.T[QP_BASE + qp.qpn * QP_WORDS + Q_SQ_CI])
+
+    def qp_error_syndrome(self, qp):
+        """The syndrome that moved ``qp`` to ERR (mlx5 SYNDROME_*; -1: its CQ overran), or 0."""
+        self._check_open()
+        return int(self._arena.T[QP_BASE + qp.qpn * QP_WORDS + Q_ERR_SYND])
+
+    def reset_qp(self, qp, timeout_s=5.0):
+        """Bring ``qp`` back to RTS with the same connection, as a consumer does to reuse a QP
+        after an error (ibv_modify_qp ERR -> RESET -> INIT -> RTR -> RTS).
+
+        1. The engine first finishes every WQE rung so far (a QP in error flushes them with
+           WR_FLUSH_ERR CQEs), so no work posted before the reset is left half-done.
+        2. The QP is parked in RESET, which the engine skips, until the engine has finished a whole
+           pass: from then on nothing of the QP's old life executes or completes.
+        3. Its send queue restarts empty at WQE counter 0 (consumer index, latched doorbell,
+           doorbell record and doorbell word cleared; error syndrome forgotten), then it is RTS.
+
+        The CQs are not touched. Returns the send CQ's producer index (CQEs written so far): a
+        consumer that owns that CQ alone skips to it, since every CQE before it is of the old life
+        (host/devctx.py QpDescriptor.reset). Raises GpunetError if the engine does not drain or
+        pass within ``timeout_s`` (a NIC marked down never does).
+        tests/test_softnic.py::test_reset_qp_after_a_protection_error_returns_to_rts_and_works.
+        """
+        self._check_open()
+        if not isinstance(qp, QP) or qp.nic is not self:
+            raise ConfigError("reset_qp needs a QP of this NIC")
+        T = self._arena.T
+        qe = QP_BASE + qp.qpn * QP_WORDS
+        if int(T[qe + Q_STATE]) not in (QPS_RTS, QPS_ERR):
+            raise ConfigError("reset_qp: QP %d is %s, not RTS or ERR" % (qp.qpn, self.qp_state(qp)))
+        db = self._arena.u8[int(T[qe + Q_DB_OFF]):int(T[qe + Q_DB_OFF]) + 8].view(np.int64)
+        deadline = time.monotonic() + timeout_s
+
+        def wait(cond, what):
+            while not cond():
+                if time.monotonic() > deadline:
+                    raise GpunetError("reset_qp: QP %d of %s: %s within %.1f s (is the engine "
+                                      "running, the NIC not marked down?)"
+                                      % (qp.qpn, self.arena_name, what, timeout_s))
+                time.sleep(50e-6)
+
+        wait(lambda: int(db[0]) == int(T[qe + Q_LAST_DB])
+             and int(T[qe + Q_SQ_CI]) == int(T[qe + Q_TARGET]),
+             "the engine did not finish the WQEs rung before the reset")
+        for _ in range(3):               # an engine pass in flight may still store ERR over RESET
+            T[qe + Q_STATE] = QPS_RESET
+            it = int(T[H_ITERS])
+            wait(lambda: int(T[H_ITERS]) >= it + 2, "the engine did not complete a pass")
+            if int(T[qe + Q_STATE]) == QPS_RESET:
+                break
+        else:
+            raise GpunetError("reset_qp: QP %d of %s did not stay in RESET" % (qp.qpn, self.arena_name))
+        for w in (Q_SQ_CI, Q_TARGET, Q_LAST_DB, Q_ERR_SYND, Q_DEAD_SINCE):
+            T[qe + w] = 0
+        db[0] = 0                        # no doorbell word is 0 (ds >= 1): the next ring is a change
+        dbr = int(T[qe + Q_DBREC_OFF]) + 4 * mlx5.DBREC_SND
+        self._arena.u8[dbr:dbr + 4] = 0
+        ci = int(T[CQ_BASE + qp.send_cq.cqn * CQ_WORDS + C_PI])
+        T[qe + Q_STATE] = QPS_RTS if int(T[qe + Q_PEER_QPN]) != 0 else QPS_INIT
+        return ci
 
     def stats(self):
         """Counters: wqes executed, engine passes, heartbeat age."""

@@ -465,8 +465,8 @@ def test_cross_process_write_read_atomics_then_killed_peer_gives_retry_exceeded(
         got = c.wait(1, timeout=10)[0]
         assert got.syndrome == mlx5.SYNDROME_TRANSPORT_RETRY_EXC_ERR
         assert time.monotonic() - t0 < 3.0
-        assert os.path.exists("/dev/shm/" + info["arena"])      # a killed process leaks it...
-        assert info["arena"] in remove_stale_arenas()            # ...until someone sweeps it
+        remove_stale_arenas()                  # a killed process leaves its arena: swept (by
+        assert not os.path.exists("/dev/shm/" + info["arena"])   # us, or any NIC starting)
         name = a.arena_name
     assert not os.path.exists("/dev/shm/" + name)
 
@@ -546,3 +546,110 @@ def test_close_is_idempotent_unlinks_and_later_use_raises():
             n2.create_qp(cq, sq_wqebbs=12)
         with pytest.raises(gpunet.ConfigError):
             n2.create_cq(6)
+
+
+# --- QP reset after an error ------------------------------------------------------------------------
+def test_reset_qp_after_a_protection_error_returns_to_rts_and_works(nics):
+    """A write with a bad rkey moves the QP to ERR (and flushes what follows); reset_qp brings it
+    back to RTS with the same connection: the send queue restarts at WQE counter 0, the returned
+    CQ index is past every CQE of the old life, and a good write then lands and completes OK."""
+    a, b = nics
+    p = Pair(a, b)
+    p.lbuf[MR_OFF:MR_OFF + 64] = 7
+    p.sq.post_write(p.l(), p.lmr.lkey, p.r(), p.rmr.rkey ^ 0x100, 8)
+    p.sq.post_write(p.l(), p.lmr.lkey, p.r(), p.rmr.rkey, 8, signaled=True)
+    cqes = p.cq.wait(2)
+    assert [c.syndrome for c in cqes] == [mlx5.SYNDROME_REMOTE_ACCESS_ERR,
+                                          mlx5.SYNDROME_WR_FLUSH_ERR]
+    assert a.qp_state(p.aqp) == "ERR"
+    assert a.qp_error_syndrome(p.aqp) == mlx5.SYNDROME_REMOTE_ACCESS_ERR
+    ci = a.reset_qp(p.aqp)
+    assert ci == p.cq.ci                          # both CQEs were the old life's, consumed above
+    assert a.qp_state(p.aqp) == "RTS" and a.qp_sq_ci(p.aqp) == 0
+    assert a.qp_error_syndrome(p.aqp) == 0
+    assert (p.rbuf[MR_OFF:MR_OFF + 64] == GUARD).all()       # the flushed write moved nothing
+    sq = SendQueue(p.aqp, cq=p.cq)                # a fresh producer: counter 0 again
+    sq.post_write(p.l(), p.lmr.lkey, p.r(), p.rmr.rkey, 64, signaled=True)
+    c = _ok(p.cq.wait(1))[0]
+    assert c.wqe_counter == 0
+    assert (p.rbuf[MR_OFF:MR_OFF + 64] == 7).all() and p.guards_intact()
+    with pytest.raises(gpunet.ConfigError, match="not RTS or ERR"):
+        a.reset_qp(a.create_qp(a.create_cq(64)))      # a QP never connected is INIT
+
+
+def test_reset_qp_raises_when_the_engine_cannot_drain():
+    """On a NIC marked down nothing executes: reset_qp gives up after its timeout with a
+    GpunetError instead of discarding rung work silently or waiting for ever."""
+    with SoftNic(retry_timeout_s=0.3) as a, SoftNic(retry_timeout_s=0.3) as b:
+        p = Pair(a, b)
+        a.mark_down()
+        p.sq.post_write(p.l(), p.lmr.lkey, p.r(), p.rmr.rkey, 8, signaled=True)
+        t0 = time.monotonic()
+        with pytest.raises(gpunet.GpunetError, match="did not finish the WQEs rung"):
+            a.reset_qp(p.aqp, timeout_s=0.3)
+        assert time.monotonic() - t0 < 5
+
+
+# --- stale arenas -----------------------------------------------------------------------------------
+def _arena_child(q_out):
+    nic = SoftNic(name="stale-child")
+    q_out.put(nic.arena_name)
+    time.sleep(600)                               # killed by the test long before
+
+
+def _dead_pid():
+    import subprocess
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_arena_of_a_killed_process_is_reclaimed_and_live_ones_kept():
+    """A live process's arena survives every sweep; once the process is killed (SIGKILL: no
+    close, no atexit), the next SoftNic start on the machine removes the arena it left."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_arena_child, args=(q,), daemon=True)
+    proc.start()
+    try:
+        name = q.get(timeout=120)
+        path = "/dev/shm/" + name
+        remove_stale_arenas()
+        assert os.path.exists(path), "the arena of a live process was removed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+        assert not proc.is_alive()
+        with SoftNic():                           # a start reclaims it (if no one else did first)
+            assert not os.path.exists(path)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+
+
+def test_stale_arena_sweep_keeps_locked_and_young_headerless_arenas():
+    """The pid is not the only liveness test (another pid namespace may share /dev/shm): an arena
+    whose owner holds its lock is kept even when its pid is unknown here; a header-less file (a
+    creator before its flock) is kept while young; each goes once its owner is gone / it is old."""
+    from gpunet.host.softnic import ARENA_MAGIC, H_MAGIC, _Arena
+
+    pid = _dead_pid()
+    locked = "gpunet-%d-locked-%d" % (pid, os.getpid())
+    bare = "gpunet-%d-bare-%d" % (pid, os.getpid())
+    arena = _Arena(locked, 1 << 16, create=True)
+    try:
+        arena.T[H_MAGIC] = ARENA_MAGIC
+        open("/dev/shm/" + bare, "wb").close()
+        remove_stale_arenas()
+        assert os.path.exists("/dev/shm/" + locked), "a locked arena was removed"
+        assert os.path.exists("/dev/shm/" + bare), "a young header-less arena was removed"
+        arena.close()                             # the owner is gone: its lock with it
+        remove_stale_arenas()
+        assert not os.path.exists("/dev/shm/" + locked)
+        remove_stale_arenas(min_age_s=0.0)
+        assert not os.path.exists("/dev/shm/" + bare)
+    finally:
+        arena.close()
+        for n in (locked, bare):
+            if os.path.exists("/dev/shm/" + n):
+                os.unlink("/dev/shm/" + n)
