@@ -33,14 +33,81 @@ def _progress(msg):
     sys.stderr.flush()
 
 
-def _rank_main(rank, world, port, args, results):
-    import torch
+def _rank_entry(target, rank, world, port, args, results, env):
+    """One rank process of run_ranks: joins the gloo group, runs ``target(rank, world, args)``;
+    rank 0 reports ("ok", its return value); any rank that raises reports ("err", traceback)."""
+    import traceback
+
+    os.environ.update(env or {})
     import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                                world_size=world)
+        out = target(rank, world, args)
+        if rank == 0:
+            results.put(("ok", out))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher, then exit non-zero
+        results.put(("err", "rank %d: %s: %s\n%s" % (rank, type(e).__name__, e,
+                                                    traceback.format_exc())))
+        raise SystemExit(1)
+
+
+def run_ranks(target, world, args, timeout_s=900, env=None):
+    """Run ``target(rank, world, args)`` in ``world`` spawned rank processes on this machine.
+
+    Each process joins a gloo group on 127.0.0.1 (a fresh port) before calling ``target``;
+    ``target`` must be a module-level function (spawn pickles it by name). Returns rank 0's return
+    value. Raises gpunet.GpunetError naming the failure when a rank raises, dies or the run
+    outlasts ``timeout_s`` (stragglers are killed: the wait is bounded). ``env``: variables set in
+    every rank before it imports anything else. Used by ``gpunet demo``, ``gpunet ep-demo`` and
+    bench/ep.py."""
+    import queue
+
+    import torch.multiprocessing as mp
+
+    from gpunet.errors import GpunetError, TimeoutError as GpunetTimeout
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(target, r, world, port, args, results, env))
+             for r in range(world)]
+    for pr in procs:
+        pr.start()
+    got = None
+    deadline = time.monotonic() + timeout_s
+    try:
+        while got is None and time.monotonic() < deadline:
+            try:
+                got = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
+                if dead:
+                    try:                       # a dying rank queues its traceback first
+                        got = results.get(timeout=5.0)
+                    except queue.Empty:
+                        got = ("err", "ranks %s exited with %s and said nothing"
+                               % (dead, [procs[i].exitcode for i in dead]))
+    finally:
+        for pr in procs:
+            pr.join(timeout=60 if got is not None and got[0] == "ok" else 5)
+            if pr.is_alive():
+                pr.kill()
+                pr.join()
+    if got is None:
+        raise GpunetTimeout("run_ranks: %d ranks gave no result within %d s" % (world, timeout_s))
+    if got[0] != "ok":
+        raise GpunetError("run_ranks: %s" % got[1])
+    return got[1]
+
+
+def _rank_main(rank, world, args):
+    import torch
 
     import gpunet
 
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
-                            world_size=world)
     rows = []
     steps = len(TRANSPORTS) * (1 + len(args.sizes))
     step = 0
@@ -91,8 +158,7 @@ def _rank_main(rank, world, port, args, results):
                 gpunet.barrier()
     if rank == 0:
         _progress("done\n")
-        results.put(rows)
-    dist.destroy_process_group()
+    return rows
 
 
 def _fmt(n):
@@ -154,32 +220,13 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.ranks < 2:
         p.error("--ranks must be >= 2")
-    import torch.multiprocessing as mp
+    from gpunet.errors import GpunetError
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
     _progress("starting %d ranks (first run compiles the device code: a minute)" % args.ranks)
-    procs = [ctx.Process(target=_rank_main, args=(r, args.ranks, port, args, results))
-             for r in range(args.ranks)]
-    for pr in procs:
-        pr.start()
-    rows = None
-    deadline = time.monotonic() + 900
-    while rows is None and time.monotonic() < deadline:
-        try:
-            rows = results.get(timeout=1.0)
-        except Exception:  # noqa: BLE001 - queue.Empty: check the ranks are alive
-            dead = [i for i, pr in enumerate(procs) if pr.exitcode not in (None, 0)]
-            if dead:
-                break
-    for pr in procs:
-        pr.join(timeout=60)
-        if pr.is_alive():
-            pr.kill()
-    if rows is None:
-        print("\ngpunet demo failed: ranks exited with %s" % [pr.exitcode for pr in procs],
-              file=sys.stderr)
+    try:
+        rows = run_ranks(_rank_main, args.ranks, args)
+    except GpunetError as e:
+        print("\ngpunet demo failed: %s" % e, file=sys.stderr)
         return 1
     print(_table(rows, args.ranks))
     if args.json:
