@@ -1,4 +1,5 @@
-"""gpunet's command line: ``python -m gpunet demo`` (the main job), ``selftest`` or ``config``."""
+"""gpunet's command line: ``python -m gpunet demo`` (the main job), ``ep-demo``, ``selftest`` or
+``config``."""
 import argparse
 import sys
 
@@ -10,10 +11,15 @@ def main(argv=None):
     sub.add_parser("config", help="every GPUNET_* knob: type, default, the value in effect, doc")
     sub.add_parser("demo", help="N ranks on the soft NIC: ping-pong and bandwidth, both transports",
                    add_help=False)
+    sub.add_parser("ep-demo", help="a small MoE layer over N ranks: EP dispatch -> expert MLPs "
+                                   "-> combine, checked against one-process torch", add_help=False)
     args, rest = p.parse_known_args(argv)
     if args.cmd == "demo":
         from gpunet.demo import main as demo_main
         return demo_main(rest)
+    if args.cmd == "ep-demo":
+        from gpunet.ep.demo import main as ep_demo_main
+        return ep_demo_main(rest)
     if rest:
         p.error("unrecognized arguments: %s" % " ".join(rest))
     if args.cmd == "config":

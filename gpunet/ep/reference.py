@@ -57,6 +57,17 @@ def hash_tensor(t: torch.Tensor) -> int:
     return int(((raw + 1) * mult).sum()) & 0xFFFFFFFFFFFFFFFF
 
 
+def selection_bytes(hidden: int, op: str) -> int:
+    """Bytes DeepEP's low-latency test counts per selection (a (token, k) with topk_idx != -1):
+    "dispatch bf16" 2H, "dispatch fp8" H + H/128*4 + 16 (payload, scales, per-token metadata),
+    "combine" (BF16) 2H. These include local traffic ("logical" bandwidth)."""
+    if op == "dispatch fp8":
+        return hidden + hidden // FP8_GROUP * 4 + 16
+    if op in ("dispatch bf16", "combine", "combine bf16"):
+        return 2 * hidden
+    raise ConfigError("selection_bytes: unknown op %r" % (op,))
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8 per-token casts and UE8M0 packing
 

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# bench/ep.py on the GPU machine: 2 and 4 ranks sharing GPU 0 under a private MPS daemon (without
+# MPS the driver time-slices the rank processes: a cross-process round trip took 4.5 ms instead of
+# 0.73 us, FACTS.md), then, when the machine has 2+ GPUs, one rank per GPU with the NCCL rows.
+#
+#   bash bench/ep_gpu.sh                 (OUT=dir: where the JSON / PNG / logs go; default bench/out)
+#
+# The MPS daemon is this script's own (private pipe and log folders); it changes no GPU setting
+# and is stopped on exit, whatever happens. The JSON files also land in bench/results/<date>/.
+# scripts/gpu-check.sh runs this and reads the "gate" rows of $OUT/ep_*.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/out}
+mkdir -p "$OUT"
+DATE=$(date +%F)
+RES=bench/results/$DATE
+mkdir -p "$RES"
+EXTRA=${EP_BENCH_ARGS:-}            # e.g. "--sweep 128 --iters 20" for a quicker run
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${NGPU:-0}" -lt 1 ]; then
+  echo "bench/ep_gpu.sh needs an NVIDIA GPU (nvidia-smi lists none)" >&2
+  exit 2
+fi
+rc=0
+
+# --- ranks sharing one GPU, under a private MPS daemon ------------------------------------------
+export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
+stop_mps() {
+  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
+    echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true
+    sleep 1
+  fi
+}
+trap stop_mps EXIT
+if nvidia-cuda-mps-control -d; then
+  MPS="MPS (private daemon)"
+else
+  MPS="NO MPS (nvidia-cuda-mps-control -d failed: ranks are time-sliced, figures meaningless)"
+fi
+echo "=== EP bench: 2 and 4 ranks on GPU 0, $MPS ==="
+CUDA_VISIBLE_DEVICES=0 python3 bench/ep.py --gpu --ranks 2,4 $EXTRA \
+    --json "$OUT/ep_gpu_1gpu.json" --plot "$OUT/ep_gpu_1gpu.png" 2>&1 | tee "$OUT/ep_gpu_1gpu.log"
+rc=$(( rc | ${PIPESTATUS[0]} ))
+stop_mps
+CUDA_MPS_PIPE_DIRECTORY= ; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+
+# --- one rank per GPU, with NCCL all_to_all_single in the same run --------------------------------
+if [ "$NGPU" -ge 2 ]; then
+  echo "=== EP bench: $NGPU ranks, one per GPU, NCCL rows ==="
+  python3 bench/ep.py --gpu --ranks "$NGPU" $EXTRA \
+      --json "$OUT/ep_gpu_${NGPU}gpu.json" --plot "$OUT/ep_gpu_${NGPU}gpu.png" 2>&1 \
+      | tee "$OUT/ep_gpu_${NGPU}gpu.log"
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+fi
+
+cp "$OUT"/ep_gpu_*.json "$OUT"/ep_gpu_*.png "$RES"/ 2>/dev/null || true
+echo "EP bench JSON: $OUT/ep_gpu_*.json (copied to $RES)"
+exit $rc
