@@ -6,12 +6,15 @@ compiles a C program against that header and checks every offset, value and buil
 ``device/include/gpunet/mlx5.cuh`` mirrors this module for device code.
 
 Every builder and parser takes ``(buf, off, ...)`` where ``buf`` is a 1-D ``np.uint8`` array and
-``off`` a byte offset, and is a numba ``@njit`` function: callable from Python and from nopython
-code (the soft NIC and the proxy engine use the very same functions). All multi-byte fields are
+``off`` a byte offset, and is a numba function (``host/rawmem.wire_njit``): callable from Python
+and from nopython code (the soft NIC and the proxy engine use the very same functions). From
+Python every field takes its full unsigned range (a 64-bit field any int in 0 .. 2**64 - 1, a
+narrower one its low bits), whatever was called before in the process. All multi-byte fields are
 big-endian unless a comment says otherwise.
 """
 import numpy as np
-from numba import njit
+
+from gpunet.host.rawmem import wire_njit   # Python calls pass ints as 64-bit patterns (see there)
 
 # --- sizes -------------------------------------------------------------------------------------
 WQEBB = 64                 # WQE basic block: the unit of the send queue ring
@@ -123,13 +126,13 @@ def syndrome_name(syndrome):
 
 
 # --- byte-order helpers (numba and Python) ------------------------------------------------------
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def put_be16(buf, off, v):
     buf[off] = (v >> 8) & 0xFF
     buf[off + 1] = v & 0xFF
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def put_be32(buf, off, v):
     buf[off] = (v >> 24) & 0xFF
     buf[off + 1] = (v >> 16) & 0xFF
@@ -137,14 +140,14 @@ def put_be32(buf, off, v):
     buf[off + 3] = v & 0xFF
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def put_be64(buf, off, v):
     v = np.uint64(v)
     for i in range(8):
         buf[off + i] = np.uint8((v >> np.uint64(56 - 8 * i)) & np.uint64(0xFF))
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def put_le32(buf, off, v):
     buf[off] = v & 0xFF
     buf[off + 1] = (v >> 8) & 0xFF
@@ -152,18 +155,18 @@ def put_le32(buf, off, v):
     buf[off + 3] = (v >> 24) & 0xFF
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def get_be16(buf, off):
     return (np.uint32(buf[off]) << 8) | np.uint32(buf[off + 1])
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def get_be32(buf, off):
     return ((np.uint32(buf[off]) << 24) | (np.uint32(buf[off + 1]) << 16)
             | (np.uint32(buf[off + 2]) << 8) | np.uint32(buf[off + 3]))
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def get_be64(buf, off):
     v = np.uint64(0)
     for i in range(8):
@@ -171,13 +174,13 @@ def get_be64(buf, off):
     return v
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def get_le32(buf, off):
     return ((np.uint32(buf[off + 3]) << 24) | (np.uint32(buf[off + 2]) << 16)
             | (np.uint32(buf[off + 1]) << 8) | np.uint32(buf[off]))
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def bswap32(v):
     """Byte-swap a 32-bit value (htobe32 on a little-endian host)."""
     v = np.uint32(v)
@@ -186,20 +189,20 @@ def bswap32(v):
 
 
 # --- WQE arithmetic -----------------------------------------------------------------------------
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def wqebb_count(ds):
     """WQEBBs a WQE of ``ds`` 16-byte units occupies: the producer-index advance."""
     return (ds * DS_UNIT + WQEBB - 1) // WQEBB
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def inline_ds(nbytes):
     """ds of an RDMA WRITE whose payload of ``nbytes`` is carried inline (ctrl + raddr + inline)."""
     return 2 + (INLINE_HDR_SIZE + nbytes + DS_UNIT - 1) // DS_UNIT
 
 
 # --- segment builders ----------------------------------------------------------------------------
-@njit(cache=True)
+@wire_njit(cache=True)
 def set_ctrl_seg(buf, off, pi, opcode, opmod, qpn, fm_ce_se, ds, signature, imm):
     """struct mlx5_wqe_ctrl_seg, as mlx5dv_set_ctrl_seg fills it.
 
@@ -215,7 +218,7 @@ def set_ctrl_seg(buf, off, pi, opcode, opmod, qpn, fm_ce_se, ds, signature, imm)
     put_le32(buf, off + CTRL_IMM, imm)
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def set_raddr_seg(buf, off, raddr, rkey):
     """struct mlx5_wqe_raddr_seg: raddr be64, rkey be32, reserved."""
     put_be64(buf, off, raddr)
@@ -223,7 +226,7 @@ def set_raddr_seg(buf, off, raddr, rkey):
     put_be32(buf, off + 12, 0)
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def set_data_seg(buf, off, byte_count, lkey, addr):
     """struct mlx5_wqe_data_seg, as mlx5dv_set_data_seg fills it."""
     put_be32(buf, off, byte_count)
@@ -231,14 +234,14 @@ def set_data_seg(buf, off, byte_count, lkey, addr):
     put_be64(buf, off + 8, addr)
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def set_atomic_seg(buf, off, swap_add, compare):
     """struct mlx5_wqe_atomic_seg: fetch-add puts the addend in swap_add."""
     put_be64(buf, off, swap_add)
     put_be64(buf, off + 8, compare)
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def set_inline_hdr(buf, off, nbytes):
     """struct mlx5_wqe_inl_data_seg: byte_count = len | MLX5_INLINE_SEG; the data follows it."""
     put_be32(buf, off, (nbytes & 0x7FFFFFFF) | INLINE_SEG)
@@ -249,7 +252,7 @@ def set_inline_hdr(buf, off, nbytes):
 # callers that post into a ring make sure the WQE does not cross the ring's end (mlx5 rings wrap
 # per WQEBB: use ``write_wqe_wrapped`` for WQEs of more than one WQEBB).
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def build_rdma(buf, off, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey, nbytes, imm):
     """RDMA WRITE / WRITE_WITH_IMM / READ with one data segment (ds = 3, one WQEBB)."""
     set_ctrl_seg(buf, off, pi, opcode, 0, qpn, fm_ce_se, DS_RDMA, 0, imm)
@@ -258,7 +261,7 @@ def build_rdma(buf, off, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey, nb
     return 1
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def build_atomic(buf, off, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey, swap_add, compare):
     """8-byte ATOMIC fetch-add (OPCODE_ATOMIC_FA) or compare-swap (OPCODE_ATOMIC_CS), ds = 4.
 
@@ -271,14 +274,14 @@ def build_atomic(buf, off, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey, 
     return 1
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def build_nop(buf, off, pi, qpn, fm_ce_se):
     """NOP (ds = 1): completes without moving data; useful to request a CQE."""
     set_ctrl_seg(buf, off, pi, OPCODE_NOP, 0, qpn, fm_ce_se, DS_NOP, 0, 0)
     return 1
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def build_write_inline(ring, ring_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey, data, imm):
     """RDMA WRITE (or WRITE_WITH_IMM) carrying ``data`` (uint8 array) inline, into a ring.
 
@@ -299,7 +302,7 @@ def build_write_inline(ring, ring_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey
     return nbb
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def write_wqe_wrapped(ring, ring_wqebbs, pi, wqe, nbb):
     """Copy ``nbb`` WQEBBs of ``wqe`` into the ring at producer index ``pi``, wrapping per WQEBB."""
     mask = ring_wqebbs - 1
@@ -310,45 +313,45 @@ def write_wqe_wrapped(ring, ring_wqebbs, pi, wqe, nbb):
 
 
 # --- WQE parsing (the NIC side) -----------------------------------------------------------------
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def ctrl_opcode(buf, off):
     return buf[off + 3]
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def ctrl_opmod(buf, off):
     return buf[off]
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def ctrl_wqe_index(buf, off):
     return get_be16(buf, off + 1)
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def ctrl_qpn(buf, off):
     return get_be32(buf, off + CTRL_QPN_DS) >> 8
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def ctrl_ds(buf, off):
     return buf[off + CTRL_QPN_DS + 3]
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def ctrl_fm_ce_se(buf, off):
     return buf[off + CTRL_FM_CE_SE]
 
 
 # --- CQEs --------------------------------------------------------------------------------------
-@njit(cache=True)
+@wire_njit(cache=True)
 def init_cq(cq_buf, cqe_cnt):
     """Initialise a CQ ring as rdma-core does: every op_own = 0xF0 (opcode INVALID, owner 0)."""
     for i in range(cqe_cnt):
         cq_buf[i * CQE_SIZE + CQE_OP_OWN] = CQE_OP_OWN_INIT
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def write_cqe(buf, off, opcode, qpn, wqe_counter, byte_cnt, imm_raw, owner,
               syndrome, vendor_syndrome, wqe_opcode):
     """Fill one 64-byte CQE and publish it: every field first, op_own (opcode | owner) last.
@@ -371,48 +374,48 @@ def write_cqe(buf, off, opcode, qpn, wqe_counter, byte_cnt, imm_raw, owner,
     buf[off + CQE_OP_OWN] = ((opcode & 0xF) << 4) | (owner & 1)
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cqe_opcode(buf, off):
     return buf[off + CQE_OP_OWN] >> 4
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cqe_owner(buf, off):
     return buf[off + CQE_OP_OWN] & 1
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cqe_qpn(buf, off):
     return get_be32(buf, off + CQE_SOP_DROP_QPN) & 0xFFFFFF
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cqe_wqe_counter(buf, off):
     return get_be16(buf, off + CQE_WQE_COUNTER)
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cqe_byte_cnt(buf, off):
     return get_be32(buf, off + CQE_BYTE_CNT)
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cqe_syndrome(buf, off):
     return buf[off + CQE_SYNDROME]
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cqe_vendor_syndrome(buf, off):
     return buf[off + CQE_VENDOR_ERR_SYND]
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cqe_imm_raw(buf, off):
     """The immediate as the ctrl segment carried it (host order of the wire bytes)."""
     return get_le32(buf, off + CQE_IMM_INVAL_PKEY)
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cqe_is_valid(buf, off, ci, cqe_cnt):
     """Owner-bit CQ: the CQE at consumer index ``ci`` is the NIC's new entry.
 
@@ -424,29 +427,29 @@ def cqe_is_valid(buf, off, ci, cqe_cnt):
 
 
 # --- doorbell records ---------------------------------------------------------------------------
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def set_sq_dbrec(dbrec, off, sq_pi):
     """Send doorbell record: dbrec[1] = htobe32(sq_pi & 0xffff)."""
     put_be32(dbrec, off + 4 * DBREC_SND, sq_pi & 0xFFFF)
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def get_sq_dbrec(dbrec, off):
     return get_be32(dbrec, off + 4 * DBREC_SND) & 0xFFFF
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def set_cq_dbrec(dbrec, off, ci):
     """CQ doorbell record: dbrec[0] = htobe32(ci & 0xffffff)."""
     put_be32(dbrec, off + 4 * DBREC_RCV, ci & 0xFFFFFF)
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def get_cq_dbrec(dbrec, off):
     return get_be32(dbrec, off + 4 * DBREC_RCV) & 0xFFFFFF
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def doorbell_word(buf, off):
     """The 64-bit value rung on the UAR: the first 8 bytes of the WQE's ctrl segment, as bytes.
 
@@ -459,7 +462,7 @@ def doorbell_word(buf, off):
     return v
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def doorbell_wqe_index(word):
     """The WQE index carried by a doorbell word (bytes 1..2 of the ctrl segment, big-endian)."""
     return ((word >> np.uint64(8)) & np.uint64(0xFF)) << np.uint64(8) | ((word >> np.uint64(16)) & np.uint64(0xFF))

@@ -29,7 +29,7 @@ of the command that failed). Device control block (``DevCtrl``, device memory, w
 producers): ``head`` (slots reserved) at byte 0, ``cached_tail`` at byte 64.
 
 Threads: ``ProxyEngine(threads=n)`` runs n Python driver threads, each calling one numba
-``@njit(nogil=True)`` step over the channels and QPs it owns (channel i -> thread i % n; each
+``@wire_njit(nogil=True)`` step over the channels and QPs it owns (channel i -> thread i % n; each
 thread owns its own QPs of every peer, so no QP is shared between threads and nothing is locked).
 """
 import threading
@@ -37,14 +37,13 @@ import time
 import weakref
 
 import numpy as np
-from numba import njit
 
 from gpunet import mlx5
 from gpunet.errors import ClosedError, CompletionError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import wq
 from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_u64, clock_ns,
-                                load_acquire_u64, store_release_u64, u8_at)
+                                load_acquire_u64, store_release_u64, u8_at, wire_njit)
 
 # ---- the command format (mirrors proxy.cuh) --------------------------------------------------
 CMD_BYTES = 16
@@ -126,7 +125,7 @@ ST_COMMANDS, ST_WQES, ST_DOORBELLS, ST_CQES, ST_PASSES, ST_NFIELDS = range(6)
 
 
 # ---- encoding ---------------------------------------------------------------------------------
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def encode(op, peer, arg, local_off, remote_off):
     """The two command words, valid bit clear: (w0, w1). ``arg`` is taken modulo 2**32."""
     loff = np.uint64(local_off)
@@ -140,48 +139,48 @@ def encode(op, peer, arg, local_off, remote_off):
     return w0, w1
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def encode_signal(op, peer, value, remote_off):
     """SIGNAL_ADD / SIGNAL_SET: the 64-bit value rides in ARG (low half) and LOCAL_LO (high half).
 
-    From Python pass values >= 2**63 as ``np.uint64`` (numba types a plain int as int64)."""
+    ``value``: any int in 0 .. 2**64 - 1 from Python (rawmem.wire_njit), a 64-bit word in numba."""
     v = np.uint64(value)
     return encode(op, peer, v & np.uint64(ARG_MASK), v >> np.uint64(32), remote_off)
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cmd_op(w0):
     return np.int64((np.uint64(w0) >> np.uint64(OP_SHIFT)) & np.uint64(OP_MASK))
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cmd_peer(w0):
     return np.int64((np.uint64(w0) >> np.uint64(PEER_SHIFT)) & np.uint64(PEER_MASK))
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cmd_arg(w0):
     return np.int64(np.uint64(w0) & np.uint64(ARG_MASK))
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cmd_local_off(w0, w1):
     return np.int64((np.uint64(w1) & np.uint64(ARG_MASK))
                     | (((np.uint64(w0) >> np.uint64(LOCAL_HI_SHIFT)) & np.uint64(HI_MASK)) << np.uint64(32)))
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cmd_remote_off(w0, w1):
     return np.int64((np.uint64(w1) >> np.uint64(32))
                     | (((np.uint64(w0) >> np.uint64(REMOTE_HI_SHIFT)) & np.uint64(HI_MASK)) << np.uint64(32)))
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cmd_signal_value(w0, w1):
     return (np.uint64(w1) << np.uint64(32)) | (np.uint64(w0) & np.uint64(ARG_MASK))
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def cmd_addend32(w0):
     """ATOMIC_FA's addend: ARG as a signed 32-bit value, sign-extended to 64 bits (two's complement)."""
     a = np.int64(np.uint64(w0) & np.uint64(ARG_MASK))
@@ -190,7 +189,7 @@ def cmd_addend32(w0):
     return np.uint64(a)
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def valid_bit(seq, log2_depth):
     """The VALID bit a command of sequence ``seq`` carries: not the parity of its lap."""
     return np.uint64(((np.int64(seq) >> log2_depth) & 1) ^ 1)
@@ -212,7 +211,7 @@ def decode(w0, w1):
     return d
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def pack_error(code, syndrome, vendor_syndrome, wqe_counter, qpn):
     return ((np.uint64(code) & np.uint64(0xFF)) << np.uint64(56)) \
         | ((np.uint64(syndrome) & np.uint64(0xFF)) << np.uint64(48)) \
@@ -230,7 +229,7 @@ def unpack_error(word):
 # ---- a CPU producer: exactly what proxy.cuh's proxy_push does, in numba ----------------------
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def _log2(n):
     k = 0
     while (1 << k) < n:
@@ -238,7 +237,7 @@ def _log2(n):
     return k
 
 
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def cpu_push(fifo, depth, hctrl, dctrl, w0, w1, n, timeout_ns):
     """Push ``n`` commands (arrays ``w0[:n]``, ``w1[:n]``, valid bits clear) with ONE reservation,
     as a warp does in proxy_push_warp. Returns the channel's issue count after them (``seq + n``;
@@ -282,7 +281,7 @@ def cpu_push(fifo, depth, hctrl, dctrl, w0, w1, n, timeout_ns):
     return seq + n
 
 
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def cpu_wait_completed(hctrl, issued, timeout_ns):
     """Bounded wait until HostCtrl.completed >= issued; returns 0, or the packed error word, or
     -1 on timeout (proxy_quiet's CPU twin)."""
@@ -298,7 +297,7 @@ def cpu_wait_completed(hctrl, issued, timeout_ns):
 
 
 # ---- the drain step ----------------------------------------------------------------------------
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def _record_error(ch, c, word, seq):
     if ch[c, CH_ERR] == 0:                       # first failure wins
         ch[c, CH_ERR] = 1
@@ -307,12 +306,12 @@ def _record_error(ch, c, word, seq):
         store_release_u64(h + 8 * HC_ERROR, word)
 
 
-@njit(cache=True, inline="always")
+@wire_njit(cache=True, inline="always")
 def _mark_done(ch, done, c, seq):
     done[c, seq & (ch[c, CH_DEPTH] - 1)] = 1
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def _post(qp, q, side_ch, side_seq, c, seq, last, opcode, raddr, rkey, laddr, lkey, nbytes,
           value, inline_set):
     """Build one WQE at the QP's producer index through host/wq.py (gpunet.mlx5's builders).
@@ -350,7 +349,7 @@ def _post(qp, q, side_ch, side_seq, c, seq, last, opcode, raddr, rkey, laddr, lk
     qp[q, QP_DIRTY] = 1
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, seq, w0, w1):
     """Turn one command into WQE(s). Returns 1 if consumed, 0 if the QP's SQ is full (retry)."""
     op = cmd_op(w0)
@@ -397,7 +396,7 @@ def _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, seq, w0, w1):
     return 1
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def _ring(qp, q):
     """One doorbell for everything posted on the QP in this pass (wq.ring_doorbell: release; DBR;
     release; 64-bit doorbell word), after asking for a CQE on the last WQE if it had none."""
@@ -413,7 +412,7 @@ def _ring(qp, q):
     qp[q, QP_DIRTY] = 0
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def _poll_cq(ch, done, qp, side_ch, side_seq, q, out):
     """Consume the QP's new CQEs (wq.poll_cq); every WQE up to a CQE's wqe_counter has completed,
     in order (one RC QP completes in posting order)."""
@@ -450,7 +449,7 @@ def _poll_cq(ch, done, qp, side_ch, side_seq, q, out):
             return total
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def _advance_completed(ch, done, c):
     depth = ch[c, CH_DEPTH]
     comp = ch[c, CH_COMPLETED]
@@ -464,7 +463,7 @@ def _advance_completed(ch, done, c):
         ch[c, CH_PUB_COMPLETED] = comp
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def _publish_tail(ch, c):
     t = ch[c, CH_TAIL]
     if t != ch[c, CH_PUB_TAIL]:
@@ -472,7 +471,7 @@ def _publish_tail(ch, c):
         ch[c, CH_PUB_TAIL] = t
 
 
-@njit(cache=True)
+@wire_njit(cache=True)
 def _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out):
     """One pass over this thread's channels and QPs. Returns the work done (commands + CQEs)."""
     work = 0
@@ -521,7 +520,7 @@ def _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, o
     return work + ncqe
 
 
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def proxy_step(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out, spin_ns,
                max_ns):
     """Drain passes until idle for ``spin_ns`` or busy for ``max_ns``; returns the work done.
@@ -635,6 +634,14 @@ class ProxyChannel:
             f"{where}: {ERR_NAMES.get(e['code'], 'error %d' % e['code'])} (op {e['syndrome']}, "
             f"peer {e['qpn']}): the device pushed a command the proxy cannot execute")
 
+    def clear_error(self):
+        """Forget the channel's recorded failure, once the QPs it came from were reset and while no
+        engine runs on the channel (gpunet.context recovers this way): later quiets succeed again
+        unless a new failure is recorded."""
+        h = self._hctrl.view(np.uint64)
+        h[HC_ERR_SEQ] = 0
+        h[HC_ERROR] = 0
+
     def descriptor(self):
         """The device-side ``gpunet::proxy::ProxyChannel`` as 32 bytes (numpy uint64[4])."""
         d = np.zeros(4, dtype=np.uint64)
@@ -670,6 +677,15 @@ class ProxyChannel:
 # QP -> (sq producer index, sq completed index, cq consumer index) left by a closed engine, so
 # that a later engine can post on the same QP (its rings and counters continue; the NIC's do).
 _QP_RESUME = weakref.WeakKeyDictionary()
+
+
+def resume_after_reset(qp, cq_ci):
+    """The next engine takes up ``qp``, which the NIC reset (``SoftNic.reset_qp``: its send queue
+    restarts at WQE counter 0), at producer and completion index 0 and CQ consumer index ``cq_ci``
+    (what reset_qp returned: every CQE before it is of the old life); the CQ's doorbell record
+    tells the NIC so. Call it between engines: none may be running on the QP."""
+    _QP_RESUME[qp] = (0, 0, int(cq_ci))
+    mlx5.set_cq_dbrec(_qp_send_cq(qp).dbrec, 0, int(cq_ci))
 
 
 def _qp_send_cq(qp):

@@ -12,9 +12,65 @@ atomic with respect to every other thread and process mapping the same memory.
 """
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, types
+from numba import carray, types
 from numba.core import cgutils
+from numba.core.registry import CPUDispatcher
 from numba.extending import intrinsic
+
+from gpunet.errors import ConfigError
+
+# --- Python entries into numba code -------------------------------------------------------------
+# Rule: every njit function that Python code calls with a wire field (an address, a key, a 64-bit
+# value, a command word) is declared with ``wire_njit``, and from Python every int argument enters
+# it as an int64 holding the field's bits: ints in [2**63, 2**64) become the int64 with the same 64
+# bits, ints outside [-2**63, 2**64) raise ConfigError. Inside, fields are bit patterns
+# (``np.uint64(v)`` where the top bit matters); a negative int is its two's complement.
+# Why: numba types a Python int as int64 when it fits and as uint64 when it does not, and unboxes
+# it into whichever compiled specialization accepts that type: after a first call with small ints
+# compiled the int64 one, a later 2**63 is forced into it and fails with "OverflowError: int too
+# big to convert", while a process whose first call passed 2**63 compiled a uint64 one instead —
+# the result depended on which call came first (and on nothing numba's disk cache records).
+# With every int entering as int64 there is one integer specialization whatever the order.
+# Numpy integer scalars pass unchanged (their type is explicit, so the choice is deterministic).
+# Calls from nopython code do not pass through here. tests/test_entry_ranges.py guards the rule:
+# every entry, boundary values in both orders, each order in a fresh process and numba cache.
+_I64_MIN, _I64_END, _U64_END = -(1 << 63), 1 << 63, 1 << 64
+
+
+def _as_i64_bits(a, fn, i):
+    if type(a) is not int or _I64_MIN <= a < _I64_END:
+        return a
+    if _I64_END <= a < _U64_END:
+        return a - _U64_END
+    raise ConfigError("%s: argument %s = %d does not fit a 64-bit field (allowed: -2**63 .. 2**64 - 1)"
+                      % (fn, i, a))
+
+
+class _WireDispatcher(CPUDispatcher):
+    """A numba dispatcher whose Python calls pass ints as 64-bit patterns (the rule above)."""
+
+    def __call__(self, *args, **kws):
+        for a in args:
+            if type(a) is int and not _I64_MIN <= a < _I64_END:
+                name = self.py_func.__name__
+                args = tuple(_as_i64_bits(x, name, i) for i, x in enumerate(args))
+                break
+        if kws:
+            kws = {k: _as_i64_bits(v, self.py_func.__name__, k) for k, v in kws.items()}
+        return super().__call__(*args, **kws)
+
+
+def wire_njit(fn=None, *, cache=False, **options):
+    """``numba.njit`` for functions Python calls with wire fields: ``@wire_njit(cache=True, ...)``
+    takes njit's options; the function is callable from nopython code exactly like an njit one."""
+    def wrap(f):
+        targetoptions = dict(options, nopython=True)
+        disp = _WireDispatcher(py_func=f, locals={}, targetoptions=targetoptions)
+        if cache:
+            disp.enable_caching()
+        return disp
+    return wrap if fn is None else wrap(fn)
+
 
 @intrinsic
 def _voidptr(typingctx, addr):
@@ -103,26 +159,26 @@ def fence_seq_cst(typingctx):
     return sig, codegen
 
 
-@njit(inline="always")
+@wire_njit(inline="always")
 def u8_at(addr, n):
     """A uint8 array view of ``n`` bytes at virtual address ``addr`` (no bounds beyond n)."""
     return carray(_voidptr(addr), (n,), np.uint8)
 
 
-@njit(inline="always")
+@wire_njit(inline="always")
 def u64_at(addr, n):
     """A uint64 array view of ``n`` words at ``addr`` (8-byte aligned)."""
     return carray(_voidptr(addr), (n,), np.uint64)
 
 
-@njit(inline="always")
+@wire_njit(inline="always")
 def memmove(dst, src, n):
     """libc memmove between two virtual addresses (full memcpy speed; overlap allowed)."""
     if n > 0:
         c_memmove(dst, src, n)
 
 
-@njit(inline="always")
+@wire_njit(inline="always")
 def bswap64(v):
     v = np.uint64(v)
     r = np.uint64(0)
@@ -219,7 +275,7 @@ def c_kill0(typingctx, pid):
     return sig, codegen
 
 
-@njit(inline="always")
+@wire_njit(inline="always")
 def i64_at(addr, n):
     return carray(_i64ptr(addr), (n,), np.int64)
 

@@ -1,8 +1,9 @@
 """Host-side posting and polling on mlx5 rings: NIC-agnostic, over raw addresses.
 
-The njit functions (``post_rdma``, ``post_atomic``, ``post_nop``, ``post_write_inline``,
-``post_raw``, ``ring_doorbell``, ``poll_cq``, ``poll_cq_collapsed``) hold no Python objects: the
-CPU proxy engine calls them from its own nopython loop, and they work on any ring laid out as mlx5
+The numba functions (``post_rdma``, ``post_atomic``, ``post_nop``, ``post_write_inline``,
+``post_raw``, ``ring_doorbell``, ``poll_cq``, ``poll_cq_collapsed``; ``rawmem.wire_njit``, so
+Python may pass any field its full unsigned range) hold no Python objects: the CPU proxy engine
+calls them from its own nopython loop, and they work on any ring laid out as mlx5
 expects (the soft NIC's or a real NIC's). WQEs are built with gpunet.mlx5's builders.
 
 The doorbell protocol (docs/INTERFACES.md): WQE stores; release; ``dbrec[1] = htobe32(pi)``;
@@ -17,16 +18,15 @@ import collections
 import time
 
 import numpy as np
-from numba import njit
 
 from gpunet import mlx5
 from gpunet.errors import ConfigError, TimeoutError
-from gpunet.host.rawmem import (address_of, load_acquire_u32, store_release_u32,
-                                store_release_u64, u8_at)
+from gpunet.host.rawmem import (address_of, load_acquire_u32, store_release_u32, store_release_u64,
+                                u8_at, wire_njit)
 
 
 # --- njit: posting ----------------------------------------------------------------------------
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def post_rdma(sq_addr, sq_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey, nbytes, imm):
     """RDMA WRITE / WRITE_WITH_IMM / READ (one data segment) at WQE index ``pi``. Returns WQEBBs (1).
 
@@ -37,7 +37,7 @@ def post_rdma(sq_addr, sq_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr,
                            raddr, rkey, laddr, lkey, nbytes, imm)
 
 
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def post_atomic(sq_addr, sq_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey,
                 swap_add, compare):
     """8-byte ATOMIC_FA / ATOMIC_CS at WQE index ``pi``; the old value lands at laddr big-endian."""
@@ -46,13 +46,13 @@ def post_atomic(sq_addr, sq_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey, ladd
                              raddr, rkey, laddr, lkey, swap_add, compare)
 
 
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def post_nop(sq_addr, sq_wqebbs, pi, qpn, fm_ce_se):
     ring = u8_at(sq_addr, sq_wqebbs * mlx5.WQEBB)
     return mlx5.build_nop(ring, (pi & (sq_wqebbs - 1)) * mlx5.WQEBB, pi, qpn, fm_ce_se)
 
 
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def post_write_inline(sq_addr, sq_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey, data_addr,
                       nbytes, imm):
     """RDMA WRITE(_IMM) carrying ``nbytes`` from ``data_addr`` inline; wraps at the ring's end.
@@ -77,7 +77,7 @@ def post_write_inline(sq_addr, sq_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey
     return nbb
 
 
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def post_raw(sq_addr, sq_wqebbs, pi, wqe_addr, nbytes):
     """Copy ``nbytes`` of a prebuilt WQE into the ring at WQE index ``pi`` (wrapping)."""
     rbytes = sq_wqebbs * mlx5.WQEBB
@@ -89,7 +89,7 @@ def post_raw(sq_addr, sq_wqebbs, pi, wqe_addr, nbytes):
     return (nbytes + mlx5.WQEBB - 1) // mlx5.WQEBB
 
 
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def ring_doorbell(sq_addr, sq_wqebbs, dbrec_addr, db_addr, new_pi, last_wqe_pi):
     """Publish WQEs up to ``new_pi``: DBR (release), then the 64-bit doorbell word (release)."""
     ring = u8_at(sq_addr, sq_wqebbs * mlx5.WQEBB)
@@ -99,7 +99,7 @@ def ring_doorbell(sq_addr, sq_wqebbs, dbrec_addr, db_addr, new_pi, last_wqe_pi):
 
 
 # --- njit: polling ----------------------------------------------------------------------------
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def poll_cq(cq_addr, cqe_cnt, dbrec_addr, ci, out, max_n):
     """Owner-bit CQ: copy up to ``max_n`` new CQEs from consumer index ``ci`` into ``out``.
 
@@ -123,7 +123,7 @@ def poll_cq(cq_addr, cqe_cnt, dbrec_addr, ci, out, max_n):
     return n
 
 
-@njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True)
 def poll_cq_collapsed(cq_addr, out):
     """Collapsed CQ: copy the single slot into ``out`` (64 bytes); returns its op_own byte.
 
@@ -366,7 +366,7 @@ class SendQueue:
         """8-byte fetch-add on the big-endian word at raddr; the old value (8 B, BE) to laddr."""
         return self._post(post_atomic, (self.qp.qpn, mlx5.OPCODE_ATOMIC_FA, None, int(raddr),
                                         int(rkey), int(laddr), int(lkey),
-                                        np.uint64(add & 0xFFFFFFFFFFFFFFFF), np.uint64(0)),
+                                        int(add) & 0xFFFFFFFFFFFFFFFF, 0),
                           1, signaled, fence, doorbell)
 
     def post_atomic_cs(self, laddr, lkey, raddr, rkey, compare, swap, signaled=False, fence=False,
@@ -374,8 +374,8 @@ class SendQueue:
         """8-byte compare-and-swap on the big-endian word at raddr; the old value to laddr."""
         return self._post(post_atomic, (self.qp.qpn, mlx5.OPCODE_ATOMIC_CS, None, int(raddr),
                                         int(rkey), int(laddr), int(lkey),
-                                        np.uint64(swap & 0xFFFFFFFFFFFFFFFF),
-                                        np.uint64(compare & 0xFFFFFFFFFFFFFFFF)),
+                                        int(swap) & 0xFFFFFFFFFFFFFFFF,
+                                        int(compare) & 0xFFFFFFFFFFFFFFFF),
                           1, signaled, fence, doorbell)
 
     def post_nop(self, signaled=False, fence=False, doorbell=True):

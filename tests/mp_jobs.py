@@ -120,6 +120,27 @@ def put_to(state, peer, timeout_s):
         return {"raised": type(e).__name__, "msg": str(e)[:300], "seconds": time.monotonic() - t0}
 
 
+def atomic_add_signed(state, addends, k):
+    """Rank 0 adds each of ``addends`` (negative ones too) to rank 0's and to rank 1's counter
+    ("olds": the old values it saw, per target rank); then every rank adds -1 ``k`` times to rank
+    0's counter. Returns, per rank, its counter at the start, after rank 0's sequence, and at the
+    end."""
+    ctx = state["ctx"]
+    ctr = state["ctr"]
+    ctx.barrier()
+    start = gpunet.read_signal(ctr)
+    ctx.barrier()
+    olds = None
+    if ctx.rank == 0:
+        olds = [[gpunet.atomic_add(ctx.remote(t, ctr), a) for a in addends] for t in (0, 1)]
+    ctx.barrier()
+    after = gpunet.read_signal(ctr)
+    ctx.barrier()
+    for _ in range(k):
+        gpunet.atomic_add(ctx.remote(0, ctr), -1)
+    ctx.barrier()
+    return {"start": start, "olds": olds, "after_seq": after, "final": gpunet.read_signal(ctr)}
+
 def close(state):
     ctx = state.pop("ctx", None)
     arena = ctx.nic.arena_name if ctx else None

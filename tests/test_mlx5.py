@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gpunet import mlx5
 
 SETTINGS = settings(deadline=None)  # the first example pays numba's compile time
-U64 = np.uint64  # numba types Python ints as int64: 64-bit values >= 2**63 must be np.uint64
+U64 = np.uint64  # numpy scalars are typed exactly; plain ints work as well (rawmem.wire_njit)
 
 u8 = st.integers(0, 0xFF)
 u16 = st.integers(0, 0xFFFF)
