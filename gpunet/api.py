@@ -15,9 +15,14 @@ def init(group=None, transport="auto", nic="auto", **kwargs):
     torchrun's environment, or a single rank); ``transport``: "auto" | "ibgda" | "proxy";
     ``nic``: "auto" | "soft" | "verbs". Keyword arguments go to :class:`gpunet.context.Context`
     (heap_bytes, timeout_s, warp_size, proxy_threads).
+
+    Collective over the group: an argument of the wrong type or range, or a resource that cannot
+    be made, raises a gpunet error (ConfigError for bad input) on EVERY rank, promptly. The new
+    Context becomes the current one (what ``gpunet.put`` & co. use without ``ctx=``) until it is
+    closed; then the previously opened one still open is current again.
     """
     ctx = Context(group=group, transport=transport, nic=nic, **kwargs)
-    _context._current = ctx
+    _context._make_current(ctx)
     return ctx
 
 

@@ -36,12 +36,16 @@ Transports, per peer (DESIGN.md "Transports under one device API"):
 """
 import ctypes
 import logging
+import math
+import operator
+import time
 
 import numpy as np
 import torch
 
+from gpunet import mlx5
 from gpunet.device import abi
-from gpunet.errors import ClosedError, ConfigError, GpunetError
+from gpunet.errors import ClosedError, CompletionError, ConfigError, GpunetError
 from gpunet.host.bootstrap import Bootstrap
 from gpunet.host.devctx import DeviceContext, QpDescriptor
 from gpunet.host.platform import get_platform
@@ -58,27 +62,91 @@ ALIGN = 256                       # symmetric allocations: 256-byte aligned (a G
 SQ_WQEBBS = 256                   # per-peer send ring: 16 KiB, deep enough for a doorbell batch
 PROXY_DEPTH = 1024                # proxy FIFO slots per channel
 OPS_RING = 1024                   # GPU: OpDesc slots for launches in flight (64 KiB, mapped arena)
+MAX_HEAP_BYTES = 1 << 39          # the proxy command carries 39-bit heap offsets (proxy.cuh)
+MAX_TIMEOUT_S = 86400.0           # a device wait bound beyond a day is a units mistake
+U64 = (1 << 64) - 1
 
-_current = None                   # the Context the module-level wrappers use
+# Open Contexts made by gpunet.init, oldest first. The module-level wrappers use the newest one
+# still open, so closing a later Context falls back to the earlier one (a stack, not one slot).
+# tests/test_api_adversarial.py::test_closing_a_second_context_falls_back_to_the_first.
+_open = []
 
 
 def current():
-    """The most recent open Context (the one ``gpunet.put`` & co. use by default)."""
-    if _current is None or _current.closed:
+    """The most recently opened Context still open (the one ``gpunet.put`` & co. use)."""
+    while _open and _open[-1].closed:
+        _open.pop()
+    if not _open:
         raise ClosedError("no open gpunet Context: call gpunet.init() first")
-    return _current
+    return _open[-1]
+
+
+def _make_current(ctx):
+    _open.append(ctx)
+
+
+# --- argument checks at the API boundary (ConfigError, never a TypeError from deeper down) -------
+def _index(v, what):
+    """``v`` as a Python int: an int, a numpy integer, anything with ``__index__`` — not a bool
+    (True is not a rank) and not a float (1.0 is not an offset)."""
+    if isinstance(v, (bool, np.bool_)):
+        raise ConfigError("%s must be an integer, not a bool (%r)" % (what, v))
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ConfigError("%s must be an integer, not %s (%r)" % (what, type(v).__name__, v)) \
+            from None
+
+
+def _word(v, what):
+    """A 64-bit operand (signal value, addend): an integer in [-2**63, 2**64), as unsigned."""
+    v = _index(v, what)
+    if not -(1 << 63) <= v <= U64:
+        raise ConfigError("%s %d does not fit a 64-bit word (-2**63 .. 2**64 - 1)" % (what, v))
+    return v & U64
+
+
+def _shape(shape):
+    """An alloc shape (an int, or a tuple / list / torch.Size of ints >= 0) as a tuple of ints."""
+    dims = shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)
+    dims = tuple(_index(d, "alloc: shape entry") for d in dims)
+    if any(d < 0 for d in dims):
+        raise ConfigError("alloc: shape must be non-negative ints, got %r" % (dims,))
+    return dims
+
+
+class _Alloc:
+    """One live symmetric allocation: heap offset, size taken (ALIGN multiple), the bytes the
+    caller asked for, and the storage of the tensor alloc returned, which every view shares: a
+    tensor belongs to this allocation iff it has this storage (a freed one's record is gone)."""
+
+    __slots__ = ("off", "size", "nbytes", "storage")
+
+    def __init__(self, off, size, nbytes, storage):
+        self.off, self.size, self.nbytes, self.storage = off, size, nbytes, storage
 
 
 class Remote:
-    """A remote location: ``nbytes`` at symmetric heap offset ``offset`` on rank ``rank``."""
+    """A remote location: ``nbytes`` at symmetric heap offset ``offset`` on rank ``rank``.
 
-    __slots__ = ("rank", "offset", "nbytes")
+    Made by ``ctx.remote(rank, tensor, offset)`` and tied to that Context and to the allocation of
+    ``tensor``: an operation checks, before anything is posted, that it is this Context's Remote
+    and that the allocation is still live, so a Remote of another Context, of a freed allocation,
+    or made by hand (no Context) raises ConfigError instead of reaching the NIC. Immutable.
+    """
 
-    def __init__(self, rank, offset, nbytes):
-        self.rank, self.offset, self.nbytes = rank, offset, nbytes
+    __slots__ = ("rank", "offset", "nbytes", "_ctx", "_alloc")
+
+    def __init__(self, rank, offset, nbytes, _ctx=None, _alloc=None):
+        for k, v in (("rank", rank), ("offset", offset), ("nbytes", nbytes), ("_ctx", _ctx),
+                     ("_alloc", _alloc)):
+            object.__setattr__(self, k, v)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("a gpunet Remote is immutable: make another with ctx.remote()")
 
     def __repr__(self):
-        return "Remote(rank=%d, offset=%d, nbytes=%d)" % (self.rank, self.offset, self.nbytes)
+        return "Remote(rank=%r, offset=%r, nbytes=%r)" % (self.rank, self.offset, self.nbytes)
 
 
 class Context:
@@ -89,31 +157,88 @@ class Context:
     """
 
     def __init__(self, group=None, transport="auto", nic="auto", heap_bytes=DEFAULT_HEAP_BYTES,
-                 timeout_s=10.0, warp_size=None, proxy_threads=1):
-        if transport not in TRANSPORTS:
-            raise ConfigError("transport must be one of %s, not %r" % (TRANSPORTS, transport))
-        if nic not in NICS:
-            raise ConfigError("nic must be one of %s, not %r" % (NICS, nic))
-        if heap_bytes < RESERVED_BYTES + ALIGN:
-            raise ConfigError("heap_bytes must be at least %d" % (RESERVED_BYTES + ALIGN))
+                 timeout_s=10.0, warp_size=None, proxy_threads=1, **unknown):
         self.closed = False
         self._closers = []          # (name, fn), closed in reverse order
-        self._allocs = {}           # offset -> nbytes (live symmetric allocations)
-        self._free = []             # (offset, nbytes) freed ranges, reused first-fit
-        self._top = RESERVED_BYTES
+        self._allocs = {}           # heap offset -> _Alloc (live symmetric allocations)
+        self._by_storage = {}       # storage id (_cdata) -> _Alloc
+        self._free = []             # sorted, coalesced (offset, size) free ranges below _top
+        self._top = RESERVED_BYTES  # [_top, heap_bytes) is free too
         self._barrier_epoch = 0
+        self._proxy = None
         try:
-            self._setup(group, transport, nic, heap_bytes, timeout_s, warp_size, proxy_threads)
+            self._setup(group, dict(transport=transport, nic=nic, heap_bytes=heap_bytes,
+                                    timeout_s=timeout_s, warp_size=warp_size,
+                                    proxy_threads=proxy_threads), unknown)
         except BaseException:
             self.close()
             raise
 
     # --- set-up -----------------------------------------------------------------------------
-    def _setup(self, group, transport, nic, heap_bytes, timeout_s, warp_size, proxy_threads):
+    def _setup(self, group, args, unknown):
+        """Collective: two steps, each ending in ONE exchange that carries this rank's result or
+        its failure (Bootstrap.collective), so a bad argument or a failed resource on one rank
+        raises a gpunet error on every rank at once. 1: check the arguments, make the NIC, heap
+        and QPs, exchange what peers need; 2: connect and build the device context."""
+        boot = Bootstrap(group) if group is not None else Bootstrap.from_env()
+        self._boot = boot
+        self._closers.append(("bootstrap", boot.close))
+        self.rank, self.world_size = boot.rank, boot.world_size
+        everyone = boot.collective("gpunet.init", self._setup_local, args, unknown)
+        n = self.world_size
+        sizes = [e["heap_bytes"] for e in everyone]
+        if len(set(sizes)) != 1:
+            raise ConfigError("gpunet.init is collective: every rank must pass the same heap_bytes "
+                              "(per rank: %r)" % (sizes,))
+        for i in range(n):
+            for j in range(n):
+                if everyone[i]["transports"][j] != everyone[j]["transports"][i]:
+                    raise ConfigError(
+                        "gpunet.init: rank %d reaches rank %d by %s, but rank %d reaches rank %d by "
+                        "%s; both ends of a pair must use one transport (pass the same transport= "
+                        "on every rank)" % (i, j, everyone[i]["transports"][j], j, i,
+                                            everyone[j]["transports"][i]))
+        boot.collective("gpunet.init (connecting)", self._setup_connect, everyone)
+
+    @staticmethod
+    def _check_args(a, unknown):
+        """ConfigError for init arguments of the wrong type or range (checked on every rank before
+        anything is made; bool is not an int, a float is not a byte count)."""
+        if unknown:
+            raise ConfigError("gpunet.init: unknown keyword argument(s) %s (it takes group, transport, "
+                              "nic, heap_bytes, timeout_s, warp_size, proxy_threads)"
+                              % ", ".join(sorted(unknown)))
+        if not isinstance(a["transport"], str) or a["transport"] not in TRANSPORTS:
+            raise ConfigError("transport must be one of %s, not %r" % (TRANSPORTS, a["transport"]))
+        if not isinstance(a["nic"], str) or a["nic"] not in NICS:
+            raise ConfigError("nic must be one of %s, not %r" % (NICS, a["nic"]))
+        hb = _index(a["heap_bytes"], "heap_bytes")
+        if not RESERVED_BYTES + ALIGN <= hb <= MAX_HEAP_BYTES:
+            raise ConfigError("heap_bytes must be at least %d and at most %d (2**39), not %d"
+                              % (RESERVED_BYTES + ALIGN, MAX_HEAP_BYTES, hb))
+        t = a["timeout_s"]
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer, np.floating)) \
+                or not 0 < t <= MAX_TIMEOUT_S:
+            raise ConfigError("timeout_s must be a number of seconds in (0, %g], not %r"
+                              % (MAX_TIMEOUT_S, t))
+        if a["warp_size"] is not None and _index(a["warp_size"], "warp_size") not in (32, 64):
+            raise ConfigError("warp_size must be 32 or 64 (or None: the platform's), not %r"
+                              % (a["warp_size"],))
+        if _index(a["proxy_threads"], "proxy_threads") != 1:
+            raise ConfigError("proxy_threads: one channel per rank is drained by one thread here, "
+                              "so it must be 1, not %r" % (a["proxy_threads"],))
+        return (a["transport"], a["nic"], hb, float(t),
+                None if a["warp_size"] is None else int(a["warp_size"]), 1)
+
+    def _setup_local(self, args, unknown):
+        """Step 1 on this rank: arguments, NIC, heap, QPs; returns what the peers need."""
         from gpunet.device.ops import Launch, load_ops
         from gpunet.host import verbs
         from gpunet.host.softnic import SoftNic
 
+        transport, nic, heap_bytes, timeout_s, warp_size, proxy_threads = \
+            self._check_args(args, unknown)
+        self._proxy_threads = proxy_threads
         self.platform = get_platform()
         self._gpu = self.platform.name == "cuda"
         self._tensor_device = "cuda" if self._gpu else "cpu"     # what ctx.alloc returns
@@ -124,16 +249,22 @@ class Context:
         if self._gpu and not torch.cuda.is_available():
             raise ConfigError("gpunet.init on cuda: torch.cuda is not available (a CPU-only torch?); "
                               "install a CUDA build of torch or set GPUNET_PLATFORM=cpu")
-        boot = Bootstrap(group) if group is not None else Bootstrap.from_env()
-        self._boot = boot
-        self._closers.append(("bootstrap", boot.close))
-        self.rank, self.world_size = boot.rank, boot.world_size
+        if warp_size is not None and self.platform.name != "cpu" and \
+                warp_size != self.platform.warp_size:
+            raise ConfigError("warp_size %d: the %s platform's warps have %d lanes"
+                              % (warp_size, self.platform.name, self.platform.warp_size))
         if nic == "verbs" or (nic == "auto" and verbs.have_pyverbs() and verbs.available_devices()):
             verbs.VerbsNic()        # raises NoRdmaDeviceError with what to do when there is none
             raise ConfigError("nic='verbs': the real-NIC path is not wired into the Python API yet; "
                               "use nic='soft'")
-        self.nic = SoftNic(profile=self.platform.profile, retry_timeout_s=min(timeout_s / 2, 2.0),
-                           arena_bytes=heap_bytes + (8 << 20), name="rank%d" % self.rank)
+        try:
+            self.nic = SoftNic(profile=self.platform.profile,
+                               retry_timeout_s=min(timeout_s / 2, 2.0),
+                               arena_bytes=heap_bytes + (8 << 20), name="rank%d" % self.rank)
+        except OSError as e:
+            raise ConfigError("gpunet.init: cannot create the soft NIC's %d-byte shared-memory arena "
+                              "in /dev/shm (%s); pass a smaller heap_bytes or free /dev/shm"
+                              % (heap_bytes + (8 << 20), e)) from e
         self._closers.append(("soft NIC", self.nic.close))
         self._mem = None                 # descriptors: HOST arm = the host structs themselves
         if self._gpu:
@@ -172,9 +303,16 @@ class Context:
                 qps[u, p] = self.nic.create_qp(cq, sq_wqebbs=SQ_WQEBBS)
             cq = self.nic.create_cq(cqe_cnt=SQ_WQEBBS)
             partner[u] = self.nic.create_qp(cq, sq_wqebbs=SQ_WQEBBS)
-        mine = {"qps": {k: q.info() for k, q in qps.items()}, "heap": self.heap_base,
-                "rkey": self._mr.rkey}
-        everyone = boot.allgather_obj(mine)
+        self._qps, self._partner = qps, partner
+        return {"qps": {k: q.info() for k, q in qps.items()}, "heap": self.heap_base,
+                "rkey": self._mr.rkey, "heap_bytes": heap_bytes, "transports": dict(self.transports)}
+
+    def _setup_connect(self, everyone):
+        """Step 2 on this rank: connect the QPs to the peers', build the device context."""
+        n, me = self.world_size, self.rank
+        qps, partner = self._qps, self._partner
+        users = sorted(set(self.transports.values()))
+        heap_bytes, timeout_s = self.heap_bytes, self.timeout_s
         for (u, p), q in qps.items():
             if p == me:
                 self.nic.connect(q, partner[u].info())
@@ -186,17 +324,19 @@ class Context:
         scratch = self.heap_base + 4096
         self._dev = DeviceContext(self.heap_base, heap_bytes, self._mr.lkey, n, me, scratch,
                                   SCRATCH_SLOTS, scratch + SCRATCH_SLOTS * 8, timeout_s, mem=self._mem)
+        self._qpds = {}                  # peer -> QpDescriptor (ibgda peers)
         for p in range(n):
             if self.transports[p] == "ibgda":
                 qpd = QpDescriptor(qps["ibgda", p], p, mem=self._mem,
                                    mapped=getattr(self, "_mapped", None))
                 self._dev.set_peer_qp(p, qpd, everyone[p]["heap"], everyone[p]["rkey"])
+                self._qpds[p] = qpd
         if "proxy" in users:
             self._setup_proxy([p for p in range(n) if self.transports[p] == "proxy"],
-                              [[qps["proxy", p]] for p in range(n)], everyone, proxy_threads)
+                              [[qps["proxy", p]] for p in range(n)], everyone,
+                              self._proxy_threads)
         if self._gpu:                    # closed first: no kernel may run on freed descriptors
             self._closers.append(("CUDA stream", lambda: torch.cuda.current_stream().synchronize()))
-        boot.barrier()
 
     def _setup_gpu_memory(self):
         """CUDA: register the soft NIC's whole arena (heap, rings, CQs, DBRs, doorbell words, op
@@ -227,23 +367,26 @@ class Context:
         """One proxy channel for this rank's device code, drained by ``threads`` proxy threads."""
         from gpunet.host.proxy import ProxyChannel, ProxyEngine
 
-        if threads != 1:
-            raise ConfigError("proxy_threads: one channel per rank is drained by one thread here")
         ch = ProxyChannel(depth=PROXY_DEPTH, platform=self.platform if self._gpu else None)
         self._closers.append(("proxy channel", ch.close))
         remote_heaps = [(everyone[p]["heap"], everyone[p]["rkey"]) for p in range(len(everyone))]
-        eng = ProxyEngine(self.nic, [ch], qps_per_peer, (self.heap_base, self._mr.lkey),
-                          remote_heaps, threads=threads)
-        self._closers.append(("proxy engine", eng.close))
-        self._proxy = eng
+        # kept to start a new engine on the same channel and QPs after a reset (_recover_proxy)
+        self._proxy_args = (self.nic, [ch], qps_per_peer, (self.heap_base, self._mr.lkey),
+                            remote_heaps)
+        self._proxy_channel = ch
+        self._proxy = ProxyEngine(*self._proxy_args, threads=threads)
+        self._closers.append(("proxy engine", lambda: self._proxy.close()))
         desc = self._dev.place(ch.descriptor())   # uint64[4]: HOST arm in place, GPU a device copy
         for p in proxied:
             self._dev.set_peer_proxy(p, desc, everyone[p]["heap"], everyone[p]["rkey"])
 
     # --- lifetime -----------------------------------------------------------------------------
     def close(self):
-        """Free everything this Context made, in reverse order; idempotent, also after errors."""
-        global _current
+        """Free everything this Context made, in reverse order; idempotent, also after errors.
+
+        Not collective, on purpose: close must work when peers have crashed (it never waits for
+        them). Peers that later post to this rank get a TimeoutError / CompletionError (a dead
+        peer), never a hang. The module-level wrappers fall back to the previous open Context."""
         if getattr(self, "_closing", False):
             return
         self._closing = True
@@ -255,8 +398,8 @@ class Context:
                 errs.append("%s: %s" % (name, e))
         self._closers = []
         self.closed = True
-        if _current is self:
-            _current = None
+        if self in _open:
+            _open.remove(self)
         if errs:
             raise GpunetError("errors while closing the gpunet Context: " + "; ".join(errs))
 
@@ -274,45 +417,87 @@ class Context:
     def alloc(self, shape, dtype=torch.float32):
         """A zeroed symmetric tensor: collective, the same offset on every rank.
 
-        ``shape``: int or tuple; ``dtype``: a torch dtype. Returns a torch tensor viewing the
-        registered heap (so puts and gets reach it without a copy): a CPU tensor on the CPU
+        ``shape``: int or tuple of ints (0 allowed: an empty tensor that still owns its range, so
+        free() of it frees exactly it); ``dtype``: a torch dtype. Returns a torch tensor viewing
+        the registered heap (so puts and gets reach it without a copy): a CPU tensor on the CPU
         platform; on CUDA a ``device="cuda"`` tensor over the host-mapped heap (see the module
         docstring: GPU kernels can use it, over PCIe). On CUDA, alloc first synchronizes the
         current stream (a reused range must not still be read by an enqueued put).
+
+        Collective with one exchange: a bad shape or a full heap on any rank raises ConfigError
+        on every rank, and no rank keeps the range.
         """
         self._check()
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if any((not isinstance(s, int)) or s < 0 for s in shape):
-            raise ConfigError("alloc: shape must be non-negative ints, got %r" % (shape,))
-        if not isinstance(dtype, torch.dtype):
-            raise ConfigError("alloc: dtype must be a torch dtype, got %r" % (dtype,))
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        size = max(ALIGN, (nbytes + ALIGN - 1) // ALIGN * ALIGN)
-        off = self._take(size)
-        offs = self._boot.allgather_obj((off, size))
-        if any(o != (off, size) for o in offs):
+
+        def local():
+            dims = _shape(shape)
+            if not isinstance(dtype, torch.dtype):
+                raise ConfigError("alloc: dtype must be a torch dtype, got %r" % (dtype,))
+            nbytes = math.prod(dims) * dtype.itemsize          # Python ints: no int64 wrap
+            if nbytes > self.heap_bytes - RESERVED_BYTES:
+                raise ConfigError("symmetric heap full: alloc of shape %r (%s) needs %d bytes, more "
+                                  "than the whole heap (%d usable); pass a larger heap_bytes to "
+                                  "gpunet.init" % (dims, dtype, nbytes,
+                                                   self.heap_bytes - RESERVED_BYTES))
+            size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+            return self._take(size), size, nbytes, dims
+
+        got = self._boot.collective("alloc", local, undo=lambda r: self._release(r[0], r[1]))
+        off, size, nbytes, dims = got[self.rank]
+        if any((o, sz) != (off, size) for o, sz, _, _ in got):
             self._release(off, size)
             raise ConfigError("alloc is collective: every rank must allocate the same shapes in the "
-                              "same order (offsets/sizes per rank: %r)" % (offs,))
-        self._allocs[off] = size
-        if self._gpu:
-            self._sync("alloc")
-            self._heap[off:off + size] = 0
-            return _cuda_view(self.heap_base + off, nbytes, self).view(dtype).reshape(shape)
-        self._heap[off:off + size] = 0
-        t = torch.frombuffer(memoryview(self._heap[off:off + nbytes]), dtype=torch.uint8) \
-            if nbytes else torch.empty(0, dtype=torch.uint8)
-        return t.view(dtype).reshape(shape)
+                              "same order (offsets/sizes per rank: %r)"
+                              % ([(o, sz) for o, sz, _, _ in got],))
+        try:
+            if self._gpu:
+                self._sync("alloc")
+                self._heap[off:off + size] = 0
+                whole = _cuda_view(self.heap_base + off, size, self)
+            else:
+                self._heap[off:off + size] = 0
+                whole = torch.frombuffer(memoryview(self._heap[off:off + size]), dtype=torch.uint8)
+            t = whole[:nbytes].view(dtype).reshape(dims)
+        except BaseException:
+            self._release(off, size)
+            raise
+        a = _Alloc(off, size, nbytes, whole.untyped_storage())
+        self._allocs[off] = a
+        self._by_storage[a.storage._cdata] = a
+        return t
 
     def free(self, tensor):
-        """Return a tensor from :meth:`alloc` to the heap (collective, like alloc)."""
+        """Return a tensor from :meth:`alloc` to the heap (collective, like alloc).
+
+        ``tensor`` must be the whole allocation (the tensor alloc returned, or a view of all of
+        it): a part of one, a freed one or any other tensor raises ConfigError on every rank and
+        frees nothing. Ranks must free the same allocation.
+        """
         self._check()
-        off = self._offset_of(tensor, "free")
-        if off not in self._allocs:
-            raise ConfigError("free: the tensor is not the start of a live symmetric allocation")
-        self._release(off, self._allocs.pop(off))
+
+        def local():
+            a = self._whole_alloc(tensor)
+            return a.off
+
+        offs = self._boot.collective("free", local)
+        if len(set(offs)) != 1:
+            raise ConfigError("free is collective: every rank must free the same allocation (heap "
+                              "offsets per rank: %r)" % (offs,))
+        a = self._allocs.pop(offs[0])
+        del self._by_storage[a.storage._cdata]
+        self._release(a.off, a.size)
+
+    def _whole_alloc(self, tensor):
+        """The live allocation ``tensor`` is all of, or ConfigError."""
+        a, off = self._locate(tensor, "free")
+        if off != a.off or tensor.nbytes != a.nbytes:
+            raise ConfigError("free: the tensor is %d bytes at +%d of an allocation of %d bytes; "
+                              "pass the tensor ctx.alloc() returned" % (tensor.nbytes, off - a.off,
+                                                                       a.nbytes))
+        return a
 
     def _take(self, size):
+        """First fit in the free ranges, else from the top; ConfigError when nothing fits."""
         for i, (o, s) in enumerate(self._free):
             if s >= size:
                 if s == size:
@@ -321,48 +506,83 @@ class Context:
                     self._free[i] = (o + size, s - size)
                 return o
         if self._top + size > self.heap_bytes:
-            raise ConfigError("symmetric heap full: %d bytes asked, %d free at the top of %d; pass a "
-                              "larger heap_bytes to gpunet.init" % (size, self.heap_bytes - self._top,
-                                                                   self.heap_bytes))
+            largest = max([s for _, s in self._free] + [self.heap_bytes - self._top])
+            raise ConfigError("symmetric heap full: %d bytes asked, the largest free range is %d "
+                              "bytes (heap of %d); pass a larger heap_bytes to gpunet.init"
+                              % (size, largest, self.heap_bytes))
         off = self._top
         self._top += size
         return off
 
     def _release(self, off, size):
-        self._free.append((off, size))
-        self._free.sort()
+        """Give [off, off + size) back: merged with the free ranges it touches, and the top
+        lowered when the range ends there, so that after freeing everything one allocation of the
+        whole heap fits again. tests/test_api_adversarial.py::test_heap_model."""
+        import bisect
+        i = bisect.bisect_left(self._free, (off, size))
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
+            i -= 1
+            off, size = self._free[i][0], self._free[i][1] + size
+            self._free.pop(i)
+        if i < len(self._free) and off + size == self._free[i][0]:
+            size += self._free[i][1]
+            self._free.pop(i)
+        if off + size == self._top:
+            self._top = off
+        else:
+            self._free.insert(i, (off, size))
 
-    def _offset_of(self, tensor, what):
-        """Heap offset of a tensor's first byte; raises ConfigError if it is not a heap tensor."""
+    def _locate(self, tensor, what):
+        """(allocation, heap offset of the first byte) of a view of a live symmetric allocation of
+        this Context; ConfigError for anything else (wrong type or device, another Context's or a
+        freed allocation, memory outside the heap)."""
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError("%s: expected a torch.Tensor, got %s" % (what, type(tensor).__name__))
         want = self._tensor_device
         if tensor.device.type != want:
             raise ConfigError("%s: tensor is on %s; this Context's heap tensors are %s tensors "
                               "(ctx.alloc)" % (what, tensor.device, want))
+        try:
+            st = tensor.untyped_storage()
+        except Exception:  # noqa: BLE001 - sparse and other layouts have no plain storage
+            raise ConfigError("%s: a %s tensor has no plain storage; heap tensors are dense"
+                              % (what, tensor.layout)) from None
+        a = self._by_storage.get(st._cdata)
+        if a is None:
+            inside = 0 <= st.data_ptr() - self.heap_base < self.heap_bytes
+            raise ConfigError("%s: the tensor is %s; allocate it with ctx.alloc()" % (
+                what, "in a freed allocation of the symmetric heap" if inside else
+                "outside the symmetric heap (or in another Context's heap)"))
+        return a, a.off + tensor.storage_offset() * tensor.element_size()
+
+    def _offset_of(self, tensor, what):
+        """Heap offset of a contiguous heap tensor's first byte (see _locate)."""
+        a, off = self._locate(tensor, what)
         if not tensor.is_contiguous():
             raise ConfigError("%s: tensor is not contiguous; call .contiguous() on a heap tensor "
                               "view, or copy into a symmetric tensor first" % what)
-        if tensor.numel() == 0:
-            return RESERVED_BYTES       # an empty slice moves nothing; torch may give it no address
-        addr = tensor.data_ptr()
-        off = addr - self.heap_base
-        if off < RESERVED_BYTES or off + tensor.nbytes > self.heap_bytes:
-            raise ConfigError("%s: tensor is outside the symmetric heap; allocate it with ctx.alloc()"
-                              % what)
         return off
 
+    def _rank(self, rank, what):
+        r = _index(rank, "%s: rank" % what)
+        if not 0 <= r < self.world_size:
+            raise ConfigError("%s: rank %r out of range [0, %d)" % (what, rank, self.world_size))
+        return r
+
     def remote(self, rank, tensor, offset=0):
-        """The copy of symmetric ``tensor`` on ``rank``, from element ``offset`` on."""
+        """The copy of symmetric ``tensor`` on ``rank``, from element ``offset`` on: a Remote tied
+        to this Context and to ``tensor``'s allocation (checked again at every use)."""
         self._check()
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise ConfigError("rank %r out of range [0, %d)" % (rank, self.world_size))
-        base = self._offset_of(tensor, "remote")
-        es = tensor.element_size()
+        rank = self._rank(rank, "remote")
+        a, base = self._locate(tensor, "remote")
+        if not tensor.is_contiguous():
+            raise ConfigError("remote: tensor is not contiguous")
+        offset = _index(offset, "remote: offset")
         if not 0 <= offset <= tensor.numel():
-            raise ConfigError("offset %d out of range for a tensor of %d elements"
+            raise ConfigError("remote: offset %d out of range for a tensor of %d elements"
                               % (offset, tensor.numel()))
-        return Remote(rank, base + offset * es, tensor.nbytes - offset * es)
+        es = tensor.element_size()
+        return Remote(rank, base + offset * es, tensor.nbytes - offset * es, self, a)
 
     # --- device launches -------------------------------------------------------------------------
     def _run(self, ops, what, blocking=True):
@@ -377,9 +597,11 @@ class Context:
                                              ctypes.addressof(ops), len(ops))
         if rc != 0:
             raise GpunetError("%s: device kernel launch failed (%d)" % (what, rc))
-        self._dev.raise_for_status(what)
-        if getattr(self, "_proxy", None) is not None:
-            self._proxy.check()
+        err = abi.status_error(self._dev.read_status(), what)
+        if err is None and self._proxy is not None:
+            err = self._proxy_failure()
+        if err is not None:
+            self._fail(err)
         return ops
 
     def _run_gpu(self, ops, what, blocking):
@@ -410,9 +632,101 @@ class Context:
                                what + " (or an earlier non-blocking call on this stream)")
         if err is not None:
             self._dev.clear_status()
-            raise err
-        if getattr(self, "_proxy", None) is not None:
+        elif self._proxy is not None:
+            err = self._proxy_failure()
+        if err is not None:
+            self._fail(err)
+
+    # --- after a failure: put the transports back in working order, or say why not ---------------
+    def _proxy_failure(self):
+        try:
             self._proxy.check()
+        except GpunetError as e:
+            return e
+        return None
+
+    def _fail(self, err):
+        """Raise ``err`` (a failure a kernel or the proxy recorded; nothing of ours is running)
+        after :meth:`_recover`; its message then also says what was reset or what stays broken."""
+        try:
+            note = self._recover()
+        except Exception as e:  # noqa: BLE001 - the original failure is what the caller needs
+            note = ("recovery failed (%s: %s); close this Context and start a new one"
+                    % (type(e).__name__, e))
+        if note:
+            err.args = ("%s [%s]" % (err.args[0] if err.args else "", note),) + tuple(err.args[1:])
+        raise err
+
+    def _recover(self):
+        """Bring every QP of this Context that a failure left unusable back to RTS, so that the
+        next good operation works: a QP the NIC moved to ERR (a protection error, a bad WQE) or
+        whose device posting state cannot go on (an error CQE seen, a reservation never
+        published) is reset at the NIC (SoftNic.reset_qp) and in its device descriptor
+        (QpDescriptor.reset); the proxy's channel is drained, its engine restarted on the reset
+        QPs and its recorded failure cleared. Work queued on a reset QP after the failed
+        operation is discarded. A QP whose peer did not answer (retry exceeded: dead) is left in
+        error, and the note says so: every later operation to that peer fails at once.
+        Returns a note for the error message ("" when nothing needed doing).
+        tests/test_api_adversarial.py::test_protection_error_is_raised_then_the_context_recovers.
+        """
+        notes = []
+        for p, qpd in getattr(self, "_qpds", {}).items():
+            if self.nic.qp_state(qpd.qp) != "ERR" and not qpd.needs_reset():
+                continue
+            if self._dead_peer(qpd.qp, p, notes):
+                continue
+            qpd.reset(self.nic.reset_qp(qpd.qp, timeout_s=self.timeout_s))
+            notes.append("the QP to peer %d was reset to RTS (what was queued on it after the "
+                         "failed operation was discarded)" % p)
+        if self._proxy is not None:
+            notes += self._recover_proxy()
+        return "; ".join(notes)
+
+    def _dead_peer(self, qp, peer, notes):
+        if self.nic.qp_error_syndrome(qp) != mlx5.SYNDROME_TRANSPORT_RETRY_EXC_ERR:
+            return False
+        notes.append("the QP to peer %d stays in error: the peer did not answer (retry exceeded: "
+                     "dead?), so every later operation to it fails at once; close this Context"
+                     % peer)
+        return True
+
+    def _recover_proxy(self):
+        from gpunet.host.proxy import ProxyEngine, resume_after_reset
+
+        ch = self._proxy_channel
+        bad = [(p, row[0]) for p, row in enumerate(self._proxy_args[2])
+               if self.nic.qp_state(row[0]) == "ERR"]
+        if ch.error() is None and not bad:
+            return []
+        # Every command pushed so far completes first (those behind an error flush), so that the
+        # new engine, which resumes at `completed`, takes none of them again.
+        head = self._proxy_head()
+        deadline = time.monotonic() + self.timeout_s
+        while ch.completed < head:
+            if time.monotonic() > deadline or self._proxy.alive_threads() == []:
+                return ["the proxy channel did not drain (%d of %d commands completed), so it "
+                        "stays failed; close this Context" % (ch.completed, head)]
+            time.sleep(50e-6)
+        self._proxy.close()
+        notes = []
+        for p, qp in bad:
+            if self._dead_peer(qp, p, notes):
+                continue
+            resume_after_reset(qp, self.nic.reset_qp(qp, timeout_s=self.timeout_s))
+            notes.append("the proxy's QP to peer %d was reset to RTS (what was queued on it after "
+                         "the failed command was discarded)" % p)
+        ch.clear_error()
+        self._proxy = ProxyEngine(*self._proxy_args, threads=self._proxy_threads)
+        return notes or ["the proxy channel's failure was cleared"]
+
+    def _proxy_head(self):
+        """Commands pushed into the proxy channel so far (DevCtrl.head; on a GPU device memory)."""
+        ch = self._proxy_channel
+        if not self._gpu:
+            return ch.head
+        word = np.zeros(1, dtype=np.uint64)
+        self.platform.memcpy(word.ctypes.data, ch.dctrl_addr, 8)
+        return int(word[0])
 
     def _ops(self, *specs):
         ops = (abi.OpDesc * len(specs))()
@@ -422,11 +736,19 @@ class Context:
         return ops
 
     def _check_remote(self, remote, nbytes, what):
+        """Before anything is posted: ``remote`` is this Context's, its allocation is live, and
+        ``nbytes`` fit it (so no range outside the peer's live heap reaches the NIC)."""
         if not isinstance(remote, Remote):
             raise ConfigError("%s: expected a gpunet Remote (ctx.remote(rank, tensor)), got %s"
                               % (what, type(remote).__name__))
-        if not 0 <= remote.rank < self.world_size:
-            raise ConfigError("%s: rank %d out of range [0, %d)" % (what, remote.rank, self.world_size))
+        if remote._ctx is not self:
+            raise ConfigError("%s: %r was %s; a Remote names a range of the Context that made it "
+                              "(use this Context's ctx.remote(rank, tensor))" % (
+                                  what, remote, "made by another Context" if remote._ctx is not None
+                                  else "not made by ctx.remote()"))
+        a = remote._alloc
+        if self._allocs.get(a.off) is not a:
+            raise ConfigError("%s: %r points into an allocation that was freed" % (what, remote))
         if nbytes > remote.nbytes:
             raise ConfigError("%s: %d bytes do not fit the remote range of %d bytes"
                               % (what, nbytes, remote.nbytes))
@@ -453,6 +775,7 @@ class Context:
         off = self._offset_of(tensor, "put_signal")
         self._check_remote(remote, tensor.nbytes, "put_signal")
         self._check_remote(signal, 8, "put_signal (signal)")
+        value = _word(value, "put_signal: value")
         if signal.rank != remote.rank:
             raise ConfigError("put_signal: payload and signal must be on the same rank")
         if signal.offset % 8:
@@ -460,7 +783,7 @@ class Context:
         self._run(self._ops(dict(kind=abi.OP_PUT_SIGNAL, pe=remote.rank,
                                  dst=self.heap_base + remote.offset, src=self.heap_base + off,
                                  nbytes=tensor.nbytes, sig=self.heap_base + signal.offset,
-                                 value=int(value) & 0xFFFFFFFFFFFFFFFF)), "put_signal",
+                                 value=value)), "put_signal",
                   blocking=False)
 
     def atomic_add(self, remote, value):
@@ -472,27 +795,33 @@ class Context:
         self._check_remote(remote, 8, "atomic_add")
         if remote.offset % 8:
             raise ConfigError("atomic_add: the word must be 8-byte aligned")
+        value = _word(value, "atomic_add: value")
         ops = self._run(self._ops(dict(kind=abi.OP_ATOMIC_ADD, pe=remote.rank,
-                                       dst=self.heap_base + remote.offset,
-                                       value=int(value) & 0xFFFFFFFFFFFFFFFF)), "atomic_add")
+                                       dst=self.heap_base + remote.offset, value=value)),
+                        "atomic_add")
         return int(ops[0].result)
 
     def wait_until(self, signal, value, cmp="ge", index=0):
         """Wait (bounded by the Context's timeout) until the 8-byte signal word ``signal[index]``
-        (an int64 heap tensor, NIC-updated, big-endian) compares ``cmp`` to ``value``:
+        (an int64 or uint64 heap tensor, NIC-updated, big-endian) compares ``cmp`` to ``value``
+        (an integer in -2**63 .. 2**64 - 1, compared as unsigned 64-bit):
         "eq" | "ne" | "ge" | "gt" | "le" | "lt". After it returns, every payload the signalling
         peer put before the signal is visible. Raises gpunet.TimeoutError on timeout."""
         cmps = {"eq": abi.CMP_EQ, "ne": abi.CMP_NE, "ge": abi.CMP_GE, "gt": abi.CMP_GT,
                 "le": abi.CMP_LE, "lt": abi.CMP_LT}
-        if cmp not in cmps:
+        if not isinstance(cmp, str) or cmp not in cmps:
             raise ConfigError("wait_until: cmp must be one of %s, not %r" % (sorted(cmps), cmp))
-        if signal.element_size() != 8:
-            raise ConfigError("wait_until: the signal tensor must have 8-byte elements (int64)")
+        off = self._offset_of(signal, "wait_until")
+        if signal.dtype not in (torch.int64, torch.uint64):
+            raise ConfigError("wait_until: the signal tensor must be int64 (or uint64), not %s: "
+                              "the NIC's atomics update 64-bit integer words" % (signal.dtype,))
+        index = _index(index, "wait_until: index")
         if not 0 <= index < signal.numel():
             raise ConfigError("wait_until: index %d out of range" % index)
-        off = self._offset_of(signal, "wait_until") + 8 * index
+        value = _word(value, "wait_until: value")
+        off += 8 * index
         self._run(self._ops(dict(kind=abi.OP_WAIT_UNTIL, pe=self.rank, dst=self.heap_base + off,
-                                 cmp=cmps[cmp], value=int(value) & 0xFFFFFFFFFFFFFFFF)), "wait_until")
+                                 cmp=cmps[cmp], value=value)), "wait_until")
 
     def quiet(self):
         """Wait until every put/get/put_signal this rank issued has completed."""
@@ -513,7 +842,17 @@ class Context:
         specs += [dict(kind=abi.OP_QUIET),
                   dict(kind=abi.OP_WAIT_UNTIL, pe=self.rank, dst=word, cmp=abi.CMP_GE,
                        value=self._barrier_epoch * self.world_size)]
-        self._run(self._ops(*specs), "barrier")
+        ops = done = self._ops(*specs)
+        try:
+            done = self._run(ops, "barrier", blocking=False)    # the OpDescs the kernel writes
+            if self._gpu:
+                self._sync("barrier")
+        except GpunetError:
+            # An earlier failure stopped the first quiet: no arrival was signalled, so this
+            # barrier did not happen and the next one must wait for the same count again.
+            if not done[0].ok:
+                self._barrier_epoch -= 1
+            raise
 
 
 def choose_transport(requested, probe_doorbell):

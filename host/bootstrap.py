@@ -8,6 +8,9 @@ CPU, nccl on a GPU) — no rendezvous of our own.
 Misuse is detected collectively: each rank pickles and checks its contribution locally and sends a
 marker instead when it is bad, so a bad call on one rank raises ``ConfigError`` on *every* rank
 (naming the rank at fault) rather than leaving the others waiting for the group timeout.
+``collective(what, fn)`` is that rule for every collective step of gpunet (init, alloc, free): a
+rank runs its local part, then exactly one exchange carries its result or its failure, and every
+rank returns together or raises together.
 """
 import datetime
 import os
@@ -33,10 +36,32 @@ def free_port():
 
 
 class _Bad:
-    """Sent in place of a contribution a rank could not make; every rank then raises."""
+    """Sent in place of a contribution a rank could not make; every rank then raises.
 
-    def __init__(self, reason):
+    ``kind``: the name of the gpunet error class the failing rank raised (the others raise the
+    same class, so a full heap on one rank is a ConfigError everywhere); other failures travel as
+    GpunetError.
+    """
+
+    def __init__(self, reason, kind="ConfigError"):
         self.reason = reason
+        self.kind = kind
+
+
+def _error_class(kind):
+    from gpunet import errors
+    cls = getattr(errors, kind, None)
+    return cls if isinstance(cls, type) and issubclass(cls, errors.GpunetError) else GpunetError
+
+
+def _raise_bad(bad, what="bootstrap exchange"):
+    """Raise, for [(rank, _Bad), ...], the error of the first failing rank naming every one."""
+    first = bad[0][1]
+    raise _error_class(first.kind)(
+        "%s failed on rank%s %s: %s" % (what, "s" if len(bad) > 1 else "",
+                                        ", ".join(str(r) for r, _ in bad),
+                                        "; ".join("rank %d: %s" % (r, b.reason) for r, b in bad)
+                                        if len(bad) > 1 else first.reason))
 
 
 class Bootstrap:
@@ -61,6 +86,9 @@ class Bootstrap:
             raise ConfigError("torch.distributed is not initialised: call "
                               "torch.distributed.init_process_group(...) first, or use "
                               "Bootstrap.from_env() (torchrun variables or a single process)")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ConfigError(f"group must be a torch.distributed process group (or None for the "
+                              f"default group), not {type(group).__name__}")
         self._dist = dist
         self.group = group
         self.rank = dist.get_rank(group)
@@ -117,13 +145,57 @@ class Bootstrap:
         if self.closed:
             raise ClosedError("this Bootstrap is closed")
 
+    def _exchange(self, payload):
+        """all_gather_object of one payload per rank; a torch.distributed failure (a rank died,
+        the group timed out) becomes a GpunetError naming the call."""
+        out = [None] * self.world_size
+        try:
+            self._dist.all_gather_object(out, payload, group=self.group)
+        except Exception as e:  # noqa: BLE001 - gloo / nccl raise RuntimeError and friends
+            raise GpunetError(f"bootstrap exchange over torch.distributed ({self.backend}) failed: "
+                              f"{type(e).__name__}: {e}. A rank died, or is stuck in a different "
+                              f"call, or the group timed out.") from e
+        return out
+
     def _gather_pickled(self, payload):
         """all_gather_object of a locally pickled payload (or a _Bad); unpickles, raises on _Bad."""
-        out = [None] * self.world_size
-        self._dist.all_gather_object(out, payload, group=self.group)
-        for r, item in enumerate(out):
-            if isinstance(item, _Bad):
-                raise ConfigError(f"bootstrap exchange failed on rank {r}: {item.reason}")
+        out = self._exchange(payload)
+        bad = [(r, item) for r, item in enumerate(out) if isinstance(item, _Bad)]
+        if bad:
+            _raise_bad(bad)
+        return [pickle.loads(item) for item in out]
+
+    def collective(self, what, fn, *args, undo=None):
+        """One collective step: ``fn(*args)`` on this rank, then ONE exchange of its outcome.
+
+        Returns every rank's result (a list by rank; results must be picklable). If ``fn``
+        raised on any rank, every rank raises promptly instead of waiting in a later call: the
+        failing rank its own exception after the exchange (a GpunetError wrapping it if it was
+        not one), every other rank the same gpunet error class naming the failing rank(s) and why; ``undo(result)`` first takes back what a
+        successful ``fn`` did on those other ranks. ``what`` names the step in messages.
+        Collective: every rank of the group calls it, in the same order as other collectives.
+        tests/test_api_adversarial.py::test_a_collective_that_fails_on_one_rank_raises_on_every_rank.
+        """
+        self._check_open()
+        err = res = None
+        try:
+            res = fn(*args)
+            payload = pickle.dumps(res)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, re-raised here
+            err = e
+            kind = type(e).__name__ if isinstance(e, GpunetError) else "GpunetError"
+            payload = _Bad(f"{type(e).__name__}: {e}" if kind == "GpunetError" else str(e), kind)
+        out = self._exchange(payload)
+        if isinstance(err, GpunetError):
+            raise err
+        if err is not None:
+            raise GpunetError(f"{what} failed on rank {self.rank}: {type(err).__name__}: "
+                              f"{err}") from err
+        bad = [(r, item) for r, item in enumerate(out) if isinstance(item, _Bad)]
+        if bad:
+            if undo is not None:
+                undo(res)
+            _raise_bad(bad, what)
         return [pickle.loads(item) for item in out]
 
     def allgather_obj(self, obj):
@@ -174,7 +246,11 @@ class Bootstrap:
     def barrier(self):
         """Wait until every rank of the group has called barrier()."""
         self._check_open()
-        self._dist.barrier(group=self.group)
+        try:
+            self._dist.barrier(group=self.group)
+        except Exception as e:  # noqa: BLE001 - gloo / nccl errors
+            raise GpunetError(f"bootstrap barrier over torch.distributed ({self.backend}) failed: "
+                              f"{type(e).__name__}: {e}") from e
 
     def close(self):
         """Destroy the process group if ``from_env`` created it; idempotent."""
@@ -210,10 +286,8 @@ class LocalBootstrap(Bootstrap):
         self._owns_group = False
         self.closed = False
 
-    def _gather_pickled(self, payload):
-        if isinstance(payload, _Bad):
-            raise ConfigError(f"bootstrap exchange failed on rank 0: {payload.reason}")
-        return [pickle.loads(payload)]
+    def _exchange(self, payload):
+        return [payload]
 
     def barrier(self):
         self._check_open()

@@ -149,6 +149,44 @@ class QpDescriptor:
         d = self.desc
         return int(d.resv_head), int(d.ready_head), int(d.db_head), int(d.done_head)
 
+    def state(self):
+        """The device's posting state: heads, ``errored`` and the CQ consumer index (a dict)."""
+        resv, ready, db, done = self.heads()
+        return {"resv_head": resv, "ready_head": ready, "db_head": db, "done_head": done,
+                "errored": int(self.desc.errored), "cq_ci": int(self.desc.cq.ci)}
+
+    def needs_reset(self):
+        """True when device posting on this QP cannot go on as is: an error CQE was seen
+        (``errored``: every post fails fast), or a post reserved WQEBBs it never published
+        (resv_head != ready_head with no kernel running: every later publish waits behind it)."""
+        s = self.state()
+        return bool(s["errored"]) or s["resv_head"] != s["ready_head"]
+
+    def reset(self, cq_ci):
+        """Restart device posting after the NIC QP was reset (``SoftNic.reset_qp``, which returns
+        ``cq_ci``): its send queue restarts at WQE counter 0, so the heads restart at 0, the locks
+        are free and ``errored`` is clear. The CQ, owned by this QP alone, resumes at ``cq_ci``:
+        every CQE before it is of the old life (its consumer record says so to the NIC). A
+        collapsed CQ's single slot is marked invalid instead, so that its old wqe_counter cannot
+        be read as a completion of the new life. No kernel may be running on this QP.
+        tests/test_api_adversarial.py::test_protection_error_is_raised_then_the_context_recovers.
+        """
+        from gpunet import mlx5
+
+        if self._dptr is not None:
+            self._mem.get(self.desc, self._dptr)
+        d = self.desc
+        d.resv_head = d.ready_head = d.db_head = d.done_head = 0
+        d.db_lock = d.poll_lock = d.errored = 0
+        cq = self.qp.send_cq
+        if cq.collapsed:
+            mlx5.init_cq(cq.buf, 1)
+        else:
+            d.cq.ci = int(cq_ci)
+            mlx5.set_cq_dbrec(cq.dbrec, 0, int(cq_ci))
+        if self._dptr is not None:
+            self._mem.write(self._dptr, self.desc)
+
 
 class DeviceContext:
     """A DevCtx with its PeerDesc array and Status block.

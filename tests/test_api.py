@@ -190,7 +190,7 @@ def test_use_after_close_raises():
     with pytest.raises(ClosedError):
         c.alloc((4,), torch.float32)
     with pytest.raises(ClosedError):
-        gpunet.quiet()
+        gpunet.quiet(ctx=c)
 
 
 def test_context_closes_after_an_error():
