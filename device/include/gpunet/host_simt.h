@@ -8,7 +8,8 @@
 // ---------------------------------------------------------------------------------------------
 // Execution model
 //
-//   host::launch(opts, kernel, args...) runs grid x block logical threads as std::threads.
+//   host::launch(opts, kernel, args...) runs grid x block logical threads as std::threads (a
+//   launch of one thread runs on the calling thread: see launch()).
 //   A block's threads are all live together (syncthreads needs that). Blocks run in waves of
 //   at most opts.max_threads OS threads (default 1024, env GPUNET_HOST_MAX_THREADS); a kernel
 //   that waits on a block of a *later* wave deadlocks, as it would on a GPU with fewer
@@ -514,6 +515,48 @@ void launch(const LaunchOptions& opts, Kernel kernel, Args... args) {
   const uint32_t cap = opts.max_threads ? opts.max_threads : default_max_threads();
   const uint64_t per_wave = std::max<uint64_t>(1, cap / nthreads);
   const uint32_t nwarps = uint32_t((nthreads + ws - 1) / ws);
+
+  // A launch of ONE thread runs on the calling thread: starting and joining an OS thread cost
+  // ~30 us here (measured by bench/cpu_put.py's breakdown on the 2-core CI machine), most of a
+  // host wrapper's put (gpunet/context.py launches one thread per call). Nothing can tell the
+  // difference: the launch blocks until the kernel is done either way, the thread's context is
+  // installed and removed exactly as below, and no collective can wait on a second thread.
+  // tests/test_host_launch.py::test_single_thread_launch_runs_inline_and_restores_context
+  // guards it.
+  if (nblocks == 1 && nthreads == 1) {
+    auto blk = std::make_unique<Block>();
+    blk->idx = Dim3(0, 0, 0);
+    blk->smem.assign(opts.shared_bytes ? opts.shared_bytes : 1, 0);
+    blk->bar = std::make_unique<SyncGroup>(1u);
+    blk->warps.push_back(std::make_unique<SyncGroup>(1u));
+    ThreadCtx ctx;
+    ctx.tid = Dim3(0, 0, 0);
+    ctx.bid = blk->idx;
+    ctx.bdim = opts.block;
+    ctx.gdim = opts.grid;
+    ctx.warp_size = ws;
+    ctx.block = blk.get();
+    ctx.warpg = blk->warps[0].get();
+    ctx.weak = &opts.weak;
+    ctx.rng.seed(opts.weak.seed * 0x100000001b3ull);
+    ThreadCtx* const outer = tl_ctx;  // a launch from inside a kernel thread keeps its context
+    tl_ctx = &ctx;
+    std::exception_ptr err;
+    try {
+      kernel(args...);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    if (opts.weak.enabled) {  // F2: the thread's entries, then the block's pool
+      ctx.buf.drain(ctx.rng, opts.weak.order);
+      Rng rng;
+      rng.seed(opts.weak.seed ^ 0xb10cull);
+      blk->pool.drain(rng, opts.weak.order);
+    }
+    tl_ctx = outer;
+    if (err) std::rethrow_exception(err);
+    return;
+  }
 
   std::mutex err_m;
   std::exception_ptr first_err;
