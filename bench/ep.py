@@ -380,15 +380,15 @@ BYTES_NOTE = ("bytes/rank as DeepEP counts (the rank with the most): selections 
 
 def _table(rows, cfg, head):
     lines = [head, BYTES_NOTE, ""]
-    fmt = "%5s %6s  %-28s %10s %10s %10s %9s %8s %8s  %s"
+    fmt = "%5s %6s  %-34s %10s %10s %10s %9s %8s %8s  %s"
     lines.append(fmt % ("ranks", "tokens", "op", "median us", "min us", "max us", "GB/s",
                         "x gather", "x NCCL", "check"))
-    lines.append("-" * 118)
+    lines.append("-" * 124)
     for r in rows:
         lines.append(fmt % (r["ranks"], r["tokens"], r["op"], "%.1f" % r["median_us"],
                             "%.1f" % r["min_us"] if "min_us" in r else "",
                             "%.1f" % r["max_us"] if "max_us" in r else "",
-                            "%.2f" % r["GBps"],
+                            "%.3g" % r["GBps"],
                             "%.2f" % r["vs_torch_gather"] if "vs_torch_gather" in r else "",
                             "%.2f" % r["vs_nccl"] if "vs_nccl" in r else "",
                             r.get("check", "")))
@@ -403,17 +403,22 @@ def _plot(rows, path, title):
     except ImportError:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    keys = sorted({(r["ranks"], r["op"]) for r in rows})
-    for world, op in keys:
-        if op.startswith("torch") and "all ranks" not in op:
-            continue
-        pts = sorted((r["tokens"], r["median_us"], r["GBps"]) for r in rows
-                     if r["ranks"] == world and r["op"] == op)
-        style = "--" if op.startswith("torch") else "-"
-        label = "%d ranks: %s" % (world, op)
-        ax1.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=label)
-        ax2.plot([p[0] for p in pts], [p[2] for p in pts], style, marker="o", label=label)
-    for ax, yl in ((ax1, "latency, median (us)"), (ax2, "GB/s (DeepEP's byte count)")):
+    ops = sorted({r["op"] for r in rows if not r["op"].startswith("torch") or "all ranks" in r["op"]})
+    worlds = sorted({r["ranks"] for r in rows})
+    colors = {op: "C%d" % i for i, op in enumerate(ops)}          # colour = op, marker = ranks
+    markers = dict(zip(worlds, "os^Dv*"))
+    for world in worlds:
+        for op in ops:
+            pts = sorted((r["tokens"], r["median_us"], r["GBps"]) for r in rows
+                         if r["ranks"] == world and r["op"] == op)
+            if not pts:
+                continue
+            kw = dict(color=colors[op], marker=markers[world], label="%d ranks: %s" % (world, op),
+                      linestyle="--" if op.startswith("torch") else "-")
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], **kw)
+            ax2.plot([p[0] for p in pts], [p[2] for p in pts], **kw)
+    for ax, yl in ((ax1, "latency, median (us)"),
+                   (ax2, "GB/s (gpunet: DeepEP's count per rank; torch: rows moved)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per rank")
         ax.set_ylabel(yl)
