@@ -37,3 +37,19 @@ class CoherenceViolation(GpunetError):
 
 class ClosedError(GpunetError):
     """A resource was used after close()."""
+
+
+class EPTimeout(TimeoutError):
+    """An expert-parallel dispatch / combine (gpunet.ep) gave up on peers that stayed silent or
+    failed, and the Buffer was asked to raise rather than mask them (enable_shrink=False).
+
+    Attributes: ``phase`` ("dispatch" | "combine" | "clean"), ``peers_silent`` (sorted list of the
+    ranks that never answered or failed), ``counts_seen`` (dict rank -> what arrived from it this
+    call: messages or rows, None for a silent rank).
+    """
+
+    def __init__(self, message, phase=None, peers_silent=(), counts_seen=None):
+        super().__init__(message)
+        self.phase = phase
+        self.peers_silent = sorted(int(p) for p in peers_silent)
+        self.counts_seen = dict(counts_seen or {})
