@@ -189,7 +189,7 @@ class Context:
         sizes = [e["heap_bytes"] for e in everyone]
         if len(set(sizes)) != 1:
             raise ConfigError("gpunet.init is collective: every rank must pass the same heap_bytes "
-                              "(per rank: %r)" % (sizes,))
+                              "(%s)" % ", ".join("rank %d: %d" % rs for rs in enumerate(sizes)))
         for i in range(n):
             for j in range(n):
                 if everyone[i]["transports"][j] != everyone[j]["transports"][i]:
@@ -205,8 +205,8 @@ class Context:
         """ConfigError for init arguments of the wrong type or range (checked on every rank before
         anything is made; bool is not an int, a float is not a byte count)."""
         if unknown:
-            raise ConfigError("gpunet.init: unknown keyword argument(s) %s (it takes group, transport, "
-                              "nic, heap_bytes, timeout_s, warp_size, proxy_threads)"
+            raise ConfigError("unknown keyword argument(s) %s to gpunet.init (it takes group, "
+                              "transport, nic, heap_bytes, timeout_s, warp_size, proxy_threads)"
                               % ", ".join(sorted(unknown)))
         if not isinstance(a["transport"], str) or a["transport"] not in TRANSPORTS:
             raise ConfigError("transport must be one of %s, not %r" % (TRANSPORTS, a["transport"]))

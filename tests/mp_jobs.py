@@ -158,3 +158,112 @@ def teardown(state):
             ctx.close()
         except Exception:  # noqa: BLE001 - tearing down anyway
             pass
+
+
+# --- adversarial jobs (tests/test_api_adversarial.py) ------------------------------------------
+def _outcome(fn):
+    """What ``fn()`` did: {"raised": gpunet error class name or None, "msg", "seconds"}. Any
+    other exception propagates (the test then fails with it: only gpunet errors are allowed)."""
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"raised": None, "msg": "", "seconds": time.monotonic() - t0}
+    except gpunet.GpunetError as e:
+        return {"raised": type(e).__name__, "msg": str(e), "seconds": time.monotonic() - t0,
+                "syndrome": getattr(e, "syndrome", None)}
+
+
+def init_variants(state, variants):
+    """For each (bad_rank, kwargs) in ``variants``: every rank calls gpunet.init, the bad rank
+    with ``kwargs`` on top of good ones. Returns each call's outcome (a Context made is closed)."""
+    out = []
+    for bad_rank, kwargs in variants:
+        made = []
+
+        def call():
+            args = dict(transport="ibgda", heap_bytes=4 << 20, timeout_s=10.0)
+            if _my_rank() == bad_rank:
+                args.update(kwargs)
+            made.append(gpunet.init(**args))
+
+        out.append(_outcome(call))
+        for c in made:
+            c.close()
+    return out
+
+
+def _my_rank():
+    import torch.distributed as dist
+    return dist.get_rank()
+
+
+def collective_misuse(state, bad_rank):
+    """On a good Context: alloc / free that fail their local check on ``bad_rank`` only. Every
+    rank must raise, and the heap must stay symmetric and usable afterwards. Returns outcomes and
+    the offsets the following good allocs got on this rank."""
+    me = _my_rank()
+    ctx = gpunet.init(transport="ibgda", heap_bytes=4 << 20, timeout_s=10.0)
+    try:
+        first = ctx.alloc((16,), torch.uint8)
+        off0 = first.data_ptr() - ctx.heap_base
+        ctx.free(first)
+        res = {}
+        res["alloc_full"] = _outcome(
+            lambda: ctx.alloc((1 << 40,) if me == bad_rank else (16,), torch.uint8))
+        res["alloc_bad_shape"] = _outcome(
+            lambda: ctx.alloc((-1,) if me == bad_rank else (16,), torch.uint8))
+        res["alloc_overflow"] = _outcome(
+            lambda: ctx.alloc((1 << 62, 8) if me == bad_rank else (16,), torch.float64))
+        res["alloc_mismatch"] = _outcome(
+            lambda: ctx.alloc((4096,) if me == bad_rank else (16,), torch.uint8))
+        x = ctx.alloc((16,), torch.uint8)          # the range every failed alloc gave back
+        res["off_after"] = x.data_ptr() - ctx.heap_base
+        res["off_before"] = off0
+        x.fill_(me + 1)
+        res["free_empty"] = _outcome(lambda: ctx.free(torch.empty(0) if me == bad_rank else x))
+        res["free_part"] = _outcome(lambda: ctx.free(x[1:] if me == bad_rank else x))
+        res["x_intact"] = bool((x == me + 1).all())
+        res["free_good"] = _outcome(lambda: ctx.free(x))
+        res["barrier"] = _outcome(ctx.barrier)
+        return res
+    finally:
+        ctx.close()
+
+
+def inject_bad_put(ctx, peer, src):
+    """Post a put whose destination lies past the end of ``peer``'s heap, bypassing the API's
+    checks (ctx._run): the NIC answers with a remote access error, the case the checks exist to
+    prevent. Returns nothing; the error surfaces here or at the next synchronizing call."""
+    from gpunet.device import abi
+    ctx._run(ctx._ops(dict(kind=abi.OP_PUT, pe=peer, dst=ctx.heap_base + ctx.heap_bytes + 4096,
+                           src=src.data_ptr(), nbytes=64)), "put (injected past the heap)",
+             blocking=False)
+
+
+def bad_put_then_good(state, bad_from, peer, rounds):
+    """Rank ``bad_from`` posts a put outside ``peer``'s heap and quiets (it must raise a
+    CompletionError naming the reset), then every rank barriers and ``bad_from`` puts a pattern
+    into ``peer``'s dst slot, quiets, barriers; ``peer`` checks it. ``rounds`` times."""
+    ctx = state["ctx"]
+    me = ctx.rank
+    src, dst = state["src"], state["dst"]
+    out = {"errors": [], "landed": []}
+    for r in range(rounds):
+        dst.zero_()
+        ctx.barrier()
+        if me == bad_from:
+            def bad():
+                inject_bad_put(ctx, peer, src)
+                gpunet.quiet()
+            out["errors"].append(_outcome(bad))
+        ctx.barrier()
+        if me == bad_from:
+            src[:] = _pattern(me, 7000 + r, SLOT_ELEMS)
+            gpunet.put(ctx.remote(peer, dst, me * SLOT_ELEMS), src)
+            gpunet.quiet()
+        ctx.barrier()
+        if me == peer:
+            want = _pattern(bad_from, 7000 + r, SLOT_ELEMS)
+            got = dst[bad_from * SLOT_ELEMS:(bad_from + 1) * SLOT_ELEMS]
+            out["landed"].append(bool(torch.equal(got, want)))
+    return out
