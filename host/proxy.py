@@ -28,12 +28,11 @@ the NIC), ``error`` (0, or the first failure, packed: see ``pack_error``), ``err
 of the command that failed). Device control block (``DevCtrl``, device memory, written only by
 producers): ``head`` (slots reserved) at byte 0, ``cached_tail`` at byte 64.
 
-Threads: ``ProxyEngine(threads=n)`` runs n Python driver threads, each calling one numba
-``@wire_njit(nogil=True)`` step over the channels and QPs it owns (channel i -> thread i % n; each
-thread owns its own QPs of every peer, so no QP is shared between threads and nothing is locked).
+Threads: ``ProxyEngine(threads=n)`` runs n threads, each running one numba loop without the GIL
+(``proxy_run``) over the channels and QPs it owns (channel i -> thread i % n; each thread owns its
+own QPs of every peer, so no QP is shared between threads and nothing is locked).
 """
 import threading
-import time
 import weakref
 
 import numpy as np
@@ -43,7 +42,8 @@ from gpunet.errors import ClosedError, CompletionError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import wq
 from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_u64, clock_ns,
-                                load_acquire_u64, store_release_u64, u8_at, wire_njit)
+                                idle_pause, load_acquire_u64, pin_current_thread,
+                                store_release_u64, u8_at, wire_njit)
 
 # ---- the command format (mirrors proxy.cuh) --------------------------------------------------
 CMD_BYTES = 16
@@ -103,12 +103,16 @@ TAIL_PUBLISH_EVERY = 64
 CQE_POLL_BATCH = 64
 # Commands one thread takes from one channel before moving to the next (fairness, doorbell batch).
 DRAIN_BATCH = 256
-# An idle step spins this long (polling FIFOs and CQs) before returning to Python, which then
-# sleeps with a doubling backoff up to IDLE_SLEEP_MAX_S. Spinning keeps the round trip near the
-# FIFO's floor (FACTS: 2.85 us GPU<->CPU); the sleep keeps idle proxies off 2-core CI machines.
-SPIN_US = 50
-IDLE_SLEEP_MIN_S = 20e-6
-IDLE_SLEEP_MAX_S = 1e-3
+# After its last work a proxy thread spins SPIN_US (polling FIFOs and CQs, no syscall), then
+# follows rawmem's idle policy (yield, then a bounded sleep) without leaving numba. The default is
+# no spin: on a machine with fewer cores than polling threads, a spinning proxy holds the core the
+# soft NIC's engine and the device threads need (2-core CI machine, 64-byte put + quiet through
+# the proxy: 211 us with 50 us of spin, 62 us without); a benchmark on a machine with cores to
+# spare passes spin_us (bench/proxy.py: 10 ms) to keep the round trip near the FIFO's floor
+# (FACTS: 2.85 us GPU<->CPU). The thread never returns to Python while it runs, so a main thread
+# holding the GIL cannot delay it (a return to Python waits for the GIL: up to the 5 ms switch
+# interval).
+SPIN_US = 0
 
 # ---- engine state layout (numba arrays) ------------------------------------------------------
 # per channel, int64
@@ -521,11 +525,31 @@ def _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, o
 
 
 @wire_njit(cache=True, nogil=True)
+def proxy_run(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out, spin_ns,
+              stop_addr):
+    """A proxy thread's whole life, without the GIL: drain passes until the word at ``stop_addr``
+    is non-zero. A pass that found no work is followed by rawmem.idle_pause (spin ``spin_ns``
+    after the last work, then yield, then sleep with a back-off of at most IDLE_SLEEP_MAX_US)."""
+    sleeps = 0
+    busy = True
+    last_work = 0
+    while load_acquire_u64(stop_addr) == 0:
+        if _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out) != 0:
+            busy = True
+            sleeps = 0
+            continue
+        now = clock_ns()
+        if busy:                       # the first idle pass: the work ended one pass ago
+            last_work = now
+            busy = False
+        sleeps = idle_pause(now - last_work, spin_ns, sleeps)
+
+
+@wire_njit(cache=True, nogil=True)
 def proxy_step(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out, spin_ns,
                max_ns):
     """Drain passes until idle for ``spin_ns`` or busy for ``max_ns``; returns the work done.
-
-    Runs without the GIL: the Python driver thread calls it in a loop and sleeps when it returns 0.
+    ``ProxyEngine.step`` drives an engine made with start=False through it (benchmarks, tests).
     """
     t0 = clock_ns()
     last_work = t0
@@ -725,12 +749,14 @@ class ProxyEngine:
       threads: proxy threads.
       drain_only: build every WQE into a private ring and complete it at once: measures the proxy
         alone (FIFO reads, decode, WQE build, completion bookkeeping), no NIC.
-      spin_us: how long an idle thread keeps polling before sleeping.
+      spin_us: how long an idle thread keeps polling (a pure spin) before it yields and sleeps.
       start: False starts no thread; drive it with ``step(t)`` (benchmarks, tests).
+      cpus: None, or one set of CPU numbers per thread: thread t pins itself to ``cpus[t]``
+        (``pin_current_thread``); ``placement[t]`` then records what it got.
     """
 
     def __init__(self, nic, channels, qps_per_peer, local_heap, remote_heaps, threads=1,
-                 drain_only=False, spin_us=SPIN_US, sq_wqebbs_null=1024, start=True):
+                 drain_only=False, spin_us=SPIN_US, sq_wqebbs_null=1024, start=True, cpus=None):
         threads = int(threads)
         if threads < 1:
             raise ConfigError(f"threads must be >= 1, not {threads}")
@@ -850,6 +876,12 @@ class ProxyEngine:
         self._thread_qps = [np.array(sorted(x), dtype=np.int64) for x in thread_qps]
         self.stats = np.zeros((threads, ST_NFIELDS), dtype=np.int64)
         self._spin_ns = int(spin_us * 1000)
+        self._stop_word = aligned_zeros(64).view(np.uint64)
+        if cpus is not None and len(cpus) != threads:
+            raise ConfigError(f"cpus: one CPU set per proxy thread ({threads}), got {len(cpus)}")
+        self._cpus = [sorted(int(c) for c in x) for x in cpus] if cpus is not None else None
+        # per thread: {"tid", "cpus"} once it runs (pin_current_thread), for benchmarks' records
+        self.placement = [None] * threads
         self._threads = []
         for t in range(threads):
             th = threading.Thread(target=self._run, args=(t,), name=f"gpunet-proxy-{t}",
@@ -862,6 +894,11 @@ class ProxyEngine:
         proxy_step(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
                    self.heap, self._thread_chs[0], self._thread_qps[0], self.stats[0],
                    self._outs[0], 0, 0)
+        self._stop_word[0] = 1             # proxy_run returns at once: compiled, nothing drained
+        proxy_run(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
+                  self.heap, self._thread_chs[0], self._thread_qps[0], self.stats[0],
+                  self._outs[0], 0, self._stop_word.ctypes.data)
+        self._stop_word[0] = 0
         if start:
             for th in self._threads:
                 th.start()
@@ -878,17 +915,10 @@ class ProxyEngine:
     def _run(self, t):
         my_ch, my_qp, st, out = (self._thread_chs[t], self._thread_qps[t], self.stats[t],
                                  self._outs[t])
-        sleep = IDLE_SLEEP_MIN_S
         try:
-            while not self._stop:
-                w = proxy_step(self.ch, self.done, self.qp, self.side_ch, self.side_seq,
-                               self.peer_qp, self.heap, my_ch, my_qp, st, out, self._spin_ns,
-                               20_000_000)
-                if w:
-                    sleep = IDLE_SLEEP_MIN_S
-                else:
-                    time.sleep(sleep)
-                    sleep = min(sleep * 2, IDLE_SLEEP_MAX_S)
+            self.placement[t] = pin_current_thread(self._cpus[t] if self._cpus else None)
+            proxy_run(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
+                      self.heap, my_ch, my_qp, st, out, self._spin_ns, self._stop_word.ctypes.data)
         except BaseException as e:  # noqa: BLE001 - reported by check()/close()
             self._thread_errors.append(e)
 
@@ -929,6 +959,7 @@ class ProxyEngine:
         if self.closed:
             return
         self._stop = True
+        self._stop_word[0] = 1                 # proxy_run polls it with an acquire load
         for th in self._threads:
             if th.is_alive():
                 th.join()

@@ -287,3 +287,53 @@ def _i64ptr(typingctx, addr):
     def codegen(context, builder, signature, args):
         return builder.inttoptr(args[0], ir.IntType(64).as_pointer())
     return sig, codegen
+
+
+# --- the idle policy of the CPU engines (soft NIC engine, proxy threads) -------------------------
+# A polling engine thread that found no work on a pass: a pure spin while less than ``spin_ns``
+# passed since its last work (benchmarks on machines with cores to spare), then sched_yield()
+# polling for IDLE_YIELD_NS more, then sleeping with a doubling back-off from IDLE_SLEEP_MIN_US to
+# IDLE_SLEEP_MAX_US. Why these values: a user who is communicating issues a doorbell every few
+# tens of us (a host-wrapper call costs ~10 us, a CPU ping-pong round trip ~50 us), so inside the
+# yield window a doorbell is seen within one pass instead of after a sleep (a 20..200 us back-off
+# was most of a CPU put's ~120 us: bench/cpu_put.py); a yielding thread gives its core to any
+# runnable thread, so unlike a spin it does not starve the emulated device threads on 2 cores;
+# after IDLE_YIELD_NS without work the engine costs one wake-up per IDLE_SLEEP_MAX_US, and that
+# cap bounds the latency of the first doorbell after an idle spell.
+# tests/test_proxy.py::test_idle_engines_answer_a_doorbell_in_time guards the policy.
+IDLE_YIELD_NS = 500_000
+IDLE_SLEEP_MIN_US = 20
+IDLE_SLEEP_MAX_US = 200
+
+
+@wire_njit(cache=True, nogil=True)
+def idle_pause(idle_ns, spin_ns, sleeps):
+    """One idle pass, ``idle_ns`` after the thread's last work (see the policy above). ``sleeps``:
+    the sleeps taken since the work stopped (0 at first); returns the new count."""
+    if idle_ns < spin_ns:
+        return 0
+    if idle_ns < spin_ns + IDLE_YIELD_NS:
+        c_sched_yield()
+        return 0
+    c_usleep(min(IDLE_SLEEP_MIN_US << min(sleeps, 4), IDLE_SLEEP_MAX_US))
+    return sleeps + 1
+
+
+def pin_current_thread(cpus=None):
+    """Pin the calling thread to ``cpus`` (CPU numbers; None leaves its affinity as it is) and
+    return ``{"tid": its Linux thread id, "cpus": the CPUs it may now run on}``. Linux applies
+    sched_setaffinity(0, ...) to the calling thread only, so each engine thread (soft NIC, proxy)
+    calls this itself before it enters numba. Pinning the engine, the proxy and the thread that
+    waits on them to distinct cores removes the run-to-run variation of sharing a core (bench/proxy.py
+    places them and records this)."""
+    import os
+    import threading
+
+    if cpus is not None:
+        want = {int(c) for c in cpus}
+        try:
+            os.sched_setaffinity(0, want)
+        except (OSError, ValueError) as e:
+            raise ConfigError("cannot pin a thread to CPUs %s: %s (allowed here: %s)"
+                              % (sorted(want), e, sorted(os.sched_getaffinity(0)))) from None
+    return {"tid": threading.get_native_id(), "cpus": sorted(os.sched_getaffinity(0))}

@@ -51,9 +51,10 @@ from numba import njit
 
 from gpunet import mlx5
 from gpunet.errors import ClosedError, CoherenceViolation, ConfigError, GpunetError
-from gpunet.host.rawmem import (address_of, atomic_cas_u64, bswap64, c_kill0, c_memmove,
-                                c_sched_yield, c_usleep, clock_ns, i64_at, load_acquire_u32,
-                                load_acquire_u64, store_release_u32, store_release_u64, u8_at)
+from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, address_of, atomic_cas_u64, bswap64, c_kill0,
+                                c_memmove, c_sched_yield, clock_ns, i64_at, idle_pause,
+                                load_acquire_u32, load_acquire_u64, pin_current_thread,
+                                store_release_u32, store_release_u64, u8_at)
 
 # --- arena layout (int64 word indices unless said otherwise) -------------------------------------
 ARENA_MAGIC = 0x676E65745F534E31     # "gnet_SN1"
@@ -99,8 +100,8 @@ MIN_SQ_WQEBBS = 8
 MAX_INLINE_LIMIT = mlx5.MAX_DS * mlx5.DS_UNIT - 32 - mlx5.INLINE_HDR_SIZE   # 972 bytes
 
 ENGINE_BUDGET = 4096                 # WQEs per QP per engine pass: fairness between QPs
-SPIN_IDLE = 32                       # idle passes that only sched_yield() before sleeping
-MAX_SLEEP_US = 200                   # idle back-off cap: bounds doorbell-to-execution latency
+MAX_SLEEP_US = IDLE_SLEEP_MAX_US     # idle back-off cap (rawmem's idle policy): bounds the
+                                     # doorbell-to-execution latency of an idle engine
 PID_CHECK_NS = 2_000_000             # heartbeat age (> the 200 us idle sleep) after which a
                                      # cross-process peer's pid is checked with kill(pid, 0)
 CQ_LOCK_SPINS = 1 << 26              # bound on the CQ lock spin (a holder that died)
@@ -452,7 +453,7 @@ def engine_step(base, peer_bases, now, budget, scratch, segs):
 def engine_run(base, peer_bases, scratch, segs, max_iters):
     """The engine thread's whole life: runs until the header's stop word is set (or max_iters)."""
     T = i64_at(base, TABLE_WORDS)
-    idle = 0
+    sleeps = 0
     it = 0
     last_work = clock_ns()
     while load_acquire_u64(base + H_STOP * 8) == 0:
@@ -466,19 +467,13 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
         if max_iters > 0 and it >= max_iters:
             break
         if did > 0:
-            idle = 0
+            sleeps = 0
             last_work = now
             continue
-        idle += 1
-        if now - last_work < T[H_SPIN_NS]:
-            # A pure spin: on the H200 host even one sched_yield every 64 passes took the proxy
-            # round trip from 4.7 to 8.0 us (bench/RESULTS.md). Only for machines with a core to
-            # spare: on 2 cores a spinning engine starves the threads that feed it.
-            pass
-        elif idle < SPIN_IDLE:
-            c_sched_yield()
-        else:
-            c_usleep(min(20 << min(idle - SPIN_IDLE, 4), MAX_SLEEP_US))
+        # rawmem.idle_pause: spin for H_SPIN_NS (idle_spin_us: a pure spin, for machines with a core
+        # to spare: on the H200 host even one sched_yield every 64 passes took the proxy round trip
+        # from 4.7 to 8.0 us, bench/RESULTS.md), then yield, then sleep with a bounded back-off
+        sleeps = idle_pause(now - last_work, T[H_SPIN_NS], sleeps)
 
 
 @njit(cache=True)
@@ -670,13 +665,16 @@ class SoftNic:
         heartbeat age after which a peer counts as dead.
     name: optional tag in the arena's file name (gpunet-<pid>-<name>).
     idle_spin_us: after its last work the engine keeps polling (a pure spin, no syscall) this long
-        before it yields and then sleeps. 0 (the default) suits shared CPUs; a latency benchmark on
-        a machine with cores to spare passes ~1000 (a sleeping engine adds up to its back-off to a
-        doorbell; a yielding one a sched_yield syscall).
+        before it yields (for rawmem.IDLE_YIELD_NS more) and then sleeps (rawmem.idle_pause). 0
+        (the default) suits shared CPUs; a latency benchmark on a machine with cores to spare
+        passes ~1000 (a yielding engine adds a sched_yield syscall to a doorbell, a sleeping one
+        up to its back-off).
+    cpus: None, or the CPU numbers the engine thread pins itself to (rawmem.pin_current_thread;
+        ``placement`` then records its thread id and CPUs).
     """
 
     def __init__(self, profile="nvidia", strict=False, arena_bytes=64 << 20, retry_timeout_s=1.0,
-                 name=None, idle_spin_us=0.0):
+                 name=None, idle_spin_us=0.0, cpus=None):
         if profile not in PROFILES:
             raise ConfigError("profile must be one of %s, not %r" % (sorted(PROFILES), profile))
         if arena_bytes < HEAP_START + (1 << 16):
@@ -727,14 +725,19 @@ class SoftNic:
             self._segs = np.zeros(2 * (mlx5.MAX_DS + 1), dtype=np.int64)
             # compile (or load from cache) before the thread starts, then run GIL-free
             engine_run(self._arena.base, self._peer_bases, self._scratch, self._segs, 1)
-            self._thread = threading.Thread(
-                target=engine_run, name="softnic-engine-%s" % tag, daemon=True,
-                args=(self._arena.base, self._peer_bases, self._scratch, self._segs, -1))
+            self._cpus = None if cpus is None else sorted(int(c) for c in cpus)
+            self.placement = None          # {"tid", "cpus"} of the engine thread once it runs
+            self._thread = threading.Thread(target=self._engine_thread, name="softnic-engine-%s" % tag,
+                                            daemon=True)
             self._thread.start()
             _open_nics.add(self)
         except BaseException:
             self.close()
             raise
+
+    def _engine_thread(self):
+        self.placement = pin_current_thread(self._cpus)
+        engine_run(self._arena.base, self._peer_bases, self._scratch, self._segs, -1)
 
     # --- lifecycle ---
     def close(self):

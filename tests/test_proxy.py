@@ -422,6 +422,47 @@ def test_close_is_idempotent_and_stops_threads(nics):
         eng.quiet(ch, 0)
 
 
+def test_idle_engines_answer_a_doorbell_in_time(nics, heaps):
+    """rawmem's idle policy, end to end: after an idle spell longer than the yield window, the
+    proxy thread and both soft-NIC engines SLEEP (a 60 ms idle spell costs each of them at most a
+    few hundred passes, where a spinning or yielding thread makes tens of thousands), yet a
+    command pushed then completes within a few sleep periods (median of 15 samples < 5 ms, the
+    idle sleep being capped at IDLE_SLEEP_MAX_US), and close() stops a sleeping proxy at once."""
+    from gpunet.host.rawmem import IDLE_SLEEP_MAX_US, IDLE_YIELD_NS
+    a, b = nics
+    lh, lmr, rh, rmr = heaps
+    (qa,) = make_qps(a, b, 1)
+    ch = P.ProxyChannel(64)
+    eng = P.ProxyEngine(a, [ch], [[qa]], lmr, [rmr], spin_us=0)
+    try:
+        ch.push([P.encode(P.OP_PUT, 0, 64, 0, 0)])
+        eng.quiet(ch, ch.head)
+        idle = IDLE_YIELD_NS / 1e9 + 0.01            # past the yield window: sleeping now
+        time.sleep(idle)
+        p0, na0, nb0 = eng.stats_dict()["passes"], a.stats()["engine_passes"], \
+            b.stats()["engine_passes"]
+        time.sleep(0.06)
+        p1, na1, nb1 = eng.stats_dict()["passes"], a.stats()["engine_passes"], \
+            b.stats()["engine_passes"]
+        most = int(0.06 / (IDLE_SLEEP_MAX_US * 1e-6) * 4) + 50      # 4x slack for timer jitter
+        assert p1 - p0 < most and na1 - na0 < most and nb1 - nb0 < most, (p1 - p0, na1 - na0,
+                                                                           nb1 - nb0, most)
+        lat = []
+        for _ in range(15):
+            time.sleep(idle)
+            t0 = time.perf_counter()
+            eng.quiet(ch, ch.push([P.encode(P.OP_PUT, 0, 64, 0, 0)]), timeout_s=5.0)
+            lat.append(time.perf_counter() - t0)
+        assert sorted(lat)[len(lat) // 2] < 0.005, lat
+        time.sleep(idle)
+        t0 = time.perf_counter()
+        eng.close()
+        assert time.perf_counter() - t0 < 0.5 and eng.alive_threads() == []
+    finally:
+        eng.close()
+        ch.close()
+
+
 # ---- device code on the HOST arm ----------------------------------------------------------------
 def _descs(chans):
     return np.concatenate([c.descriptor() for c in chans])
