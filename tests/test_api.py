@@ -95,10 +95,11 @@ class TestAcrossRanks:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_killed_rank_makes_the_others_raise_in_bounded_time(transport):
     """Rank 1 dies without closing anything; rank 0's put + quiet + barrier raise a GpunetError
-    within the configured timeout (3 s) plus slack: no hang."""
+    within the configured timeout (3 s) plus slack: no hang. Rank 0 closing then reclaims the
+    shared-memory arena rank 1 left in /dev/shm."""
     r = Ranks(2)
     try:
-        r.run("init", transport, 8 << 20, 3.0)
+        info = r.run("init", transport, 8 << 20, 3.0)
         for q in r.inboxes:
             q.put(("die_if", (1,)))
         assert r.outboxes[0].get(timeout=60) == ("ok", "alive")
@@ -108,6 +109,10 @@ def test_killed_rank_makes_the_others_raise_in_bounded_time(transport):
         assert status == "ok", res
         assert res["raised"] in ("TimeoutError", "CompletionError"), res
         assert res["seconds"] < 20, res
+        r.inboxes[0].put(("close", ()))
+        status, res = r.outboxes[0].get(timeout=60)
+        assert status == "ok" and not res["arena_left"], res
+        assert not os.path.exists("/dev/shm/" + info[1]["arena"]), "the dead rank's arena stayed"
     finally:
         r.procs[1].kill() if r.procs[1].is_alive() else None
         r.inboxes[1] = r.inboxes[0]           # rank 1 is gone: only rank 0 gets the stop
