@@ -394,3 +394,56 @@ def test_model_helpers_agree_on_a_full_heap():
     assert _fits([], 4 * ALIGN, hb) and not _fits([], 5 * ALIGN, hb)
     assert not _fits([(RESERVED_BYTES + ALIGN, ALIGN)], 3 * ALIGN, hb)
     assert _fits([(RESERVED_BYTES + ALIGN, ALIGN)], 2 * ALIGN, hb)
+
+
+# --- the same on CUDA (skipped without a GPU; the lead runs these on the H200) -------------------------
+@pytest.fixture
+def cuda_platform():
+    from gpunet.host import platform as P
+    old = os.environ.get("GPUNET_PLATFORM")
+    os.environ["GPUNET_PLATFORM"] = "cuda"
+    P.reset_platform()
+    yield
+    if old is None:
+        os.environ.pop("GPUNET_PLATFORM", None)
+    else:
+        os.environ["GPUNET_PLATFORM"] = old
+    P.reset_platform()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_cuda_free_remote_checks_and_recovery(cuda_platform, transport):
+    """On CUDA (heap tensors are CUDA tensors, launches on the current stream): an empty or
+    partial tensor is never freed in place of an allocation, a zero-size alloc frees exactly
+    itself, another Context's Remote raises before posting, and an injected protection error
+    surfaces at the next synchronizing call with the QP reset, after which puts, gets and the
+    barrier work."""
+    with gpunet.init(transport=transport, nic="soft", heap_bytes=4 << 20, timeout_s=8.0) as c:
+        x = c.alloc((256,), torch.uint8)
+        x.fill_(9)
+        z = c.alloc((0,), torch.float32)
+        for bad in (torch.empty(0, device="cuda"), x[:0], x[1:]):
+            with pytest.raises(ConfigError):
+                c.free(bad)
+        c.free(z)
+        assert bool((x == 9).all())
+        with gpunet.init(transport=transport, nic="soft", heap_bytes=1 << 20) as other:
+            ox = other.alloc((256,), torch.uint8)
+            with pytest.raises(ConfigError, match="another Context"):
+                c.put(other.remote(0, ox), x)
+        y = c.alloc((256,), torch.uint8)
+        for rnd in range(2):
+            with pytest.raises(CompletionError) as ei:
+                inject_bad_put(c, 0, x)
+                c.quiet()
+            assert ei.value.syndrome == mlx5.SYNDROME_REMOTE_ACCESS_ERR, str(ei.value)
+            assert "reset to RTS" in str(ei.value), str(ei.value)
+            x.copy_(torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8) ^ rnd)
+            c.put(c.remote(0, y), x)
+            c.quiet()
+            assert torch.equal(y, x)
+            c.barrier()
+        c.free(y)
+        c.free(x)
