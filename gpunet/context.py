@@ -428,8 +428,13 @@ class Context:
         on every rank, and no rank keeps the range.
         """
         self._check()
+        made = {}
 
         def local():
+            # Everything that can fail on this rank happens before the one exchange, so that the
+            # ranks agree: a range is kept everywhere or nowhere.
+            if self._gpu:
+                self._sync("alloc")
             dims = _shape(shape)
             if not isinstance(dtype, torch.dtype):
                 raise ConfigError("alloc: dtype must be a torch dtype, got %r" % (dtype,))
@@ -440,31 +445,31 @@ class Context:
                                   "gpunet.init" % (dims, dtype, nbytes,
                                                    self.heap_bytes - RESERVED_BYTES))
             size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-            return self._take(size), size, nbytes, dims
+            off = self._take(size)
+            try:
+                self._heap[off:off + size] = 0
+                if self._gpu:
+                    whole = _cuda_view(self.heap_base + off, size, self)
+                else:
+                    whole = torch.frombuffer(memoryview(self._heap[off:off + size]),
+                                             dtype=torch.uint8)
+                made["t"] = whole[:nbytes].view(dtype).reshape(dims)
+                made["alloc"] = _Alloc(off, size, nbytes, whole.untyped_storage())
+            except BaseException:
+                self._release(off, size)
+                raise
+            return off, size
 
-        got = self._boot.collective("alloc", local, undo=lambda r: self._release(r[0], r[1]))
-        off, size, nbytes, dims = got[self.rank]
-        if any((o, sz) != (off, size) for o, sz, _, _ in got):
+        got = self._boot.collective("alloc", local, undo=lambda r: self._release(*r))
+        off, size = got[self.rank]
+        if any(g != (off, size) for g in got):
             self._release(off, size)
             raise ConfigError("alloc is collective: every rank must allocate the same shapes in the "
-                              "same order (offsets/sizes per rank: %r)"
-                              % ([(o, sz) for o, sz, _, _ in got],))
-        try:
-            if self._gpu:
-                self._sync("alloc")
-                self._heap[off:off + size] = 0
-                whole = _cuda_view(self.heap_base + off, size, self)
-            else:
-                self._heap[off:off + size] = 0
-                whole = torch.frombuffer(memoryview(self._heap[off:off + size]), dtype=torch.uint8)
-            t = whole[:nbytes].view(dtype).reshape(dims)
-        except BaseException:
-            self._release(off, size)
-            raise
-        a = _Alloc(off, size, nbytes, whole.untyped_storage())
+                              "same order (offsets/sizes per rank: %r)" % (got,))
+        a = made["alloc"]
         self._allocs[off] = a
         self._by_storage[a.storage._cdata] = a
-        return t
+        return made["t"]
 
     def free(self, tensor):
         """Return a tensor from :meth:`alloc` to the heap (collective, like alloc).
@@ -827,11 +832,15 @@ class Context:
         """Wait until every put/get/put_signal this rank issued has completed."""
         self._run(self._ops(dict(kind=abi.OP_QUIET)), "quiet")
 
-    def barrier(self):
+    def barrier(self, blocking=True):
         """All ranks meet here, through the NIC (bounded: a dead rank raises TimeoutError).
 
         Every earlier operation of this rank completes first (quiet), then each rank adds 1 to a
         word on every rank and waits until its own word counts every rank's arrival.
+        ``blocking=False`` (CUDA): only enqueue it on the current stream, so work enqueued after
+        it starts on every rank when the last rank arrives (bench/ep.py aligns timed calls of
+        ranks sharing a GPU this way); a failure then surfaces at the next synchronizing call.
+        On the CPU the barrier is always synchronous.
         """
         self._check()
         self._barrier_epoch += 1
@@ -845,7 +854,7 @@ class Context:
         ops = done = self._ops(*specs)
         try:
             done = self._run(ops, "barrier", blocking=False)    # the OpDescs the kernel writes
-            if self._gpu:
+            if self._gpu and blocking:
                 self._sync("barrier")
         except GpunetError:
             # An earlier failure stopped the first quiet: no arrival was signalled, so this
