@@ -91,13 +91,14 @@ class _Timer:
         return out
 
 
-def _aligner(gpu, nccl_group):
+def _aligner(gpu, nccl_group, ctx):
     """A function run before each timed call so every rank starts together.
 
-    CPU: a gloo barrier. GPU with an NCCL group (one rank per GPU): an NCCL all_reduce of one
-    element, which the streams of all ranks leave together (DeepEP's barrier_comm_profiling).
-    GPU without NCCL (ranks sharing a GPU): a stream synchronize then a gloo barrier, so the
-    residual skew is the host's wake-up jitter; the JSON names which one ran."""
+    CPU: a gloo barrier (calls are synchronous there). GPU with an NCCL group (one rank per GPU):
+    an NCCL all_reduce of one element, which the streams of all ranks leave together (DeepEP's
+    barrier_comm_profiling). GPU without NCCL (ranks sharing a GPU, where NCCL refuses to run):
+    gpunet's own device barrier enqueued on the stream (Context.barrier(blocking=False)), so the
+    timed kernels start when the last rank arrives, not when each host launched them."""
     import torch
     import torch.distributed as dist
 
@@ -111,9 +112,9 @@ def _aligner(gpu, nccl_group):
         return align, "NCCL all_reduce on the stream (device-side)"
 
     def align():
-        torch.cuda.synchronize()
-        dist.barrier()
-    return align, "stream synchronize + gloo barrier (host; residual skew = host wake-up jitter)"
+        torch.cuda.current_stream().synchronize()        # keep the launch queue short
+        ctx.barrier(blocking=False)
+    return align, "gpunet device barrier on the stream (Context.barrier(blocking=False))"
 
 
 def _expert_scale(num_experts, device):
@@ -160,6 +161,7 @@ def _rank_bench(rank, world, cfg):
 
     from gpunet.ep import Buffer
     from gpunet.ep import reference as ref
+    from gpunet.ep.demo import buffer_transport
 
     gpu = cfg["gpu"]
     dev = "cpu"
@@ -170,16 +172,16 @@ def _rank_bench(rank, world, cfg):
         dev = "cuda"
         if 2 <= world <= ngpu and not cfg["no_nccl"]:
             nccl = dist.new_group(backend="nccl")
-    align, align_how = _aligner(gpu, nccl)
     H, K, E = cfg["hidden"], cfg["topk"], cfg["experts"]
     e_loc = E // world
     t_cap = max(cfg["sweep"])
     hint = Buffer.get_low_latency_rdma_size_hint(t_cap, H, world, E)
     buf = Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=e_loc,
                  explicitly_destroy=True, transport=cfg["transport"], timeout_s=cfg["timeout_s"])
+    align, align_how = _aligner(gpu, nccl, buf.runtime)
     scale = _expert_scale(E, dev)
     results = {"rank": rank, "points": [], "align": align_how,
-               "transport": str(getattr(buf, "transport", cfg["transport"]))}
+               "transport": buffer_transport(buf)}
     try:
         for T in cfg["sweep"]:
             ins = ref.make_rank_inputs(world, T, H, K, E, cfg["seed"] + T, holes=cfg["holes"])
@@ -515,7 +517,7 @@ def main(argv=None):
            "machine": m}
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
-    png = _plot(rows, args.plot or str(path.with_suffix(".png")), head[:120])
+    png = _plot(rows, args.plot or str(path.with_suffix(".png")), head[:120]) if rows else None
     print("\nJSON: %s\nplot: %s" % (path, png or "not saved (no matplotlib)"))
     return 1 if any(g["kind"] == "test" and g["result"] != "PASS" for g in gate) else 0
 

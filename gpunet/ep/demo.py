@@ -28,6 +28,13 @@ def _progress(msg):
     sys.stderr.flush()
 
 
+def buffer_transport(buf):
+    """The transports a Buffer's Context uses, e.g. "ibgda" or "ibgda+proxy" (a mixed world)."""
+    ctx = getattr(buf, "runtime", None)
+    kinds = sorted(set(getattr(ctx, "transports", {}).values())) if ctx is not None else []
+    return "+".join(kinds) or "?"
+
+
 def make_layer(hidden, ffn, num_experts, seed):
     """The layer's parameters, identical on every rank (one seed): router [H, E], w1 [E, H, F],
     w2 [E, F, H], all float32."""
@@ -117,7 +124,7 @@ def _rank_main(rank, world, args):
             times["combine"].append(time.perf_counter() - t0)
         mine = {"rank": rank, "out": out, "times": times,
                 "selections": int((topk_idx != -1).sum()),
-                "transport": str(getattr(buf, "transport", args["transport"]))}
+                "transport": buffer_transport(buf)}
     finally:
         buf.destroy()
     everyone = [None] * world
