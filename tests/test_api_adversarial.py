@@ -132,8 +132,8 @@ def test_heap_model(small, ops):
         for k, (op, arg) in enumerate(ops):
             if op == "alloc":
                 need = max(ALIGN, -(-arg // ALIGN) * ALIGN)
-                ranges = [(t.data_ptr() - c.heap_base, -(-max(t.nbytes, 1) // ALIGN) * ALIGN)
-                          for t, _ in live.values()]
+                ranges = [(p - c.heap_base, max(ALIGN, -(-t.nbytes // ALIGN) * ALIGN))
+                          for p, (t, _) in live.items()]      # p: the storage's address
                 fits = _fits(ranges, need, c.heap_bytes)
                 try:
                     t = c.alloc((arg,), torch.uint8)
@@ -155,8 +155,9 @@ def test_heap_model(small, ops):
                 c.free(live.pop(key)[0])
             elif op == "bad_free" and live:
                 t, _ = live[sorted(live)[0]]
-                bad = [torch.empty(0, dtype=torch.uint8), t[:0], t[1:] if t.numel() > 1 else t[:0],
-                       t.clone()][arg]
+                # an empty slice of a non-empty allocation, a tail slice, a copy: never all of it
+                bad = [torch.empty(0, dtype=torch.uint8), t[:0] if t.numel() else t.clone(),
+                       t[1:] if t.numel() > 1 else t.clone(), t.clone()][arg]
                 before = _heap_state(c)
                 with pytest.raises(ConfigError):
                     c.free(bad)
