@@ -15,12 +15,19 @@ host-memory FIFOs of 1024 slots; the proxy drains them. Rows:
 
 commands/s = commands / (time from the producers' start until the last command is `completed`).
 
-GPU mode (``--gpu``, for an H200): a CUDA kernel (device/kernels/proxy_kernels.cu, built with
-device/loader.py arch="cuda") pushes one PUT into a host-mapped FIFO (cudaHostAlloc, Mapped) and
-waits until the proxy reports it completed; the soft NIC executes it. Reports the round trip next
-to the 2.85 us GPU<->CPU floor measured on the H200 (docs FACTS.md); target <= 2x the floor.
+Round-trip mode (``--gpu`` = ``--roundtrip cuda``, for the H200; ``--roundtrip host`` runs the
+same code path on the CPU): ONE device thread (device/kernels/proxy_kernels.cu, k_roundtrip)
+pushes one PUT into the FIFO (host-mapped on the GPU: cudaHostAlloc, Mapped) and waits until the
+proxy reports it completed; the soft NIC executes it. ``--reps`` independent runs per row (fresh
+NICs, channel and proxy each); a row reports the median and [min, max] of the runs' medians and
+the median of their p99s, next to the 2.85 us GPU<->CPU floor measured on the H200 (docs
+FACTS.md); target <= 2x the floor in every run. The polling threads (the device thread's host
+thread, the proxy, both NIC engines) each get a physical core of their own, GPU-local cores
+first, when the machine has enough (``plan_placement``; ``--no-pin`` leaves it to the OS); the JSON
+records the plan and what each thread got (CPUs allowed, last CPU, involuntary switches).
 
-Usage: python bench/proxy.py [--quick] [--json PATH] [--gpu] [--threads 1,2]
+Usage: python bench/proxy.py [--quick] [--json PATH] [--gpu | --roundtrip host] [--reps 3]
+                             [--no-pin] [--threads 1,2]
 """
 import argparse
 import json
@@ -33,6 +40,7 @@ import numpy as np
 from numba import njit
 
 from gpunet.host import proxy as P
+from gpunet.host.rawmem import pin_current_thread
 from machine import machine  # bench/machine.py (the script's folder is on sys.path)
 
 FLOOR_US = 2.85          # FACTS.md: GPU <-> CPU round trip through host-mapped memory, H200
@@ -152,83 +160,221 @@ def run_drain_prefilled(ncmd, size=64, reps=3):
             "doorbells": 0, "cqes": 0}
 
 
-def run_gpu(iters, size=64, drain_only=False, nic_spin_us=0.0):
-    """GPU -> proxy -> soft NIC -> completion -> GPU round trip, one command at a time
-    (drain_only: no NIC; the proxy completes each command when it has built its WQE;
-    nic_spin_us: the soft NIC engines poll that long after their last work before sleeping)."""
+# ---- the round trip: one device thread, one command at a time ----------------------------------
+# Polling threads of one round trip. Each gets a physical core of its own when the machine has
+# enough (sharing a core, or a core's hyperthread sibling, with another spinning thread is what
+# made the H200 figure vary between runs: 4.70 us one day, 8.06 us (p99 142 us) on a rerun).
+ROLES = ("device", "proxy", "nic_a", "nic_b")   # the thread launching / waiting on the kernel, the
+# proxy thread, the requester NIC's engine (it executes the PUT), the responder NIC's engine
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _cpulist(text):
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]"""
+    out = []
+    for part in (text or "").split(","):
+        if "-" in part:
+            a, b = part.split("-")
+            out += range(int(a), int(b) + 1)
+        elif part.strip():
+            out.append(int(part))
+    return out
+
+
+def gpu_local_cpus():
+    """The CPUs sysfs lists as local to GPU 0's PCI device (its NUMA node), or None."""
+    try:
+        import torch
+        pr = torch.cuda.get_device_properties(0)
+        bdf = "%04x:%02x:%02x.0" % (pr.pci_domain_id, pr.pci_bus_id, pr.pci_device_id)
+    except Exception:  # noqa: BLE001 - no GPU, or a torch without the PCI fields
+        return None
+    cpus = _cpulist(_read("/sys/bus/pci/devices/%s/local_cpulist" % bdf))
+    return {"pci": bdf, "cpus": cpus} if cpus else None
+
+
+def plan_placement(roles=ROLES, near=None):
+    """{role: [cpu]}: one physical core per role (its first allowed hyperthread), cores local to
+    ``near`` (a CPU list) first, CPU 0's core last (it takes most interrupts), and a note; or
+    (None, why) when the process may use fewer physical cores than there are roles."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = {}
+    for c in allowed:
+        key = (_read("/sys/devices/system/cpu/cpu%d/topology/physical_package_id" % c),
+               _read("/sys/devices/system/cpu/cpu%d/topology/core_id" % c))
+        cores.setdefault(key if key[1] is not None else ("cpu", c), []).append(c)
+    groups = sorted(cores.values(), key=lambda g: (0 in g, not (near and g[0] in near), g[0]))
+    if len(groups) < len(roles):
+        return None, ("not pinned: %d physical cores allowed for %d polling threads (%s)"
+                      % (len(groups), len(roles), ", ".join(roles)))
+    plan = {r: [g[0]] for r, g in zip(roles, groups)}
+    return plan, ("one physical core per thread%s; %d cores allowed"
+                  % (", GPU-local first" if near else "", len(groups)))
+
+
+def thread_record(tid):
+    """What a thread actually got: the CPUs it may run on, the CPU it ran on last, and its
+    involuntary context switches (a thread that shares its core is preempted)."""
+    stat = _read("/proc/self/task/%d/stat" % tid)
+    status = _read("/proc/self/task/%d/status" % tid) or ""
+    rec = {"tid": tid}
+    if stat:
+        rec["last_cpu"] = int(stat.rsplit(")", 1)[1].split()[36])
+    for line in status.splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            rec["cpus_allowed"] = line.split(":", 1)[1].strip()
+        elif line.startswith("nonvoluntary_ctxt_switches:"):
+            rec["involuntary_switches"] = int(line.split(":", 1)[1])
+    return rec
+
+
+def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0, pin=True):
+    """device -> proxy -> soft NIC -> completion -> device round trip, one command at a time, on
+    the GPU (arch "cuda") or on the HOST arm (arch "host": the same kernel, channel protocol,
+    proxy and soft NIC, with an emulated device thread). drain_only: no NIC (the proxy completes
+    each command when it has built its WQE); nic_spin_us: the soft NIC engines poll that long
+    after their last work before they yield; pin: place the polling threads (plan_placement)."""
+    import ctypes
+
     from gpunet.device import loader
     from gpunet.host.platform import get_platform
-    lib = loader.build([loader.kernels_dir() / "proxy_kernels.cu"], arch="cuda")  # nvcc needed
-    plat = get_platform()
-    if plat.name != "cuda":
-        raise SystemExit(f"--gpu needs an NVIDIA GPU with the CUDA runtime; this machine's platform "
-                         f"is {plat.name!r} ({plat.detected_by or 'no GPU found'}). The CUDA kernels "
-                         f"compiled fine ({lib.gpunet_path}); run this on the H200.")
-    import ctypes
     from gpunet.host.softnic import SoftNic
-    a, b = SoftNic(idle_spin_us=nic_spin_us), SoftNic(idle_spin_us=nic_spin_us)
-    ch = P.ProxyChannel(DEPTH, platform=plat)
+    lib = loader.build([loader.kernels_dir() / "proxy_kernels.cu"], arch=arch)  # nvcc for cuda
+    plat = get_platform()
+    if arch == "cuda" and plat.name != "cuda":
+        print(f"--gpu needs an NVIDIA GPU with the CUDA runtime; this machine's platform is "
+              f"{plat.name!r} ({plat.detected_by or 'no GPU found'}). The CUDA kernels compiled "
+              f"fine ({lib.gpunet_path}); run this on the H200, or --roundtrip host here.",
+              file=sys.stderr)
+        raise SystemExit(2)
+    near = gpu_local_cpus() if arch == "cuda" else None
+    plan, why = plan_placement(near=near["cpus"] if near else None) if pin else (None, "not pinned")
+    cpus = plan or {}
+    a = SoftNic(idle_spin_us=nic_spin_us, cpus=cpus.get("nic_a"))
+    b = SoftNic(idle_spin_us=nic_spin_us, cpus=cpus.get("nic_b"))
+    ch = P.ProxyChannel(DEPTH, platform=plat if arch == "cuda" else None)
     qa = a.create_qp(a.create_cq(256), sq_wqebbs=256)
     qb = b.create_qp(b.create_cq(256), sq_wqebbs=256)
     a.connect(qa, qb.info())
     b.connect(qb, qa.info())
     lh, rh = a.alloc(1 << 16), b.alloc(1 << 16)
+    pcpu = [cpus["proxy"]] if "proxy" in cpus else None
     if drain_only:
         eng = P.ProxyEngine(None, [ch], None, (lh.ctypes.data, 1), [(0, 2)], drain_only=True,
-                            spin_us=10_000)
+                            spin_us=10_000, cpus=pcpu)
     else:
-        eng = P.ProxyEngine(a, [ch], [[qa]], a.reg_mr(lh), [b.reg_mr(rh)], spin_us=10_000)
-    status = plat.alloc("host", 128)
-    out = plat.alloc("host", 8 * iters)
+        eng = P.ProxyEngine(a, [ch], [[qa]], a.reg_mr(lh), [b.reg_mr(rh)], spin_us=10_000,
+                            cpus=pcpu)
+    if arch == "cuda":
+        status_m, out_m = plat.alloc("host", 128), plat.alloc("host", 8 * iters)
+        status_ptr, out_ptr = status_m.ptr, out_m.ptr
+        status, out = status_m.view(), out_m.view()
+    else:
+        status_m = out_m = None
+        status, out = np.zeros(128, np.uint8), np.zeros(8 * iters, np.uint8)
+        status_ptr, out_ptr = status.ctypes.data, out.ctypes.data
+    mask = os.sched_getaffinity(0)
     try:
         f = lib.proxy_roundtrip
         f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
                       ctypes.c_uint32, ctypes.c_void_p]
         desc = ch.descriptor()
-        rc = f(desc.ctypes.data, status.ptr, int(5e9), iters, size, out.ptr)
+        deadline = time.monotonic() + 10      # the engine threads record their placement at start
+        while (a.placement is None or b.placement is None or eng.placement[0] is None) \
+                and time.monotonic() < deadline:
+            time.sleep(0.001)
+        device = pin_current_thread(cpus.get("device"))   # the launching / waiting thread
+        rc = f(desc.ctypes.data, status_ptr, int(5e9), iters, size, out_ptr)
+        threads = {"device": thread_record(device["tid"]),
+                   "proxy": thread_record(eng.placement[0]["tid"]),
+                   "nic_a": thread_record(a.placement["tid"]), "nic_b": thread_record(b.placement["tid"])}
         if rc != 0:
-            raise SystemExit(f"kernel launch failed: CUDA error {rc}")
-        code = int(status.view().view(np.uint64)[0])
+            raise SystemExit(f"kernel launch failed: error {rc}")
+        code = int(status.view(np.uint64)[0])
         if code:
-            raise SystemExit(f"device recorded a failure: Status = {status.view().view(np.uint32)[:12]}")
+            raise SystemExit(f"device recorded a failure: Status = {status.view(np.uint32)[:12]}")
         eng.check()
-        ns = out.view().view(np.uint64).astype(np.float64)[iters // 10:]   # drop the warm-up tenth
-        med, p99 = float(np.median(ns)) / 1e3, float(np.percentile(ns, 99)) / 1e3
-        mode = "gpu-rt drain-only" if drain_only else (
-            "gpu-rt soft NIC" + (" spinning" if nic_spin_us else ""))
-        return {"mode": mode, "put_bytes": size, "iters": iters, "median_us": med,
-                "p99_us": p99, "min_us": float(ns.min()) / 1e3, "floor_us": FLOOR_US,
-                "ratio_to_floor": med / FLOOR_US, "target_ratio": 2.0}
+        ns = out.view(np.uint64).astype(np.float64)[iters // 10:]   # drop the warm-up tenth
+        return {"median_us": float(np.median(ns)) / 1e3, "p99_us": float(np.percentile(ns, 99)) / 1e3,
+                "min_us": float(ns.min()) / 1e3, "max_us": float(ns.max()) / 1e3,
+                "placement": {"plan": plan, "why": why, "gpu_local": near, "threads": threads}}
     finally:
+        os.sched_setaffinity(0, mask)
         eng.close()
         ch.close()
-        status.close()
-        out.close()
+        for m in (status_m, out_m):
+            if m is not None:
+                m.close()
         a.close()
         b.close()
+
+
+def roundtrip_row(mode, reps, iters, arch, **kw):
+    """One row: ``reps`` independent round-trip runs (fresh NICs, channel, proxy and placement
+    each); the median and spread of their medians, the median of their p99s."""
+    runs = [run_roundtrip(iters, arch, **kw) for _ in range(reps)]
+    meds = [r["median_us"] for r in runs]
+    srt = sorted(meds)
+    row = {"mode": mode, "arch": arch, "put_bytes": kw.get("size", 64), "iters": iters,
+           "reps": reps, "run_medians_us": meds, "median_us": srt[len(srt) // 2],
+           "min_median_us": srt[0], "max_median_us": srt[-1],
+           "p99_us": sorted(r["p99_us"] for r in runs)[len(runs) // 2],
+           "run_p99s_us": [r["p99_us"] for r in runs], "min_us": min(r["min_us"] for r in runs),
+           "placement": [r["placement"] for r in runs]}
+    if arch == "cuda":
+        row.update(floor_us=FLOOR_US, target_ratio=2.0, ratio_to_floor=row["median_us"] / FLOOR_US,
+                   worst_ratio_to_floor=srt[-1] / FLOOR_US)
+    return row
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small counts (CI smoke)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "out", "proxy.json"))
-    ap.add_argument("--gpu", action="store_true", help="GPU round trip on an NVIDIA GPU (H200)")
+    ap.add_argument("--gpu", action="store_true", help="the round trip on the GPU (H200): "
+                    "same as --roundtrip cuda")
+    ap.add_argument("--roundtrip", choices=("cuda", "host"), default=None,
+                    help="device -> proxy -> soft NIC round trip: on the GPU (cuda), or on the "
+                         "HOST arm's emulated device thread (host: the same code path on the CPU)")
+    ap.add_argument("--reps", type=int, default=3, help="independent round-trip runs per row")
+    ap.add_argument("--no-pin", action="store_true", help="leave thread placement to the OS")
     ap.add_argument("--threads", default="1,2", help="proxy thread counts to run, e.g. 1,2")
     ap.add_argument("--producers", type=int, default=2)
     args = ap.parse_args(argv)
     rows = []
-    if args.gpu:
+    arch = "cuda" if args.gpu else args.roundtrip
+    if arch:
         it = 200 if args.quick else 5000
-        rows.append(run_gpu(it, drain_only=True))
-        rows.append(run_gpu(it))
-        rows.append(run_gpu(it, nic_spin_us=1000.0))
-        print(f"{'row':<28}{'median us':>10}{'p99 us':>9}{'floor us':>9}{'x floor':>8}")
+        pin = not args.no_pin
+        pre = "gpu-rt " if arch == "cuda" else "host-rt "
+        rows.append(roundtrip_row(pre + "drain-only", args.reps, it, arch, drain_only=True, pin=pin))
+        rows.append(roundtrip_row(pre + "soft NIC", args.reps, it, arch, pin=pin))
+        rows.append(roundtrip_row(pre + "soft NIC spinning", args.reps, it, arch,
+                                  nic_spin_us=1000.0, pin=pin))
+        print(f"{'row':<24}{'arch':>6}{'median us':>10}{'[min, max] of %d runs' % args.reps:>22}"
+              f"{'p99 us':>9}{'x floor':>8}")
         for r in rows:
-            print(f"{r['mode']:<28}{r['median_us']:>10.2f}{r['p99_us']:>9.2f}{FLOOR_US:>9.2f}"
-                  f"{r['ratio_to_floor']:>8.2f}   (target <= 2.0)")
-        print("one PUT pushed by a GPU thread, then a device quiet on it; drain-only: the proxy "
-              "completes it on building the WQE (no NIC); soft NIC: executed by the soft NIC, whose "
-              "engine sleeps when idle; spinning: its engines poll for 1 ms after their last work.")
+            ratio = f"{r['ratio_to_floor']:>8.2f}" if "ratio_to_floor" in r else f"{'-':>8}"
+            print(f"{r['mode']:<24}{r['arch']:>6}{r['median_us']:>10.2f}"
+                  f"{'[%.2f, %.2f]' % (r['min_median_us'], r['max_median_us']):>22}"
+                  f"{r['p99_us']:>9.2f}{ratio}")
+        print("placement: " + rows[-1]["placement"][-1]["why"] + "; " + ", ".join(
+            "%s cpus %s (last ran on %s, %s involuntary switches)" % (
+                k, v.get("cpus_allowed"), v.get("last_cpu"), v.get("involuntary_switches"))
+            for k, v in rows[-1]["placement"][-1]["threads"].items()))
+        print("one PUT pushed by one device thread, then a device quiet on it; %d runs per row, "
+              "each with fresh NICs, channel and proxy; drain-only: the proxy completes it on "
+              "building the WQE (no NIC); soft NIC: executed by the soft NIC, whose engine yields "
+              "when idle; spinning: its engines poll for 1 ms after their last work.%s"
+              % (args.reps, " Target (GPU): <= 2.0x the %.2f us floor in every run." % FLOOR_US
+                 if arch == "cuda" else " (HOST arm: the GPU floor does not apply.)"))
     else:
         n = 200_000 if args.quick else 2_000_000
         rows.append(run_drain_prefilled(1 << 16 if args.quick else 1 << 20))
@@ -248,8 +394,8 @@ def main(argv=None):
               "Target >= 2 M commands/s per proxy thread.")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump({"bench": "proxy", "machine": machine(), "argv": sys.argv[1:], "rows": rows}, f,
-                  indent=2)
+        json.dump({"bench": "proxy", "machine": machine(gpu=arch == "cuda"), "argv": sys.argv[1:],
+                   "rows": rows}, f, indent=2)
     print(f"wrote {args.json}")
 
 

@@ -7,6 +7,8 @@ through a fabric. Rank 0 and rank 1 do the measuring; other ranks join the barri
 
 - ping-pong: rank 0 put_signal()s 8 bytes to rank 1, which wait_until()s the signal and
   put_signal()s back; the round trip is the time rank 0 waits, median over iterations.
+- put+quiet: rank 0 puts 64 bytes to rank 1 and quiet()s, one at a time: a small put's latency
+  from Python (bench/cpu_put.py repeats both figures over several runs).
 - bandwidth: rank 0 puts ``size`` bytes to rank 1 ``reps`` times, then quiet(); GB/s = bytes / time.
 
 On the CPU these figures measure the soft NIC and the HOST arm's emulated device threads, not a
@@ -103,6 +105,61 @@ def run_ranks(target, world, args, timeout_s=900, env=None):
     return got[1]
 
 
+PUT_QUIET_BYTES = 64
+
+
+def ping_pong(ctx, buf, sig, iters, warmup):
+    """8-byte ping-pong between ranks 0 and 1 (other ranks only join the closing barrier): rank 0
+    put_signal()s 8 bytes of ``buf`` to rank 1 and wait_until()s its pong; rank 1 answers each
+    ping. ``sig``: a symmetric int64[2] of zeros (ping count, pong count). Returns rank 0's round
+    trips in seconds (``iters`` of them, after ``warmup``); other ranks return []."""
+    import gpunet
+
+    times = []
+    gpunet.barrier()
+    for i in range(iters + warmup):
+        if ctx.rank == 0:
+            t0 = time.perf_counter()
+            gpunet.put_signal(ctx.remote(1, buf), buf[:8], ctx.remote(1, sig, 0))
+            gpunet.wait_until(sig, i + 1, "ge", index=1)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        elif ctx.rank == 1:
+            gpunet.wait_until(sig, i + 1, "ge", index=0)
+            gpunet.put_signal(ctx.remote(0, buf), buf[:8], ctx.remote(0, sig, 1))
+    gpunet.quiet()
+    gpunet.barrier()
+    return times
+
+
+def put_quiet(ctx, buf, iters, warmup, nbytes=PUT_QUIET_BYTES):
+    """Rank 0 puts ``nbytes`` of ``buf`` to rank 1 and quiet()s, ``iters`` times after
+    ``warmup``: returns the seconds each put + quiet took (other ranks: []; all meet at a barrier
+    after). What a Python caller waits for one small put to be delivered."""
+    import gpunet
+
+    times = []
+    if ctx.rank == 0:
+        dst = ctx.remote(1 % ctx.world_size, buf)
+        for i in range(iters + warmup):
+            t0 = time.perf_counter()
+            gpunet.put(dst, buf[:nbytes])
+            gpunet.quiet()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    gpunet.barrier()
+    return times
+
+
+def stats_us(times):
+    """median / p99 / min / max of a list of seconds, in us (the rows' fields)."""
+    t = sorted(times)
+    if not t:
+        return {}
+    return {"median_us": t[len(t) // 2] * 1e6, "p99_us": t[min(len(t) - 1, int(len(t) * 0.99))] * 1e6,
+            "min_us": t[0] * 1e6, "max_us": t[-1] * 1e6, "n": len(t)}
+
+
 def _rank_main(rank, world, args):
     import torch
 
@@ -117,28 +174,16 @@ def _rank_main(rank, world, args):
             buf = ctx.alloc((max(args.sizes),), torch.uint8)
             sig = ctx.alloc((2,), torch.int64)        # [0]: ping count, [1]: pong count
             gpunet.barrier()
-            # ping-pong
+            # ping-pong, then put + quiet
             step += 1
             if rank == 0:
-                _progress("%s: ping-pong (%d/%d)" % (transport, step, steps))
-            times = []
-            for i in range(args.iters + args.warmup):
-                if rank == 0:
-                    t0 = time.perf_counter()
-                    gpunet.put_signal(ctx.remote(1, buf), buf[:8], ctx.remote(1, sig, 0))
-                    gpunet.wait_until(sig, i + 1, "ge", index=1)
-                    if i >= args.warmup:
-                        times.append(time.perf_counter() - t0)
-                elif rank == 1:
-                    gpunet.wait_until(sig, i + 1, "ge", index=0)
-                    gpunet.put_signal(ctx.remote(0, buf), buf[:8], ctx.remote(0, sig, 1))
-            gpunet.quiet()
-            gpunet.barrier()
+                _progress("%s: ping-pong, put + quiet (%d/%d)" % (transport, step, steps))
+            times = ping_pong(ctx, buf, sig, args.iters, args.warmup)
+            lat = put_quiet(ctx, buf, args.iters, args.warmup)
             if rank == 0:
-                times.sort()
-                rows.append({"transport": transport, "test": "ping-pong", "bytes": 8,
-                             "median_us": times[len(times) // 2] * 1e6,
-                             "p99_us": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e6})
+                rows.append(dict(transport=transport, test="ping-pong", bytes=8, **stats_us(times)))
+                rows.append(dict(transport=transport, test="put+quiet", bytes=PUT_QUIET_BYTES,
+                                 **stats_us(lat)))
             # bandwidth sweep
             for size in args.sizes:
                 step += 1
@@ -175,7 +220,7 @@ def _table(rows, world):
                                                 "p99 / us/put"))
     lines.append("-" * 65)
     for r in rows:
-        if r["test"] == "ping-pong":
+        if r["test"] in ("ping-pong", "put+quiet"):
             lines.append("%-9s %-14s %10s %11.1f us %11.1f us" % (
                 r["transport"], r["test"], _fmt(r["bytes"]), r["median_us"], r["p99_us"]))
         else:
@@ -211,7 +256,7 @@ def _plot(rows, path):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="gpunet demo", description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="rank processes (>= 2)")
-    p.add_argument("--iters", type=int, default=200, help="ping-pong round trips")
+    p.add_argument("--iters", type=int, default=200, help="ping-pong round trips and put + quiet calls")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--reps", type=int, default=20, help="puts per bandwidth point")
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)

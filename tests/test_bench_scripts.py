@@ -64,3 +64,72 @@ def test_device_post_without_gpu_fails_fast():
                        cwd=str(ROOT), env=env)
     assert r.returncode == 2, r.stdout + r.stderr
     assert "needs an NVIDIA GPU" in r.stderr
+
+
+PROXY_SCRIPT = ROOT / "bench" / "proxy.py"
+CPU_PUT_SCRIPT = ROOT / "bench" / "cpu_put.py"
+
+
+def test_proxy_roundtrip_host_arm_runs_reps_and_records_placement(tmp_path):
+    """bench/proxy.py --roundtrip host: the GPU round trip's code path (k_roundtrip, channel,
+    proxy, two soft NICs) on the HOST arm; every row has --reps independent run medians, their
+    median and spread, a p99, and per run the placement plan (or why none) and what each of the 4
+    polling threads got; the rows the GPU gate reads have the fields it reads."""
+    out = tmp_path / "rt.json"
+    r = subprocess.run([sys.executable, str(PROXY_SCRIPT), "--roundtrip", "host", "--quick",
+                        "--reps", "3", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["host-rt drain-only", "host-rt soft NIC",
+                                             "host-rt soft NIC spinning"]
+    for row in rows:
+        meds = row["run_medians_us"]
+        assert len(meds) == 3 and all(m > 0 for m in meds)
+        assert row["min_median_us"] <= row["median_us"] <= row["max_median_us"]
+        assert row["p99_us"] >= row["min_us"] > 0
+        assert len(row["placement"]) == 3
+        for p in row["placement"]:
+            assert set(p["threads"]) == {"device", "proxy", "nic_a", "nic_b"}
+            assert all("cpus_allowed" in t and "last_cpu" in t for t in p["threads"].values())
+            if p["plan"] is None:
+                assert p["why"].startswith("not pinned")
+            else:       # pinned: each thread may run on its own core only
+                for role, t in p["threads"].items():
+                    assert t["cpus_allowed"] == str(p["plan"][role][0]), (role, t, p["plan"])
+
+
+def test_proxy_gpu_without_gpu_fails_fast():
+    """--gpu with no GPU: exit status 2 and the message the GPU gate recognises."""
+    env = dict(os.environ, GPUNET_PLATFORM="cpu")
+    r = subprocess.run([sys.executable, str(PROXY_SCRIPT), "--gpu", "--quick"], capture_output=True,
+                       text=True, timeout=600, cwd=str(ROOT), env=env)
+    if _nvcc() is None:     # the CUDA build comes first and fails with a ToolchainError
+        assert r.returncode != 0
+        return
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "needs an NVIDIA GPU" in r.stderr
+
+
+def test_cpu_put_bench_rows_and_spread(tmp_path):
+    """bench/cpu_put.py (2 runs, few iterations): put+quiet and ping-pong over both transports
+    (2 ranks) and the one-rank breakdown, each with one median per run, their median and spread,
+    and the target recorded on the put+quiet rows."""
+    out = tmp_path / "cpu_put.json"
+    r = subprocess.run([sys.executable, str(CPU_PUT_SCRIPT), "--runs", "2", "--iters", "20",
+                        "--warmup", "3", "--json", str(out)], capture_output=True, text=True,
+                       timeout=900, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+    d = json.loads(out.read_text())
+    rows = {(row["row"], row["transport"]): row for row in d["rows"]}
+    for t in ("ibgda", "proxy"):
+        for name in ("put+quiet", "ping-pong", "breakdown: ctypes call",
+                     "breakdown: launch, quiet only", "breakdown: device put+quiet",
+                     "breakdown: API put+quiet"):
+            row = rows[(name, t)]
+            assert len(row["run_medians_us"]) == 2 and row["iters"] == 20, row
+            assert 0 < row["min_median_us"] <= row["median_us"] <= row["max_median_us"]
+        assert rows[("put+quiet", t)]["target_us"] == 30.0
+    assert d["machine"]["cores"] >= 1 and "loadavg_start" in d

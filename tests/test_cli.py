@@ -20,7 +20,7 @@ def test_demo_prints_a_row_per_transport_and_size(tmp_path):
               "--plot", str(png), "--json", str(js)])
     assert r.returncode == 0, r.stdout + r.stderr
     for t in ("ibgda", "proxy"):
-        assert sum(1 for line in r.stdout.splitlines() if line.startswith(t)) == 3, r.stdout
+        assert sum(1 for line in r.stdout.splitlines() if line.startswith(t)) == 4, r.stdout
     assert "[gpunet demo]" in r.stderr           # the progress line
     assert js.exists()
     try:
