@@ -82,13 +82,13 @@ class Bootstrap:
             raise ConfigError("this torch build has no torch.distributed; gpunet needs it for "
                               "multi-rank setup (Bootstrap.from_env() without torchrun variables "
                               "gives a single-process bootstrap)")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ConfigError(f"group must be a torch.distributed process group (or None for the "
+                              f"default group), not {type(group).__name__}")
         if not dist.is_initialized():
             raise ConfigError("torch.distributed is not initialised: call "
                               "torch.distributed.init_process_group(...) first, or use "
                               "Bootstrap.from_env() (torchrun variables or a single process)")
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise ConfigError(f"group must be a torch.distributed process group (or None for the "
-                              f"default group), not {type(group).__name__}")
         self._dist = dist
         self.group = group
         self.rank = dist.get_rank(group)

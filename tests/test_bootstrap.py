@@ -8,7 +8,7 @@ import os
 import pytest
 import torch.multiprocessing as mp
 
-from gpunet.errors import ClosedError, ConfigError
+from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.host.bootstrap import Bootstrap, LocalBootstrap, free_port
 
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -55,6 +55,32 @@ def _rank_main(rank, world_size, port, tmpdir):
         unpicklable = (lambda: 0) if rank == 0 else 0
         _expect_config_error_everywhere(lambda: bs.allgather_obj(unpicklable), "rank 0")
 
+        # collective(): a step that fails on one rank raises on EVERY rank, with the failing
+        # rank's error class and naming it; the ranks where the step succeeded undo it
+        undone = []
+
+        def step():
+            if rank == bad:
+                raise ConfigError("no room here")
+            return rank * 2
+
+        _expect_config_error_everywhere(lambda: bs.collective("step", step, undo=undone.append),
+                                        "no room here")
+        assert undone == ([] if rank == bad else [rank * 2])
+
+        def boom():                       # not a gpunet error: GpunetError everywhere
+            if rank == 0:
+                raise ValueError("boom")
+            return 1
+        try:
+            bs.collective("boom step", boom)
+        except GpunetError as e:
+            assert "boom step failed on rank 0" in str(e) and "ValueError: boom" in str(e), str(e)
+            assert not isinstance(e, ConfigError)
+        else:
+            raise AssertionError("collective() must raise on every rank")
+        assert bs.collective("ok step", lambda: rank + 1) == list(range(1, world_size + 1))
+
         # the Bootstrap still works after collective misuse errors
         assert bs.allgather_obj(rank) == list(range(world_size))
 
@@ -80,7 +106,8 @@ def _rank_main(rank, world_size, port, tmpdir):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_object_collectives_and_barrier_across_ranks(world_size, tmp_path):
     """allgather_obj / alltoall_obj / broadcast_obj / barrier are correct on 2 and 4 gloo ranks,
-    and a misuse on one rank raises ConfigError on all of them."""
+    a misuse on one rank raises ConfigError on all of them, and collective() raises a step's
+    failure on one rank on every rank (its class, naming the rank) after undoing it elsewhere."""
     # fork, not spawn: the ranks inherit the imported torch instead of importing it again (seconds
     # per rank on a loaded 2-core CI box); the parent has no process group or CUDA state to copy.
     # (After CUDA was initialised in this process a forked child could not use it: spawn then.)
@@ -105,6 +132,11 @@ def test_from_env_without_torchrun_is_single_process(no_torchrun_env):
     assert bs.alltoall_obj(["me"]) == ["me"]
     assert bs.broadcast_obj("x") == "x"
     bs.barrier()
+    assert bs.collective("step", lambda: 5) == [5]
+    with pytest.raises(ConfigError, match="nope"):
+        bs.collective("step", lambda: (_ for _ in ()).throw(ConfigError("nope")))
+    with pytest.raises(ConfigError, match="group must be a torch.distributed process group"):
+        Bootstrap(group="world")
     with pytest.raises(ConfigError, match="got 2 objects"):
         bs.alltoall_obj([1, 2])
     with pytest.raises(ConfigError, match="not picklable"):
