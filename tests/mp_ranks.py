@@ -2,6 +2,7 @@
 
 Each rank is a ``spawn``-ed process (numba threads and fork do not mix) that joins a gloo group on
 127.0.0.1, then runs jobs the test sends: a job is the name of a function in ``tests/mp_jobs.py``
+(or ``"module:function"`` for a function of another module in tests/, e.g. ``"ep_jobs:init"``)
 plus arguments, run on every rank at once; each rank answers ("ok", result) or ("err", repr).
 Every wait is bounded, so a broken rank fails the test instead of hanging it.
 """
@@ -28,7 +29,9 @@ def _worker(rank, world, port, inbox, outbox, env):
                 break
             name, args = job
             try:
-                outbox.put(("ok", getattr(mp_jobs, name)(state, *args)))
+                mod, _, fn = name.rpartition(":")
+                jobs = __import__(mod) if mod else mp_jobs
+                outbox.put(("ok", getattr(jobs, fn)(state, *args)))
             except BaseException as e:  # noqa: BLE001 - reported to the test
                 outbox.put(("err", "%s: %s\n%s" % (type(e).__name__, e, traceback.format_exc())))
         mp_jobs.teardown(state)

@@ -1,0 +1,86 @@
+"""The kernels of device/kernels/ep_ll.cu (gpunet.ep's low-latency dispatch / combine), bound for
+Python: the LlParams / EpStatus mirrors of device/include/gpunet/ep/ll.cuh, its constants, and
+``load_ep`` (build, bind, check the struct sizes). The C++ header is the source of truth."""
+import ctypes
+
+u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+
+# ---- ll.cuh constants ----------------------------------------------------------------------------
+MAX_TOPK = 16
+GROUP = 128
+META_HEAD = 16
+META_BYTES = META_HEAD + 8 * MAX_TOPK
+HDR_HEAD = 8
+OP_DISPATCH, OP_COMBINE, OP_CLEAN = 0, 1, 2
+PH_SEND, PH_RECV = 1, 2
+F_FP8, F_ROUND_SCALE, F_UE8M0, F_ZERO_COPY, F_SHRINK, F_WAIT_STATS_2D = 1, 2, 4, 8, 16, 32
+SYNC_WORDS, SYNC_STRIDE = 8, 8
+
+EP_OK, EP_ERR_GRID_WAIT, EP_ERR_BAD_MESSAGE, EP_ERR_LAYOUT, EP_ERR_MISMATCH = range(5)
+EP_ERR_NAMES = {
+    EP_ERR_GRID_WAIT: "a block of the EP kernel waited too long for another block of the same "
+                      "launch (the grid must be co-resident: fewer blocks, or a device less busy)",
+    EP_ERR_BAD_MESSAGE: "a received message or row names a slot outside its range (corrupt data, "
+                        "or ranks running different calls)",
+    EP_ERR_LAYOUT: "the combine handle's layout does not fit this buffer (a handle from another "
+                   "Buffer or another num_max_dispatch_tokens_per_rank?)",
+    EP_ERR_MISMATCH: "a peer's call disagrees on hidden / num_experts / num_max_dispatch_tokens_per_rank "
+                     "/ use_fp8 (every rank must pass the same values)",
+}
+EP_SITE_NAMES = {1: "the dispatch / combine plan flag", 2: "the receive controller's flag",
+                 3: "the combine slot-table barrier", 4: "a received message", 5: "a peer's header",
+                 6: "the combine layout check"}
+
+
+class LlParams(ctypes.Structure):
+    _fields_ = [("op", u32), ("phases", u32), ("flags", u32), ("buf", u32),
+                ("rank", u32), ("nranks", u32), ("num_experts", u32), ("e_loc", u32),
+                ("hidden", u32), ("topk", u32), ("num_tokens", u32), ("t_max", u32),
+                ("msg_stride", u32), ("payload_bytes", u32), ("hdr_stride", u32), ("c_rows", u32),
+                ("ntiles", u32), ("hist_cols", u32), ("bits_warps", u32), ("pad0", u32),
+                ("ctxs", u64), ("timeout_ns", u64),
+                ("sig", u64), ("d_send", u64), ("d_shdr", u64), ("d_recv", u64), ("d_rhdr", u64),
+                ("c_send", u64), ("c_stags", u64), ("c_shdr", u64), ("c_recv", u64),
+                ("c_rtags", u64), ("c_rhdr", u64),
+                ("x", u64), ("topk_idx", u64), ("topk_weights", u64), ("out_x", u64),
+                ("out_scales", u64), ("out_count", u64), ("src_info", u64), ("layout_range", u64),
+                ("cum_stats", u64), ("wait_stats", u64),
+                ("mask", u64), ("failed", u64), ("got", u64), ("nrecv", u64), ("status", u64),
+                ("expected", u64), ("sync", u64), ("bits", u64), ("hist", u64), ("plan", u64),
+                ("tab", u64), ("table", u64)]
+
+
+class EpStatus(ctypes.Structure):
+    _fields_ = [("code", u64), ("valid", u64), ("op", u32), ("site", u32), ("block", u32),
+                ("peer", u32), ("expected", u64), ("observed", u64), ("waited_ns", u64),
+                ("pad", u64)]
+
+
+SIZES = {"LlParams": 360, "EpStatus": 64, "DevCtx": 128}
+
+
+def load_ep(arch="host", defines=None):
+    """Build (cached) and bind device/kernels/ep_ll.cu for ``arch``; checks the struct sizes."""
+    from gpunet.device import loader
+    from gpunet.errors import ToolchainError
+
+    lib = loader.build([loader.kernels_dir() / "ep_ll.cu"], arch=arch, defines=defines or {})
+    if getattr(lib, "_gpunet_ep_bound", False):
+        return lib
+    vp = ctypes.c_void_p
+    lib.gpunet_ep_abi_size.argtypes, lib.gpunet_ep_abi_size.restype = [u32], u32
+    lib.gpunet_ep_ll_launch.argtypes = [vp, u32, u32, u32, vp, u32]
+    lib.gpunet_ep_ll_launch.restype = ctypes.c_int
+    lib.gpunet_ep_f32_to_e4m3.argtypes = [vp, vp, u64]
+    lib.gpunet_ep_f32_to_bf16.argtypes = [vp, vp, u64]
+    lib.gpunet_ep_group_scale.argtypes = [vp, vp, u64, u32]
+    for f in (lib.gpunet_ep_f32_to_e4m3, lib.gpunet_ep_f32_to_bf16, lib.gpunet_ep_group_scale):
+        f.restype = None
+    for i, (name, want) in enumerate(SIZES.items()):
+        got = lib.gpunet_ep_abi_size(i)
+        if got != want or (name in ("LlParams", "EpStatus") and
+                           ctypes.sizeof(globals()[name]) != want):
+            raise ToolchainError("ep_ll.cu was built with sizeof(%s) = %d, device/ep.py expects %d"
+                                 % (name, got, want))
+    lib._gpunet_ep_bound = True
+    return lib

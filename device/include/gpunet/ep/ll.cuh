@@ -1,0 +1,907 @@
+// gpunet/ep/ll.cuh — MoE expert-parallel LOW-LATENCY dispatch and combine (DeepEP V1's LL packed
+// layout), written on the user device API alone: it includes <gpunet/gpunet.cuh> and nothing below
+// it, moves data only with its verbs (put_nbi, put_signal_nbi, wait_until, quiet_pe, fence) and uses
+// gpunet::arch only for SIMT ids, barriers, atomics on its own workspace and the clock.
+//
+// The host side is gpunet/ep/buffer.py (it computes every address and size); device/ep.py mirrors
+// LlParams / EpStatus byte for byte; tests/test_ep_ll.py checks the results against
+// gpunet/ep/reference.py on 2 and 4 ranks, warps of 32 and 64, over ibgda, proxy and mixed worlds.
+//
+// ------------------------------------------------------------------------------------------------
+// Dispatch (rank `me` sends its T tokens; every rank receives into the packed per-expert layout)
+//
+//   E_loc = E / R; global expert e lives on rank e / E_loc as local expert e % E_loc.
+//   SEND  1. block 0 quiets every live peer (the previous use of this LL buffer's send staging is
+//            complete at the NIC before it is overwritten; a failure names the peer), then plans:
+//            per tile of warp_size tokens, per-expert and per-destination-rank bitmaps give each
+//            (token, expert) its rank among the tile's tokens selecting that expert and each
+//            (token, destination) its rank among the tile's tokens going there; an exclusive
+//            prefix over tiles turns them into idx_e(t) = #{t' < t selecting e} and the message
+//            slot s_d(t) = #{t' < t sending to d}. Blocks wait for the plan (a grid flag).
+//         2. warp per token: the row (bf16, or fp8 + one f32 scale per 128 columns, quantised
+//            here) and its meta (t, then K pairs (global expert, idx_e(t)), -1 for holes and
+//            repeats) are staged ONCE in the send buffer, then ONE put per destination RANK (not
+//            per expert) writes it to slot s_d(t) of this rank's area on d.
+//         3. the block that finishes last (every other block's puts are reserved before its own,
+//            so they execute first on each peer's in-order RC QP or proxy channel) puts a header
+//            per destination (n_d messages, per-local-expert counts) and adds 1 to the signal word
+//            (dispatch, buffer b, source me) on d, in one put_signal.
+//   RECV  4. block 0 waits (bounded, per source) for each live source's signal to pass the count it
+//            expects (device-resident, so a CUDA graph replays correctly), reads the headers, and
+//            writes begin_j(e) = sum_{i<j} count_i(e), layout_range, packed_recv_count and the
+//            stats. A source that stays silent or fails is masked (enable_shrink) or recorded as
+//            failed (the host raises EPTimeout); it contributes count 0 either way.
+//         5. every warp unpacks messages: pos = begin_j(e) + idx_e(t) for each pair naming a local
+//            expert; the row goes to packed_recv_x[e][pos] (fp8: scales column-major, float or
+//            packed UE8M0), t to src_info[e][pos]. The result is the contract's deterministic
+//            layout (gpunet/ep/reference.py ll_dispatch_ref) whatever the arrival order.
+//
+// Combine (the expert side sends rows back; the token side reduces with its weights)
+//   Rows travel once per (token, selected expert) (DeepEP's choice): the weights live on the token
+//   side (low_latency_combine's topk_weights), and the V1 dispatch never sees them, so the expert
+//   side cannot pre-reduce per destination rank without an extra weight exchange (one more network
+//   hop) — and per-selection bf16 rows reduced in float32 on the token side are exactly DeepEP's
+//   arithmetic (bound: calc_diff < 1e-5 against the float32 reference, met with margin).
+//   SEND  6. for each (local expert e, source j) the rows [begin, begin+count) of x are contiguous:
+//            copied into the send staging (unless zero_copy: x IS the staging buffer) with their
+//            source token indices (src_info), then ONE put of the rows and one of the indices to
+//            this rank's area on j; the last block puts per-j headers (per-expert counts) + signal.
+//   RECV  7. block 0 waits for each live source's signal and header; every warp then builds the
+//            slot table table[t][k] = (source, row) from the received token indices (a token that
+//            names the same expert twice gets the row twice: its weights add, as in the reference);
+//            a grid barrier; then warp per token: out[t] = bf16(sum_k w[t,k] * row(t,k)) in float32,
+//            k ascending (deterministic: same inputs, same bits), rows of masked ranks left out.
+//
+// Failures: every verb is called on a PER-PEER copy of the Context's DevCtx (`ctxs[p]`) whose
+// Status block is its own: a dead peer's error CQE or a silent peer's timeout is recorded for that
+// peer alone and never makes operations to live peers fail fast. A verb that returns false marks
+// the peer failed (`failed[p]`), and with F_SHRINK masked (`mask[p]`): masked peers are skipped
+// before posting, never waited for, and count 0. Grid-internal waits (a block waiting for block 0's
+// plan, or for the other blocks at a barrier) are bounded by LlParams::timeout_ns and recorded in
+// EpStatus. Nothing traps; every block leaves.
+//
+// Memory orders: workspace written by one block and read by others is published with fence_sys +
+// an atomic flag and read after the flag with a fence (acquire); staged rows and metas are plain
+// stores followed by syncwarp and the poster's fence() before the put (the NIC reads them).
+#pragma once
+
+#include <stdint.h>
+
+#include <gpunet/gpunet.cuh>
+
+namespace gpunet {
+namespace ep {
+
+constexpr uint32_t kMaxTopk = 16;       // DeepEP caps LL at 11; users ask for 16 (EP-ANCHORS §C.7)
+constexpr uint32_t kGroup = 128;        // columns per FP8 scale
+constexpr uint32_t kMetaHead = 16;      // message meta: t, K, hidden, 0; then kMaxTopk (expert, idx)
+constexpr uint32_t kMetaBytes = kMetaHead + 8 * kMaxTopk;  // fixed, so ranks may differ in K
+// header words: n, tokens, hidden, experts, msg_stride, t_max, 0, 0; then E_loc counts. The
+// receiver checks hidden, experts, msg_stride and t_max: ranks that disagree (DeepEP#208) fail
+// with EP_ERR_MISMATCH naming the peer instead of reading each other's bytes at wrong offsets.
+constexpr uint32_t kHdrHead = 8;
+constexpr float kFp8Max = 448.0f;       // largest finite float8_e4m3fn
+constexpr float kAmaxFloor = 1e-4f;     // amax clamp: an all-zero group still gets a finite scale
+
+enum : uint32_t { OP_DISPATCH = 0, OP_COMBINE = 1, OP_CLEAN = 2 };
+enum : uint32_t { PH_SEND = 1, PH_RECV = 2 };
+enum : uint32_t {
+  F_FP8 = 1,             // dispatch: send e4m3 + float scales
+  F_ROUND_SCALE = 2,     // scales rounded up to powers of two
+  F_UE8M0 = 4,           // output scales packed as UE8M0 bytes, 4 per int32 (implies rounding)
+  F_ZERO_COPY = 8,       // combine: x is the send staging buffer already
+  F_SHRINK = 16,         // a failed peer is masked (else only recorded; the host raises)
+  F_WAIT_STATS_2D = 32,  // wait_stats is [R, R]: this rank's row; else [R]
+};
+enum : uint32_t { SIG_DISPATCH = 0, SIG_COMBINE = 1 };
+// grid sync words (each on its own 64-byte line of LlParams::sync), zero between launches
+enum : uint32_t {
+  SYNC_SEND_READY = 0, SYNC_SEND_DONE = 1, SYNC_RECV_READY = 2, SYNC_RECV_TABLE = 3,
+  SYNC_RECV_DONE = 4, SYNC_WORDS = 8,
+};
+constexpr uint32_t kSyncStride = 8;     // u64 words between two sync words (64 bytes)
+
+// EpStatus codes and sites. device/ep.py: EP_ERR_*, EP_SITE_*.
+enum : uint32_t {
+  EP_OK = 0,
+  EP_ERR_GRID_WAIT = 1,    // a block waited too long for another block of the same launch
+  EP_ERR_BAD_MESSAGE = 2,  // a received message or row names a slot outside its range
+  EP_ERR_LAYOUT = 3,       // combine: a handle's layout does not fit this buffer
+  EP_ERR_MISMATCH = 4,     // a peer's header disagrees on hidden / num_experts
+};
+enum : uint32_t {
+  EP_SITE_PLAN = 1, EP_SITE_RECV_READY = 2, EP_SITE_TABLE = 3, EP_SITE_MESSAGE = 4,
+  EP_SITE_HEADER = 5, EP_SITE_COMBINE_LAYOUT = 6,
+};
+
+// One launch's arguments, passed BY VALUE (a CUDA graph captures them). 360 B. device/ep.py.
+struct LlParams {
+  uint32_t op, phases, flags, buf;             // OP_*, PH_* bits, F_* bits, LL buffer 0/1
+  uint32_t rank, nranks, num_experts, e_loc;
+  uint32_t hidden, topk, num_tokens, t_max;    // topk K <= kMaxTopk; num_tokens T <= t_max
+  uint32_t msg_stride, payload_bytes, hdr_stride, c_rows;  // c_rows: rows of one source's area
+  uint32_t ntiles, hist_cols, bits_warps, pad0;            // plan: tiles, E + R, bitmap warps
+  uint64_t ctxs;          // DevCtx[nranks]: per-peer copies of the Context's, each its own Status
+  uint64_t timeout_ns;    // bound of grid-internal waits (> the per-peer bound in ctxs)
+  // symmetric heap (this rank's addresses; the same offsets on every peer)
+  uint64_t sig;           // u64 [2 kinds][2 bufs][R] + barrier [R]
+  uint64_t d_send, d_shdr, d_recv, d_rhdr;                 // buffer `buf`'s dispatch areas
+  uint64_t c_send, c_stags, c_shdr, c_recv, c_rtags, c_rhdr;  // and combine areas
+  // the caller's tensors (device memory on GPUs)
+  uint64_t x;             // dispatch: bf16 [T, H]; combine: bf16 [E_loc, R*t_max, H]
+  uint64_t topk_idx;      // int64 [T, K]
+  uint64_t topk_weights;  // float [T, K] (combine)
+  uint64_t out_x;         // dispatch: bf16 | fp8 [E_loc, R*t_max, H]; combine: bf16 [T, H]
+  uint64_t out_scales;    // fp8: float [E_loc, H/128, R*t_max] | int32 [E_loc, ceil(H/512), R*t_max]
+  uint64_t out_count;     // int32 [E_loc]
+  uint64_t src_info;      // int32 [E_loc, R*t_max]
+  uint64_t layout_range;  // int64 [E_loc, R]
+  uint64_t cum_stats;     // int32 [E_loc] or 0
+  uint64_t wait_stats;    // int64 [R] or [R, R] or 0
+  // per-rank state the host reads without a device sync (heap memory, never sent)
+  uint64_t mask;          // int32 [R], persistent: 1 = masked
+  uint64_t failed;        // int32 [R], persistent: a verb to this peer returned false
+  uint64_t got;           // int32 [R], this launch: 1 = the peer's signal and header arrived
+  uint64_t nrecv;         // int32 [R], this launch: messages / rows the peer sent us
+  uint64_t status;        // EpStatus
+  // workspace (device memory)
+  uint64_t expected;      // u64 [2 kinds][2 bufs][R] + barrier [R]: signal counts seen so far
+  uint64_t sync;          // u64 [SYNC_WORDS * kSyncStride], zero between launches
+  uint64_t bits;          // u64 [bits_warps][hist_cols], zero between tiles
+  uint64_t hist;          // int32 [ntiles + 1][hist_cols]
+  uint64_t plan;          // int32 [2][t_max * K]: tile-local expert rank, tile-local slot
+  uint64_t tab;           // int32 [3][R * E_loc] + [R]: per-launch controller tables (combine:
+                          // send [E_loc*R] + [R], then receive [2][R*E_loc]: both live at once)
+  uint64_t table;         // int64 [t_max * K], -1 between launches: combine (source, row) slots
+};
+static_assert(sizeof(LlParams) == 360, "LlParams layout is mirrored in device/ep.py");
+
+// The first EP-level failure of a launch (first wins). 64 B. device/ep.py: EpStatus.
+struct EpStatus {
+  uint64_t code;       // EP_ERR_*
+  uint64_t valid;      // release-stored 1 after the fields below
+  uint32_t op, site;
+  uint32_t block, peer;
+  uint64_t expected, observed, waited_ns;
+  uint64_t pad;
+};
+static_assert(sizeof(EpStatus) == 64, "EpStatus layout is mirrored in device/ep.py");
+
+// ---- numerics: software conversions, bit-exact on every arm (the HOST arm has no fp8) ---------
+
+GPUNET_HOST_DEVICE uint32_t f32_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  return u;
+}
+GPUNET_HOST_DEVICE float bits_f32(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+GPUNET_HOST_DEVICE float bf16_to_f32(uint16_t h) { return bits_f32(uint32_t(h) << 16); }
+
+// Round to nearest even, as torch's float -> bfloat16 cast (NaN -> 0x7fc0).
+GPUNET_HOST_DEVICE uint16_t f32_to_bf16(float f) {
+  uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t(0x7fc0u | ((u >> 16) & 0x8000u));
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// float -> float8_e4m3fn, round to nearest even (torch's cast): 4 exponent bits (bias 7), 3
+// mantissa bits, no infinity; magnitudes that round above 448 become NaN (0x7f), as in torch.
+GPUNET_HOST_DEVICE uint8_t f32_to_e4m3(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint8_t(sign | 0x7f);       // NaN
+  const uint32_t ex = a >> 23;                             // biased float32 exponent
+  if (ex >= 127 - 6) {                                     // |f| >= 2^-6: e4m3 normals
+    const int32_t e = int32_t(ex) - 127;
+    if (e > 8) return uint8_t(sign | 0x7f);                // >= 512 (and inf): NaN
+    const uint32_t m = a & 0x7fffffu;
+    const uint32_t keep = m >> 20, rem = m & 0xfffffu;
+    uint32_t code = (uint32_t(e + 7) << 3) | keep;
+    if (rem > 0x80000u || (rem == 0x80000u && (keep & 1u))) code += 1;  // carries into the exponent
+    return uint8_t(sign | (code > 0x7eu ? 0x7fu : code));
+  }
+  if (ex == 0) return sign;                                // float32 zero / subnormal: 0
+  // e4m3 subnormals are multiples of 2^-9: code = rne(|f| * 2^9); 8 lands on the first normal
+  const uint32_t mant = (a & 0x7fffffu) | 0x800000u;       // |f| = mant * 2^(ex - 150)
+  const uint32_t s = 141 - ex;                             // |f| * 2^9 = mant >> s
+  if (s > 24) return sign;                                 // below half of 2^-9
+  uint32_t q = mant >> s;
+  const uint32_t rem = mant & ((1u << s) - 1), half = 1u << (s - 1);
+  if (rem > half || (rem == half && (q & 1u))) q += 1;
+  return uint8_t(sign | q);
+}
+
+GPUNET_HOST_DEVICE float e4m3_to_f32(uint8_t c) {
+  const uint32_t sign = uint32_t(c & 0x80u) << 24;
+  const uint32_t ex = (c >> 3) & 0xfu, m = c & 7u;
+  if (ex == 15 && m == 7) return bits_f32(0x7fc00000u | sign);
+  if (ex == 0) {  // subnormal: m * 2^-9
+    const float v = float(m) * (1.0f / 512.0f);
+    return sign ? -v : v;
+  }
+  return bits_f32(sign | ((ex + 120u) << 23) | (m << 20));
+}
+
+// 2^ceil(log2(s)) for a positive normal float s (exact: no log2 rounding).
+GPUNET_HOST_DEVICE float ceil_pow2(float s) {
+  const uint32_t u = f32_bits(s);
+  const uint32_t ex = (u >> 23) + ((u & 0x7fffffu) ? 1u : 0u);
+  return bits_f32(ex << 23);
+}
+
+// The contract's per-group scale: amax = max|x| clamped to >= 1e-4; scale = amax / 448, rounded up
+// to a power of two when asked (round_scale or UE8M0).
+GPUNET_HOST_DEVICE float group_scale(float amax, bool round) {
+  const float a = amax < kAmaxFloor ? kAmaxFloor : amax;
+  const float s = a / kFp8Max;
+  return round ? ceil_pow2(s) : s;
+}
+
+GPUNET_HOST_DEVICE uint32_t popc64(uint64_t x) {
+  x = x - ((x >> 1) & 0x5555555555555555ull);
+  x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+  x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
+  return uint32_t((x * 0x0101010101010101ull) >> 56);
+}
+
+// ---- small helpers --------------------------------------------------------------------------
+
+struct alignas(16) V16 {
+  uint64_t a, b;
+};
+
+struct Geo {  // this thread's place in the grid
+  uint32_t tid, bdim, bid, nblocks, ws, lane, wid, nwarps, gw, gwarps;
+};
+GPUNET_DEVICE Geo geo() {
+  Geo g;
+  const arch::Dim3 bd = arch::block_dim(), b = arch::block_idx(), gd = arch::grid_dim();
+  g.tid = arch::thread_rank();
+  g.bdim = bd.x * bd.y * bd.z;
+  g.bid = b.x + gd.x * (b.y + gd.y * b.z);
+  g.nblocks = gd.x * gd.y * gd.z;
+  g.ws = arch::warp_size();
+  g.lane = arch::lane_id();
+  g.wid = g.tid / g.ws;
+  g.nwarps = (g.bdim + g.ws - 1) / g.ws;
+  g.gw = g.bid * g.nwarps + g.wid;
+  g.gwarps = g.nblocks * g.nwarps;
+  return g;
+}
+
+template <class T>
+GPUNET_DEVICE T* ptr(uint64_t a) {
+  return reinterpret_cast<T*>(uintptr_t(a));
+}
+
+// The warp copies n bytes (n % 16 == 0, both ends 16-byte aligned), 16 bytes per lane per step.
+GPUNET_DEVICE void warp_copy(const Geo& g, uint64_t dst, uint64_t src, uint64_t n) {
+  for (uint64_t i = uint64_t(g.lane) * 16; i < n; i += uint64_t(g.ws) * 16)
+    *ptr<V16>(dst + i) = *ptr<const V16>(src + i);
+}
+
+GPUNET_DEVICE const DevCtx& peer_ctx(const LlParams& P, uint32_t p) {
+  return ptr<const DevCtx>(P.ctxs)[p];
+}
+GPUNET_DEVICE uint64_t* sig_word(const LlParams& P, uint32_t kind, uint32_t b, uint32_t j) {
+  return ptr<uint64_t>(P.sig) + (uint64_t(kind * 2 + b) * P.nranks + j);
+}
+GPUNET_DEVICE uint64_t* expected_word(const LlParams& P, uint32_t kind, uint32_t b, uint32_t j) {
+  return ptr<uint64_t>(P.expected) + (uint64_t(kind * 2 + b) * P.nranks + j);
+}
+GPUNET_DEVICE uint64_t* barrier_sig(const LlParams& P, uint32_t j) {
+  return ptr<uint64_t>(P.sig) + (uint64_t(4) * P.nranks + j);
+}
+GPUNET_DEVICE uint64_t* barrier_expected(const LlParams& P, uint32_t j) {
+  return ptr<uint64_t>(P.expected) + (uint64_t(4) * P.nranks + j);
+}
+GPUNET_DEVICE uint64_t* sync_word(const LlParams& P, uint32_t w) {
+  return ptr<uint64_t>(P.sync) + uint64_t(w) * kSyncStride;
+}
+
+// A peer that is masked, or that failed a verb earlier, gets no posts and no waits.
+GPUNET_DEVICE bool peer_out(const LlParams& P, uint32_t p) {
+  return arch::atomic_load(ptr<uint32_t>(P.mask) + p) != 0 ||
+         arch::atomic_load(ptr<uint32_t>(P.failed) + p) != 0;
+}
+GPUNET_DEVICE void peer_fail(const LlParams& P, uint32_t p) {
+  arch::atomic_store(ptr<uint32_t>(P.failed) + p, 1u);
+  if (P.flags & F_SHRINK) arch::atomic_store(ptr<uint32_t>(P.mask) + p, 1u);
+}
+
+GPUNET_DEVICE bool ep_failed(const LlParams& P) {
+  return arch::atomic_load(&ptr<EpStatus>(P.status)->code) != 0;
+}
+GPUNET_DEVICE void ep_fail(const LlParams& P, uint32_t code, uint32_t site, uint32_t peer,
+                           uint64_t expected, uint64_t observed, uint64_t waited) {
+  EpStatus* s = ptr<EpStatus>(P.status);
+  if (arch::atomic_cas(&s->code, uint64_t(0), uint64_t(code)) != 0) return;
+  arch::store_relaxed(&s->op, P.op);
+  arch::store_relaxed(&s->site, site);
+  const Geo g = geo();
+  arch::store_relaxed(&s->block, g.bid);
+  arch::store_relaxed(&s->peer, peer);
+  arch::store_relaxed(&s->expected, expected);
+  arch::store_relaxed(&s->observed, observed);
+  arch::store_relaxed(&s->waited_ns, waited);
+  arch::store_release_sys(&s->valid, uint64_t(1));
+}
+
+// Bounded wait until *word >= target (another block's flag or arrival count), then acquire.
+GPUNET_DEVICE bool grid_wait(const LlParams& P, uint64_t* word, uint64_t target, uint32_t site) {
+  uint64_t t0 = 0;
+  uint32_t n = 0;
+  uint64_t v = arch::atomic_load(word);
+  while (v < target) {
+    if ((n++ & 7) == 0) {
+      if (ep_failed(P)) return false;
+      const uint64_t now = arch::now_ns();
+      if (t0 == 0) t0 = now;
+      if (now - t0 > P.timeout_ns) {
+        ep_fail(P, EP_ERR_GRID_WAIT, site, 0, target, v, now - t0);
+        return false;
+      }
+    }
+    arch::spin_pause();
+    v = arch::atomic_load(word);
+  }
+  arch::fence_sys();
+  return true;
+}
+
+// The whole block waits for a flag that one block set; every thread gets the same answer.
+GPUNET_DEVICE bool block_wait(const LlParams& P, const Geo& g, uint32_t w, uint64_t target,
+                              uint32_t site) {
+  bool ok = true;
+  if (g.tid == 0) ok = grid_wait(P, sync_word(P, w), target, site);
+  const bool bad = arch::block_any(!ok);
+  if (!bad) arch::fence_sys();
+  return !bad;
+}
+
+// Block 0 publishes what it computed (after a syncthreads) to the other blocks.
+GPUNET_DEVICE void block_publish(const LlParams& P, const Geo& g, uint32_t w) {
+  arch::syncthreads();
+  if (g.tid == 0) {
+    arch::fence_sys();
+    arch::atomic_store(sync_word(P, w), uint64_t(1));
+  }
+}
+
+// Every block calls it once when it has finished a phase. True in the one block that arrives
+// last: every other block's posts are reserved (and published) before anything it posts next,
+// and their reads of this launch's shared words are over.
+GPUNET_DEVICE bool last_block(const LlParams& P, const Geo& g, uint32_t w) {
+  arch::syncthreads();
+  uint64_t old = 0;
+  if (g.tid == 0) {
+    arch::fence_sys();
+    old = arch::atomic_add(sync_word(P, w), uint64_t(1));
+  }
+  const bool last = arch::block_any(g.tid == 0 && old + 1 == g.nblocks);
+  if (last) arch::fence_sys();
+  return last;
+}
+
+// Grid barrier inside a launch: arrive, then wait for every block.
+GPUNET_DEVICE bool grid_barrier(const LlParams& P, const Geo& g, uint32_t w, uint32_t site) {
+  arch::syncthreads();
+  if (g.tid == 0) {
+    arch::fence_sys();
+    arch::atomic_add(sync_word(P, w), uint64_t(1));
+  }
+  return block_wait(P, g, w, g.nblocks, site);
+}
+
+// Reset the sync words of a launch (the last block, when nobody reads them any more).
+GPUNET_DEVICE void reset_sync(const LlParams& P, const Geo& g, uint32_t first, uint32_t last_incl) {
+  arch::syncthreads();
+  if (g.tid == 0)
+    for (uint32_t w = first; w <= last_incl; ++w) arch::atomic_store(sync_word(P, w), uint64_t(0));
+}
+
+// Block 0: complete every live peer's earlier operations (the staging they read is reused next).
+GPUNET_DEVICE void quiet_live_peers(const LlParams& P, const Geo& g) {
+  for (uint32_t p = g.tid; p < P.nranks; p += g.bdim)
+    if (!peer_out(P, p) && !quiet_pe(peer_ctx(P, p), int(p))) peer_fail(P, p);
+}
+
+// Bounded wait for source j's signal of kind/buffer to pass the count this rank expects; adds
+// the wait to the stats. true: the header and data it announces are visible (acquire).
+GPUNET_DEVICE bool wait_source(const LlParams& P, uint32_t kind, uint32_t j) {
+  uint64_t* exp = expected_word(P, kind, P.buf, j);
+  const uint64_t want = *exp + 1;
+  const uint64_t t0 = arch::now_ns();
+  const bool ok = wait_until(peer_ctx(P, j), sig_word(P, kind, P.buf, j), CMP_GE, want);
+  const uint64_t waited = arch::now_ns() - t0;
+  if (P.wait_stats) {
+    int64_t* ws = ptr<int64_t>(P.wait_stats) +
+                  ((P.flags & F_WAIT_STATS_2D) ? uint64_t(P.rank) * P.nranks + j : j);
+    *ws += int64_t(waited);
+  }
+  if (ok) *exp = want;
+  else peer_fail(P, j);
+  return ok;
+}
+
+// Header words 2..7 (both directions): what the receiver checks against its own call.
+GPUNET_DEVICE void fill_header_tail(const LlParams& P, int32_t* h) {
+  h[2] = int32_t(P.hidden);
+  h[3] = int32_t(P.num_experts);
+  h[4] = int32_t(P.msg_stride);
+  h[5] = int32_t(P.t_max);
+  h[6] = 0;
+  h[7] = 0;
+}
+GPUNET_DEVICE bool header_matches(const LlParams& P, const int32_t* h, uint32_t peer) {
+  if (uint32_t(h[2]) == P.hidden && uint32_t(h[3]) == P.num_experts &&
+      uint32_t(h[4]) == P.msg_stride && uint32_t(h[5]) == P.t_max)
+    return true;
+  // expected / observed: (experts, hidden) packed; the host prints all four from the header
+  ep_fail(P, EP_ERR_MISMATCH, EP_SITE_HEADER, peer, (uint64_t(P.num_experts) << 32) | P.hidden,
+          (uint64_t(uint32_t(h[3])) << 32) | uint32_t(h[2]), 0);
+  return false;
+}
+
+// ---- dispatch -----------------------------------------------------------------------------------
+
+// FP8: one lane quantises one 128-column group of a bf16 row into e4m3 bytes and a float scale.
+GPUNET_DEVICE void quantise_group(const uint16_t* src, uint8_t* q, float* scale, bool round) {
+  float amax = 0.0f;
+  for (uint32_t i = 0; i < kGroup; ++i) {
+    const float a = bits_f32(f32_bits(bf16_to_f32(src[i])) & 0x7fffffffu);
+    amax = a > amax ? a : amax;
+  }
+  const float s = group_scale(amax, round);
+  for (uint32_t i = 0; i < kGroup; ++i) q[i] = f32_to_e4m3(bf16_to_f32(src[i]) / s);
+  *scale = s;
+}
+
+// Step 1 (block 0): tile-local ranks into plan, tile histograms into hist, then the exclusive
+// prefix over tiles (hist row `ntiles` holds the totals).
+GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
+  const uint32_t K = P.topk, T = P.num_tokens, E = P.num_experts, C = P.hist_cols;
+  const int64_t* topk = ptr<const int64_t>(P.topk_idx);
+  int32_t* plan_idx = ptr<int32_t>(P.plan);
+  int32_t* plan_slot = plan_idx + uint64_t(P.t_max) * K;
+  int32_t* hist = ptr<int32_t>(P.hist);
+  const uint64_t below = g.lane == 0 ? 0 : (~uint64_t(0) >> (64 - g.lane));
+  if (g.wid < P.bits_warps) {
+    uint64_t* bits = ptr<uint64_t>(P.bits) + uint64_t(g.wid) * C;
+    const uint32_t nw = g.nwarps < P.bits_warps ? g.nwarps : P.bits_warps;
+    for (uint32_t tile = g.wid; tile < P.ntiles; tile += nw) {
+      const uint32_t t = tile * g.ws + g.lane;
+      int32_t ex[kMaxTopk];
+      bool first_rank[kMaxTopk];
+      for (uint32_t k = 0; k < K; ++k) {
+        int64_t e = t < T ? topk[uint64_t(t) * K + k] : -1;
+        if (e < 0 || e >= int64_t(E)) e = -1;
+        for (uint32_t k2 = 0; k2 < k && e >= 0; ++k2)
+          if (ex[k2] == int32_t(e)) e = -1;  // a repeated expert counts once
+        ex[k] = int32_t(e);
+        first_rank[k] = e >= 0;
+        for (uint32_t k2 = 0; k2 < k && first_rank[k]; ++k2)
+          if (ex[k2] >= 0 && uint32_t(ex[k2]) / P.e_loc == uint32_t(e) / P.e_loc) first_rank[k] = false;
+        if (e >= 0) {
+          arch::atomic_add(&bits[e], uint64_t(1) << g.lane);
+          if (first_rank[k]) arch::atomic_add(&bits[E + uint32_t(e) / P.e_loc], uint64_t(1) << g.lane);
+        }
+      }
+      arch::syncwarp();
+      for (uint32_t k = 0; k < K && t < T; ++k) {
+        const int32_t e = ex[k];
+        plan_idx[uint64_t(t) * K + k] = e >= 0 ? int32_t(popc64(arch::atomic_load(&bits[e]) & below)) : -1;
+        plan_slot[uint64_t(t) * K + k] =
+            first_rank[k] ? int32_t(popc64(arch::atomic_load(&bits[E + uint32_t(e) / P.e_loc]) & below)) : -1;
+      }
+      arch::syncwarp();
+      for (uint32_t c = g.lane; c < C; c += g.ws) {
+        const uint64_t m = arch::atomic_load(&bits[c]);
+        hist[uint64_t(tile) * C + c] = int32_t(popc64(m));
+        if (m) arch::atomic_store(&bits[c], uint64_t(0));
+      }
+      arch::syncwarp();
+    }
+  }
+  arch::syncthreads();
+  for (uint32_t c = g.tid; c < C; c += g.bdim) {
+    int32_t run = 0;
+    for (uint32_t tile = 0; tile < P.ntiles; ++tile) {
+      const int32_t v = hist[uint64_t(tile) * C + c];
+      hist[uint64_t(tile) * C + c] = run;
+      run += v;
+    }
+    hist[uint64_t(P.ntiles) * C + c] = run;
+  }
+}
+
+GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
+  const uint32_t K = P.topk, T = P.num_tokens, E = P.num_experts, C = P.hist_cols, H = P.hidden;
+  if (g.bid == 0) {
+    quiet_live_peers(P, g);
+    arch::syncthreads();
+    plan_tokens(P, g);
+    block_publish(P, g, SYNC_SEND_READY);
+  } else if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) {
+    return false;
+  }
+  const int64_t* topk = ptr<const int64_t>(P.topk_idx);
+  const int32_t* plan_idx = ptr<const int32_t>(P.plan);
+  const int32_t* plan_slot = plan_idx + uint64_t(P.t_max) * K;
+  const int32_t* hist = ptr<const int32_t>(P.hist);
+  const bool fp8 = (P.flags & F_FP8) != 0;
+  const bool round = (P.flags & (F_ROUND_SCALE | F_UE8M0)) != 0;
+  // ws (the plan's tile width) is the same for every warp of the launch
+  for (uint32_t t = g.gw; t < T; t += g.gwarps) {
+    const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
+    const uint64_t row = P.x + uint64_t(t) * H * 2;
+    if (fp8) {
+      for (uint32_t grp = g.lane; grp < H / kGroup; grp += g.ws)
+        quantise_group(ptr<const uint16_t>(row) + grp * kGroup, ptr<uint8_t>(msg) + grp * kGroup,
+                       ptr<float>(msg + H) + grp, round);
+    } else {
+      warp_copy(g, msg, row, uint64_t(H) * 2);
+    }
+    int32_t* meta = ptr<int32_t>(msg + P.payload_bytes);
+    const uint32_t tile = t / g.ws;
+    int32_t e = -1, idx = -1;
+    if (g.lane == 0) {
+      meta[0] = int32_t(t);
+      meta[1] = int32_t(K);
+      meta[2] = int32_t(H);
+      meta[3] = 0;
+    }
+    if (g.lane < K) {
+      const int32_t pi = plan_idx[uint64_t(t) * K + g.lane];
+      if (pi >= 0) {
+        e = int32_t(topk[uint64_t(t) * K + g.lane]);
+        idx = hist[uint64_t(tile) * C + e] + pi;
+      }
+      meta[4 + 2 * g.lane] = e;
+      meta[5 + 2 * g.lane] = idx;
+    }
+    arch::syncwarp();  // row and meta stores of every lane before the posting lanes' fences
+    if (g.lane < K) {
+      const int32_t ps = plan_slot[uint64_t(t) * K + g.lane];
+      if (ps >= 0) {
+        const uint32_t d = uint32_t(e) / P.e_loc;
+        if (!peer_out(P, d)) {
+          const uint32_t slot = uint32_t(hist[uint64_t(tile) * C + E + d] + ps);
+          const DevCtx& cx = peer_ctx(P, d);
+          const uint64_t dst = P.d_recv + (uint64_t(P.rank) * P.t_max + slot) * P.msg_stride;
+          if (!(fence(cx) && put_nbi(cx, ptr<void>(dst), ptr<const void>(msg), P.msg_stride, int(d))))
+            peer_fail(P, d);
+        }
+      }
+    }
+  }
+  if (last_block(P, g, SYNC_SEND_DONE)) {
+    const int32_t* total = hist + uint64_t(P.ntiles) * C;
+    const uint32_t hdr_bytes = (kHdrHead + P.e_loc) * 4;
+    for (uint32_t d = g.tid; d < P.nranks; d += g.bdim) {
+      if (peer_out(P, d)) continue;
+      int32_t* h = ptr<int32_t>(P.d_shdr + uint64_t(d) * P.hdr_stride);
+      h[0] = total[E + d];
+      h[1] = int32_t(T);
+      fill_header_tail(P, h);
+      for (uint32_t le = 0; le < P.e_loc; ++le) h[kHdrHead + le] = total[d * P.e_loc + le];
+      const DevCtx& cx = peer_ctx(P, d);
+      const uint64_t rh = P.d_rhdr + uint64_t(P.rank) * P.hdr_stride;
+      if (!(fence(cx) && put_signal_nbi(cx, ptr<void>(rh), h, hdr_bytes,
+                                         sig_word(P, SIG_DISPATCH, P.buf, P.rank), 1, int(d))))
+        peer_fail(P, d);
+    }
+    reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
+  }
+  return true;
+}
+
+GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
+  const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden;
+  const uint64_t rows = uint64_t(R) * P.t_max;  // second dimension of the packed outputs
+  int32_t* cnt = ptr<int32_t>(P.tab);           // [R][E_loc] per-source counts
+  int32_t* begin = cnt + uint64_t(R) * EL;      // [E_loc][R]
+  int32_t* nrecv = ptr<int32_t>(P.nrecv);
+  int32_t* got = ptr<int32_t>(P.got);
+  if (g.bid == 0) {
+    for (uint32_t j = g.tid; j < R; j += g.bdim) {
+      bool ok = !peer_out(P, j) && wait_source(P, SIG_DISPATCH, j);
+      int32_t n = 0;
+      if (ok) {
+        const int32_t* h = ptr<const int32_t>(P.d_rhdr + uint64_t(j) * P.hdr_stride);
+        n = h[0];
+        if (!header_matches(P, h, j)) {
+          ok = false;
+        } else if (n < 0 || uint32_t(n) > P.t_max) {
+          ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_HEADER, j, P.t_max, uint64_t(uint32_t(n)), 0);
+          ok = false;
+        }
+        for (uint32_t le = 0; le < EL; ++le) cnt[uint64_t(j) * EL + le] = ok ? h[kHdrHead + le] : 0;
+      } else {
+        for (uint32_t le = 0; le < EL; ++le) cnt[uint64_t(j) * EL + le] = 0;
+      }
+      nrecv[j] = ok ? n : 0;
+      got[j] = ok ? 1 : 0;
+    }
+    arch::syncthreads();
+    int64_t* lr = ptr<int64_t>(P.layout_range);
+    int32_t* count = ptr<int32_t>(P.out_count);
+    for (uint32_t le = g.tid; le < EL; le += g.bdim) {
+      int32_t run = 0;
+      for (uint32_t j = 0; j < R; ++j) {
+        const int32_t c = cnt[uint64_t(j) * EL + le];
+        begin[uint64_t(le) * R + j] = run;
+        lr[uint64_t(le) * R + j] = (int64_t(run) << 32) | int64_t(uint32_t(c));
+        run += c;
+      }
+      count[le] = run;
+      if (P.cum_stats) ptr<int32_t>(P.cum_stats)[le] += run;
+    }
+    block_publish(P, g, SYNC_RECV_READY);
+  } else if (!block_wait(P, g, SYNC_RECV_READY, 1, EP_SITE_RECV_READY)) {
+    return false;
+  }
+  uint64_t total = 0;
+  for (uint32_t j = 0; j < R; ++j) total += uint64_t(nrecv[j]);
+  const bool fp8 = (P.flags & F_FP8) != 0;
+  const bool ue8m0 = (P.flags & F_UE8M0) != 0;
+  const uint32_t G = H / kGroup, NW = (G + 3) / 4;
+  const uint32_t e0 = P.rank * EL;
+  for (uint64_t it = g.gw; it < total; it += g.gwarps) {
+    uint32_t j = 0;
+    uint64_t m = it;
+    while (m >= uint64_t(nrecv[j])) m -= uint64_t(nrecv[j++]);
+    const uint64_t msg = P.d_recv + (uint64_t(j) * P.t_max + m) * P.msg_stride;
+    const int32_t* meta = ptr<const int32_t>(msg + P.payload_bytes);
+    const int32_t t = meta[0];
+    const uint32_t kk = uint32_t(meta[1]) < kMaxTopk ? uint32_t(meta[1]) : kMaxTopk;  // the sender's K
+    for (uint32_t k = 0; k < kk; ++k) {
+      const int32_t e = meta[4 + 2 * k];
+      if (e < int32_t(e0) || e >= int32_t(e0 + EL)) continue;
+      const uint32_t le = uint32_t(e) - e0;
+      const int32_t idx = meta[5 + 2 * k];
+      const int32_t c = cnt[uint64_t(j) * EL + le];
+      if (idx < 0 || idx >= c || t < 0 || uint32_t(t) >= P.t_max) {
+        if (g.lane == 0)
+          ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, j, uint64_t(c), uint64_t(uint32_t(idx)), 0);
+        continue;
+      }
+      const uint64_t pos = uint64_t(begin[uint64_t(le) * R + j] + idx);
+      const uint64_t r = uint64_t(le) * rows + pos;
+      if (g.lane == 0) ptr<int32_t>(P.src_info)[r] = t;
+      if (!fp8) {
+        warp_copy(g, P.out_x + r * H * 2, msg, uint64_t(H) * 2);
+        continue;
+      }
+      warp_copy(g, P.out_x + r * H, msg, H);
+      const float* sc = ptr<const float>(msg + H);
+      if (!ue8m0) {
+        for (uint32_t grp = g.lane; grp < G; grp += g.ws)
+          ptr<float>(P.out_scales)[(uint64_t(le) * G + grp) * rows + pos] = sc[grp];
+      } else {
+        for (uint32_t w = g.lane; w < NW; w += g.ws) {
+          uint32_t word = 0;
+          for (uint32_t i = 0; i < 4 && 4 * w + i < G; ++i)
+            word |= ((f32_bits(sc[4 * w + i]) >> 23) & 0xffu) << (8 * i);
+          ptr<int32_t>(P.out_scales)[(uint64_t(le) * NW + w) * rows + pos] = int32_t(word);
+        }
+      }
+    }
+  }
+  if (last_block(P, g, SYNC_RECV_DONE)) reset_sync(P, g, SYNC_RECV_READY, SYNC_RECV_DONE);
+  return true;
+}
+
+// ---- combine ------------------------------------------------------------------------------------
+
+GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
+  const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden;
+  const uint64_t rows = uint64_t(R) * P.t_max;
+  const int64_t* lr = ptr<const int64_t>(P.layout_range);  // the handle's [E_loc, R]
+  int32_t* pre = ptr<int32_t>(P.tab);                       // [E_loc][R]: rows before expert le
+  int32_t* ntot = pre + uint64_t(EL) * R;                   // [R]: rows to j (-1: unusable)
+  if (g.bid == 0) {
+    quiet_live_peers(P, g);
+    for (uint32_t j = g.tid; j < R; j += g.bdim) {
+      int64_t run = 0;
+      bool fits = true;
+      for (uint32_t le = 0; le < EL; ++le) {
+        const int64_t v = lr[uint64_t(le) * R + j];
+        const int64_t b = v >> 32, c = v & 0xffffffff;
+        if (b < 0 || b + c > int64_t(rows)) fits = false;
+        pre[uint64_t(le) * R + j] = int32_t(run);
+        run += c;
+      }
+      if (!fits || run > int64_t(P.c_rows)) {
+        ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, uint64_t(run), 0);
+        run = -1;
+      }
+      ntot[j] = int32_t(run);
+    }
+    block_publish(P, g, SYNC_SEND_READY);
+  } else if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) {
+    return false;
+  }
+  const bool zero_copy = (P.flags & F_ZERO_COPY) != 0;
+  const uint64_t items = uint64_t(EL) * R;
+  for (uint64_t it = g.gw; it < items; it += g.gwarps) {
+    const uint32_t j = uint32_t(it % R), le = uint32_t(it / R);
+    if (ntot[j] < 0 || peer_out(P, j)) continue;
+    const int64_t v = lr[uint64_t(le) * R + j];
+    const uint64_t b = uint64_t(v >> 32), c = uint64_t(v & 0xffffffff);
+    if (c == 0) continue;
+    const uint64_t r0 = uint64_t(le) * rows + b;
+    if (!zero_copy) warp_copy(g, P.c_send + r0 * H * 2, P.x + r0 * H * 2, c * H * 2);
+    for (uint64_t i = g.lane; i < c; i += g.ws)
+      ptr<int32_t>(P.c_stags)[r0 + i] = ptr<const int32_t>(P.src_info)[r0 + i];
+    arch::syncwarp();
+    if (g.lane == 0) {
+      const DevCtx& cx = peer_ctx(P, j);
+      const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + uint64_t(pre[uint64_t(le) * R + j]);
+      const bool ok = fence(cx) &&
+                      put_nbi(cx, ptr<void>(P.c_recv + dst_row * H * 2),
+                              ptr<const void>(P.c_send + r0 * H * 2), c * H * 2, int(j)) &&
+                      put_nbi(cx, ptr<void>(P.c_rtags + dst_row * 4),
+                              ptr<const void>(P.c_stags + r0 * 4), c * 4, int(j));
+      if (!ok) peer_fail(P, j);
+    }
+  }
+  if (last_block(P, g, SYNC_SEND_DONE)) {
+    const uint32_t hdr_bytes = (kHdrHead + EL) * 4;
+    for (uint32_t j = g.tid; j < R; j += g.bdim) {
+      if (ntot[j] < 0 || peer_out(P, j)) continue;
+      int32_t* h = ptr<int32_t>(P.c_shdr + uint64_t(j) * P.hdr_stride);
+      h[0] = ntot[j];
+      h[1] = int32_t(P.t_max);
+      fill_header_tail(P, h);
+      for (uint32_t le = 0; le < EL; ++le) h[kHdrHead + le] = int32_t(lr[uint64_t(le) * R + j] & 0xffffffff);
+      const DevCtx& cx = peer_ctx(P, j);
+      const uint64_t rh = P.c_rhdr + uint64_t(P.rank) * P.hdr_stride;
+      if (!(fence(cx) && put_signal_nbi(cx, ptr<void>(rh), h, hdr_bytes,
+                                         sig_word(P, SIG_COMBINE, P.buf, P.rank), 1, int(j))))
+        peer_fail(P, j);
+    }
+    reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
+  }
+  return true;
+}
+
+GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
+  const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden, K = P.topk, T = P.num_tokens;
+  // after the send phase's tables: the send phase's last block may still read them
+  int32_t* pre = ptr<int32_t>(P.tab) + uint64_t(EL) * R + R;  // [R][E_loc]: first row of le from o
+  int32_t* cnt = pre + uint64_t(R) * EL;                      // [R][E_loc]
+  int32_t* nrecv = ptr<int32_t>(P.nrecv);
+  int32_t* got = ptr<int32_t>(P.got);
+  int64_t* table = ptr<int64_t>(P.table);
+  const int64_t* topk = ptr<const int64_t>(P.topk_idx);
+  if (g.bid == 0) {
+    for (uint32_t o = g.tid; o < R; o += g.bdim) {
+      bool ok = !peer_out(P, o) && wait_source(P, SIG_COMBINE, o);
+      int32_t n = 0;
+      if (ok) {
+        const int32_t* h = ptr<const int32_t>(P.c_rhdr + uint64_t(o) * P.hdr_stride);
+        n = h[0];
+        if (!header_matches(P, h, o)) ok = false;
+        int64_t run = 0;
+        for (uint32_t le = 0; le < EL && ok; ++le) {
+          const int32_t c = h[kHdrHead + le];
+          pre[uint64_t(o) * EL + le] = int32_t(run);
+          cnt[uint64_t(o) * EL + le] = c;
+          if (c < 0) ok = false;
+          run += c;
+        }
+        if (ok && (run != n || uint64_t(run) > P.c_rows)) {
+          ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_HEADER, o, P.c_rows, uint64_t(run), 0);
+          ok = false;
+        }
+      }
+      if (!ok)
+        for (uint32_t le = 0; le < EL; ++le) cnt[uint64_t(o) * EL + le] = 0;
+      nrecv[o] = ok ? n : 0;
+      got[o] = ok ? 1 : 0;
+    }
+    block_publish(P, g, SYNC_RECV_READY);
+  } else if (!block_wait(P, g, SYNC_RECV_READY, 1, EP_SITE_RECV_READY)) {
+    return false;
+  }
+  // the slot table: (source, row) of every (token, k) whose expert sent a row
+  const uint64_t items = uint64_t(R) * EL;
+  for (uint64_t it = g.gw; it < items; it += g.gwarps) {
+    const uint32_t o = uint32_t(it / EL), le = uint32_t(it % EL);
+    const int32_t c = cnt[it];
+    if (c <= 0) continue;
+    const int64_t ge = int64_t(o) * EL + le;
+    const uint64_t p0 = uint64_t(o) * P.c_rows + uint64_t(pre[it]);
+    for (uint32_t r = g.lane; r < uint32_t(c); r += g.ws) {
+      const int32_t t = ptr<const int32_t>(P.c_rtags)[p0 + r];
+      if (t < 0 || uint32_t(t) >= T) {
+        ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, o, T, uint64_t(uint32_t(t)), 0);
+        continue;
+      }
+      for (uint32_t k = 0; k < K; ++k)
+        if (topk[uint64_t(t) * K + k] == ge)
+          table[uint64_t(t) * K + k] = (int64_t(o) << 32) | int64_t(uint32_t(pre[it]) + r);
+    }
+  }
+  if (!grid_barrier(P, g, SYNC_RECV_TABLE, EP_SITE_TABLE)) return false;
+  const float* w = ptr<const float>(P.topk_weights);
+  for (uint32_t t = g.gw; t < T; t += g.gwarps) {
+    for (uint32_t c0 = g.lane * 8; c0 < H; c0 += g.ws * 8) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (uint32_t k = 0; k < K; ++k) {
+        const int64_t s = table[uint64_t(t) * K + k];
+        if (s < 0) continue;
+        const uint64_t o = uint64_t(s) >> 32, i = uint64_t(s) & 0xffffffffu;
+        const float wk = w[uint64_t(t) * K + k];
+        const V16 v = *ptr<const V16>(P.c_recv + ((o * P.c_rows + i) * H + c0) * 2);
+        for (uint32_t q = 0; q < 8; ++q)
+          acc[q] += wk * bf16_to_f32(uint16_t((q < 4 ? v.a : v.b) >> (16 * (q & 3))));
+      }
+      V16 out = {0, 0};
+      for (uint32_t q = 0; q < 8; ++q)
+        (q < 4 ? out.a : out.b) |= uint64_t(f32_to_bf16(acc[q])) << (16 * (q & 3));
+      *ptr<V16>(P.out_x + (uint64_t(t) * H + c0) * 2) = out;
+    }
+    arch::syncwarp();
+    if (g.lane < K) table[uint64_t(t) * K + g.lane] = -1;
+  }
+  if (last_block(P, g, SYNC_RECV_DONE)) reset_sync(P, g, SYNC_RECV_READY, SYNC_RECV_DONE);
+  return true;
+}
+
+// ---- clean: a barrier over the live ranks, then every signal count re-read, then a barrier -------
+
+GPUNET_DEVICE void barrier_live(const LlParams& P, const Geo& g) {
+  const uint32_t R = P.nranks;
+  for (uint32_t p = g.tid; p < R; p += g.bdim) {
+    if (p == P.rank || peer_out(P, p)) continue;
+    const DevCtx& cx = peer_ctx(P, p);
+    uint64_t* s = barrier_sig(P, P.rank);
+    if (!(fence(cx) && put_signal_nbi(cx, s, s, 0, s, 1, int(p)))) peer_fail(P, p);
+  }
+  for (uint32_t j = g.tid; j < R; j += g.bdim) {
+    if (j == P.rank || peer_out(P, j)) continue;
+    uint64_t* exp = barrier_expected(P, j);
+    const uint64_t want = *exp + 1;
+    if (wait_until(peer_ctx(P, j), barrier_sig(P, j), CMP_GE, want)) *exp = want;
+    else peer_fail(P, j);
+  }
+  arch::syncthreads();
+}
+
+// One block. After it, every live rank's signal counts equal what arrived: a launch that failed
+// half way, or a masked peer's late signals, no longer shift what the next launch waits for.
+GPUNET_DEVICE void clean(const LlParams& P, const Geo& g) {
+  if (g.bid != 0) return;
+  barrier_live(P, g);
+  for (uint32_t i = g.tid; i < 4 * P.nranks; i += g.bdim)
+    ptr<uint64_t>(P.expected)[i] = signal_read(ptr<const uint64_t>(P.sig) + i);
+  for (uint32_t w = g.tid; w < SYNC_WORDS; w += g.bdim) arch::atomic_store(sync_word(P, w), uint64_t(0));
+  arch::syncthreads();
+  barrier_live(P, g);
+}
+
+GPUNET_DEVICE void run(const LlParams& P) {
+  const Geo g = geo();
+  if (P.op == OP_DISPATCH) {
+    bool ok = true;
+    if (P.phases & PH_SEND) ok = dispatch_send(P, g);
+    if (ok && (P.phases & PH_RECV)) dispatch_recv(P, g);
+  } else if (P.op == OP_COMBINE) {
+    bool ok = true;
+    if (P.phases & PH_SEND) ok = combine_send(P, g);
+    if (ok && (P.phases & PH_RECV)) combine_recv(P, g);
+  } else if (P.op == OP_CLEAN) {
+    clean(P, g);
+  }
+}
+
+}  // namespace ep
+}  // namespace gpunet

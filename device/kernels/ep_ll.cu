@@ -1,0 +1,51 @@
+// Kernels of gpunet.ep's low-latency mode: one kernel runs an LlParams (dispatch or combine, send
+// and/or receive phase, or the clean barrier) written in <gpunet/ep/ll.cuh>; device/ep.py binds the
+// extern "C" launcher. One source for every arm: g++ -x c++ (HOST) and nvcc (CUDA).
+#include <gpunet/ep/ll.cuh>
+
+namespace {
+
+GPUNET_GLOBAL void k_ep_ll(const gpunet::ep::LlParams P) { gpunet::ep::run(P); }
+
+}  // namespace
+
+extern "C" {
+
+// Sizes of the mirrored structs (device/ep.py checks them at load).
+uint32_t gpunet_ep_abi_size(uint32_t which) {
+  switch (which) {
+    case 0: return sizeof(gpunet::ep::LlParams);
+    case 1: return sizeof(gpunet::ep::EpStatus);
+    case 2: return sizeof(gpunet::DevCtx);
+    default: return 0;
+  }
+}
+
+// Launch k_ep_ll on grid x block threads with the LlParams at `params` (host memory: passed by
+// value, so a CUDA graph captures it). ws: the HOST arm's warp size (GPUs use theirs). stream: a
+// cudaStream_t (0 = legacy default; HOST: ignored, synchronous). sync != 0: GPUs wait for the
+// kernel and report its error. Returns 0 or the launch error.
+int gpunet_ep_ll_launch(const void* params, uint32_t grid, uint32_t block, uint32_t ws, void* stream,
+                        uint32_t sync) {
+  gpunet::LaunchSpec s;
+  s.grid = grid;
+  s.block = block;
+  s.warp_size = ws;
+  s.stream = stream;
+  s.sync = sync != 0;
+  return gpunet::launch_kernel(s, k_ep_ll, *static_cast<const gpunet::ep::LlParams*>(params));
+}
+
+// The numerics of ll.cuh for the tests (n values, host memory): bf16 <-> f32, f32 -> e4m3,
+// the FP8 group scale.
+void gpunet_ep_f32_to_e4m3(const float* in, uint8_t* out, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) out[i] = gpunet::ep::f32_to_e4m3(in[i]);
+}
+void gpunet_ep_f32_to_bf16(const float* in, uint16_t* out, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) out[i] = gpunet::ep::f32_to_bf16(in[i]);
+}
+void gpunet_ep_group_scale(const float* amax, float* out, uint64_t n, uint32_t round) {
+  for (uint64_t i = 0; i < n; ++i) out[i] = gpunet::ep::group_scale(amax[i], round != 0);
+}
+
+}  // extern "C"

@@ -1,0 +1,136 @@
+"""Where everything of the low-latency mode lives, computed from the call's shape alone.
+
+One function of (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts) gives the
+byte offsets inside the RDMA buffer (the user-visible ``num_rdma_bytes`` region of the symmetric
+heap) for both LL buffers; the same function is the size hint, so a buffer sized with
+``Buffer.get_low_latency_rdma_size_hint`` always fits. Device code (device/include/gpunet/ep/ll.cuh)
+gets the addresses in its LlParams; it never computes a layout itself.
+
+Per LL buffer (two, alternating as DeepEP's), 64-byte aligned areas:
+  dispatch  send     t_max messages (the staged rows, one per token)
+            shdr     R headers (one per destination)
+            recv     R * t_max messages (source j's slot s at j * t_max + s)
+            rhdr     R headers (one per source)
+  combine   send     [E_loc, R*t_max, H] bf16: the zero-copy buffer (get_next_low_latency_combine_buffer)
+            stags    [E_loc, R*t_max] int32: the token index of each row sent
+            shdr     R headers
+            recv     R * c_rows rows of H bf16 (source o's rows from o * c_rows)
+            rtags    R * c_rows int32
+            rhdr     R headers
+A message is the row (bf16 2H bytes, or fp8 H bytes + H/128 float scales) then META_BYTES of meta;
+the areas are sized for bf16 (the larger). c_rows = t_max * min(16, E_loc): a source's experts
+send back at most one row per (token, local expert) and a token selects at most 16 experts.
+
+Signal words and per-peer state are NOT in this region (users reuse the RDMA buffer as scratch
+between LL phases, then call clean_low_latency_buffer): they live in a separate small symmetric
+allocation (see CTL_* below).
+"""
+from gpunet.device import ep as dep
+from gpunet.errors import ConfigError
+
+ALIGN = 64
+# The proxy transport carries 39-bit heap offsets (device/include/gpunet/proxy.cuh): a larger
+# buffer would make puts fail on proxy peers, so the size hint refuses it.
+MAX_REGION_BYTES = (1 << 39) - (1 << 30)
+INT32_MAX = (1 << 31) - 1
+
+
+def align(n, a=ALIGN):
+    return (int(n) + a - 1) // a * a
+
+
+def msg_stride(hidden, fp8):
+    """Bytes of one dispatch message: the row, then the fixed-size meta (16-byte multiple)."""
+    payload = hidden + 4 * (hidden // dep.GROUP) if fp8 else 2 * hidden
+    return align(payload + dep.META_BYTES, 16), payload
+
+
+def check_shape(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, what="shape"):
+    """Raise ConfigError unless the LL shape is one this implementation supports."""
+    for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                    ("hidden", hidden), ("num_ranks", num_ranks), ("num_experts", num_experts)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError("%s: %s must be an int, not %r" % (what, name, v))
+        if v < 1:
+            raise ConfigError("%s: %s must be >= 1, not %d" % (what, name, v))
+    if hidden % dep.GROUP:
+        raise ConfigError("%s: hidden %d is not a multiple of %d (any multiple of 128 works)"
+                          % (what, hidden, dep.GROUP))
+    if num_experts % num_ranks:
+        raise ConfigError("%s: num_experts %d is not a multiple of the %d ranks"
+                          % (what, num_experts, num_ranks))
+    if num_ranks * num_max_dispatch_tokens_per_rank > INT32_MAX:
+        raise ConfigError("%s: num_ranks * num_max_dispatch_tokens_per_rank = %d overflows the "
+                          "int32 positions of src_info / layout_range"
+                          % (what, num_ranks * num_max_dispatch_tokens_per_rank))
+
+
+class LlLayout:
+    """Offsets (bytes from the RDMA buffer's start) of both LL buffers' areas for one shape.
+
+    Attributes: ``t_max, hidden, nranks, num_experts, e_loc, msg_bf16, hdr_stride, c_rows``,
+    ``buffers`` (two dicts name -> offset), ``per_buffer`` (dict name -> bytes of one buffer),
+    ``total`` (bytes of the whole region).
+    """
+
+    NAMES = ("d_send", "d_shdr", "d_recv", "d_rhdr", "c_send", "c_stags", "c_shdr", "c_recv",
+             "c_rtags", "c_rhdr")
+
+    def __init__(self, num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+        check_shape(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        t, h, r, e = num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
+        self.t_max, self.hidden, self.nranks, self.num_experts = t, h, r, e
+        self.e_loc = el = e // r
+        self.msg_bf16 = msg_stride(h, False)[0]
+        self.hdr_stride = align(4 * (dep.HDR_HEAD + el))
+        self.c_rows = t * min(dep.MAX_TOPK, el)
+        if r * self.c_rows > INT32_MAX:
+            raise ConfigError("num_ranks * num_max_dispatch_tokens_per_rank * min(16, local experts) "
+                              "= %d overflows the int32 row indices of the combine receive area"
+                              % (r * self.c_rows))
+        sizes = {
+            "d_send": t * self.msg_bf16,
+            "d_shdr": r * self.hdr_stride,
+            "d_recv": r * t * self.msg_bf16,
+            "d_rhdr": r * self.hdr_stride,
+            "c_send": el * r * t * 2 * h,
+            "c_stags": el * r * t * 4,
+            "c_shdr": r * self.hdr_stride,
+            "c_recv": r * self.c_rows * 2 * h,
+            "c_rtags": r * self.c_rows * 4,
+            "c_rhdr": r * self.hdr_stride,
+        }
+        self.per_buffer = {k: align(v) for k, v in sizes.items()}
+        one = sum(self.per_buffer.values())
+        self.buffers = []
+        for b in range(2):
+            off, d = b * one, {}
+            for k in self.NAMES:
+                d[k] = off
+                off += self.per_buffer[k]
+            self.buffers.append(d)
+        self.total = 2 * one
+        if self.total > MAX_REGION_BYTES:
+            raise ConfigError("the low-latency buffer for t_max=%d, hidden=%d, %d ranks, %d experts "
+                              "needs %d bytes, more than the %d a heap offset can address (proxy "
+                              "commands carry 39-bit offsets); use fewer tokens per rank"
+                              % (t, h, r, e, self.total, MAX_REGION_BYTES))
+
+    def breakdown(self):
+        """dict area -> bytes over both buffers (what the size hint adds up)."""
+        return {k: 2 * v for k, v in self.per_buffer.items()}
+
+
+# ---- the small control allocation (symmetric, never user-visible) ------------------------------
+def ctl_layout(num_ranks):
+    """Offsets inside the control allocation: signal words (NIC atomics land there), per-peer
+    state the host reads without a device sync, the EP status, and the per-peer Status blocks
+    of the per-peer device contexts. Returns (dict name -> offset, total bytes)."""
+    r = num_ranks
+    sizes = [("sig", 8 * 5 * r), ("mask", 4 * r), ("failed", 4 * r), ("got", 4 * r),
+             ("nrecv", 4 * r), ("status", 64), ("peer_status", 128 * r)]
+    out, off = {}, 0
+    for k, n in sizes:
+        out[k] = off
+        off += align(n)
+    return out, align(off, 4096)

@@ -1,0 +1,918 @@
+"""gpunet.ep.Buffer: DeepEP V1's ``Buffer`` (deep_ep/buffers/legacy.py) over gpunet's transports.
+
+Same constructor, argument names, defaults, return tuples, shapes and dtypes as DeepEP's, so
+vLLM's and SGLang's DeepEP backends can switch by import (``gpunet.ep.install_as_deep_ep()``).
+The low-latency mode (decode: ``low_latency_dispatch`` / ``low_latency_combine``) is implemented;
+the high-throughput methods raise NotImplementedError naming that mode (issue: EP part 2).
+
+Everything a kernel needs is computed here (gpunet/ep/_layout.py) and passed by value in one
+LlParams (device/ep.py); the kernels are device/include/gpunet/ep/ll.cuh. On the CPU platform the
+kernels run on the HOST arm synchronously; on CUDA they are enqueued on the current stream and
+nothing here waits for them (CUDA-graph safe: counts stay in device tensors).
+
+gpunet extensions are keyword-only and default to DeepEP's behaviour: ``transport`` ("auto" |
+"ibgda" | "proxy", or a per-peer choice, see gpunet.init), ``timeout_s`` (runtime-settable, see
+``set_timeout``), ``diagnostics`` (wait-cost matrices always on, ``report()``), and the launch
+geometry (``num_blocks``, ``block_threads``, ``warp_size`` for the HOST arm).
+"""
+import ctypes
+import logging
+import weakref
+
+import numpy as np
+import torch
+
+from gpunet.device import abi
+from gpunet.device import ep as dep
+from gpunet.errors import ClosedError, ConfigError, EPTimeout, GpunetError
+from gpunet.errors import TimeoutError as GpunetTimeoutError
+from gpunet.ep import _layout as lay
+
+log = logging.getLogger("gpunet.ep")
+
+topk_idx_t = torch.int64
+_HT = "the high-throughput (normal) mode of gpunet.ep.Buffer is not implemented yet (MoE EP part 2); " \
+      "use the low-latency mode: Buffer(..., low_latency_mode=True) and low_latency_dispatch / " \
+      "low_latency_combine"
+
+
+class _CpuEvent:
+    """The CPU platform's stand-in for a CUDA event: kernels there run synchronously, so it is
+    complete when made."""
+
+    def current_stream_wait(self):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+class EventHandle:
+    """A CUDA event recorded on the current stream when made (DeepEP's EventHandle); on the CPU
+    platform a completed stand-in."""
+
+    def __init__(self):
+        if _on_gpu():
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream())
+        else:
+            self.event = _CpuEvent()
+
+    def current_stream_wait(self):
+        if isinstance(self.event, _CpuEvent):
+            return
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def synchronize(self):
+        self.event.synchronize()
+
+    def query(self):
+        return self.event.query()
+
+
+class EventOverlap:
+    """DeepEP's EventOverlap: an event (or None) plus tensors to keep alive until it completes.
+
+    ``with ev: ...`` runs the block, then makes the current stream wait for the event;
+    ``current_stream_wait()`` does the wait at once.
+    """
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self):
+        if self.event is None:
+            raise ConfigError("this EventOverlap holds no event (pass async_finish=True to get one)")
+        self.event.current_stream_wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        if self.event is not None:
+            self.event.current_stream_wait()
+
+
+class Config:
+    """DeepEP's performance Config (used by the high-throughput mode; kept for callers that build
+    one, e.g. SGLang from JSON): ``Config(num_sms, num_max_nvl_chunked_send_tokens,
+    num_max_nvl_chunked_recv_tokens, num_max_rdma_chunked_send_tokens=6,
+    num_max_rdma_chunked_recv_tokens=256)``."""
+
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
+                 num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
+                 num_max_rdma_chunked_recv_tokens=256):
+        vals = (num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+                num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
+        for v in vals:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError("Config: every field is a positive int, got %r" % (vals,))
+        if num_sms % 2:
+            raise ConfigError("Config: num_sms must be even (channels use SM pairs), not %d" % num_sms)
+        if num_max_nvl_chunked_send_tokens >= num_max_nvl_chunked_recv_tokens:
+            raise ConfigError("Config: NVL send chunk %d must be smaller than the receive buffer %d"
+                              % (num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens))
+        if num_max_rdma_chunked_send_tokens >= num_max_rdma_chunked_recv_tokens:
+            raise ConfigError("Config: RDMA send chunk %d must be smaller than the receive buffer %d"
+                              % (num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens))
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def _channels(self):
+        return self.num_sms // 2
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        """Bytes of an intranode buffer for this config: per channel and rank, the receive ring
+        of tokens (hidden bytes + 128 B of routing metadata each) plus 4 KiB of counters."""
+        _check_pos(hidden_bytes, "hidden_bytes")
+        _check_pos(num_ranks, "num_ranks")
+        per_token = hidden_bytes + 128
+        n = self._channels() * num_ranks * (self.num_max_nvl_chunked_recv_tokens * per_token + 4096)
+        return lay.align(n, 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        """Bytes of an internode buffer for this config: per channel, a send and a receive ring
+        per node (8 ranks a node) of tokens (hidden bytes + 128 B metadata)."""
+        _check_pos(hidden_bytes, "hidden_bytes")
+        _check_pos(num_ranks, "num_ranks")
+        nodes = max(1, num_ranks // 8)
+        per_token = hidden_bytes + 128
+        n = self._channels() * nodes * 2 * (self.num_max_rdma_chunked_recv_tokens * per_token + 4096)
+        return lay.align(n, 128)
+
+    def __repr__(self):
+        return ("Config(num_sms=%d, nvl_send=%d, nvl_recv=%d, rdma_send=%d, rdma_recv=%d)" % (
+            self.num_sms, self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens,
+            self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens))
+
+
+def _check_pos(v, name):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError("%s must be a positive int, not %r" % (name, v))
+
+
+def _on_gpu():
+    from gpunet.host.platform import get_platform
+    return get_platform().name == "cuda"
+
+
+def _addr(t):
+    return 0 if t is None else int(t.data_ptr())
+
+
+# HOST arm launch geometry: two blocks (the cross-block protocol runs in CI) of two warps each.
+# Every thread is an OS thread on the CI machine's 2 cores, so it stays small; each block's
+# threads wait on peers, so the grid must be co-resident (it is: far below the emulator's wave).
+HOST_BLOCKS = 2
+HOST_WARPS_PER_BLOCK = 2
+# CUDA: one block per two SMs, 8 warps each: room for another process's blocks on the same SMs
+# (ranks sharing a GPU under MPS must all be resident at once: the blocks wait for each other).
+CUDA_WARPS_PER_BLOCK = 8
+
+
+class Buffer:
+    """The EP communication buffers of one rank (DeepEP V1's ``Buffer``; low-latency mode).
+
+    Attributes (as DeepEP's): ``rank``, ``group``, ``group_size``, ``num_nvl_bytes``,
+    ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``, ``enable_shrink``,
+    ``runtime`` (here: the gpunet Context that owns the NIC, heap and transports).
+    Only two LL buffers exist and the tensors a call returns (and the handle a dispatch returns)
+    stay valid while at most two LL calls follow it: hold at most 2 LL results at once (DeepEP's
+    rule). Calls of one Buffer must be ordered on one stream.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                 explicitly_destroy=False, enable_shrink=False, comm=None, *, transport="auto",
+                 timeout_s=100.0, diagnostics=False, num_blocks=None, block_threads=None,
+                 warp_size=None):
+        """Collective over ``group``: every rank builds its buffers and connects to every peer.
+
+        Arguments (DeepEP's): ``group`` a torch.distributed ProcessGroup (None: the default
+        group); ``num_nvl_bytes`` (kept for the high-throughput mode; allocated on first use of
+        ``get_local_buffer_tensor``); ``num_rdma_bytes`` the low-latency buffer, in the symmetric
+        heap (size it with ``get_low_latency_rdma_size_hint``); ``low_latency_mode``;
+        ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl`` (accepted:
+        gpunet uses one QP or proxy channel per peer); ``explicitly_destroy`` (then ``destroy()``
+        frees everything; else the garbage collector does); ``enable_shrink`` (a peer that stops
+        answering is masked instead of raising EPTimeout); ``comm`` (mpi4py: not supported).
+
+        gpunet extensions (keyword-only): ``transport`` as gpunet.init's; ``timeout_s`` the bound
+        of every wait on a peer (runtime-settable: ``set_timeout``); ``diagnostics`` keeps the
+        per-peer wait-cost matrices on when the caller passes none (``report()``);
+        ``num_blocks`` / ``block_threads`` the kernels' grid; ``warp_size`` the HOST arm's warp
+        (32 or 64; GPUs use theirs).
+        """
+        from gpunet.context import Context
+
+        if comm is not None:
+            raise ConfigError("Buffer(comm=...): mpi4py communicators are not supported; pass a "
+                              "torch.distributed ProcessGroup as `group`")
+        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
+                        ("num_qps_per_rank", num_qps_per_rank)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError("Buffer: %s must be a non-negative int, not %r" % (name, v))
+        for name, v in (("low_latency_mode", low_latency_mode), ("explicitly_destroy", explicitly_destroy),
+                        ("enable_shrink", enable_shrink), ("diagnostics", diagnostics)):
+            if not isinstance(v, bool):
+                raise ConfigError("Buffer: %s must be a bool, not %r" % (name, v))
+        self._closed = True            # until the Context exists
+        self._ctx = None
+        self.group = group
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.diagnostics = diagnostics
+        self.num_qps_per_rank = num_qps_per_rank
+        ctx = Context(group=group, transport=transport,
+                      heap_bytes=self._heap_bytes(num_rdma_bytes, group),
+                      timeout_s=float(timeout_s), warp_size=warp_size)
+        self._ctx = ctx
+        self.runtime = ctx
+        self._closed = False
+        try:
+            self._setup(num_blocks, block_threads, float(timeout_s))
+        except BaseException:
+            self._close()
+            raise
+        if not explicitly_destroy:
+            self._finalizer = weakref.finalize(self, Buffer._finalize, ctx)
+
+    @staticmethod
+    def _heap_bytes(num_rdma_bytes, group):
+        import torch.distributed as dist
+        r = group.size() if group is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+        _, ctl = lay.ctl_layout(r)
+        from gpunet.context import RESERVED_BYTES
+        return RESERVED_BYTES + lay.align(num_rdma_bytes, 4096) + ctl + (64 << 10)
+
+    def _setup(self, num_blocks, block_threads, timeout_s):
+        ctx = self._ctx
+        self.rank, self.group_size = ctx.rank, ctx.world_size
+        r = self.group_size
+        self._gpu = ctx.platform.name == "cuda"
+        self._device = torch.device("cuda") if self._gpu else torch.device("cpu")
+        self._lib = dep.load_ep("cuda" if self._gpu else "host")
+        self._ws = 32 if self._gpu else ctx.warp_size
+        if self._gpu:
+            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            self._grid = num_blocks or max(1, min(32, sms // 2))
+            self._block = block_threads or CUDA_WARPS_PER_BLOCK * 32
+        else:
+            self._grid = num_blocks or HOST_BLOCKS
+            self._block = block_threads or HOST_WARPS_PER_BLOCK * self._ws
+        if self._block % self._ws or not 0 < self._block <= 1024 or self._grid < 1:
+            raise ConfigError("Buffer: block_threads must be a multiple of the warp size (%d) up to "
+                              "1024 and num_blocks >= 1 (got %r, %r)" % (self._ws, block_threads, num_blocks))
+        if not self._gpu and self._grid * self._block > 1024:
+            raise ConfigError("Buffer: on the CPU platform the grid (num_blocks * block_threads = %d) "
+                              "must be co-resident in the HOST emulator's wave of 1024 threads"
+                              % (self._grid * self._block))
+        # the RDMA buffer (user-visible) and the control allocation (signals, per-peer state)
+        self._ll = ctx.alloc((self.num_rdma_bytes,), torch.uint8) if self.num_rdma_bytes else None
+        self._ctl_off, ctl_bytes = lay.ctl_layout(r)
+        self._ctl = ctx.alloc((ctl_bytes,), torch.uint8)
+        base = self._ctl_base = int(self._ctl.data_ptr())
+        self._ctl_np = np.frombuffer((ctypes.c_uint8 * ctl_bytes).from_address(base), dtype=np.uint8)
+        i32 = lambda name: self._ctl_np[self._ctl_off[name]:self._ctl_off[name] + 4 * r].view(np.int32)
+        self._mask_np, self._failed_np = i32("mask"), i32("failed")
+        self._got_np, self._nrecv_np = i32("got"), i32("nrecv")
+        self._ep_status = dep.EpStatus.from_address(base + self._ctl_off["status"])
+        self._peer_status = [abi.Status.from_address(base + self._ctl_off["peer_status"] + 128 * p)
+                             for p in range(r)]
+        # workspace (device memory): signal counts seen, grid sync words; per shape: the rest
+        self._expected = torch.zeros(5 * r, dtype=torch.int64, device=self._device)
+        self._sync = torch.zeros(dep.SYNC_WORDS * dep.SYNC_STRIDE, dtype=torch.int64, device=self._device)
+        self._shape_ws = {}
+        self._ctxs_buf = None
+        self.set_timeout(timeout_s)
+        self._ll_idx = 0
+        self._nvl = None
+        self._stats = {"dispatch": torch.zeros(r, r, dtype=torch.int64, device=self._device),
+                       "combine": torch.zeros(r, r, dtype=torch.int64, device=self._device)}
+        self._warned_masked = set()
+
+    # ---- lifetime ---------------------------------------------------------------------------
+    @staticmethod
+    def _finalize(ctx):
+        try:
+            ctx.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing to report to
+            pass
+
+    def _close(self):
+        if self._ctx is not None:
+            fin = getattr(self, "_finalizer", None)
+            if fin is not None:
+                fin.detach()
+            ctx, self._ctx = self._ctx, None
+            self._closed = True
+            ctx.close()
+
+    def destroy(self):
+        """Free every resource (NIC, heap, transports). Requires ``explicitly_destroy=True``
+        (as DeepEP); not collective. The Buffer is unusable afterwards."""
+        if not self.explicitly_destroy:
+            raise ConfigError("destroy(): this Buffer was made with explicitly_destroy=False, so the "
+                              "garbage collector frees it; pass explicitly_destroy=True to destroy it "
+                              "yourself")
+        self._close()
+        self.runtime = None
+
+    def _alive(self):
+        if self._closed:
+            raise ClosedError("this gpunet.ep.Buffer was destroyed")
+
+    # ---- DeepEP's static helpers ------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled():
+        """True: gpunet compiles its CUDA arm for sm_90 (GPUNET_CUDA_ARCH)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        """SMs of the high-throughput kernels (must be even, as DeepEP's)."""
+        if isinstance(new_num_sms, bool) or not isinstance(new_num_sms, int) or new_num_sms < 2 \
+                or new_num_sms % 2:
+            raise ConfigError("set_num_sms: the SM count must be an even int >= 2, not %r" % (new_num_sms,))
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture():
+        """An EventOverlap of an event recorded on the current stream now."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                       num_experts, *, breakdown=False):
+        """Bytes the RDMA buffer needs for low-latency calls of this shape (pass them as
+        ``num_rdma_bytes``). Any hidden that is a multiple of 128, any token count; raises
+        ConfigError for a shape whose buffer would overflow an offset (int32 positions, 39-bit
+        heap offsets). ``breakdown=True`` (gpunet): returns ``(bytes, {area: bytes})`` over both
+        LL buffers."""
+        layout = lay.LlLayout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+        if breakdown:
+            return layout.total, layout.breakdown()
+        return layout.total
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        """A Config for the high-throughput dispatch (any rank count)."""
+        _check_pos(num_ranks, "num_ranks")
+        return Config(Buffer.num_sms, 6 if num_ranks > 2 else 24, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        """A Config for the high-throughput combine (any rank count)."""
+        _check_pos(num_ranks, "num_ranks")
+        return Config(Buffer.num_sms, 4 if num_ranks > 2 else 10, 256, 6, 128)
+
+    def get_comm_stream(self):
+        """The communication stream (CUDA: a torch.cuda.Stream of this Buffer; the CPU platform has
+        no streams: None). Low-latency kernels run on the caller's current stream, as DeepEP's."""
+        self._alive()
+        if not self._gpu:
+            return None
+        if getattr(self, "_comm_stream", None) is None:
+            self._comm_stream = torch.cuda.Stream()
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        """The raw buffer as a tensor of ``dtype`` from byte ``offset`` (``size``: a torch.Size,
+        the first size.numel() elements viewed with that shape). ``use_rdma_buffer``: the RDMA
+        (low-latency) buffer in the symmetric heap; else the NVL buffer (num_nvl_bytes of device
+        memory, made on first use). Callers may use the RDMA buffer as scratch between LL phases,
+        then call ``clean_low_latency_buffer`` on every rank before the next LL call."""
+        self._alive()
+        if use_rdma_buffer:
+            raw = self._ll if self._ll is not None else torch.empty(0, dtype=torch.uint8, device=self._device)
+        else:
+            if self._nvl is None:
+                self._nvl = torch.zeros(self.num_nvl_bytes, dtype=torch.uint8, device=self._device)
+            raw = self._nvl
+        es = torch.empty((), dtype=dtype).element_size()
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= raw.numel():
+            raise ConfigError("get_local_buffer_tensor: offset %r outside [0, %d] bytes"
+                              % (offset, raw.numel()))
+        n = (raw.numel() - offset) // es
+        t = raw[offset:offset + n * es].view(dtype)
+        if size is None:
+            return t
+        size = torch.Size(size)
+        if size.numel() > t.numel():
+            raise ConfigError("get_local_buffer_tensor: size %s needs %d elements, the buffer holds %d"
+                              % (tuple(size), size.numel(), t.numel()))
+        return t[:size.numel()].view(size)
+
+    # ---- high-throughput mode: part 2 -------------------------------------------------------
+    def get_dispatch_layout(self, *args, **kwargs):
+        raise NotImplementedError("get_dispatch_layout: " + _HT)
+
+    def dispatch(self, *args, **kwargs):
+        raise NotImplementedError("dispatch: " + _HT)
+
+    def combine(self, *args, **kwargs):
+        raise NotImplementedError("combine: " + _HT)
+
+    def internode_dispatch(self, *args, **kwargs):
+        raise NotImplementedError("internode_dispatch: " + _HT)
+
+    def internode_combine(self, *args, **kwargs):
+        raise NotImplementedError("internode_combine: " + _HT)
+
+    def intranode_dispatch(self, *args, **kwargs):
+        raise NotImplementedError("intranode_dispatch: " + _HT)
+
+    def intranode_combine(self, *args, **kwargs):
+        raise NotImplementedError("intranode_combine: " + _HT)
+
+    # ---- timeout, masks, stats ----------------------------------------------------------------
+    @property
+    def timeout_s(self):
+        """The bound (seconds) of every wait on a peer; settable at run time (``set_timeout``)."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds):
+        self.set_timeout(seconds)
+
+    def set_timeout(self, seconds):
+        """Set the bound of every device wait on a peer from the next call on (DeepEP fixes 100 s
+        at build time). A peer silent for this long is masked (enable_shrink) or named in an
+        EPTimeout."""
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 86400:
+            raise ConfigError("timeout_s must be a number of seconds in (0, 86400], not %r" % (seconds,))
+        self._timeout_s = float(seconds)
+        self._write_ctxs()
+
+    def _write_ctxs(self):
+        """The per-peer device contexts: the Context's DevCtx, each with its own Status block and
+        this Buffer's timeout (a failure on one peer never makes operations to others fail fast)."""
+        r = self.group_size
+        base = self._ctx._dev.ctx          # the Context's device context (host copy)
+        arr = (abi.DevCtx * r)()
+        for p in range(r):
+            ctypes.memmove(ctypes.addressof(arr[p]), ctypes.addressof(base), ctypes.sizeof(abi.DevCtx))
+            arr[p].status = self._ctl_base + self._ctl_off["peer_status"] + 128 * p
+            arr[p].timeout_ns = int(self._timeout_s * 1e9)
+        raw = torch.frombuffer(bytearray(bytes(arr)), dtype=torch.uint8)
+        if self._ctxs_buf is None:
+            self._ctxs_buf = torch.zeros(raw.numel() + 128, dtype=torch.uint8, device=self._device)
+        # 128-byte aligned inside the buffer (DevCtx is read as 16-byte words on GPUs)
+        off = (-self._ctxs_buf.data_ptr()) % 128
+        self._ctxs_buf[off:off + raw.numel()].copy_(raw)
+        self._ctxs_addr = self._ctxs_buf.data_ptr() + off
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        """Mask (``mask=True``) or unmask a rank: a masked rank is neither sent to nor waited for
+        in dispatch, combine and clean, and counts 0. Unmasking also forgets its failure; call
+        ``clean_low_latency_buffer`` on every live rank before the next LL call. Needs
+        ``enable_shrink=True``."""
+        self._alive()
+        self._need_shrink("low_latency_update_mask_buffer")
+        r = self._rank_arg(rank_to_mask, "rank_to_mask")
+        self._mask_np[r] = 1 if mask else 0
+        if not mask:
+            self._forget_failure(r)
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """Write the mask into ``mask_status`` ([num_ranks] int32 tensor; 1 = masked)."""
+        self._alive()
+        self._need_shrink("low_latency_query_mask_buffer")
+        if not isinstance(mask_status, torch.Tensor) or mask_status.dtype != torch.int32 or \
+                tuple(mask_status.shape) != (self.group_size,):
+            raise ConfigError("low_latency_query_mask_buffer: mask_status must be an int32 tensor of "
+                              "shape [%d]" % self.group_size)
+        mask_status.copy_(torch.from_numpy(self._mask_np.copy()))
+
+    def low_latency_clean_mask_buffer(self):
+        """Unmask every rank (and forget their failures)."""
+        self._alive()
+        self._need_shrink("low_latency_clean_mask_buffer")
+        for r in range(self.group_size):
+            self._mask_np[r] = 0
+            self._forget_failure(r)
+
+    def _forget_failure(self, r):
+        self._failed_np[r] = 0
+        ctypes.memset(ctypes.addressof(self._peer_status[r]), 0, 128)
+        self._warned_masked.discard(r)
+
+    def _need_shrink(self, what):
+        if not self.enable_shrink:
+            raise ConfigError("%s needs a Buffer made with enable_shrink=True (the mask buffer)" % what)
+
+    def _rank_arg(self, r, what):
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.group_size:
+            raise ConfigError("%s must be a rank in [0, %d), not %r" % (what, self.group_size, r))
+        return r
+
+    def masked_ranks(self):
+        """(gpunet) The ranks masked now, as a sorted list."""
+        return [p for p in range(self.group_size) if self._mask_np[p]]
+
+    def report(self):
+        """(gpunet) The cumulative per-peer wait costs this Buffer measured (diagnostics=True, on
+        calls that passed no stats tensor of their own): {"dispatch": [R] ns waited for each
+        source, "combine": [R], "slowest": {phase: (rank, ns)}, "masked": [...]}."""
+        self._alive()
+        out = {"masked": self.masked_ranks(), "slowest": {}}
+        for phase, m in self._stats.items():
+            row = m[self.rank].cpu().tolist()
+            out[phase] = row
+            if any(row):
+                j = max(range(len(row)), key=lambda i: row[i])
+                out["slowest"][phase] = (j, row[j])
+        return out
+
+    # ---- workspace ------------------------------------------------------------------------------
+    def _workspace(self, t_max, num_experts):
+        key = (t_max, num_experts)
+        ws = self._shape_ws.get(key)
+        if ws is not None:
+            return ws
+        r, dev = self.group_size, self._device
+        e_loc = num_experts // r
+        cols = num_experts + r
+        nw = self._block // self._ws
+        ntiles = -(-t_max // 32)                     # tiles of the narrowest warp
+        ws = {
+            "bits": torch.zeros(nw * cols, dtype=torch.int64, device=dev),
+            "hist": torch.zeros((ntiles + 1) * cols, dtype=torch.int32, device=dev),
+            "plan": torch.zeros(2 * t_max * dep.MAX_TOPK, dtype=torch.int32, device=dev),
+            "tab": torch.zeros(3 * r * e_loc + r, dtype=torch.int32, device=dev),
+            "table": torch.full((t_max * dep.MAX_TOPK,), -1, dtype=torch.int64, device=dev),
+        }
+        self._shape_ws[key] = ws
+        return ws
+
+    def _reset_workspace(self):
+        """After a launch that failed half way: grid words, bitmaps and slot tables back to their
+        between-launch values (stream-ordered on GPUs)."""
+        self._sync.zero_()
+        for ws in self._shape_ws.values():
+            ws["bits"].zero_()
+            ws["table"].fill_(-1)
+        ctypes.memset(ctypes.addressof(self._ep_status), 0, ctypes.sizeof(dep.EpStatus))
+
+    # ---- launches ---------------------------------------------------------------------------------
+    def _layout(self, t_max, hidden, num_experts, what):
+        if not self.low_latency_mode:
+            raise ConfigError("%s needs a Buffer made with low_latency_mode=True" % what)
+        layout = lay.LlLayout(t_max, hidden, self.group_size, num_experts)
+        if layout.total > self.num_rdma_bytes:
+            raise ConfigError(
+                "%s: num_rdma_bytes=%d is too small for num_max_dispatch_tokens_per_rank=%d, hidden=%d, "
+                "%d ranks, %d experts: it needs %d bytes (Buffer.get_low_latency_rdma_size_hint)"
+                % (what, self.num_rdma_bytes, t_max, hidden, self.group_size, num_experts, layout.total))
+        return layout
+
+    def _params(self, op, phases, flags, buf, layout, num_tokens, topk):
+        r = self.group_size
+        P = dep.LlParams()
+        P.op, P.phases, P.flags, P.buf = op, phases, flags, buf
+        P.rank, P.nranks, P.num_experts, P.e_loc = self.rank, r, layout.num_experts, layout.e_loc
+        P.hidden, P.topk, P.num_tokens, P.t_max = layout.hidden, topk, num_tokens, layout.t_max
+        P.msg_stride, P.payload_bytes = lay.msg_stride(layout.hidden, bool(flags & dep.F_FP8))
+        P.hdr_stride, P.c_rows = layout.hdr_stride, layout.c_rows
+        P.ntiles = -(-num_tokens // self._ws)
+        P.hist_cols = layout.num_experts + r
+        P.bits_warps = self._block // self._ws
+        P.ctxs = self._ctxs_addr
+        P.timeout_ns = int((2 * self._timeout_s + 1.0) * 1e9)
+        P.sig = self._ctl_base + self._ctl_off["sig"]
+        base = int(self._ll.data_ptr())
+        for k, off in layout.buffers[buf].items():
+            setattr(P, k, base + off)
+        P.mask = self._ctl_base + self._ctl_off["mask"]
+        P.failed = self._ctl_base + self._ctl_off["failed"]
+        P.got = self._ctl_base + self._ctl_off["got"]
+        P.nrecv = self._ctl_base + self._ctl_off["nrecv"]
+        P.status = self._ctl_base + self._ctl_off["status"]
+        P.expected, P.sync = _addr(self._expected), _addr(self._sync)
+        ws = self._workspace(layout.t_max, layout.num_experts)
+        P.bits, P.hist, P.plan = _addr(ws["bits"]), _addr(ws["hist"]), _addr(ws["plan"])
+        P.tab, P.table = _addr(ws["tab"]), _addr(ws["table"])
+        if self.enable_shrink:
+            P.flags |= dep.F_SHRINK
+        return P
+
+    def _launch(self, P, what, grid=None):
+        stream = torch.cuda.current_stream().cuda_stream if self._gpu else None
+        rc = self._lib.gpunet_ep_ll_launch(ctypes.addressof(P), grid or self._grid, self._block,
+                                           self._ws, stream, 0)
+        if rc != 0:
+            raise GpunetError("%s: EP kernel launch failed (error %d)" % (what, rc))
+
+    def _check(self, what, phase):
+        """Raise what the kernels recorded: an EP-level failure (then the workspace is reset), or,
+        without enable_shrink, the peers that failed (EPTimeout). CPU: the launch just finished;
+        CUDA: whatever launches have completed so far (host-mapped state, no device sync)."""
+        st = self._ep_status
+        if st.code:
+            err = self._ep_error(what)
+            self._reset_workspace()
+            raise err
+        failed = [p for p in range(self.group_size) if self._failed_np[p]]
+        if not failed:
+            return
+        if self.enable_shrink:
+            new = [p for p in failed if p not in self._warned_masked]
+            if new:
+                log.warning("gpunet.ep rank %d: %s masked rank(s) %s: %s", self.rank, what, new,
+                            "; ".join(self._peer_detail(p) for p in new))
+                self._warned_masked.update(new)
+            return
+        seen = {p: (int(self._nrecv_np[p]) if self._got_np[p] else None) for p in range(self.group_size)}
+        raise EPTimeout("%s on rank %d: peer(s) %s did not answer or failed within %.3g s (%s); pass "
+                        "enable_shrink=True to mask them and go on" % (
+                            what, self.rank, failed, self._timeout_s,
+                            "; ".join(self._peer_detail(p) for p in failed)),
+                        phase=phase, peers_silent=failed, counts_seen=seen)
+
+    def _peer_detail(self, p):
+        err = abi.status_error(self._peer_status[p], "rank %d" % p)
+        return str(err) if err is not None else "rank %d: failed (no detail recorded)" % p
+
+    def _ep_error(self, what):
+        st = self._ep_status
+        code = int(st.code)
+        text = "%s on rank %d: %s, at %s (peer %d, block %d; expected %d, observed %d, %.3f s)" % (
+            what, self.rank, dep.EP_ERR_NAMES.get(code, "EP failure %d" % code),
+            dep.EP_SITE_NAMES.get(int(st.site), "site %d" % st.site), st.peer, st.block,
+            st.expected, st.observed, st.waited_ns / 1e9)
+        if code == dep.EP_ERR_GRID_WAIT:
+            return GpunetTimeoutError(text)
+        if code in (dep.EP_ERR_MISMATCH, dep.EP_ERR_LAYOUT):
+            return ConfigError(text)
+        return GpunetError(text)
+
+    def _tensor(self, t, name, dtype, shape=None, ndim=None):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
+        if t.dtype != dtype:
+            raise ConfigError("%s must be %s, not %s" % (name, dtype, t.dtype))
+        if t.device.type != self._device.type:
+            raise ConfigError("%s is on %s; this Buffer's tensors are on %s" % (name, t.device, self._device))
+        if ndim is not None and t.dim() != ndim:
+            raise ConfigError("%s must have %d dimensions, has shape %s" % (name, ndim, tuple(t.shape)))
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ConfigError("%s must have shape %s, not %s" % (name, tuple(shape), tuple(t.shape)))
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            t = t.contiguous().clone() if t.data_ptr() % 16 else t.contiguous()
+        return t
+
+    def _stats_arg(self, t, name, what):
+        r = self.group_size
+        if t is None:
+            if self.diagnostics:
+                return self._stats[what], dep.F_WAIT_STATS_2D
+            return None, 0
+        t2 = self._tensor(t, name, torch.int64)
+        if tuple(t.shape) == (r,):
+            flag = 0
+        elif tuple(t.shape) == (r, r):
+            flag = dep.F_WAIT_STATS_2D
+        else:
+            raise ConfigError("%s must be int64 [%d] or [%d, %d] (ns waited per source; [R, R]: this "
+                              "rank's row), not %s" % (name, r, r, r, tuple(t.shape)))
+        if t2.data_ptr() != t.data_ptr():
+            raise ConfigError("%s must be contiguous (the kernel adds into it in place)" % name)
+        return t, flag
+
+    # ---- low-latency mode ---------------------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Collective over the live (unmasked) ranks: after it, every rank's signal counts equal
+        what has arrived and the kernels' scratch is reset, so the next LL call starts clean —
+        after the RDMA buffer was used as scratch, after a failed call, or after unmasking a
+        rank. Every live rank must call it. Bounded: a silent rank is masked or raises."""
+        self._alive()
+        layout = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                              "clean_low_latency_buffer")
+        self._reset_workspace()
+        P = self._params(dep.OP_CLEAN, 0, 0, 0, layout, 0, 1)
+        self._launch(P, "clean_low_latency_buffer", grid=1)
+        self._check("clean_low_latency_buffer", "clean")
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
+                             use_ue8m0=False, async_finish=False, return_recv_hook=False,
+                             topk_weights=None, x_global_scale=None, use_nvfp4=False,
+                             use_ue8m0_for_sf=False):
+        """Send each token to the ranks of its top-k experts (once per rank) and receive this
+        rank's experts' tokens in DeepEP's packed layout.
+
+        Arguments: ``x`` bf16 [T, H] (T <= num_max_dispatch_tokens_per_rank, H any multiple of
+        128); ``topk_idx`` int64 [T, K] (K <= 16, -1 = no expert); ``num_max_dispatch_tokens_per_rank``
+        (the same on every rank; any size); ``num_experts`` (a multiple of the rank count);
+        ``cumulative_local_expert_recv_stats`` int32 [E_loc] (+= the counts received);
+        ``dispatch_wait_recv_cost_stats`` int64 [R] or [R, R] (+= ns waited for each source; [R, R]:
+        this rank's row); ``use_fp8`` (e4m3 + float scale per 128 columns: amax/448), ``round_scale``
+        (scales rounded up to powers of two), ``use_ue8m0`` (scales packed as UE8M0, implies
+        rounding); ``async_finish`` (return an event); ``return_recv_hook`` (this call only sends;
+        ``hook()`` receives). ``topk_weights``, ``x_global_scale``, ``use_ue8m0_for_sf`` (other
+        DeepEP branches' arguments) are accepted and unused; ``use_nvfp4`` is not implemented.
+
+        Returns ``(recv_x, recv_count, handle, event, hook)``: recv_x bf16 [E_loc, R*T_max, H], or
+        with use_fp8 ``(fp8 [E_loc, R*T_max, H], scales)`` with scales float32
+        [E_loc, R*T_max, H/128] or (use_ue8m0) int32 [E_loc, R*T_max, ceil(H/512)], both
+        column-major in the last two dims (``.transpose(1, 2)`` of a contiguous [E_loc, G, R*T_max]);
+        recv_count int32 [E_loc] (only the first recv_count[e] rows of expert e are valid);
+        handle ``(src_info int32 [E_loc, R*T_max], layout_range int64 [E_loc, R] = begin << 32 | count,
+        T_max, H, num_experts)``; event an EventOverlap; hook a callable (a no-op without
+        return_recv_hook). Rows of expert e from source rank j sit at [begin_j, begin_j + count_j)
+        in increasing token order (deterministic).
+        """
+        self._alive()
+        what = "low_latency_dispatch"
+        if use_nvfp4:
+            raise NotImplementedError("low_latency_dispatch(use_nvfp4=True): NVFP4 is not implemented "
+                                      "in gpunet's low-latency mode; use use_fp8 (e4m3) or bf16")
+        t_max, e = num_max_dispatch_tokens_per_rank, num_experts
+        if not isinstance(x, torch.Tensor) or x.dim() != 2:
+            raise ConfigError("%s: x must be a bf16 tensor [num_tokens, hidden]" % what)
+        x = self._tensor(x, "x", torch.bfloat16, ndim=2)
+        num_tokens, hidden = x.shape
+        layout = self._layout(t_max, hidden, e, what)
+        topk_idx = self._tensor(topk_idx, "topk_idx", topk_idx_t, ndim=2)
+        k = topk_idx.shape[1]
+        if topk_idx.shape[0] != num_tokens:
+            raise ConfigError("%s: x has %d tokens, topk_idx %d" % (what, num_tokens, topk_idx.shape[0]))
+        if not 1 <= k <= dep.MAX_TOPK:
+            raise ConfigError("%s: top-k %d outside [1, %d]" % (what, k, dep.MAX_TOPK))
+        if num_tokens > t_max:
+            raise ConfigError("%s: %d tokens > num_max_dispatch_tokens_per_rank %d"
+                              % (what, num_tokens, t_max))
+        el, r = layout.e_loc, self.group_size
+        if cumulative_local_expert_recv_stats is not None:
+            c = self._tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats",
+                             torch.int32, shape=(el,))
+            if c.data_ptr() != cumulative_local_expert_recv_stats.data_ptr():
+                raise ConfigError("cumulative_local_expert_recv_stats must be contiguous (updated in place)")
+        stats, sflag = self._stats_arg(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats",
+                                       "dispatch")
+        flags = sflag
+        if use_fp8:
+            flags |= dep.F_FP8
+            if round_scale:
+                flags |= dep.F_ROUND_SCALE
+            if use_ue8m0:
+                flags |= dep.F_UE8M0
+        rows = r * t_max
+        dev = self._device
+        if use_fp8:
+            recv_x = torch.empty((el, rows, hidden), dtype=torch.float8_e4m3fn, device=dev)
+            g = hidden // dep.GROUP
+            if use_ue8m0:
+                scales = torch.empty((el, -(-g // 4), rows), dtype=torch.int32, device=dev)
+            else:
+                scales = torch.empty((el, g, rows), dtype=torch.float32, device=dev)
+        else:
+            recv_x = torch.empty((el, rows, hidden), dtype=torch.bfloat16, device=dev)
+            scales = None
+        count = torch.empty(el, dtype=torch.int32, device=dev)
+        src_info = torch.empty((el, rows), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((el, r), dtype=torch.int64, device=dev)
+        buf = self._ll_idx
+        self._ll_idx ^= 1
+        P = self._params(dep.OP_DISPATCH, 0, flags, buf, layout, num_tokens, k)
+        P.x, P.topk_idx = _addr(x), _addr(topk_idx)
+        P.out_x, P.out_scales, P.out_count = _addr(recv_x), _addr(scales), _addr(count)
+        P.src_info, P.layout_range = _addr(src_info), _addr(layout_range)
+        P.cum_stats = _addr(cumulative_local_expert_recv_stats)
+        P.wait_stats = _addr(stats)
+        keep = (x, topk_idx, recv_x, scales, count, src_info, layout_range,
+                cumulative_local_expert_recv_stats, stats)
+        hook = self._run_phases(P, what, "dispatch", return_recv_hook, keep)
+        handle = (src_info, layout_range, t_max, hidden, e)
+        out_x = (recv_x, scales.transpose(1, 2)) if use_fp8 else recv_x
+        event = EventOverlap(EventHandle(), keep if async_finish else None) if async_finish \
+            else EventOverlap(None)
+        return out_x, count, handle, event, hook
+
+    def _run_phases(self, P, what, phase, return_recv_hook, keep):
+        """Send now; receive now too, or in the returned hook (return_recv_hook)."""
+        if not return_recv_hook:
+            P.phases = dep.PH_SEND | dep.PH_RECV
+            self._launch(P, what)
+            self._check(what, phase)
+            return lambda: None
+        P.phases = dep.PH_SEND
+        self._launch(P, what + " (send)")
+        self._check(what, phase)
+        R = dep.LlParams()
+        ctypes.memmove(ctypes.addressof(R), ctypes.addressof(P), ctypes.sizeof(P))
+        R.phases = dep.PH_RECV
+        state = {"done": False}
+
+        def hook():
+            """Receive what the matching send announced (once)."""
+            if state["done"]:
+                raise ConfigError("%s: this receive hook was called already" % what)
+            self._alive()
+            state["done"] = True
+            _ = keep
+            self._launch(R, what + " (receive hook)")
+            self._check(what, phase)
+        return hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The next low_latency_combine's send buffer as a bf16 tensor
+        [E_loc, R*T_max, H] in the symmetric heap: write the expert outputs there and call
+        ``low_latency_combine(..., zero_copy=True)`` to skip the copy."""
+        self._alive()
+        t_max, hidden, e = self._handle(handle, "get_next_low_latency_combine_buffer")[2:5]
+        layout = self._layout(t_max, hidden, e, "get_next_low_latency_combine_buffer")
+        off = layout.buffers[self._ll_idx]["c_send"]
+        n = layout.e_loc * self.group_size * t_max * hidden
+        return self._ll[off:off + 2 * n].view(torch.bfloat16).view(layout.e_loc, self.group_size * t_max,
+                                                                    hidden)
+
+    def _handle(self, handle, what):
+        if not isinstance(handle, (tuple, list)) or len(handle) != 5:
+            raise ConfigError("%s: handle must be the 5-tuple low_latency_dispatch returned "
+                              "(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, "
+                              "num_experts)" % what)
+        src_info, layout_range, t_max, hidden, e = handle
+        return src_info, layout_range, int(t_max), int(hidden), int(e)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
+                            zero_copy=False, async_finish=False, return_recv_hook=False, out=None,
+                            combine_wait_recv_cost_stats=None, overlap=False, src_signals=None,
+                            src_signal_expect_value=0, packed_recv_count=None, comp_signal=None,
+                            block_m=64, threshold=0, num_sms=3):
+        """Send each expert output row back to its token's rank and reduce there with the weights.
+
+        Arguments: ``x`` bf16 [E_loc, R*T_max, H] (the experts' outputs in the dispatch layout);
+        ``topk_idx`` int64 [T, K] and ``topk_weights`` float32 [T, K] (this rank's routing, as
+        dispatched); ``handle`` the dispatch's; ``zero_copy`` (x is
+        ``get_next_low_latency_combine_buffer(handle)``, already filled); ``async_finish``,
+        ``return_recv_hook`` as in dispatch; ``out`` bf16 [T, H] to write into;
+        ``combine_wait_recv_cost_stats`` int64 [R] or [R, R]. ``use_logfmt`` is not implemented;
+        the other branches' arguments (overlap, src_signals, ...) are accepted and unused.
+
+        Returns ``(combined_x, event, hook)``: combined_x bf16 [T, H] =
+        sum_k w[t,k] * x_of_expert(topk_idx[t,k])[row of (this rank, t)] over k with
+        topk_idx[t,k] != -1 and the expert's rank not masked, in float32, rounded to bf16 once.
+        """
+        self._alive()
+        what = "low_latency_combine"
+        if use_logfmt:
+            raise NotImplementedError("low_latency_combine(use_logfmt=True): the LogFMT 10-bit format is "
+                                      "not implemented in gpunet's low-latency mode")
+        if overlap:
+            raise NotImplementedError("low_latency_combine(overlap=True): signal-driven overlap (DeepEP "
+                                      "branch argument) is not implemented")
+        src_info, layout_range, t_max, hidden, e = self._handle(handle, what)
+        layout = self._layout(t_max, hidden, e, what)
+        el, r = layout.e_loc, self.group_size
+        rows = r * t_max
+        x = self._tensor(x, "x", torch.bfloat16, shape=(el, rows, hidden))
+        topk_idx = self._tensor(topk_idx, "topk_idx", topk_idx_t, ndim=2)
+        num_tokens, k = topk_idx.shape
+        if not 1 <= k <= dep.MAX_TOPK:
+            raise ConfigError("%s: top-k %d outside [1, %d]" % (what, k, dep.MAX_TOPK))
+        if num_tokens > t_max:
+            raise ConfigError("%s: %d tokens > num_max_dispatch_tokens_per_rank %d"
+                              % (what, num_tokens, t_max))
+        topk_weights = self._tensor(topk_weights, "topk_weights", torch.float32, shape=(num_tokens, k))
+        src_info = self._tensor(src_info, "handle's src_info", torch.int32, shape=(el, rows))
+        layout_range = self._tensor(layout_range, "handle's layout_range", torch.int64, shape=(el, r))
+        stats, sflag = self._stats_arg(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats",
+                                       "combine")
+        buf = self._ll_idx
+        flags = sflag
+        if zero_copy:
+            want = int(self._ll.data_ptr()) + layout.buffers[buf]["c_send"]
+            if x.data_ptr() != want:
+                raise ConfigError("%s(zero_copy=True): x must be the tensor "
+                                  "get_next_low_latency_combine_buffer(handle) returned just before "
+                                  "this call" % what)
+            flags |= dep.F_ZERO_COPY
+        if out is None:
+            out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self._device)
+        else:
+            o2 = self._tensor(out, "out", torch.bfloat16, shape=(num_tokens, hidden))
+            if o2.data_ptr() != out.data_ptr():
+                raise ConfigError("%s: out must be contiguous and 16-byte aligned (written in place)" % what)
+        self._ll_idx ^= 1
+        P = self._params(dep.OP_COMBINE, 0, flags, buf, layout, num_tokens, k)
+        P.x, P.topk_idx, P.topk_weights = _addr(x), _addr(topk_idx), _addr(topk_weights)
+        P.out_x, P.src_info, P.layout_range = _addr(out), _addr(src_info), _addr(layout_range)
+        P.wait_stats = _addr(stats)
+        keep = (x, topk_idx, topk_weights, src_info, layout_range, out, stats)
+        hook = self._run_phases(P, what, "combine", return_recv_hook, keep)
+        event = EventOverlap(EventHandle(), keep) if async_finish else EventOverlap(None)
+        return out, event, hook
