@@ -45,7 +45,7 @@ import torch
 
 from gpunet import mlx5
 from gpunet.device import abi
-from gpunet.errors import ClosedError, CompletionError, ConfigError, GpunetError
+from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.host.bootstrap import Bootstrap
 from gpunet.host.devctx import DeviceContext, QpDescriptor
 from gpunet.host.platform import get_platform
