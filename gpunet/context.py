@@ -34,6 +34,7 @@ Transports, per peer (DESIGN.md "Transports under one device API"):
   posts them (host/proxy.py). ``auto`` picks ibgda where the NIC's doorbell can be mapped into the
   device (the soft NIC's always can), else the proxy, and logs which and why.
 """
+import bisect
 import ctypes
 import logging
 import math
@@ -154,6 +155,9 @@ class Context:
 
     Attributes: ``rank``, ``world_size``, ``transports`` (dict peer -> "ibgda" | "proxy"),
     ``reasons`` (dict peer -> why that transport), ``platform``, ``nic``, ``heap_bytes``.
+    ``transport`` is one kind for every peer ("auto" | "ibgda" | "proxy") or a per-peer choice:
+    a dict {peer: kind, "default": kind} or a callable (rank, peer) -> kind (both ends of a pair
+    must agree, e.g. ``lambda a, b: "proxy" if (a + b) % 2 else "ibgda"``: a mixed world).
     """
 
     def __init__(self, group=None, transport="auto", nic="auto", heap_bytes=DEFAULT_HEAP_BYTES,
@@ -208,8 +212,7 @@ class Context:
             raise ConfigError("unknown keyword argument(s) %s to gpunet.init (it takes group, "
                               "transport, nic, heap_bytes, timeout_s, warp_size, proxy_threads)"
                               % ", ".join(sorted(unknown)))
-        if not isinstance(a["transport"], str) or a["transport"] not in TRANSPORTS:
-            raise ConfigError("transport must be one of %s, not %r" % (TRANSPORTS, a["transport"]))
+        _check_transport(a["transport"])
         if not isinstance(a["nic"], str) or a["nic"] not in NICS:
             raise ConfigError("nic must be one of %s, not %r" % (NICS, a["nic"]))
         hb = _index(a["heap_bytes"], "heap_bytes")
@@ -287,10 +290,12 @@ class Context:
 
         # Transports, per peer (all peers share this NIC's doorbell page, so one probe decides).
         n, me = self.world_size, self.rank
-        t, why = choose_transport(transport, self._probe_doorbell)
-        self.transports = {p: t for p in range(n)}
-        self.reasons = {p: why for p in range(n)}
+        self.transports, self.reasons = {}, {}
         for p in range(n):
+            t, why = choose_transport(_peer_transport(transport, me, p), self._probe_doorbell)
+            if not isinstance(transport, str):
+                why = "per-peer choice %r; %s" % (_peer_transport(transport, me, p), why)
+            self.transports[p], self.reasons[p] = t, why
             log.info("gpunet rank %d -> peer %d: %s (%s)", me, p, t, why)
 
         # One RC QP per peer and transport user (the device, or the proxy threads: a QP has one
@@ -364,20 +369,25 @@ class Context:
             "memory the HOST arm's device threads store to")
 
     def _setup_proxy(self, proxied, qps_per_peer, everyone, threads):
-        """One proxy channel for this rank's device code, drained by ``threads`` proxy threads."""
+        """One proxy channel per proxied peer, all drained by ``threads`` proxy threads. Per peer,
+        because a channel's recorded failure is sticky (every later quiet on it fails): a dead
+        peer then fails the operations to it alone, and code that decides per peer (gpunet.ep's
+        masking, tests/test_ep_ll.py's killed-rank tests over the proxy) can go on with the rest."""
         from gpunet.host.proxy import ProxyChannel, ProxyEngine
 
-        ch = ProxyChannel(depth=PROXY_DEPTH, platform=self.platform if self._gpu else None)
-        self._closers.append(("proxy channel", ch.close))
+        self._proxy_channels = {}            # peer -> ProxyChannel
+        for p in proxied:
+            ch = ProxyChannel(depth=PROXY_DEPTH, platform=self.platform if self._gpu else None)
+            self._closers.append(("proxy channel %d" % p, ch.close))
+            self._proxy_channels[p] = ch
         remote_heaps = [(everyone[p]["heap"], everyone[p]["rkey"]) for p in range(len(everyone))]
-        # kept to start a new engine on the same channel and QPs after a reset (_recover_proxy)
-        self._proxy_args = (self.nic, [ch], qps_per_peer, (self.heap_base, self._mr.lkey),
-                            remote_heaps)
-        self._proxy_channel = ch
+        # kept to start a new engine on the same channels and QPs after a reset (_recover_proxy)
+        self._proxy_args = (self.nic, list(self._proxy_channels.values()), qps_per_peer,
+                            (self.heap_base, self._mr.lkey), remote_heaps)
         self._proxy = ProxyEngine(*self._proxy_args, threads=threads)
         self._closers.append(("proxy engine", lambda: self._proxy.close()))
-        desc = self._dev.place(ch.descriptor())   # uint64[4]: HOST arm in place, GPU a device copy
-        for p in proxied:
+        for p, ch in self._proxy_channels.items():
+            desc = self._dev.place(ch.descriptor())  # uint64[4]: HOST arm in place, GPU a device copy
             self._dev.set_peer_proxy(p, desc, everyone[p]["heap"], everyone[p]["rkey"])
 
     # --- lifetime -----------------------------------------------------------------------------
@@ -523,7 +533,6 @@ class Context:
         """Give [off, off + size) back: merged with the free ranges it touches, and the top
         lowered when the range ends there, so that after freeing everything one allocation of the
         whole heap fits again. tests/test_api_adversarial.py::test_heap_model."""
-        import bisect
         i = bisect.bisect_left(self._free, (off, size))
         if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
             i -= 1
@@ -552,6 +561,8 @@ class Context:
         except Exception:  # noqa: BLE001 - sparse and other layouts have no plain storage
             raise ConfigError("%s: a %s tensor has no plain storage; heap tensors are dense"
                               % (what, tensor.layout)) from None
+        # _cdata names the StorageImpl, which every view of the alloc'd tensor shares (torch keeps
+        # one Python storage object per StorageImpl); the record holds it, so it is never reused
         a = self._by_storage.get(st._cdata)
         if a is None:
             inside = 0 <= st.data_ptr() - self.heap_base < self.heap_bytes
@@ -698,20 +709,21 @@ class Context:
     def _recover_proxy(self):
         from gpunet.host.proxy import ProxyEngine, resume_after_reset
 
-        ch = self._proxy_channel
+        chans = list(self._proxy_channels.values())
         bad = [(p, row[0]) for p, row in enumerate(self._proxy_args[2])
                if self.nic.qp_state(row[0]) == "ERR"]
-        if ch.error() is None and not bad:
+        if all(ch.error() is None for ch in chans) and not bad:
             return []
         # Every command pushed so far completes first (those behind an error flush), so that the
         # new engine, which resumes at `completed`, takes none of them again.
-        head = self._proxy_head()
         deadline = time.monotonic() + self.timeout_s
-        while ch.completed < head:
-            if time.monotonic() > deadline or self._proxy.alive_threads() == []:
-                return ["the proxy channel did not drain (%d of %d commands completed), so it "
-                        "stays failed; close this Context" % (ch.completed, head)]
-            time.sleep(50e-6)
+        for ch in chans:
+            head = self._proxy_head(ch)
+            while ch.completed < head:
+                if time.monotonic() > deadline or self._proxy.alive_threads() == []:
+                    return ["a proxy channel did not drain (%d of %d commands completed), so it "
+                            "stays failed; close this Context" % (ch.completed, head)]
+                time.sleep(50e-6)
         self._proxy.close()
         notes = []
         for p, qp in bad:
@@ -720,13 +732,13 @@ class Context:
             resume_after_reset(qp, self.nic.reset_qp(qp, timeout_s=self.timeout_s))
             notes.append("the proxy's QP to peer %d was reset to RTS (what was queued on it after "
                          "the failed command was discarded)" % p)
-        ch.clear_error()
+        for ch in chans:
+            ch.clear_error()
         self._proxy = ProxyEngine(*self._proxy_args, threads=self._proxy_threads)
         return notes or ["the proxy channel's failure was cleared"]
 
-    def _proxy_head(self):
-        """Commands pushed into the proxy channel so far (DevCtrl.head; on a GPU device memory)."""
-        ch = self._proxy_channel
+    def _proxy_head(self, ch):
+        """Commands pushed into proxy channel ``ch`` so far (DevCtrl.head; on a GPU device memory)."""
         if not self._gpu:
             return ch.head
         word = np.zeros(1, dtype=np.uint64)
@@ -862,6 +874,39 @@ class Context:
             if not done[0].ok:
                 self._barrier_epoch -= 1
             raise
+
+
+def _check_transport(transport):
+    """ConfigError unless ``transport`` is one of TRANSPORTS, a dict {peer: kind, "default": kind}
+    or a callable (rank, peer) -> kind (see _peer_transport)."""
+    if isinstance(transport, str) and transport in TRANSPORTS:
+        return
+    if isinstance(transport, dict):
+        for k, v in transport.items():
+            if not (k == "default" or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)):
+                raise ConfigError("transport dict: keys are peer ranks or 'default', not %r" % (k,))
+            if not isinstance(v, str) or v not in TRANSPORTS:
+                raise ConfigError("transport dict: peer %r -> %r is not one of %s" % (k, v, TRANSPORTS))
+        return
+    if callable(transport):
+        return
+    raise ConfigError("transport must be one of %s, a dict {peer: transport, 'default': transport} or "
+                      "a callable (rank, peer) -> transport, not %r" % (TRANSPORTS, transport))
+
+
+def _peer_transport(transport, rank, peer):
+    """The transport asked for between ``rank`` and ``peer``: one kind for every peer (a str), a
+    dict {peer: kind} with an optional "default" ("auto" if absent), or a callable
+    (rank, peer) -> kind, e.g. ``lambda a, b: "proxy" if (a + b) % 2 else "ibgda"``. Both ends of
+    a pair must get the same kind (init checks it); a callable symmetric in its arguments does."""
+    if isinstance(transport, str):
+        return transport
+    if isinstance(transport, dict):
+        return transport.get(peer, transport.get("default", "auto"))
+    kind = transport(rank, peer)
+    if not isinstance(kind, str) or kind not in TRANSPORTS:
+        raise ConfigError("transport(%d, %d) returned %r, not one of %s" % (rank, peer, kind, TRANSPORTS))
+    return kind
 
 
 def choose_transport(requested, probe_doorbell):

@@ -40,7 +40,7 @@ def _heads(c):
     """Every device posting counter and proxy counter of the Context (nothing posted: equal)."""
     h = [q.heads() for q in c._qpds.values()]
     if c._proxy is not None:
-        h.append((c._proxy_head(), c._proxy_channel.completed))
+        h.extend((c._proxy_head(ch), ch.completed) for ch in c._proxy_channels.values())
     return h
 
 
