@@ -1,14 +1,19 @@
 """Jobs the EP tests run on every rank (tests/mp_ranks.py runs "ep_jobs:<name>"): build a
 gpunet.ep.Buffer, run low-latency dispatch / combine rounds on inputs every rank regenerates from
 one seed (so each rank can compute every rank's reference with gpunet.ep.reference), and report
-what it checked plus the hashes of what it got. Each job takes the rank's ``state`` dict first."""
+what it checked plus the hashes of what it got. Each job takes the rank's ``state`` dict first.
+
+A round's ``spec`` (a dict): seed, t_max, hidden, topk, num_experts; routing knobs holes,
+hot_expert, empty_experts, vary_tokens, tagged; modes use_fp8, round_scale, use_ue8m0, hook,
+combine_hook, zero_copy, stats; failures: masked (ranks already masked), die = (rank, "dispatch" |
+"combine") (that rank exits at the start of that phase, the others expect it masked from then on).
+"""
 import os
 import time
 
 import torch
 import torch.distributed as dist
 
-import gpunet
 from gpunet.ep import Buffer, EPTimeout
 from gpunet.ep import reference as ref
 
@@ -67,33 +72,47 @@ def _valid(t, count):
     concatenated: what a rerun must reproduce bit for bit (the rest is unspecified)."""
     if t is None:
         return None
-    return torch.cat([t[e, :int(count[e])].contiguous().reshape(-1).view(torch.uint8)
-                      for e in range(t.shape[0])])
+    parts = []
+    for e in range(t.shape[0]):
+        rows = t[e, :int(count[e])].flatten()
+        parts.append(rows.new_empty(rows.shape).copy_(rows).view(torch.uint8))  # stride 1
+    return torch.cat(parts)
+
+
+def _ref_dispatch(spec, inputs, rank, masked):
+    return ref.ll_dispatch_ref([i["x"] for i in inputs], [i["topk_idx"] for i in inputs],
+                               spec["num_experts"], spec["t_max"], rank, masked_ranks=masked,
+                               use_fp8=spec.get("use_fp8", False),
+                               round_scale=spec.get("round_scale", False),
+                               use_ue8m0=spec.get("use_ue8m0", False))
 
 
 def _check_dispatch(spec, world, rank, inputs, got, masked):
-    """Compare a dispatch result with the reference; returns a dict of findings (empty lists = ok)."""
+    """Compare a dispatch result with the reference and with DeepEP's own checks; returns a list
+    of findings (empty: all held)."""
     use_fp8 = spec.get("use_fp8", False)
     recv_x, count, handle = got
     src_info, layout_range = handle[0], handle[1]
-    xs = [i["x"] for i in inputs]
     topks = [i["topk_idx"] for i in inputs]
-    want_x, want_count, want_src, want_lr = ref.ll_dispatch_ref(
-        xs, topks, spec["num_experts"], spec["t_max"], rank, masked_ranks=masked, use_fp8=use_fp8,
-        round_scale=spec.get("round_scale", False), use_ue8m0=spec.get("use_ue8m0", False))
+    want_x, want_count, want_src, want_lr = _ref_dispatch(spec, inputs, rank, masked)
     bad = []
     if not torch.equal(count, want_count):
         bad.append("counts %s != reference %s" % (count.tolist(), want_count.tolist()))
     if not torch.equal(layout_range, want_lr):
         bad.append("layout_range differs from the reference")
+    if tuple(handle[2:]) != (spec["t_max"], spec["hidden"], spec["num_experts"]):
+        bad.append("handle tail %r" % (tuple(handle[2:]),))
     # counts against the all-gathered routing, DeepEP's way (independent of the reference's layout)
     e_loc = spec["num_experts"] // world
     exp_counts = ref.ll_expected_counts(topks, spec["num_experts"], rank, masked_ranks=masked)
     if not torch.equal(count, exp_counts):
-        bad.append("counts differ from the gathered routing: %s vs %s" % (count.tolist(), exp_counts.tolist()))
+        bad.append("counts differ from the gathered routing: %s vs %s"
+                   % (count.tolist(), exp_counts.tolist()))
     begin, cnt = ref.unpack_layout_range(layout_range)
     if not torch.equal(cnt.sum(dim=1).to(torch.int32), count):
         bad.append("layout_range counts do not add up to recv_count")
+    if not torch.equal(begin[:, 1:], (begin + cnt)[:, :-1]) or bool((begin[:, 0] != 0).any()):
+        bad.append("layout_range ranges do not tile [0, count) in rank order")
     for e in range(e_loc):
         n = int(want_count[e])
         if not torch.equal(src_info[e, :n], want_src[e, :n]):
@@ -101,13 +120,17 @@ def _check_dispatch(spec, world, rank, inputs, got, masked):
         if use_fp8:
             q, s = recv_x
             wq, ws = want_x
+            if tuple(s.shape) != tuple(ws.shape) or s.dtype != ws.dtype or \
+                    not s.transpose(1, 2).is_contiguous():
+                bad.append("scales %s %s (stride %s) vs the reference's %s %s; they must be a "
+                           "column-major view" % (tuple(s.shape), s.dtype, s.stride(),
+                                                  tuple(ws.shape), ws.dtype))
             if not torch.equal(q[e, :n].view(torch.uint8), wq[e, :n].view(torch.uint8)):
                 bad.append("expert %d: fp8 rows differ" % e)
             if not torch.equal(s[e, :n], ws[e, :n]):
                 bad.append("expert %d: scales differ" % e)
-        else:
-            if not torch.equal(recv_x[e, :n], want_x[e, :n]):
-                bad.append("expert %d: rows differ" % e)
+        elif not torch.equal(recv_x[e, :n], want_x[e, :n]):
+            bad.append("expert %d: rows differ" % e)
         if spec.get("tagged") and not use_fp8:
             # DeepEP's self-describing rows: every row is one rank's constant, tail = token index
             for j in range(world):
@@ -118,72 +141,145 @@ def _check_dispatch(spec, world, rank, inputs, got, masked):
                 if c and not torch.equal(rows[:, -128:].float(),
                                          src_info[e, b:b + c].float().view(-1, 1).expand(c, 128)):
                     bad.append("expert %d: token tags of source %d != src_info" % (e, j))
-    return bad, (want_x, want_count, want_src, want_lr)
+    return bad
 
 
-def round_(state, spec):
-    """One dispatch + combine round on every rank (spec: seed, t_max, hidden, topk, num_experts,
-    holes, hot_expert, empty_experts, vary_tokens, tagged, use_fp8, round_scale, use_ue8m0, hook,
-    zero_copy, stats, masked). Returns findings and hashes."""
-    buf = state["ep_buf"]
-    world, rank = buf.group_size, buf.rank
-    masked = spec.get("masked", ())
-    inputs = _inputs(spec, world)
-    mine = inputs[rank]
+def _ref_combine(spec, inputs, world, rank, masked_dispatch, masked_combine):
+    """combine's reference on `rank`: every rank's experts applied to its reference dispatch."""
     e_loc = spec["num_experts"] // world
     use_fp8 = spec.get("use_fp8", False)
-    hook_mode = spec.get("hook", False)
-    cum = torch.zeros(e_loc, dtype=torch.int32) if spec.get("stats") else None
-    wstats = torch.zeros(world, world, dtype=torch.int64) if spec.get("stats") else None
-    t0 = time.monotonic()
+    outs, handles = [], []
+    for o in range(world):
+        rx, _, rs, rl = _ref_dispatch(spec, inputs, o, masked_dispatch)
+        outs.append(_expert(_decode(rx, use_fp8), o, e_loc))
+        handles.append((rs, rl, spec["t_max"], spec["hidden"], spec["num_experts"]))
+    mine = inputs[rank]
+    return ref.ll_combine_ref(outs, mine["topk_idx"], mine["topk_weights"], handles, rank,
+                              masked_ranks=masked_combine)
+
+
+def _dispatch(buf, spec, mine, stats):
+    e_loc = spec["num_experts"] // buf.group_size
+    cum = torch.zeros(e_loc, dtype=torch.int32) if stats else None
+    wstats = torch.zeros(buf.group_size, buf.group_size, dtype=torch.int64) if stats else None
     recv_x, count, handle, event, hook = buf.low_latency_dispatch(
         mine["x"], mine["topk_idx"], spec["t_max"], spec["num_experts"],
         cumulative_local_expert_recv_stats=cum, dispatch_wait_recv_cost_stats=wstats,
-        use_fp8=use_fp8, round_scale=spec.get("round_scale", False),
-        use_ue8m0=spec.get("use_ue8m0", False), return_recv_hook=hook_mode)
-    hook()
-    t_dispatch = time.monotonic() - t0
-    bad, want = _check_dispatch(spec, world, rank, inputs, (recv_x, count, handle), masked)
-    if cum is not None and not torch.equal(cum, count):
-        bad.append("cumulative_local_expert_recv_stats %s != counts %s" % (cum.tolist(), count.tolist()))
-    if wstats is not None and (bool((wstats < 0).any()) or
-                               bool((wstats[[r for r in range(world) if r != rank]] != 0).any())):
-        bad.append("dispatch wait stats: negative or outside this rank's row")
-    # combine: the expert outputs come from what dispatch delivered; the reference's from the
-    # reference dispatch of every rank
-    x_c = _expert(_decode(recv_x, use_fp8), rank, e_loc)
+        use_fp8=spec.get("use_fp8", False), round_scale=spec.get("round_scale", False),
+        use_ue8m0=spec.get("use_ue8m0", False), return_recv_hook=spec.get("hook", False))
+    return recv_x, count, handle, hook, cum, wstats
+
+
+def _combine(buf, spec, mine, recv_x, handle, stats):
+    e_loc = spec["num_experts"] // buf.group_size
+    x_c = _expert(_decode(recv_x, spec.get("use_fp8", False)), buf.rank, e_loc)
     if spec.get("zero_copy"):
         zbuf = buf.get_next_low_latency_combine_buffer(handle)
         zbuf.copy_(x_c)
         x_c = zbuf
-    cstats = torch.zeros(world, dtype=torch.int64) if spec.get("stats") else None
-    t0 = time.monotonic()
-    combined, cevent, chook = buf.low_latency_combine(
+    cstats = torch.zeros(buf.group_size, dtype=torch.int64) if stats else None
+    combined, event, hook = buf.low_latency_combine(
         x_c, mine["topk_idx"], mine["topk_weights"], handle, zero_copy=spec.get("zero_copy", False),
-        return_recv_hook=spec.get("combine_hook", hook_mode), combine_wait_recv_cost_stats=cstats)
-    chook()
-    t_combine = time.monotonic() - t0
-    xs = [i["x"] for i in inputs]
-    topks = [i["topk_idx"] for i in inputs]
-    expert_outs, handles = [], []
-    for o in range(world):
-        rx, rc, rs, rl = ref.ll_dispatch_ref(xs, topks, spec["num_experts"], spec["t_max"], o,
-                                             masked_ranks=masked, use_fp8=use_fp8,
-                                             round_scale=spec.get("round_scale", False),
-                                             use_ue8m0=spec.get("use_ue8m0", False))
-        expert_outs.append(_expert(_decode(rx, use_fp8), o, e_loc))
-        handles.append((rs, rl, spec["t_max"], spec["hidden"], spec["num_experts"]))
-    want_c = ref.ll_combine_ref(expert_outs, mine["topk_idx"], mine["topk_weights"], handles, rank,
-                                masked_ranks=masked)
-    diff = ref.calc_diff(combined, want_c) if combined.numel() else 0.0
-    nan = bool(torch.isnan(combined.float()).any())
-    out = {"bad": bad, "calc_diff": diff, "nan": nan, "count": count.tolist(),
-           "hashes": _hashes({"count": count, "src_info": _valid(handle[0], count),
-                              "layout_range": handle[1], "combined": combined,
-                              "recv_x": _valid(recv_x[0] if use_fp8 else recv_x, count),
-                              "scales": _valid(recv_x[1], count) if use_fp8 else None}),
-           "t_dispatch": t_dispatch, "t_combine": t_combine,
-           "masked": buf.masked_ranks() if buf.enable_shrink else []}
+        return_recv_hook=spec.get("combine_hook", spec.get("hook", False)),
+        combine_wait_recv_cost_stats=cstats)
+    return combined, hook, cstats
+
+
+def round_(state, spec):
+    """One dispatch + combine round on every rank (see the module docstring for spec). Returns
+    {bad: findings, calc_diff, nan, count, hashes, masked, raised: None | EPTimeout fields}."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    masked = tuple(spec.get("masked", ()))
+    victim, stage = spec.get("die", (None, None))
+    masked_dispatch = masked + ((victim,) if stage == "dispatch" else ())
+    masked_combine = masked + ((victim,) if stage is not None else ())
+    inputs = _inputs(spec, world)
+    mine = inputs[rank]
+    stats = spec.get("stats", False)
+    out = {"bad": [], "calc_diff": None, "nan": False, "raised": None, "hashes": {}}
+    if rank == victim and stage == "dispatch":
+        os._exit(0)
+    try:
+        t0 = time.monotonic()
+        recv_x, count, handle, hook, cum, wstats = _dispatch(buf, spec, mine, stats)
+        hook()
+        out["t_dispatch"] = time.monotonic() - t0
+        out["bad"] += _check_dispatch(spec, world, rank, inputs, (recv_x, count, handle), masked_dispatch)
+        if cum is not None and not torch.equal(cum, count):
+            out["bad"].append("cumulative_local_expert_recv_stats %s != counts %s"
+                              % (cum.tolist(), count.tolist()))
+        if wstats is not None:
+            others = [r for r in range(world) if r != rank]
+            if bool((wstats < 0).any()) or bool((wstats[others] != 0).any()):
+                out["bad"].append("dispatch wait stats negative or outside this rank's row")
+            out["dispatch_wait"] = wstats[rank].tolist()
+        if rank == victim and stage == "combine":
+            os._exit(0)
+        t0 = time.monotonic()
+        combined, chook, cstats = _combine(buf, spec, mine, recv_x, handle, stats)
+        chook()
+        out["t_combine"] = time.monotonic() - t0
+    except EPTimeout as e:
+        out["raised"] = {"phase": e.phase, "peers_silent": e.peers_silent,
+                         "counts_seen": e.counts_seen, "msg": str(e)[:400]}
+        return out
+    want_c = _ref_combine(spec, inputs, world, rank, masked_dispatch, masked_combine)
+    out["calc_diff"] = ref.calc_diff(combined, want_c) if combined.numel() else 0.0
+    out["nan"] = bool(torch.isnan(combined.float()).any())
     if cstats is not None:
         out["combine_wait"] = cstats.tolist()
+    use_fp8 = spec.get("use_fp8", False)
+    out["count"] = count.tolist()
+    out["hashes"] = _hashes({"count": count, "src_info": _valid(handle[0], count),
+                             "layout_range": handle[1], "combined": combined,
+                             "recv_x": _valid(recv_x[0] if use_fp8 else recv_x, count),
+                             "scales": _valid(recv_x[1], count) if use_fp8 else None})
+    out["masked"] = buf.masked_ranks() if buf.enable_shrink else []
     return out
+
+
+def two_in_flight(state, spec_a, spec_b):
+    """Two dispatches in flight (the two LL buffers): dispatch A and B (hooks), receive A then B,
+    then combine A and B (hooks), receive both; every result checked against its reference."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    res = {}
+    runs = []
+    for name, spec in (("a", dict(spec_a, hook=True)), ("b", dict(spec_b, hook=True))):
+        inputs = _inputs(spec, world)
+        got = _dispatch(buf, spec, inputs[rank], False)
+        runs.append((name, spec, inputs, got))
+    for _, _, _, got in runs:
+        got[3]()                                        # receive hooks, in order A, B
+    combs = []
+    for name, spec, inputs, got in runs:
+        recv_x, count, handle = got[0], got[1], got[2]
+        res[name] = {"bad": _check_dispatch(spec, world, rank, inputs, (recv_x, count, handle), ())}
+        combs.append((name, spec, inputs, _combine(buf, spec, inputs[rank], recv_x, handle, False)))
+    for _, _, _, c in combs:
+        c[1]()
+    for name, spec, inputs, c in combs:
+        want = _ref_combine(spec, inputs, world, rank, (), ())
+        res[name]["calc_diff"] = ref.calc_diff(c[0], want) if c[0].numel() else 0.0
+    return res
+
+
+def mask(state, op, r=None):
+    """The mask API on this rank: op "update" (r, mask), "query", "clean"."""
+    buf = state["ep_buf"]
+    if op == "query":
+        m = torch.zeros(buf.group_size, dtype=torch.int32)
+        buf.low_latency_query_mask_buffer(m)
+        return m.tolist()
+    if op == "clean":
+        buf.low_latency_clean_mask_buffer()
+        return None
+    buf.low_latency_update_mask_buffer(r[0], r[1])
+    return None
+
+
+def clean(state, spec):
+    buf = state["ep_buf"]
+    buf.clean_low_latency_buffer(spec["t_max"], spec["hidden"], spec["num_experts"])
+    return buf.masked_ranks() if buf.enable_shrink else []
