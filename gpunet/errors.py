@@ -39,6 +39,15 @@ class ClosedError(GpunetError):
     """A resource was used after close()."""
 
 
+class CloseError(GpunetError):
+    """Releasing a resource failed (gpunet.resource.Resource.close): everything else was still
+    released. ``errors``: every failure, as (what, exception) pairs in the order they happened."""
+
+    def __init__(self, message, errors=()):
+        super().__init__(message)
+        self.errors = list(errors)
+
+
 class EPTimeout(TimeoutError):
     """An expert-parallel dispatch / combine (gpunet.ep) gave up on peers that stayed silent or
     failed, and the Buffer was asked to raise rather than mask them (enable_shrink=False).

@@ -9,6 +9,9 @@ Ordering: ``load_acquire_*`` / ``store_release_*`` are LLVM atomic accesses with
 ordering, so numba can neither cache a polled word in a register nor move a payload store after
 the store that publishes it. The atomics are sequentially consistent hardware read-modify-writes,
 atomic with respect to every other thread and process mapping the same memory.
+
+``address_of`` and ``aligned_zeros`` are the ground floor's (gpunet/_floor.py), named here too
+because the numba code's callers take them with the intrinsics.
 """
 import numpy as np
 from llvmlite import ir
@@ -17,6 +20,7 @@ from numba.core import cgutils
 from numba.core.registry import CPUDispatcher
 from numba.extending import intrinsic
 
+from gpunet._floor import address_of, aligned_zeros  # noqa: F401 - the floor's, re-exported here
 from gpunet.errors import ConfigError
 
 # --- Python entries into numba code -------------------------------------------------------------
@@ -185,19 +189,6 @@ def bswap64(v):
     for i in range(8):
         r = (r << np.uint64(8)) | ((v >> np.uint64(8 * i)) & np.uint64(0xFF))
     return r
-
-
-def aligned_zeros(nbytes, align=64):
-    """A zeroed uint8 array of ``nbytes`` whose first byte is ``align``-aligned (the view keeps
-    its over-allocated base alive)."""
-    raw = np.zeros(nbytes + align, dtype=np.uint8)
-    off = (-raw.ctypes.data) % align
-    return raw[off:off + nbytes]
-
-
-def address_of(arr):
-    """The virtual address of a numpy array's (or a buffer's) first byte."""
-    return int(np.asarray(arr).ctypes.data)
 
 
 # --- libc calls as LLVM declarations -----------------------------------------------------------
