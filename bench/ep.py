@@ -34,8 +34,6 @@ Usage: python bench/ep.py [--gpu] [--ranks 2,4] [--sweep 16,32,64,128] [--json P
 import argparse
 import datetime
 import json
-import math
-import os
 import statistics
 import sys
 import time
@@ -213,16 +211,14 @@ def _rank_bench(rank, world, cfg):
             laps = {"dispatch bf16": [], "dispatch fp8": [], "combine": []}
             for use_fp8 in (False, True):
                 name = "dispatch fp8" if use_fp8 else "dispatch bf16"
-                d_cpu, c_cpu, order = [], [], []
-                for it in range(cfg["warmup"] + cfg["iters"]):
+                d_cpu, c_cpu = [], []
+                for _ in range(cfg["warmup"] + cfg["iters"]):
                     align()
                     (o, dt) = timer(lambda: buf.low_latency_dispatch(x, tk, T, E, use_fp8=use_fp8))
                     d_cpu.append(dt)
-                    order.append(name)
                     align()
                     (_, dt) = timer(lambda: buf.low_latency_combine(expert_out, tk, w, o[2]))
                     c_cpu.append(dt)
-                    order.append("combine")
                 times = timer.resolve([v for pair in zip(d_cpu, c_cpu) for v in pair])
                 dts, cts = times[0::2], times[1::2]
                 laps[name] = dts[cfg["warmup"]:]

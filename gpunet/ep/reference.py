@@ -13,7 +13,6 @@ The low-latency packed layout (DeepEP V1's, pinned in docs/EP.md):
   count_j. A masked rank contributes count 0. The layout is a function of the routing alone, so
   same-seed reruns hash identically.
 """
-import math
 
 import torch
 
