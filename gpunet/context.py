@@ -608,7 +608,8 @@ class Context:
         self._check()
         if self._gpu:
             return self._run_gpu(ops, what, blocking)
-        self._dev.clear_status()
+        if self._dev.status.code:        # a kernel writes the Status only to record a failure:
+            self._dev.clear_status()     # clear it only then (a memset a call cost ~1 us)
         rc = self._ops_lib.gpunet_ops_launch(*self._launch.args(), self._dev.addr,
                                              ctypes.addressof(ops), len(ops))
         if rc != 0:
