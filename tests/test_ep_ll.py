@@ -9,13 +9,22 @@ and compares its own results with the reference, returning findings and hashes. 
 2 ranks ibgda warp 32, 2 ranks proxy warp 64, 4 ranks mixed (ibgda and proxy pairs) warp 32,
 4 ranks ibgda warp 64, and 3-rank worlds that lose a rank (ibgda, proxy, mixed).
 """
+import ctypes
 import itertools
+import sys
+import types
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from gpunet.ep import Buffer
+import gpunet.ep as gep
+from gpunet.device import ep as dep
+from gpunet.ep import Buffer, Config, EventOverlap
+from gpunet.ep import reference as ref
+from gpunet.errors import ClosedError, ConfigError
 from mp_ranks import Ranks
 
 # Small shapes: the HOST arm runs every device thread as an OS thread on the CI machine's 2 cores.
@@ -101,6 +110,222 @@ def ibgda4():
     r = _pool(4, "ibgda", 64)
     yield r
     _close(r)
+
+
+# ---- numerics of ll.cuh, one process ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eplib():
+    return dep.load_ep("host")
+
+
+def _e4m3(lib, f):
+    f = np.ascontiguousarray(f, dtype=np.float32)
+    out = np.zeros(f.size, dtype=np.uint8)
+    lib.gpunet_ep_f32_to_e4m3(f.ctypes.data, out.ctypes.data, f.size)
+    return out
+
+
+def _torch_e4m3(f):
+    return torch.from_numpy(np.ascontiguousarray(f, dtype=np.float32)).to(torch.float8_e4m3fn) \
+        .view(torch.uint8).numpy()
+
+
+def test_fp8_cast_matches_torch_on_every_code_midpoint_and_edge(eplib):
+    """The device's software float -> e4m3fn cast equals torch's tensor cast (the contract's
+    reference) bit for bit: every e4m3 value, every midpoint between neighbours (ties to even) and
+    its two float32 neighbours, the subnormal range, values past 448 (saturated), +-inf, zeros."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = codes[~torch.isnan(codes)].unique().numpy().astype(np.float32)
+    mids = ((vals[1:].astype(np.float64) + vals[:-1]) / 2).astype(np.float32)
+    near = np.concatenate([np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))])
+    edge = np.array([0.0, -0.0, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -9, 2.0 ** -6, 448, 449, 464, 465,
+                     479.9, 480, 512, 1e6, 3e38, np.inf, -np.inf, 1e-40, -1e-45], dtype=np.float32)
+    f = np.concatenate([vals, mids, near, edge, -mids, -edge]).astype(np.float32)
+    got, want = _e4m3(eplib, f), _torch_e4m3(f)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, "f32 -> e4m3 differs from torch at %s: got %s, torch %s" % (
+        f[bad[:8]], got[bad[:8]], want[bad[:8]])
+    nan = _e4m3(eplib, np.array([np.nan], dtype=np.float32))
+    assert nan[0] & 0x7f == 0x7f, "NaN must stay NaN (0x7f)"
+
+
+@settings(max_examples=settings().max_examples, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64))
+def test_fp8_cast_matches_torch_on_generated_floats(eplib, xs):
+    """Generated: any non-NaN float32 values. Invariant: the device cast equals torch's."""
+    f = np.array(xs, dtype=np.float32)
+    assert np.array_equal(_e4m3(eplib, f), _torch_e4m3(f)), f
+
+
+@settings(max_examples=settings().max_examples, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64))
+def test_bf16_rounding_matches_torch(eplib, xs):
+    """Generated: any non-NaN float32 values. Invariant: the device's float -> bfloat16 rounding
+    (to nearest even; used for the combined output) equals torch's cast bit for bit."""
+    f = np.array(xs, dtype=np.float32)
+    out = np.zeros(f.size, dtype=np.uint16)
+    eplib.gpunet_ep_f32_to_bf16(f.ctypes.data, out.ctypes.data, f.size)
+    want = torch.from_numpy(f).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(out, want), f
+
+
+@settings(max_examples=settings().max_examples, deadline=None)
+@given(st.lists(st.floats(0.0, 2.0 ** 100, width=32), min_size=1, max_size=32), st.booleans())
+def test_fp8_group_scale_is_the_contracts_formula(eplib, amax, round_scale):
+    """Generated: group amax values (0 .. 2**100, including below the 1e-4 floor). Invariant: the
+    device's scale equals the contract's: amax clamped to >= 1e-4, / 448, and with round_scale
+    2 ** ceil(log2(scale)) — computed here by torch as reference.per_token_cast_to_fp8 does."""
+    a = np.array(amax, dtype=np.float32)
+    out = np.zeros(a.size, dtype=np.float32)
+    eplib.gpunet_ep_group_scale(a.ctypes.data, out.ctypes.data, a.size, int(round_scale))
+    t = torch.from_numpy(a).clamp(min=ref.AMAX_FLOOR) / ref.FP8_E4M3_MAX
+    if round_scale:
+        t = torch.pow(2.0, torch.ceil(torch.log2(t)))
+    assert np.array_equal(out, t.numpy()), (a, out, t.numpy())
+
+
+# ---- the API without ranks ----------------------------------------------------------------------
+def test_size_hint_adds_up_refuses_overflow_and_lifts_deepeps_limits():
+    """The hint is the sum of its breakdown; any hidden multiple of 128 (3584: DeepEP#731), top-k
+    up to 16 and more than 1024 tokens per rank are sized; a hidden that is not a multiple of
+    128, experts not divisible by the ranks, or a shape whose offsets overflow raise ConfigError."""
+    total, parts = Buffer.get_low_latency_rdma_size_hint(2048, 3584, 8, 256, breakdown=True)
+    assert total == sum(parts.values()) == Buffer.get_low_latency_rdma_size_hint(2048, 3584, 8, 256)
+    assert parts["c_send"] == 2 * 32 * 8 * 2048 * 3584 * 2        # the zero-copy [E_loc, R*T, H]
+    small = Buffer.get_low_latency_rdma_size_hint(128, 3584, 8, 256)
+    assert 0 < small < total
+    for bad in [(128, 100, 2, 8), (128, 7168, 3, 8), (0, 7168, 2, 8), (2 ** 30, 7168, 4, 8),
+                (1 << 20, 1 << 16, 64, 4096)]:
+        with pytest.raises(ConfigError):
+            Buffer.get_low_latency_rdma_size_hint(*bad)
+
+
+def test_install_as_deep_ep_is_explicit_and_refuses_a_different_deep_ep(monkeypatch):
+    """install_as_deep_ep() makes `import deep_ep` give gpunet.ep (Buffer, Config, EventOverlap,
+    topk_idx_t); it refuses when another deep_ep is imported already; nothing happens on import."""
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    assert "deep_ep" not in sys.modules
+    gep.install_as_deep_ep()
+    import deep_ep
+    assert deep_ep.Buffer is Buffer and deep_ep.topk_idx_t is torch.int64
+    assert deep_ep.EventOverlap is EventOverlap and deep_ep.Config is Config
+    monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))
+    with pytest.raises(ConfigError, match="different deep_ep"):
+        gep.install_as_deep_ep()
+
+
+def test_config_events_and_static_helpers():
+    """Config validates and sizes (hints grow with ranks and hidden); set_num_sms wants an even
+    count; capture() returns an EventOverlap whose event exists and can be waited on."""
+    c = Buffer.get_dispatch_config(8)
+    assert isinstance(c, Config) and isinstance(Buffer.get_combine_config(160), Config)
+    assert 0 < c.get_nvl_buffer_size_hint(7168 * 2, 8) < c.get_nvl_buffer_size_hint(7168 * 2, 16)
+    assert 0 < c.get_rdma_buffer_size_hint(7168 * 2, 16) < c.get_rdma_buffer_size_hint(7168 * 4, 16)
+    with pytest.raises(ConfigError):
+        Config(21, 6, 256)
+    with pytest.raises(ConfigError):
+        Buffer.set_num_sms(7)
+    ev = Buffer.capture()
+    assert ev.event is not None
+    ev.current_stream_wait()
+    with ev:
+        pass
+    with pytest.raises(ConfigError):
+        EventOverlap(None).current_stream_wait()
+
+
+@pytest.fixture(scope="module")
+def solo():
+    """A one-rank Buffer in this process (no torch.distributed group: a world of one)."""
+    b = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(8, 256, 1, 4),
+               low_latency_mode=True, explicitly_destroy=True, timeout_s=10.0)
+    yield b
+    b.destroy()
+
+
+def test_one_rank_round_trip_matches_the_reference(solo):
+    """A world of one: dispatch to itself (FP8 and BF16) equals the reference, and combine of the
+    dispatched rows with unit weights gives back sum_k w * row."""
+    inp = ref.make_rank_inputs(1, 8, 256, 3, 4, seed=3, holes=2)[0]
+    for fp8 in (False, True):
+        recv, count, handle, ev, hook = solo.low_latency_dispatch(inp["x"], inp["topk_idx"], 8, 4,
+                                                                  use_fp8=fp8)
+        want = ref.ll_dispatch_ref([inp["x"]], [inp["topk_idx"]], 4, 8, 0, use_fp8=fp8)
+        assert torch.equal(count, want[1]) and torch.equal(handle[1], want[3])
+        for e in range(4):
+            n = int(count[e])
+            got_rows = recv[0][e, :n].view(torch.uint8) if fp8 else recv[e, :n]
+            want_rows = want[0][0][e, :n].view(torch.uint8) if fp8 else want[0][e, :n]
+            assert torch.equal(got_rows, want_rows)
+            assert torch.equal(handle[0][e, :n], want[2][e, :n])
+    recv, count, handle, _, _ = solo.low_latency_dispatch(inp["x"], inp["topk_idx"], 8, 4, use_fp8=False)
+    out, _, _ = solo.low_latency_combine(recv, inp["topk_idx"], inp["topk_weights"], handle)
+    w = (inp["topk_weights"] * (inp["topk_idx"] >= 0)).sum(1, keepdim=True)
+    assert ref.calc_diff(out, (inp["x"].float() * w).to(torch.bfloat16)) < BF16_BOUND
+
+
+def test_bad_arguments_raise_config_errors_before_anything_runs(solo):
+    """Wrong dtypes, shapes, too many tokens, top-k above 16, a buffer too small for the shape, a
+    zero-copy tensor that is not the buffer's, a hook called twice, the mask API without
+    enable_shrink, destroy() without explicitly_destroy: ConfigError naming the problem.
+    High-throughput methods raise NotImplementedError naming that mode."""
+    inp = ref.make_rank_inputs(1, 8, 256, 3, 4, seed=4)[0]
+    x, tk = inp["x"], inp["topk_idx"]
+    cases = [
+        (lambda: solo.low_latency_dispatch(x.float(), tk, 8, 4), "bfloat16"),
+        (lambda: solo.low_latency_dispatch(x, tk.int(), 8, 4), "int64"),
+        (lambda: solo.low_latency_dispatch(x, tk, 4, 4), "num_max_dispatch_tokens_per_rank"),
+        (lambda: solo.low_latency_dispatch(x, torch.zeros(8, 17, dtype=torch.int64), 8, 4), "top-k"),
+        (lambda: solo.low_latency_dispatch(x, tk, 64, 4), "too small"),
+        (lambda: solo.low_latency_dispatch(x[:, :200], tk, 8, 4), "multiple of 128"),
+        (lambda: solo.low_latency_dispatch(x, tk, 8, 4, use_nvfp4=True), None),
+        (lambda: solo.low_latency_query_mask_buffer(torch.zeros(1, dtype=torch.int32)), "enable_shrink"),
+        (lambda: solo.destroy.__func__(types.SimpleNamespace(explicitly_destroy=False)), "explicitly_destroy"),
+    ]
+    for fn, words in cases:
+        if words is None:
+            with pytest.raises(NotImplementedError):
+                fn()
+            continue
+        with pytest.raises(ConfigError, match=words):
+            fn()
+    recv, count, handle, _, hook = solo.low_latency_dispatch(x, tk, 8, 4, use_fp8=False,
+                                                             return_recv_hook=True)
+    hook()
+    with pytest.raises(ConfigError, match="already"):
+        hook()
+    with pytest.raises(ConfigError, match="get_next_low_latency_combine_buffer"):
+        solo.low_latency_combine(recv, tk, inp["topk_weights"], handle, zero_copy=True)
+    with pytest.raises(ConfigError, match="shape"):
+        solo.low_latency_combine(recv[:, :4], tk, inp["topk_weights"], handle)
+    for name in ("get_dispatch_layout", "dispatch", "combine"):
+        with pytest.raises(NotImplementedError, match="high-throughput"):
+            getattr(solo, name)(x)
+    t = solo.get_local_buffer_tensor(torch.int32, torch.Size([4, 2]), offset=64, use_rdma_buffer=True)
+    assert t.shape == (4, 2) and t.data_ptr() == solo.get_local_buffer_tensor(
+        torch.uint8, use_rdma_buffer=True).data_ptr() + 64
+    assert solo.get_local_buffer_tensor(torch.uint8).numel() == solo.num_nvl_bytes == 0
+
+
+def test_timeout_is_settable_at_run_time_and_destroyed_buffers_refuse_calls():
+    """set_timeout / timeout_s change the per-peer bound from the next call on (bad values raise);
+    after destroy() every call raises ClosedError."""
+    b = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(4, 128, 1, 2),
+               low_latency_mode=True, explicitly_destroy=True, timeout_s=5.0)
+    try:
+        b.timeout_s = 0.5
+        assert b.timeout_s == 0.5
+        ctx0 = (dep.LlParams.__name__, b._ctxs_addr)
+        with pytest.raises(ConfigError):
+            b.set_timeout(-1)
+        x = torch.zeros(4, 128, dtype=torch.bfloat16)
+        tk = torch.tensor([[0], [1], [-1], [0]], dtype=torch.int64)
+        recv, count, handle, _, _ = b.low_latency_dispatch(x, tk, 4, 2, use_fp8=False)
+        assert count.tolist() == [2, 1] and ctx0[1] == b._ctxs_addr
+    finally:
+        b.destroy()
+    with pytest.raises(ClosedError):
+        b.low_latency_dispatch(x, tk, 4, 2)
 
 
 # ---- 2 ranks, ibgda, warps of 32 ----------------------------------------------------------------

@@ -27,13 +27,15 @@ uint32_t gpunet_ep_abi_size(uint32_t which) {
 // kernel and report its error. Returns 0 or the launch error.
 int gpunet_ep_ll_launch(const void* params, uint32_t grid, uint32_t block, uint32_t ws, void* stream,
                         uint32_t sync) {
+  const gpunet::ep::LlParams& P = *static_cast<const gpunet::ep::LlParams*>(params);
   gpunet::LaunchSpec s;
   s.grid = grid;
   s.block = block;
   s.warp_size = ws;
+  s.shared_bytes = (P.nranks + 15) / 16 * 16;  // the blocks' copies of the peer mask (ll.cuh)
   s.stream = stream;
   s.sync = sync != 0;
-  return gpunet::launch_kernel(s, k_ep_ll, *static_cast<const gpunet::ep::LlParams*>(params));
+  return gpunet::launch_kernel(s, k_ep_ll, P);
 }
 
 // The numerics of ll.cuh for the tests (n values, host memory): bf16 <-> f32, f32 -> e4m3,

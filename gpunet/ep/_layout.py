@@ -123,12 +123,12 @@ class LlLayout:
 
 # ---- the small control allocation (symmetric, never user-visible) ------------------------------
 def ctl_layout(num_ranks):
-    """Offsets inside the control allocation: signal words (NIC atomics land there), per-peer
-    state the host reads without a device sync, the EP status, and the per-peer Status blocks
-    of the per-peer device contexts. Returns (dict name -> offset, total bytes)."""
+    """Offsets inside the control allocation: signal words (NIC atomics land there) and the
+    per-peer state and EP status the host reads without a device sync (on GPUs the heap is
+    host-mapped). Returns (dict name -> offset, total bytes)."""
     r = num_ranks
     sizes = [("sig", 8 * 5 * r), ("mask", 4 * r), ("failed", 4 * r), ("got", 4 * r),
-             ("nrecv", 4 * r), ("status", 64), ("peer_status", 128 * r)]
+             ("nrecv", 4 * r), ("status", 64)]
     out, off = {}, 0
     for k, n in sizes:
         out[k] = off

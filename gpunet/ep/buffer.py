@@ -289,8 +289,9 @@ class Buffer:
         self._mask_np, self._failed_np = i32("mask"), i32("failed")
         self._got_np, self._nrecv_np = i32("got"), i32("nrecv")
         self._ep_status = dep.EpStatus.from_address(base + self._ctl_off["status"])
-        self._peer_status = [abi.Status.from_address(base + self._ctl_off["peer_status"] + 128 * p)
-                             for p in range(r)]
+        # the per-peer Status blocks of the per-peer device contexts: device memory (every verb
+        # reads its context's Status); the host reads one only to describe a failure
+        self._peer_status = torch.zeros(128 * r, dtype=torch.uint8, device=self._device)
         # workspace (device memory): signal counts seen, grid sync words; per shape: the rest
         self._expected = torch.zeros(5 * r, dtype=torch.int64, device=self._device)
         self._sync = torch.zeros(dep.SYNC_WORDS * dep.SYNC_STRIDE, dtype=torch.int64, device=self._device)
@@ -464,7 +465,7 @@ class Buffer:
         arr = (abi.DevCtx * r)()
         for p in range(r):
             ctypes.memmove(ctypes.addressof(arr[p]), ctypes.addressof(base), ctypes.sizeof(abi.DevCtx))
-            arr[p].status = self._ctl_base + self._ctl_off["peer_status"] + 128 * p
+            arr[p].status = self._peer_status.data_ptr() + 128 * p
             arr[p].timeout_ns = int(self._timeout_s * 1e9)
         raw = torch.frombuffer(bytearray(bytes(arr)), dtype=torch.uint8)
         if self._ctxs_buf is None:
@@ -506,7 +507,7 @@ class Buffer:
 
     def _forget_failure(self, r):
         self._failed_np[r] = 0
-        ctypes.memset(ctypes.addressof(self._peer_status[r]), 0, 128)
+        self._peer_status[128 * r:128 * (r + 1)].zero_()
         self._warned_masked.discard(r)
 
     def _need_shrink(self, what):
@@ -642,7 +643,8 @@ class Buffer:
                         phase=phase, peers_silent=failed, counts_seen=seen)
 
     def _peer_detail(self, p):
-        err = abi.status_error(self._peer_status[p], "rank %d" % p)
+        raw = self._peer_status[128 * p:128 * (p + 1)].cpu().numpy().tobytes()
+        err = abi.status_error(abi.Status.from_buffer_copy(raw), "rank %d" % p)
         return str(err) if err is not None else "rank %d: failed (no detail recorded)" % p
 
     def _ep_error(self, what):

@@ -142,7 +142,8 @@ struct LlParams {
   uint64_t mask;          // int32 [R], persistent: 1 = masked
   uint64_t failed;        // int32 [R], persistent: a verb to this peer returned false
   uint64_t got;           // int32 [R], this launch: 1 = the peer's signal and header arrived
-  uint64_t nrecv;         // int32 [R], this launch: messages / rows the peer sent us
+  uint64_t nrecv;         // int32 [R], this launch: messages / rows the peer sent us (written,
+                          // never read here: the copies the kernels read are in `tab`)
   uint64_t status;        // EpStatus
   // workspace (device memory)
   uint64_t expected;      // u64 [2 kinds][2 bufs][R] + barrier [R]: signal counts seen so far
@@ -189,8 +190,10 @@ GPUNET_HOST_DEVICE uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
-// float -> float8_e4m3fn, round to nearest even (torch's cast): 4 exponent bits (bias 7), 3
-// mantissa bits, no infinity; magnitudes that round above 448 become NaN (0x7f), as in torch.
+// float -> float8_e4m3fn as torch's tensor cast does it (what the contract's reference uses):
+// round to nearest even; 4 exponent bits (bias 7), 3 mantissa bits, no infinity; magnitudes that
+// round above 448 (and +-inf) SATURATE to +-448; NaN -> 0x7f | sign. (tests/test_ep_ll.py checks
+// every e4m3 value, every midpoint and generated floats against torch.)
 GPUNET_HOST_DEVICE uint8_t f32_to_e4m3(float f) {
   const uint32_t u = f32_bits(f);
   const uint8_t sign = uint8_t((u >> 24) & 0x80u);
@@ -199,12 +202,12 @@ GPUNET_HOST_DEVICE uint8_t f32_to_e4m3(float f) {
   const uint32_t ex = a >> 23;                             // biased float32 exponent
   if (ex >= 127 - 6) {                                     // |f| >= 2^-6: e4m3 normals
     const int32_t e = int32_t(ex) - 127;
-    if (e > 8) return uint8_t(sign | 0x7f);                // >= 512 (and inf): NaN
+    if (e > 8) return uint8_t(sign | 0x7e);                // >= 512 (and inf): saturate
     const uint32_t m = a & 0x7fffffu;
     const uint32_t keep = m >> 20, rem = m & 0xfffffu;
     uint32_t code = (uint32_t(e + 7) << 3) | keep;
     if (rem > 0x80000u || (rem == 0x80000u && (keep & 1u))) code += 1;  // carries into the exponent
-    return uint8_t(sign | (code > 0x7eu ? 0x7fu : code));
+    return uint8_t(sign | (code > 0x7eu ? 0x7eu : code));
   }
   if (ex == 0) return sign;                                // float32 zero / subnormal: 0
   // e4m3 subnormals are multiples of 2^-9: code = rne(|f| * 2^9); 8 lands on the first normal
@@ -313,6 +316,22 @@ GPUNET_DEVICE bool peer_out(const LlParams& P, uint32_t p) {
 GPUNET_DEVICE void peer_fail(const LlParams& P, uint32_t p) {
   arch::atomic_store(ptr<uint32_t>(P.failed) + p, 1u);
   if (P.flags & F_SHRINK) arch::atomic_store(ptr<uint32_t>(P.mask) + p, 1u);
+}
+
+// The hot loops (a post per token and destination) read peer_out from a copy in shared memory
+// (one byte per peer, the launch's dynamic shared memory): mask and failed live in host-mapped
+// memory on GPUs (the host reads them without a device sync), where every read crosses PCIe. A
+// peer that fails during the launch is marked in the copy of the block that saw it; other blocks
+// keep posting to it until their verbs fail fast on its own Status (harmless).
+GPUNET_DEVICE uint8_t* load_peer_view(const LlParams& P, const Geo& g) {
+  uint8_t* v = arch::shared_mem();
+  for (uint32_t p = g.tid; p < P.nranks; p += g.bdim) v[p] = peer_out(P, p) ? 1 : 0;
+  arch::syncthreads();
+  return v;
+}
+GPUNET_DEVICE void peer_fail_view(const LlParams& P, uint8_t* view, uint32_t p) {
+  view[p] = 1;
+  peer_fail(P, p);
 }
 
 GPUNET_DEVICE bool ep_failed(const LlParams& P) {
@@ -531,6 +550,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   } else if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) {
     return false;
   }
+  uint8_t* out = load_peer_view(P, g);
   const int64_t* topk = ptr<const int64_t>(P.topk_idx);
   const int32_t* plan_idx = ptr<const int32_t>(P.plan);
   const int32_t* plan_slot = plan_idx + uint64_t(P.t_max) * K;
@@ -571,12 +591,12 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
       const int32_t ps = plan_slot[uint64_t(t) * K + g.lane];
       if (ps >= 0) {
         const uint32_t d = uint32_t(e) / P.e_loc;
-        if (!peer_out(P, d)) {
+        if (!out[d]) {
           const uint32_t slot = uint32_t(hist[uint64_t(tile) * C + E + d] + ps);
           const DevCtx& cx = peer_ctx(P, d);
           const uint64_t dst = P.d_recv + (uint64_t(P.rank) * P.t_max + slot) * P.msg_stride;
           if (!(fence(cx) && put_nbi(cx, ptr<void>(dst), ptr<const void>(msg), P.msg_stride, int(d))))
-            peer_fail(P, d);
+            peer_fail_view(P, out, d);
         }
       }
     }
@@ -607,7 +627,8 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
   const uint64_t rows = uint64_t(R) * P.t_max;  // second dimension of the packed outputs
   int32_t* cnt = ptr<int32_t>(P.tab);           // [R][E_loc] per-source counts
   int32_t* begin = cnt + uint64_t(R) * EL;      // [E_loc][R]
-  int32_t* nrecv = ptr<int32_t>(P.nrecv);
+  int32_t* nmsg = begin + uint64_t(EL) * R;     // [R] messages per source (device memory)
+  int32_t* nrecv = ptr<int32_t>(P.nrecv);       // the same, host-mapped: for the host only
   int32_t* got = ptr<int32_t>(P.got);
   if (g.bid == 0) {
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
@@ -626,6 +647,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
       } else {
         for (uint32_t le = 0; le < EL; ++le) cnt[uint64_t(j) * EL + le] = 0;
       }
+      nmsg[j] = ok ? n : 0;
       nrecv[j] = ok ? n : 0;
       got[j] = ok ? 1 : 0;
     }
@@ -648,7 +670,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     return false;
   }
   uint64_t total = 0;
-  for (uint32_t j = 0; j < R; ++j) total += uint64_t(nrecv[j]);
+  for (uint32_t j = 0; j < R; ++j) total += uint64_t(nmsg[j]);
   const bool fp8 = (P.flags & F_FP8) != 0;
   const bool ue8m0 = (P.flags & F_UE8M0) != 0;
   const uint32_t G = H / kGroup, NW = (G + 3) / 4;
@@ -656,7 +678,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
   for (uint64_t it = g.gw; it < total; it += g.gwarps) {
     uint32_t j = 0;
     uint64_t m = it;
-    while (m >= uint64_t(nrecv[j])) m -= uint64_t(nrecv[j++]);
+    while (m >= uint64_t(nmsg[j])) m -= uint64_t(nmsg[j++]);
     const uint64_t msg = P.d_recv + (uint64_t(j) * P.t_max + m) * P.msg_stride;
     const int32_t* meta = ptr<const int32_t>(msg + P.payload_bytes);
     const int32_t t = meta[0];
@@ -728,11 +750,12 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   } else if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) {
     return false;
   }
+  uint8_t* out = load_peer_view(P, g);
   const bool zero_copy = (P.flags & F_ZERO_COPY) != 0;
   const uint64_t items = uint64_t(EL) * R;
   for (uint64_t it = g.gw; it < items; it += g.gwarps) {
     const uint32_t j = uint32_t(it % R), le = uint32_t(it / R);
-    if (ntot[j] < 0 || peer_out(P, j)) continue;
+    if (ntot[j] < 0 || out[j]) continue;
     const int64_t v = lr[uint64_t(le) * R + j];
     const uint64_t b = uint64_t(v >> 32), c = uint64_t(v & 0xffffffff);
     if (c == 0) continue;
@@ -749,7 +772,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
                               ptr<const void>(P.c_send + r0 * H * 2), c * H * 2, int(j)) &&
                       put_nbi(cx, ptr<void>(P.c_rtags + dst_row * 4),
                               ptr<const void>(P.c_stags + r0 * 4), c * 4, int(j));
-      if (!ok) peer_fail(P, j);
+      if (!ok) peer_fail_view(P, out, j);
     }
   }
   if (last_block(P, g, SYNC_SEND_DONE)) {
