@@ -80,7 +80,7 @@ def breakdown(transport, iters, warmup):
         x = ctx.alloc((64,), torch.uint8)
         y = ctx.alloc((64,), torch.uint8)
         r = ctx.remote(0, y)
-        lib, largs, dev = ctx._ops_lib, ctx._launch.args(), ctx._dev.addr
+        lib, largs, dev = ctx._launcher.lib, ctx._launcher.launch.args(), ctx._dev.addr
         quiet = ctx._ops(dict(kind=abi.OP_QUIET))
         put = ctx._ops(dict(kind=abi.OP_PUT, pe=0, dst=ctx.heap_base + r.offset,
                             src=x.data_ptr(), nbytes=64))

@@ -66,7 +66,7 @@ from gpunet.device import abi, loader                                  # noqa: E
 from gpunet.device import loopback as L                                # noqa: E402
 from gpunet.device import ops as dops                                  # noqa: E402
 from gpunet.host import platform as P                                  # noqa: E402
-from gpunet.host.devctx import DeviceMemory, MappedArena, device_qpdesc  # noqa: E402
+from gpunet.device.descriptors import DeviceMemory, NicMapping, device_qpdesc  # noqa: E402
 from gpunet.host.rawmem import (address_of, c_sched_yield, load_acquire_u32,  # noqa: E402
                                 load_acquire_u64, store_release_u32)
 from machine import machine       # noqa: E402 - bench/machine.py (the script's folder is on sys.path)
@@ -104,9 +104,9 @@ def build(arch, defines=None):
     return ops, b
 
 
-# --- device memory helpers (shared with the Python API: host/devctx.py) ----------------------------
+# --- device memory helpers (shared with the Python API: device/descriptors.py) ---------------------
 Dev = DeviceMemory          # device-memory copies of ctypes objects / numpy arrays
-Mapped = MappedArena        # a soft NIC's whole arena registered with the GPU
+Mapped = NicMapping         # a NIC's mapped_ranges() (the soft NIC: its arena) registered with the GPU
 
 
 def heads(d):
@@ -578,8 +578,8 @@ def main(argv=None):
             if not world.m.identity:
                 ordering.append({"seed": 0, "blocks": 0, "wpb": 0, "ops": 0, "depth": 0, "db_batch": 0,
                                  "collapsed": False, "ok": False,
-                                 "detail": "SKIPPED: the registered arena's device pointer 0x%x != its host "
-                                           "address 0x%x" % (world.m.dptr, world.m.base)})
+                                 "detail": "SKIPPED: the registered arena's device pointers != its host "
+                                           "addresses %r" % (world.m.ranges,)})
             else:
                 scheds = SCHEDULES[:2] + SCHEDULES[5:6] if args.cpu_smoke else SCHEDULES
                 for k, (bl, wpb, nops, depth, batch, coll) in enumerate(scheds):

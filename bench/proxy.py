@@ -39,6 +39,7 @@ import time
 import numpy as np
 from numba import njit
 
+from gpunet.device.descriptors import proxy_channel_desc
 from gpunet.host import proxy as P
 from gpunet.host.rawmem import pin_current_thread
 from machine import machine  # bench/machine.py (the script's folder is on sys.path)
@@ -285,13 +286,13 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
         f = lib.proxy_roundtrip
         f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
                       ctypes.c_uint32, ctypes.c_void_p]
-        desc = ch.descriptor()
+        desc = proxy_channel_desc(ch)
         deadline = time.monotonic() + 10      # the engine threads record their placement at start
         while (a.placement is None or b.placement is None or eng.placement[0] is None) \
                 and time.monotonic() < deadline:
             time.sleep(0.001)
         device = pin_current_thread(cpus.get("device"))   # the launching / waiting thread
-        rc = f(desc.ctypes.data, status_ptr, int(5e9), iters, size, out_ptr)
+        rc = f(ctypes.addressof(desc), status_ptr, int(5e9), iters, size, out_ptr)
         threads = {"device": thread_record(device["tid"]),
                    "proxy": thread_record(eng.placement[0]["tid"]),
                    "nic_a": thread_record(a.placement["tid"]), "nic_b": thread_record(b.placement["tid"])}

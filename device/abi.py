@@ -1,7 +1,9 @@
 """The device-visible descriptors, mirrored from C++ byte for byte (ctypes Structures).
 
 The C++ definitions are the source of truth: ``device/include/gpunet/qp.cuh`` (Status, CqDesc,
-QpDesc), ``gpunet.cuh`` (PeerDesc, DevCtx) and ``device/kernels/ops.cu`` (OpDesc, SchedParams).
+QpDesc), ``gpunet.cuh`` (PeerDesc, DevCtx), ``proxy.cuh`` (ProxyChannel) and
+``device/kernels/ops.cu`` (OpDesc, SchedParams). Every device-ABI mirror lives here; the code that
+fills them from NIC and proxy objects is device/descriptors.py.
 ``tests/test_device_qp.py::test_abi_layout_matches_cpp`` compiles a program that prints every
 ``offsetof`` / ``sizeof`` and compares it with :func:`layout`.
 
@@ -12,6 +14,7 @@ for descriptors in 64-byte-aligned memory that stays alive with the returned obj
 import ctypes
 
 from gpunet import errors, mlx5
+from gpunet._floor import aligned_zeros
 
 u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
 
@@ -95,6 +98,13 @@ class DevCtx(ctypes.Structure):
                 ("reserved", u64 * 6)]
 
 
+class ProxyChannelDesc(ctypes.Structure):
+    """proxy.cuh's ``gpunet::proxy::ProxyChannel``: the device's handle of one proxy channel (GPU
+    addresses of its FIFO, HostCtrl and DevCtrl; ``id``: the channel's index in its engine).
+    Filled by device/descriptors.py:proxy_channel_desc from a host/proxy.py ProxyChannel."""
+    _fields_ = [("fifo", u64), ("host", u64), ("dev", u64), ("depth", u32), ("id", u32)]
+
+
 class OpDesc(ctypes.Structure):
     _fields_ = [("kind", u32), ("pe", i32), ("dst", u64), ("src", u64), ("nbytes", u64),
                 ("sig", u64), ("value", u64), ("cmp", u32), ("ok", u32), ("result", u64)]
@@ -109,9 +119,10 @@ class SchedParams(ctypes.Structure):
 
 
 STRUCTS = {"Status": Status, "CqDesc": CqDesc, "QpDesc": QpDesc, "PeerDesc": PeerDesc,
-           "DevCtx": DevCtx, "OpDesc": OpDesc, "SchedParams": SchedParams}
+           "DevCtx": DevCtx, "OpDesc": OpDesc, "SchedParams": SchedParams,
+           "ProxyChannel": ProxyChannelDesc}
 SIZES = {"Status": 128, "CqDesc": 32, "QpDesc": 192, "PeerDesc": 32, "DevCtx": 128, "OpDesc": 64,
-         "SchedParams": 136}
+         "SchedParams": 136, "ProxyChannel": 32}
 
 
 def layout():
@@ -127,8 +138,6 @@ def alloc_struct(cls, count=None):
 
     The backing numpy buffer is kept on the returned object (``._gpunet_buf``).
     """
-    from gpunet.host.rawmem import aligned_zeros
-
     ty = cls if count is None else cls * count
     buf = aligned_zeros(ctypes.sizeof(ty))
     obj = ty.from_address(buf.ctypes.data)

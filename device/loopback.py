@@ -7,8 +7,8 @@ offset in both, so a symmetric address ``local_base + off`` names ``local[off]``
 ``remote[off]`` on PE 1. The device descriptors (QpDesc, its slot arrays, DevCtx, PeerDesc[2],
 Status) live in plain 64-byte-aligned host memory: the HOST arm's "device memory".
 """
-from gpunet.host.devctx import DeviceContext, QpDescriptor
-from gpunet.host.rawmem import address_of
+from gpunet._floor import address_of
+from gpunet.device.descriptors import DeviceContext, QpDescriptor
 
 PEER = 1                      # the PE device code targets
 SCRATCH_SLOTS = 1024          # atomic result slots: one per thread that may call atomic_fetch_add

@@ -25,46 +25,48 @@ Platforms (host/platform.py decides; GPUNET_PLATFORM=cpu forces the CPU):
   these tensors, but every access crosses PCIe (slow; copy into ordinary CUDA memory for heavy
   compute). gpunet needs the registered arena's device pointer to equal its host address (UVA,
   x86-64 Linux) because the NIC and the GPU use the same heap addresses; otherwise ConfigError.
-  Descriptors (DevCtx, PeerDesc, QpDesc, Status) are in device memory (host/devctx.py); the op
+  Descriptors (DevCtx, PeerDesc, QpDesc, Status) are in device memory (device/descriptors.py); the op
   lists of in-flight launches are in the mapped arena.
 
-Transports, per peer (DESIGN.md "Transports under one device API"):
-- ``ibgda``: the kernel writes WQEs into the peer QP's send ring and rings its doorbell itself.
-- ``proxy``: the kernel pushes 16-byte commands into a host-mapped FIFO and a CPU proxy thread
-  posts them (host/proxy.py). ``auto`` picks ibgda where the NIC's doorbell can be mapped into the
-  device (the soft NIC's always can), else the proxy, and logs which and why.
+Transports are chosen per peer (gpunet/transports.py): ``ibgda`` (the kernel posts WQEs and rings
+the doorbell itself) or ``proxy`` (a CPU thread posts the kernel's commands); ``auto`` picks ibgda
+where the NIC's doorbell can be mapped into the device, and logs which and why.
+
+What the Context owns, in the order it makes them (and closes them in reverse: gpunet.resource):
+the bootstrap, the NIC (host/nic.py open_nic), on CUDA the NIC's GPU mapping and the device
+memory of the descriptors, the transports (QPs, proxy channels and engine), the launcher
+(gpunet/_launch.py: on CUDA closing it first waits for the stream). The symmetric heap's
+allocator is gpunet/heap.py.
+
+User kernels: ``ctx.device_context()`` hands out the DevCtx pointer and the launch parameters a
+kernel built with ``gpunet.build_extension`` needs; ``ctx.check()`` after the launch raises what
+the kernel recorded (examples/exchange.py).
 """
-import bisect
-import ctypes
-import logging
-import math
 import operator
-import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from gpunet import mlx5
+from gpunet import _launch
 from gpunet.device import abi
+from gpunet.device.descriptors import DeviceContext
 from gpunet.errors import ClosedError, ConfigError, GpunetError
+from gpunet.heap import ALIGN, RESERVED_BYTES, SymmetricHeap
 from gpunet.host.bootstrap import Bootstrap
-from gpunet.host.devctx import DeviceContext, QpDescriptor
+from gpunet.host.nic import KINDS as NICS, open_nic
 from gpunet.host.platform import get_platform
-from gpunet.host.rawmem import address_of
+from gpunet.resource import Resource
+from gpunet.transports import Transports, check_transport
 
-log = logging.getLogger("gpunet")
 
-TRANSPORTS = ("auto", "ibgda", "proxy")
-NICS = ("auto", "soft", "verbs")
+__all__ = ["Context", "Remote", "DeviceHandle", "current", "read_signal", "ALIGN", "RESERVED_BYTES"]
+
 DEFAULT_HEAP_BYTES = 64 << 20     # per rank; the arena is sparse, untouched pages cost nothing
-RESERVED_BYTES = 64 << 10         # heap head: barrier word, atomic result slots, NIC scratch
 SCRATCH_SLOTS = 1024              # atomic_add result slots (one per concurrent device caller)
-ALIGN = 256                       # symmetric allocations: 256-byte aligned (a GPU cache line x2)
-SQ_WQEBBS = 256                   # per-peer send ring: 16 KiB, deep enough for a doorbell batch
-PROXY_DEPTH = 1024                # proxy FIFO slots per channel
-OPS_RING = 1024                   # GPU: OpDesc slots for launches in flight (64 KiB, mapped arena)
 MAX_HEAP_BYTES = 1 << 39          # the proxy command carries 39-bit heap offsets (proxy.cuh)
 MAX_TIMEOUT_S = 86400.0           # a device wait bound beyond a day is a units mistake
+NIC_EXTRA_BYTES = 8 << 20         # NIC memory beside the heap: rings, CQs, op ring, proxy slots
 U64 = (1 << 64) - 1
 
 # Open Contexts made by gpunet.init, oldest first. The module-level wrappers use the newest one
@@ -116,17 +118,6 @@ def _shape(shape):
     return dims
 
 
-class _Alloc:
-    """One live symmetric allocation: heap offset, size taken (ALIGN multiple), the bytes the
-    caller asked for, and the storage of the tensor alloc returned, which every view shares: a
-    tensor belongs to this allocation iff it has this storage (a freed one's record is gone)."""
-
-    __slots__ = ("off", "size", "nbytes", "storage")
-
-    def __init__(self, off, size, nbytes, storage):
-        self.off, self.size, self.nbytes, self.storage = off, size, nbytes, storage
-
-
 class Remote:
     """A remote location: ``nbytes`` at symmetric heap offset ``offset`` on rank ``rank``.
 
@@ -150,26 +141,45 @@ class Remote:
         return "Remote(rank=%r, offset=%r, nbytes=%r)" % (self.rank, self.offset, self.nbytes)
 
 
-class Context:
+class DeviceHandle(NamedTuple):
+    """What a user kernel needs from a Context (``ctx.device_context()``).
+
+    ``ptr``: the address of the ``gpunet::DevCtx`` to pass to the kernel (device memory on a GPU,
+    host memory the HOST arm reads on the CPU); ``arch``: the arm to build the kernel for ("host"
+    | "cuda", what ``gpunet.build_extension`` picks); ``warp_size``: the warp size to launch with
+    (``gpunet::LaunchSpec::warp_size``: the HOST arm emulates it, so it must be this Context's;
+    GPUs use their own); ``stream``: the CUDA stream handle to launch on (``LaunchSpec::stream``:
+    torch's current stream, so the kernel is ordered with the Context's own launches; 0 on the
+    CPU); ``rank``, ``world_size``; ``heap_base``: the local symmetric heap's address (a heap
+    tensor's ``data_ptr()`` is already a symmetric address the device API takes).
+    """
+    ptr: int
+    arch: str
+    warp_size: int
+    stream: int
+    rank: int
+    world_size: int
+    heap_base: int
+
+
+class Context(Resource):
     """One rank's gpunet resources. Use :func:`gpunet.init` to make one.
 
     Attributes: ``rank``, ``world_size``, ``transports`` (dict peer -> "ibgda" | "proxy"),
-    ``reasons`` (dict peer -> why that transport), ``platform``, ``nic``, ``heap_bytes``.
+    ``reasons`` (dict peer -> why that transport), ``platform``, ``nic``, ``heap_bytes``,
+    ``heap_base``, ``warp_size``, ``timeout_s``.
     ``transport`` is one kind for every peer ("auto" | "ibgda" | "proxy") or a per-peer choice:
     a dict {peer: kind, "default": kind} or a callable (rank, peer) -> kind (both ends of a pair
     must agree, e.g. ``lambda a, b: "proxy" if (a + b) % 2 else "ibgda"``: a mixed world).
+
+    A gpunet.resource.Resource: ``close()`` frees everything in reverse order of creation (see
+    the module docstring), idempotently, also after a failed set-up.
     """
 
     def __init__(self, group=None, transport="auto", nic="auto", heap_bytes=DEFAULT_HEAP_BYTES,
                  timeout_s=10.0, warp_size=None, proxy_threads=1, **unknown):
-        self.closed = False
-        self._closers = []          # (name, fn), closed in reverse order
-        self._allocs = {}           # heap offset -> _Alloc (live symmetric allocations)
-        self._by_storage = {}       # storage id (_cdata) -> _Alloc
-        self._free = []             # sorted, coalesced (offset, size) free ranges below _top
-        self._top = RESERVED_BYTES  # [_top, heap_bytes) is free too
         self._barrier_epoch = 0
-        self._proxy = None
+        self._transports = None
         try:
             self._setup(group, dict(transport=transport, nic=nic, heap_bytes=heap_bytes,
                                     timeout_s=timeout_s, warp_size=warp_size,
@@ -185,8 +195,7 @@ class Context:
         raises a gpunet error on every rank at once. 1: check the arguments, make the NIC, heap
         and QPs, exchange what peers need; 2: connect and build the device context."""
         boot = Bootstrap(group) if group is not None else Bootstrap.from_env()
-        self._boot = boot
-        self._closers.append(("bootstrap", boot.close))
+        self._boot = self._adopt(boot, "bootstrap")
         self.rank, self.world_size = boot.rank, boot.world_size
         everyone = boot.collective("gpunet.init", self._setup_local, args, unknown)
         n = self.world_size
@@ -212,7 +221,7 @@ class Context:
             raise ConfigError("unknown keyword argument(s) %s to gpunet.init (it takes group, "
                               "transport, nic, heap_bytes, timeout_s, warp_size, proxy_threads)"
                               % ", ".join(sorted(unknown)))
-        _check_transport(a["transport"])
+        check_transport(a["transport"])
         if not isinstance(a["nic"], str) or a["nic"] not in NICS:
             raise ConfigError("nic must be one of %s, not %r" % (NICS, a["nic"]))
         hb = _index(a["heap_bytes"], "heap_bytes")
@@ -235,16 +244,10 @@ class Context:
 
     def _setup_local(self, args, unknown):
         """Step 1 on this rank: arguments, NIC, heap, QPs; returns what the peers need."""
-        from gpunet.device.ops import Launch, load_ops
-        from gpunet.host import verbs
-        from gpunet.host.softnic import SoftNic
-
         transport, nic, heap_bytes, timeout_s, warp_size, proxy_threads = \
             self._check_args(args, unknown)
-        self._proxy_threads = proxy_threads
         self.platform = get_platform()
         self._gpu = self.platform.name == "cuda"
-        self._tensor_device = "cuda" if self._gpu else "cpu"     # what ctx.alloc returns
         if self.platform.name not in ("cpu", "cuda"):
             raise ConfigError("gpunet.init on %s: the Python API runs on the CPU and CUDA platforms "
                               "in this release (the MACA arm is unverified); set GPUNET_PLATFORM=cpu "
@@ -256,108 +259,55 @@ class Context:
                 warp_size != self.platform.warp_size:
             raise ConfigError("warp_size %d: the %s platform's warps have %d lanes"
                               % (warp_size, self.platform.name, self.platform.warp_size))
-        if nic == "verbs" or (nic == "auto" and verbs.have_pyverbs() and verbs.available_devices()):
-            verbs.VerbsNic()        # raises NoRdmaDeviceError with what to do when there is none
-            raise ConfigError("nic='verbs': the real-NIC path is not wired into the Python API yet; "
-                              "use nic='soft'")
-        try:
-            self.nic = SoftNic(profile=self.platform.profile,
-                               retry_timeout_s=min(timeout_s / 2, 2.0),
-                               arena_bytes=heap_bytes + (8 << 20), name="rank%d" % self.rank)
-        except OSError as e:
-            raise ConfigError("gpunet.init: cannot create the soft NIC's %d-byte shared-memory arena "
-                              "in /dev/shm (%s); pass a smaller heap_bytes or free /dev/shm"
-                              % (heap_bytes + (8 << 20), e)) from e
-        self._closers.append(("soft NIC", self.nic.close))
-        self._mem = None                 # descriptors: HOST arm = the host structs themselves
+        self.nic = self._adopt(open_nic(nic, profile=self.platform.profile,
+                                        retry_timeout_s=min(timeout_s / 2, 2.0),
+                                        arena_bytes=heap_bytes + NIC_EXTRA_BYTES,
+                                        name="rank%d" % self.rank), "NIC")
+        self._mem = self._mapping = None     # descriptors: HOST arm = the host structs themselves
         if self._gpu:
             self._setup_gpu_memory()
-        self.heap_bytes = heap_bytes
-        self._heap = self.nic.alloc(heap_bytes, 4096)
-        kind = self.platform.policy("payload_dst").kind
-        self._mr = self.nic.reg_mr(self._heap, kind=kind)
-        self.heap_base = address_of(self._heap)
-        self.timeout_s = timeout_s
+        self.heap_bytes, self.timeout_s = heap_bytes, timeout_s
+        buf = self.nic.alloc(heap_bytes, 4096)
+        self._mr = self.nic.reg_mr(buf, kind=self.platform.policy("payload_dst").kind)
+        self.heap_base = buf.ctypes.data
+        self._heap = SymmetricHeap(buf, self.heap_base, heap_bytes,
+                                   "cuda" if self._gpu else "cpu", self)
         self.warp_size = warp_size or self.platform.warp_size
-        self._launch = Launch(grid=1, block=1, warp_size=self.warp_size)
-        self._ops_lib = load_ops("cuda" if self._gpu else "host")
-        if self._gpu:
-            u32, vp = ctypes.c_uint32, ctypes.c_void_p
-            f = self._ops_lib.gpunet_ops_launch_stream
-            f.argtypes, f.restype = [u32, u32, u32, vp, vp, u32, vp, u32], ctypes.c_int
-            self._ops_ring = self.nic.alloc(OPS_RING * ctypes.sizeof(abi.OpDesc), 4096)
-            self._ops_top = 0            # next free OpDesc slot; reset after each stream sync
-
-        # Transports, per peer (all peers share this NIC's doorbell page, so one probe decides).
-        n, me = self.world_size, self.rank
-        self.transports, self.reasons = {}, {}
-        for p in range(n):
-            t, why = choose_transport(_peer_transport(transport, me, p), self._probe_doorbell)
-            if not isinstance(transport, str):
-                why = "per-peer choice %r; %s" % (_peer_transport(transport, me, p), why)
-            self.transports[p], self.reasons[p] = t, why
-            log.info("gpunet rank %d -> peer %d: %s (%s)", me, p, t, why)
-
-        # One RC QP per peer and transport user (the device, or the proxy threads: a QP has one
-        # poster), plus loopback partners for this rank itself; exchanged over bootstrap.
-        users = sorted(set(self.transports.values()))
-        qps, partner = {}, {}
-        for u in users:
-            for p in range(n):
-                cq = self.nic.create_cq(cqe_cnt=SQ_WQEBBS)
-                qps[u, p] = self.nic.create_qp(cq, sq_wqebbs=SQ_WQEBBS)
-            cq = self.nic.create_cq(cqe_cnt=SQ_WQEBBS)
-            partner[u] = self.nic.create_qp(cq, sq_wqebbs=SQ_WQEBBS)
-        self._qps, self._partner = qps, partner
-        return {"qps": {k: q.info() for k, q in qps.items()}, "heap": self.heap_base,
-                "rkey": self._mr.rkey, "heap_bytes": heap_bytes, "transports": dict(self.transports)}
+        self._transports = self._adopt(Transports(self.nic, self.platform, self.rank,
+                                                  self.world_size, transport, self._probe_doorbell,
+                                                  proxy_threads), "transports")
+        self.transports, self.reasons = self._transports.kinds, self._transports.reasons
+        # adopted last: closed first, so on CUDA no kernel still runs when the rest is freed
+        self._launcher = self._adopt(_launch.Launcher(self.nic, self._gpu, self.warp_size),
+                                     "launcher")
+        return dict(self._transports.info(), heap=self.heap_base, rkey=self._mr.rkey,
+                    heap_bytes=heap_bytes)
 
     def _setup_connect(self, everyone):
         """Step 2 on this rank: connect the QPs to the peers', build the device context."""
-        n, me = self.world_size, self.rank
-        qps, partner = self._qps, self._partner
-        users = sorted(set(self.transports.values()))
-        heap_bytes, timeout_s = self.heap_bytes, self.timeout_s
-        for (u, p), q in qps.items():
-            if p == me:
-                self.nic.connect(q, partner[u].info())
-                self.nic.connect(partner[u], q.info())
-            else:
-                self.nic.connect(q, everyone[p]["qps"][u, me])
-
-        # The device context.
         scratch = self.heap_base + 4096
-        self._dev = DeviceContext(self.heap_base, heap_bytes, self._mr.lkey, n, me, scratch,
-                                  SCRATCH_SLOTS, scratch + SCRATCH_SLOTS * 8, timeout_s, mem=self._mem)
-        self._qpds = {}                  # peer -> QpDescriptor (ibgda peers)
-        for p in range(n):
-            if self.transports[p] == "ibgda":
-                qpd = QpDescriptor(qps["ibgda", p], p, mem=self._mem,
-                                   mapped=getattr(self, "_mapped", None))
-                self._dev.set_peer_qp(p, qpd, everyone[p]["heap"], everyone[p]["rkey"])
-                self._qpds[p] = qpd
-        if "proxy" in users:
-            self._setup_proxy([p for p in range(n) if self.transports[p] == "proxy"],
-                              [[qps["proxy", p]] for p in range(n)], everyone,
-                              self._proxy_threads)
-        if self._gpu:                    # closed first: no kernel may run on freed descriptors
-            self._closers.append(("CUDA stream", lambda: torch.cuda.current_stream().synchronize()))
+        self._dev = DeviceContext(self.heap_base, self.heap_bytes, self._mr.lkey, self.world_size,
+                                  self.rank, scratch, SCRATCH_SLOTS, scratch + SCRATCH_SLOTS * 8,
+                                  self.timeout_s, mem=self._mem)
+        self._transports.connect(everyone, self._dev, (self.heap_base, self._mr.lkey),
+                                 mem=self._mem, mapping=self._mapping)
+        self._launcher.dev = self._dev
 
     def _setup_gpu_memory(self):
-        """CUDA: register the soft NIC's whole arena (heap, rings, CQs, DBRs, doorbell words, op
-        lists) with the GPU, check UVA, and make the device-memory allocator for descriptors."""
-        from gpunet.host.devctx import DeviceMemory, MappedArena
+        """CUDA: register what the NIC says the GPU must reach (its rings, CQs, DBRs, doorbell
+        words, heap, op lists: Nic.mapped_ranges), check UVA, and make the device-memory allocator
+        for descriptors."""
+        from gpunet.device.descriptors import DeviceMemory, NicMapping
 
         torch.cuda.init()                # the runtime calls below then use torch's current device
-        self._mapped = MappedArena(self.platform, self.nic)
-        self._closers.append(("arena registration", self._mapped.close))
-        if not self._mapped.identity:
-            raise ConfigError("gpunet on cuda: the soft NIC arena registered at host 0x%x got device "
-                              "pointer 0x%x; the Python API needs them equal (unified addressing, "
-                              "x86-64 Linux with a 64-bit CUDA driver), because the NIC and the GPU "
-                              "use the same heap addresses" % (self._mapped.base, self._mapped.dptr))
-        self._mem = DeviceMemory(self.platform)
-        self._closers.append(("device descriptors", self._mem.close))
+        self._mapping = self._adopt(NicMapping(self.platform, self.nic), "NIC mapping")
+        if not self._mapping.identity:
+            raise ConfigError("gpunet on cuda: the NIC memory registered with the GPU got device "
+                              "pointers other than its host addresses (%s); the Python API needs "
+                              "them equal (unified addressing, x86-64 Linux with a 64-bit CUDA "
+                              "driver), because the NIC and the GPU use the same heap addresses"
+                              % ", ".join("0x%x -> 0x%x" % (b, d) for b, _, d in self._mapping.ranges))
+        self._mem = self._adopt(DeviceMemory(self.platform), "device descriptors")
 
     def _probe_doorbell(self):
         """Map the NIC's doorbell into the device, or raise VendorRuntimeError. The soft NIC's
@@ -368,58 +318,17 @@ class Context:
             "host memory registered with the GPU (cudaHostRegister)" if self._gpu else
             "memory the HOST arm's device threads store to")
 
-    def _setup_proxy(self, proxied, qps_per_peer, everyone, threads):
-        """One proxy channel per proxied peer, all drained by ``threads`` proxy threads. Per peer,
-        because a channel's recorded failure is sticky (every later quiet on it fails): a dead
-        peer then fails the operations to it alone, and code that decides per peer (gpunet.ep's
-        masking, tests/test_ep_ll.py's killed-rank tests over the proxy) can go on with the rest."""
-        from gpunet.host.proxy import ProxyChannel, ProxyEngine
-
-        self._proxy_channels = {}            # peer -> ProxyChannel
-        for p in proxied:
-            ch = ProxyChannel(depth=PROXY_DEPTH, platform=self.platform if self._gpu else None)
-            self._closers.append(("proxy channel %d" % p, ch.close))
-            self._proxy_channels[p] = ch
-        remote_heaps = [(everyone[p]["heap"], everyone[p]["rkey"]) for p in range(len(everyone))]
-        # kept to start a new engine on the same channels and QPs after a reset (_recover_proxy)
-        self._proxy_args = (self.nic, list(self._proxy_channels.values()), qps_per_peer,
-                            (self.heap_base, self._mr.lkey), remote_heaps)
-        self._proxy = ProxyEngine(*self._proxy_args, threads=threads)
-        self._closers.append(("proxy engine", lambda: self._proxy.close()))
-        for p, ch in self._proxy_channels.items():
-            desc = self._dev.place(ch.descriptor())  # uint64[4]: HOST arm in place, GPU a device copy
-            self._dev.set_peer_proxy(p, desc, everyone[p]["heap"], everyone[p]["rkey"])
-
     # --- lifetime -----------------------------------------------------------------------------
-    def close(self):
-        """Free everything this Context made, in reverse order; idempotent, also after errors.
+    def _release(self):
+        """After every child closed (gpunet.resource): this Context stops being current.
 
         Not collective, on purpose: close must work when peers have crashed (it never waits for
         them). Peers that later post to this rank get a TimeoutError / CompletionError (a dead
         peer), never a hang. The module-level wrappers fall back to the previous open Context."""
-        if getattr(self, "_closing", False):
-            return
-        self._closing = True
-        errs = []
-        for name, fn in reversed(self._closers):
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - close the rest, then report
-                errs.append("%s: %s" % (name, e))
-        self._closers = []
-        self.closed = True
         if self in _open:
             _open.remove(self)
-        if errs:
-            raise GpunetError("errors while closing the gpunet Context: " + "; ".join(errs))
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def _check(self):
+    def _check_open(self):
         if self.closed:
             raise ClosedError("this gpunet Context is closed")
 
@@ -437,7 +346,7 @@ class Context:
         Collective with one exchange: a bad shape or a full heap on any rank raises ConfigError
         on every rank, and no rank keeps the range.
         """
-        self._check()
+        self._check_open()
         made = {}
 
         def local():
@@ -448,37 +357,16 @@ class Context:
             dims = _shape(shape)
             if not isinstance(dtype, torch.dtype):
                 raise ConfigError("alloc: dtype must be a torch dtype, got %r" % (dtype,))
-            nbytes = math.prod(dims) * dtype.itemsize          # Python ints: no int64 wrap
-            if nbytes > self.heap_bytes - RESERVED_BYTES:
-                raise ConfigError("symmetric heap full: alloc of shape %r (%s) needs %d bytes, more "
-                                  "than the whole heap (%d usable); pass a larger heap_bytes to "
-                                  "gpunet.init" % (dims, dtype, nbytes,
-                                                   self.heap_bytes - RESERVED_BYTES))
-            size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-            off = self._take(size)
-            try:
-                self._heap[off:off + size] = 0
-                if self._gpu:
-                    whole = _cuda_view(self.heap_base + off, size, self)
-                else:
-                    whole = torch.frombuffer(memoryview(self._heap[off:off + size]),
-                                             dtype=torch.uint8)
-                made["t"] = whole[:nbytes].view(dtype).reshape(dims)
-                made["alloc"] = _Alloc(off, size, nbytes, whole.untyped_storage())
-            except BaseException:
-                self._release(off, size)
-                raise
-            return off, size
+            made["t"], made["alloc"] = self._heap.make(dims, dtype)
+            return made["alloc"].off, made["alloc"].size
 
-        got = self._boot.collective("alloc", local, undo=lambda r: self._release(*r))
+        got = self._boot.collective("alloc", local, undo=lambda r: self._heap.release(*r))
         off, size = got[self.rank]
         if any(g != (off, size) for g in got):
-            self._release(off, size)
+            self._heap.release(off, size)
             raise ConfigError("alloc is collective: every rank must allocate the same shapes in the "
                               "same order (offsets/sizes per rank: %r)" % (got,))
-        a = made["alloc"]
-        self._allocs[off] = a
-        self._by_storage[a.storage._cdata] = a
+        self._heap.add(made["alloc"])
         return made["t"]
 
     def free(self, tensor):
@@ -488,96 +376,12 @@ class Context:
         it): a part of one, a freed one or any other tensor raises ConfigError on every rank and
         frees nothing. Ranks must free the same allocation.
         """
-        self._check()
-
-        def local():
-            a = self._whole_alloc(tensor)
-            return a.off
-
-        offs = self._boot.collective("free", local)
+        self._check_open()
+        offs = self._boot.collective("free", lambda: self._heap.whole(tensor, "free").off)
         if len(set(offs)) != 1:
             raise ConfigError("free is collective: every rank must free the same allocation (heap "
                               "offsets per rank: %r)" % (offs,))
-        a = self._allocs.pop(offs[0])
-        del self._by_storage[a.storage._cdata]
-        self._release(a.off, a.size)
-
-    def _whole_alloc(self, tensor):
-        """The live allocation ``tensor`` is all of, or ConfigError."""
-        a, off = self._locate(tensor, "free")
-        if off != a.off or tensor.nbytes != a.nbytes:
-            raise ConfigError("free: the tensor is %d bytes at +%d of an allocation of %d bytes; "
-                              "pass the tensor ctx.alloc() returned" % (tensor.nbytes, off - a.off,
-                                                                       a.nbytes))
-        return a
-
-    def _take(self, size):
-        """First fit in the free ranges, else from the top; ConfigError when nothing fits."""
-        for i, (o, s) in enumerate(self._free):
-            if s >= size:
-                if s == size:
-                    self._free.pop(i)
-                else:
-                    self._free[i] = (o + size, s - size)
-                return o
-        if self._top + size > self.heap_bytes:
-            largest = max([s for _, s in self._free] + [self.heap_bytes - self._top])
-            raise ConfigError("symmetric heap full: %d bytes asked, the largest free range is %d "
-                              "bytes (heap of %d); pass a larger heap_bytes to gpunet.init"
-                              % (size, largest, self.heap_bytes))
-        off = self._top
-        self._top += size
-        return off
-
-    def _release(self, off, size):
-        """Give [off, off + size) back: merged with the free ranges it touches, and the top
-        lowered when the range ends there, so that after freeing everything one allocation of the
-        whole heap fits again. tests/test_api_adversarial.py::test_heap_model."""
-        i = bisect.bisect_left(self._free, (off, size))
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:
-            i -= 1
-            off, size = self._free[i][0], self._free[i][1] + size
-            self._free.pop(i)
-        if i < len(self._free) and off + size == self._free[i][0]:
-            size += self._free[i][1]
-            self._free.pop(i)
-        if off + size == self._top:
-            self._top = off
-        else:
-            self._free.insert(i, (off, size))
-
-    def _locate(self, tensor, what):
-        """(allocation, heap offset of the first byte) of a view of a live symmetric allocation of
-        this Context; ConfigError for anything else (wrong type or device, another Context's or a
-        freed allocation, memory outside the heap)."""
-        if not isinstance(tensor, torch.Tensor):
-            raise ConfigError("%s: expected a torch.Tensor, got %s" % (what, type(tensor).__name__))
-        want = self._tensor_device
-        if tensor.device.type != want:
-            raise ConfigError("%s: tensor is on %s; this Context's heap tensors are %s tensors "
-                              "(ctx.alloc)" % (what, tensor.device, want))
-        try:
-            st = tensor.untyped_storage()
-        except Exception:  # noqa: BLE001 - sparse and other layouts have no plain storage
-            raise ConfigError("%s: a %s tensor has no plain storage; heap tensors are dense"
-                              % (what, tensor.layout)) from None
-        # _cdata names the StorageImpl, which every view of the alloc'd tensor shares (torch keeps
-        # one Python storage object per StorageImpl); the record holds it, so it is never reused
-        a = self._by_storage.get(st._cdata)
-        if a is None:
-            inside = 0 <= st.data_ptr() - self.heap_base < self.heap_bytes
-            raise ConfigError("%s: the tensor is %s; allocate it with ctx.alloc()" % (
-                what, "in a freed allocation of the symmetric heap" if inside else
-                "outside the symmetric heap (or in another Context's heap)"))
-        return a, a.off + tensor.storage_offset() * tensor.element_size()
-
-    def _offset_of(self, tensor, what):
-        """Heap offset of a contiguous heap tensor's first byte (see _locate)."""
-        a, off = self._locate(tensor, what)
-        if not tensor.is_contiguous():
-            raise ConfigError("%s: tensor is not contiguous; call .contiguous() on a heap tensor "
-                              "view, or copy into a symmetric tensor first" % what)
-        return off
+        self._heap.pop(offs[0])
 
     def _rank(self, rank, what):
         r = _index(rank, "%s: rank" % what)
@@ -588,9 +392,9 @@ class Context:
     def remote(self, rank, tensor, offset=0):
         """The copy of symmetric ``tensor`` on ``rank``, from element ``offset`` on: a Remote tied
         to this Context and to ``tensor``'s allocation (checked again at every use)."""
-        self._check()
+        self._check_open()
         rank = self._rank(rank, "remote")
-        a, base = self._locate(tensor, "remote")
+        a, base = self._heap.locate(tensor, "remote")
         if not tensor.is_contiguous():
             raise ConfigError("remote: tensor is not contiguous")
         offset = _index(offset, "remote: offset")
@@ -600,158 +404,68 @@ class Context:
         es = tensor.element_size()
         return Remote(rank, base + offset * es, tensor.nbytes - offset * es, self, a)
 
+    # --- user kernels ---------------------------------------------------------------------------
+    def device_context(self):
+        """The DevCtx pointer and launch parameters for a user kernel (a :class:`DeviceHandle`).
+
+        The kernel takes ``gpunet::DevCtx*`` (``handle.ptr``), symmetric addresses (heap tensors'
+        ``data_ptr()``) and peer ranks, and calls the device API of ``<gpunet/gpunet.cuh>``; its
+        extern "C" host wrapper launches it with ``gpunet::launch_kernel`` using
+        ``handle.warp_size`` and, on CUDA, ``handle.stream``. After the launch call
+        :meth:`check`. The pointer stays valid until the Context is closed.
+        """
+        self._check_open()
+        return DeviceHandle(self._dev.addr, "cuda" if self._gpu else "host", self.warp_size,
+                            int(self._launcher.stream()), self.rank, self.world_size,
+                            self.heap_base)
+
+    def check(self, what="user kernel"):
+        """Raise what a kernel recorded in this Context's Status block (a gpunet error: a
+        TimeoutError, CompletionError, ... naming the site, QP and peer), or what the proxy
+        recorded, after putting the Context back in working order where it can (the message
+        says what was reset). Call it after launching a kernel on ``device_context()``: on CUDA
+        it first waits for the current stream. Returns None when nothing failed."""
+        self._check_open()
+        self._sync(what)
+
     # --- device launches -------------------------------------------------------------------------
+    def _ops(self, *specs):
+        return _launch.op_list(*specs)
+
     def _run(self, ops, what, blocking=True):
-        """Launch ops.cu's op-list kernel on ``ops``. CPU: synchronous, raises. CUDA: enqueued on
-        the current stream; ``blocking``: then synchronize and raise (see the module docstring).
-        Returns the OpDesc array the kernel wrote (results valid once synchronized)."""
-        self._check()
-        if self._gpu:
-            return self._run_gpu(ops, what, blocking)
-        if self._dev.status.code:        # a kernel writes the Status only to record a failure:
-            self._dev.clear_status()     # clear it only then (a memset a call cost ~1 us)
-        rc = self._ops_lib.gpunet_ops_launch(*self._launch.args(), self._dev.addr,
-                                             ctypes.addressof(ops), len(ops))
-        if rc != 0:
-            raise GpunetError("%s: device kernel launch failed (%d)" % (what, rc))
-        err = abi.status_error(self._dev.read_status(), what)
-        if err is None and self._proxy is not None:
-            err = self._proxy_failure()
+        """Launch ops.cu's op-list kernel on ``ops`` (gpunet/_launch.py). CPU: synchronous, raises.
+        CUDA: enqueued on the current stream; ``blocking``: then synchronize and raise (see the
+        module docstring). Returns the OpDesc array the kernel wrote (results valid once
+        synchronized)."""
+        self._check_open()
+        done, err, finished = self._launcher.run(ops, what, blocking)
+        if err is None and finished:
+            err = self._transports.failure()
         if err is not None:
             self._fail(err)
-        return ops
-
-    def _run_gpu(self, ops, what, blocking):
-        n = len(ops)
-        if n > OPS_RING:
-            raise ConfigError("%s: %d ops exceed the launch ring (%d)" % (what, n, OPS_RING))
-        if self._ops_top + n > OPS_RING:
-            self._sync(what)             # every slot in flight: wait for them (and raise)
-        addr = address_of(self._ops_ring) + self._ops_top * ctypes.sizeof(abi.OpDesc)
-        self._ops_top += n
-        dops = (abi.OpDesc * n).from_address(addr)
-        ctypes.memmove(addr, ctypes.addressof(ops), ctypes.sizeof(ops))
-        stream = torch.cuda.current_stream()
-        rc = self._ops_lib.gpunet_ops_launch_stream(1, 1, self.warp_size, self._dev.addr, addr, n,
-                                                    stream.cuda_stream or None, 0)
-        if rc != 0:
-            raise GpunetError("%s: CUDA kernel launch failed (cudaError %d)" % (what, rc))
-        if blocking:
-            self._sync(what)
-        return dops
+        return done
 
     def _sync(self, what):
-        """CUDA: wait for the current stream, then raise what the kernels (or the proxy) recorded
-        since the last synchronizing call, and clear it."""
-        torch.cuda.current_stream().synchronize()
-        self._ops_top = 0
-        err = abi.status_error(self._dev.read_status(),
-                               what + " (or an earlier non-blocking call on this stream)")
-        if err is not None:
-            self._dev.clear_status()
-        elif self._proxy is not None:
-            err = self._proxy_failure()
+        """Wait for every launch so far (CUDA: the current stream), then raise what the kernels
+        (or the proxy) recorded since the last synchronizing call, and clear it."""
+        err = self._launcher.sync(what)
+        if err is None:
+            err = self._transports.failure()
         if err is not None:
             self._fail(err)
-
-    # --- after a failure: put the transports back in working order, or say why not ---------------
-    def _proxy_failure(self):
-        try:
-            self._proxy.check()
-        except GpunetError as e:
-            return e
-        return None
 
     def _fail(self, err):
         """Raise ``err`` (a failure a kernel or the proxy recorded; nothing of ours is running)
-        after :meth:`_recover`; its message then also says what was reset or what stays broken."""
+        after the transports' recovery (gpunet/transports.py Transports.recover); its message
+        then also says what was reset or what stays broken."""
         try:
-            note = self._recover()
+            note = "; ".join(self._transports.recover(self.timeout_s))
         except Exception as e:  # noqa: BLE001 - the original failure is what the caller needs
             note = ("recovery failed (%s: %s); close this Context and start a new one"
                     % (type(e).__name__, e))
         if note:
             err.args = ("%s [%s]" % (err.args[0] if err.args else "", note),) + tuple(err.args[1:])
         raise err
-
-    def _recover(self):
-        """Bring every QP of this Context that a failure left unusable back to RTS, so that the
-        next good operation works: a QP the NIC moved to ERR (a protection error, a bad WQE) or
-        whose device posting state cannot go on (an error CQE seen, a reservation never
-        published) is reset at the NIC (SoftNic.reset_qp) and in its device descriptor
-        (QpDescriptor.reset); the proxy's channel is drained, its engine restarted on the reset
-        QPs and its recorded failure cleared. Work queued on a reset QP after the failed
-        operation is discarded. A QP whose peer did not answer (retry exceeded: dead) is left in
-        error, and the note says so: every later operation to that peer fails at once.
-        Returns a note for the error message ("" when nothing needed doing).
-        tests/test_api_adversarial.py::test_protection_error_is_raised_then_the_context_recovers.
-        """
-        notes = []
-        for p, qpd in getattr(self, "_qpds", {}).items():
-            if self.nic.qp_state(qpd.qp) != "ERR" and not qpd.needs_reset():
-                continue
-            if self._dead_peer(qpd.qp, p, notes):
-                continue
-            qpd.reset(self.nic.reset_qp(qpd.qp, timeout_s=self.timeout_s))
-            notes.append("the QP to peer %d was reset to RTS (what was queued on it after the "
-                         "failed operation was discarded)" % p)
-        if self._proxy is not None:
-            notes += self._recover_proxy()
-        return "; ".join(notes)
-
-    def _dead_peer(self, qp, peer, notes):
-        if self.nic.qp_error_syndrome(qp) != mlx5.SYNDROME_TRANSPORT_RETRY_EXC_ERR:
-            return False
-        notes.append("the QP to peer %d stays in error: the peer did not answer (retry exceeded: "
-                     "dead?), so every later operation to it fails at once; close this Context"
-                     % peer)
-        return True
-
-    def _recover_proxy(self):
-        from gpunet.host.proxy import ProxyEngine, resume_after_reset
-
-        chans = list(self._proxy_channels.values())
-        bad = [(p, row[0]) for p, row in enumerate(self._proxy_args[2])
-               if self.nic.qp_state(row[0]) == "ERR"]
-        if all(ch.error() is None for ch in chans) and not bad:
-            return []
-        # Every command pushed so far completes first (those behind an error flush), so that the
-        # new engine, which resumes at `completed`, takes none of them again.
-        deadline = time.monotonic() + self.timeout_s
-        for ch in chans:
-            head = self._proxy_head(ch)
-            while ch.completed < head:
-                if time.monotonic() > deadline or self._proxy.alive_threads() == []:
-                    return ["a proxy channel did not drain (%d of %d commands completed), so it "
-                            "stays failed; close this Context" % (ch.completed, head)]
-                time.sleep(50e-6)
-        self._proxy.close()
-        notes = []
-        for p, qp in bad:
-            if self._dead_peer(qp, p, notes):
-                continue
-            resume_after_reset(qp, self.nic.reset_qp(qp, timeout_s=self.timeout_s))
-            notes.append("the proxy's QP to peer %d was reset to RTS (what was queued on it after "
-                         "the failed command was discarded)" % p)
-        for ch in chans:
-            ch.clear_error()
-        self._proxy = ProxyEngine(*self._proxy_args, threads=self._proxy_threads)
-        return notes or ["the proxy channel's failure was cleared"]
-
-    def _proxy_head(self, ch):
-        """Commands pushed into proxy channel ``ch`` so far (DevCtrl.head; on a GPU device memory)."""
-        if not self._gpu:
-            return ch.head
-        word = np.zeros(1, dtype=np.uint64)
-        self.platform.memcpy(word.ctypes.data, ch.dctrl_addr, 8)
-        return int(word[0])
-
-    def _ops(self, *specs):
-        ops = (abi.OpDesc * len(specs))()
-        for o, s in zip(ops, specs):
-            for k, v in s.items():
-                setattr(o, k, v)
-        return ops
 
     def _check_remote(self, remote, nbytes, what):
         """Before anything is posted: ``remote`` is this Context's, its allocation is live, and
@@ -764,8 +478,7 @@ class Context:
                               "(use this Context's ctx.remote(rank, tensor))" % (
                                   what, remote, "made by another Context" if remote._ctx is not None
                                   else "not made by ctx.remote()"))
-        a = remote._alloc
-        if self._allocs.get(a.off) is not a:
+        if not self._heap.is_live(remote._alloc):
             raise ConfigError("%s: %r points into an allocation that was freed" % (what, remote))
         if nbytes > remote.nbytes:
             raise ConfigError("%s: %d bytes do not fit the remote range of %d bytes"
@@ -773,7 +486,7 @@ class Context:
 
     def put(self, remote, tensor):
         """Non-blocking put of ``tensor`` (a heap tensor, any dtype) to ``remote``; see quiet()."""
-        off = self._offset_of(tensor, "put")
+        off = self._heap.offset_of(tensor, "put")
         self._check_remote(remote, tensor.nbytes, "put")
         self._run(self._ops(dict(kind=abi.OP_PUT, pe=remote.rank, dst=self.heap_base + remote.offset,
                                  src=self.heap_base + off, nbytes=tensor.nbytes)), "put",
@@ -781,7 +494,7 @@ class Context:
 
     def get(self, tensor, remote):
         """Non-blocking get of ``tensor.nbytes`` from ``remote`` into heap ``tensor``; see quiet()."""
-        off = self._offset_of(tensor, "get")
+        off = self._heap.offset_of(tensor, "get")
         self._check_remote(remote, tensor.nbytes, "get")
         self._run(self._ops(dict(kind=abi.OP_GET, pe=remote.rank, dst=self.heap_base + off,
                                  src=self.heap_base + remote.offset, nbytes=tensor.nbytes)), "get",
@@ -790,7 +503,7 @@ class Context:
     def put_signal(self, remote, tensor, signal, value=1):
         """Put ``tensor`` to ``remote``, then add ``value`` to the 8-byte ``signal`` (a Remote on
         the same rank), in that order: a peer that sees the signal sees the payload."""
-        off = self._offset_of(tensor, "put_signal")
+        off = self._heap.offset_of(tensor, "put_signal")
         self._check_remote(remote, tensor.nbytes, "put_signal")
         self._check_remote(signal, 8, "put_signal (signal)")
         value = _word(value, "put_signal: value")
@@ -829,7 +542,7 @@ class Context:
                 "le": abi.CMP_LE, "lt": abi.CMP_LT}
         if not isinstance(cmp, str) or cmp not in cmps:
             raise ConfigError("wait_until: cmp must be one of %s, not %r" % (sorted(cmps), cmp))
-        off = self._offset_of(signal, "wait_until")
+        off = self._heap.offset_of(signal, "wait_until")
         if signal.dtype not in (torch.int64, torch.uint64):
             raise ConfigError("wait_until: the signal tensor must be int64 (or uint64), not %s: "
                               "the NIC's atomics update 64-bit integer words" % (signal.dtype,))
@@ -855,7 +568,7 @@ class Context:
         ranks sharing a GPU this way); a failure then surfaces at the next synchronizing call.
         On the CPU the barrier is always synchronous.
         """
-        self._check()
+        self._check_open()
         self._barrier_epoch += 1
         word = self.heap_base                      # offset 0 of the reserved head
         specs = [dict(kind=abi.OP_QUIET)]
@@ -877,64 +590,6 @@ class Context:
             raise
 
 
-def _check_transport(transport):
-    """ConfigError unless ``transport`` is one of TRANSPORTS, a dict {peer: kind, "default": kind}
-    or a callable (rank, peer) -> kind (see _peer_transport)."""
-    if isinstance(transport, str) and transport in TRANSPORTS:
-        return
-    if isinstance(transport, dict):
-        for k, v in transport.items():
-            if not (k == "default" or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)):
-                raise ConfigError("transport dict: keys are peer ranks or 'default', not %r" % (k,))
-            if not isinstance(v, str) or v not in TRANSPORTS:
-                raise ConfigError("transport dict: peer %r -> %r is not one of %s" % (k, v, TRANSPORTS))
-        return
-    if callable(transport):
-        return
-    raise ConfigError("transport must be one of %s, a dict {peer: transport, 'default': transport} or "
-                      "a callable (rank, peer) -> transport, not %r" % (TRANSPORTS, transport))
-
-
-def _peer_transport(transport, rank, peer):
-    """The transport asked for between ``rank`` and ``peer``: one kind for every peer (a str), a
-    dict {peer: kind} with an optional "default" ("auto" if absent), or a callable
-    (rank, peer) -> kind, e.g. ``lambda a, b: "proxy" if (a + b) % 2 else "ibgda"``. Both ends of
-    a pair must get the same kind (init checks it); a callable symmetric in its arguments does."""
-    if isinstance(transport, str):
-        return transport
-    if isinstance(transport, dict):
-        return transport.get(peer, transport.get("default", "auto"))
-    kind = transport(rank, peer)
-    if not isinstance(kind, str) or kind not in TRANSPORTS:
-        raise ConfigError("transport(%d, %d) returned %r, not one of %s" % (rank, peer, kind, TRANSPORTS))
-    return kind
-
-
-def choose_transport(requested, probe_doorbell):
-    """("ibgda" | "proxy", reason) for a requested transport ("auto" | "ibgda" | "proxy").
-
-    ``probe_doorbell()`` maps the NIC's doorbell into the device and returns a description, or
-    raises host.platform.VendorRuntimeError when the driver refuses (cudaHostRegister with
-    IoMemory: error 800 where the driver does not allow it). "auto" falls back to the CPU proxy
-    then; "ibgda" cannot work and raises ConfigError; "proxy" does not probe.
-    """
-    from gpunet.host.platform import VendorRuntimeError
-
-    if requested == "proxy":
-        return "proxy", "asked for (transport='proxy')"
-    try:
-        how = probe_doorbell()
-    except VendorRuntimeError as e:
-        if requested == "ibgda":
-            raise ConfigError("transport='ibgda' needs the NIC's doorbell mapped into the device, "
-                              "and the driver refused (%s); use transport='auto' or 'proxy'" % e)
-        return "proxy", ("auto: the doorbell cannot be mapped into the device (%s, code %s), so a "
-                         "CPU proxy thread posts for the kernels" % (e.call or "runtime", e.code))
-    if requested == "ibgda":
-        return "ibgda", "asked for (transport='ibgda'); %s" % how
-    return "ibgda", "auto: %s" % how
-
-
 def read_signal(tensor_or_array, index=0):
     """The value of a NIC-updated 8-byte signal word (big-endian in memory) at element ``index``."""
     a = tensor_or_array
@@ -942,24 +597,3 @@ def read_signal(tensor_or_array, index=0):
         a = a.detach().cpu()             # CUDA (host-mapped heap): a stream-ordered copy
     b = bytes(np.asarray(a).view(np.uint8)[8 * index:8 * index + 8])
     return int.from_bytes(b, "big")
-
-
-class _MappedBytes:
-    """``nbytes`` of host-mapped memory at ``addr`` as a CUDA array (``__cuda_array_interface__``);
-    holds ``owner`` (the Context) so the heap's Python objects outlive the tensor's storage."""
-
-    def __init__(self, addr, nbytes, owner):
-        self._owner = owner
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
-                                         "strides": None, "version": 3, "stream": None}
-
-
-def _cuda_view(addr, nbytes, owner):
-    """A torch uint8 CUDA tensor over the host-mapped heap bytes [addr, addr + nbytes)."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8, device="cuda")
-    t = torch.as_tensor(_MappedBytes(addr, nbytes, owner), device="cuda")
-    if t.data_ptr() != addr:
-        raise ConfigError("alloc: torch placed the heap view at 0x%x, not at the heap address 0x%x"
-                          % (t.data_ptr(), addr))
-    return t

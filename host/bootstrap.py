@@ -18,6 +18,7 @@ import pickle
 import socket
 
 from gpunet.errors import ClosedError, ConfigError, GpunetError
+from gpunet.resource import Resource
 
 # torchrun's variables; all four are needed to join a group from the environment.
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -64,7 +65,7 @@ def _raise_bad(bad, what="bootstrap exchange"):
                                         if len(bad) > 1 else first.reason))
 
 
-class Bootstrap:
+class Bootstrap(Resource):
     """Setup-time exchange among the ranks of a torch.distributed group.
 
     Args:
@@ -73,7 +74,8 @@ class Bootstrap:
             it from torchrun's environment.
 
     Attributes: ``rank`` (this process's rank in ``group``), ``world_size`` (ranks in ``group``).
-    A context manager; ``close()`` destroys the process group only if ``from_env`` created it.
+    A gpunet.resource.Resource (a context manager; ``close()`` is idempotent): closing destroys
+    the process group only if ``from_env`` created it.
     """
 
     def __init__(self, group=None, _owns_group=False):
@@ -97,7 +99,6 @@ class Bootstrap:
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
         self._owns_group = _owns_group
-        self.closed = False
 
     @classmethod
     def from_env(cls, backend=None, timeout_s=DEFAULT_TIMEOUT_S):
@@ -252,19 +253,10 @@ class Bootstrap:
             raise GpunetError(f"bootstrap barrier over torch.distributed ({self.backend}) failed: "
                               f"{type(e).__name__}: {e}") from e
 
-    def close(self):
-        """Destroy the process group if ``from_env`` created it; idempotent."""
-        if self.closed:
-            return
-        self.closed = True
+    def _release(self):
+        """Destroy the process group if ``from_env`` created it."""
         if self._owns_group and self._dist.is_initialized():
             self._dist.destroy_process_group()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self):
         return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
@@ -284,13 +276,9 @@ class LocalBootstrap(Bootstrap):
         self.world_size = 1
         self.backend = None
         self._owns_group = False
-        self.closed = False
 
     def _exchange(self, payload):
         return [payload]
 
     def barrier(self):
         self._check_open()
-
-    def close(self):
-        self.closed = True

@@ -36,6 +36,7 @@ import numpy as np
 
 from gpunet import config
 from gpunet.errors import ClosedError, ConfigError, GpunetError, ToolchainError
+from gpunet.resource import Resource
 
 log = logging.getLogger("gpunet.platform")
 
@@ -385,8 +386,9 @@ class _Runtime:
 # Allocations and the Platform object.
 # --------------------------------------------------------------------------------------------
 
-class Allocation:
-    """Memory made by ``Platform.alloc``; ``close()`` frees it (idempotent); a context manager.
+class Allocation(Resource):
+    """Memory made by ``Platform.alloc``; ``close()`` frees it (a gpunet.resource.Resource:
+    idempotent, a context manager). ``Platform.free(a)`` is ``a.close()``.
 
     ``ptr``: the address GPU code and NIC registration use (device pointer). ``host_ptr``: the
     address the CPU may dereference, or None (device / finegrained memory on a GPU). On the CPU
@@ -397,7 +399,6 @@ class Allocation:
         self.platform, self.kind, self.nbytes = platform, kind, nbytes
         self.ptr, self.host_ptr = ptr, host_ptr
         self._keep = _keep
-        self.closed = False
 
     def view(self):
         """A numpy uint8[nbytes] view of the memory, where the CPU can address it."""
@@ -411,15 +412,8 @@ class Allocation:
         buf = (ctypes.c_uint8 * self.nbytes).from_address(self.host_ptr)
         return np.frombuffer(buf, dtype=np.uint8)
 
-    def close(self):
-        if not self.closed:
-            self.platform.free(self)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def _release(self):
+        self.platform._free(self)
 
     def __repr__(self):
         return (f"Allocation({self.kind}, {self.nbytes} B, ptr=0x{self.ptr:x}, "
@@ -623,18 +617,22 @@ class Platform:
         return a
 
     def free(self, alloc):
-        """Free an ``Allocation`` (or its ``ptr``) made by ``alloc``. Idempotent on Allocations."""
-        if isinstance(alloc, Allocation):
-            if alloc.closed:
-                return
-            ptr = alloc.ptr
-        else:
+        """Free an ``Allocation`` (or its ``ptr``) made by ``alloc``: ``alloc.close()``.
+        Idempotent on Allocations; a ``ptr`` this Platform does not hold raises ConfigError."""
+        if not isinstance(alloc, Allocation):
             ptr = int(alloc)
+            with self._lock:
+                alloc = self._allocs.get(ptr)
+            if alloc is None:
+                raise ConfigError(f"0x{ptr:x} was not allocated by this Platform (or is already "
+                                  f"freed)")
+        alloc.close()
+
+    def _free(self, a):
+        """Allocation._release: give ``a``'s memory back to the runtime (or unmap it)."""
         with self._lock:
-            a = self._allocs.pop(ptr, None)
-        if a is None:
-            raise ConfigError(f"0x{ptr:x} was not allocated by this Platform (or is already freed)")
-        a.closed = True
+            if self._allocs.pop(a.ptr, None) is None:
+                raise ConfigError(f"{a!r} was not allocated by this Platform")
         if self.name == "cpu":
             mm, arr = a._keep
             a._keep = None

@@ -44,6 +44,7 @@ from gpunet.host import wq
 from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_u64, clock_ns,
                                 idle_pause, load_acquire_u64, pin_current_thread,
                                 store_release_u64, u8_at, wire_njit)
+from gpunet.resource import Resource
 
 # ---- the command format (mirrors proxy.cuh) --------------------------------------------------
 CMD_BYTES = 16
@@ -569,8 +570,9 @@ def proxy_step(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, sta
 
 
 # ---- Python objects ---------------------------------------------------------------------------
-class ProxyChannel:
-    """One command FIFO with its control blocks.
+class ProxyChannel(Resource):
+    """One command FIFO with its control blocks (a gpunet.resource.Resource: close() frees the
+    platform memory it allocated).
 
     ``depth``: commands the ring holds (a power of two, >= 4). Memory: by default CPU memory
     (numpy, 64-byte aligned) for CPU producers and the HOST arm; pass ``platform`` (a
@@ -579,7 +581,7 @@ class ProxyChannel:
 
     Attributes: ``fifo_addr``, ``hctrl_addr``, ``dctrl_addr`` (addresses the proxy/CPU use) and
     ``dev_fifo_addr``, ``dev_hctrl_addr``, ``dev_dctrl_addr`` (what device code uses; equal on the
-    CPU). ``descriptor()`` gives the 32-byte ``gpunet::proxy::ProxyChannel`` for device code.
+    CPU). device/descriptors.py's ``proxy_channel_desc(channel)`` makes the device's descriptor.
     """
 
     def __init__(self, depth=1024, platform=None):
@@ -587,8 +589,6 @@ class ProxyChannel:
         if depth < 4 or depth & (depth - 1):
             raise ConfigError(f"ProxyChannel depth must be a power of two >= 4, not {depth}")
         self.depth = depth
-        self._allocs = []
-        self.closed = False
         if platform is None or platform.name == "cpu":
             self._fifo = aligned_zeros(depth * CMD_BYTES)
             self._hctrl = aligned_zeros(HOST_CTRL_BYTES)
@@ -597,10 +597,13 @@ class ProxyChannel:
             self.hctrl_addr = self.dev_hctrl_addr = self._hctrl.ctypes.data
             self.dctrl_addr = self.dev_dctrl_addr = self._dctrl.ctypes.data
         else:
-            fifo = platform.alloc("host", depth * CMD_BYTES)
-            hctrl = platform.alloc("host", HOST_CTRL_BYTES)
-            dctrl = platform.alloc("device", DEV_CTRL_BYTES)
-            self._allocs = [fifo, hctrl, dctrl]
+            try:
+                fifo = self._adopt(platform.alloc("host", depth * CMD_BYTES), "FIFO")
+                hctrl = self._adopt(platform.alloc("host", HOST_CTRL_BYTES), "HostCtrl")
+                dctrl = self._adopt(platform.alloc("device", DEV_CTRL_BYTES), "DevCtrl")
+            except BaseException:
+                self.close()
+                raise
             zeros = np.zeros(DEV_CTRL_BYTES, dtype=np.uint8)
             platform.memcpy(dctrl.ptr, zeros.ctypes.data, DEV_CTRL_BYTES)
             self._fifo, self._hctrl, self._dctrl = fifo.view(), hctrl.view(), None
@@ -666,13 +669,6 @@ class ProxyChannel:
         h[HC_ERR_SEQ] = 0
         h[HC_ERROR] = 0
 
-    def descriptor(self):
-        """The device-side ``gpunet::proxy::ProxyChannel`` as 32 bytes (numpy uint64[4])."""
-        d = np.zeros(4, dtype=np.uint64)
-        d[0], d[1], d[2] = self.dev_fifo_addr, self.dev_hctrl_addr, self.dev_dctrl_addr
-        d[3] = self.depth | ((self.index or 0) << 32)
-        return d
-
     def push(self, commands, timeout_s=1.0):
         """CPU producer (tests): push ``commands`` [(w0, w1), ...] with one reservation; returns
         the issue count after them. Raises TimeoutError when the FIFO stayed full."""
@@ -688,14 +684,6 @@ class ProxyChannel:
             raise GpunetTimeoutError(f"proxy channel {self.index}: FIFO full for {timeout_s}s "
                                      f"(is the proxy engine running?)")
         return int(r)
-
-    def close(self):
-        if self.closed:
-            return
-        self.closed = True
-        for a in self._allocs:
-            a.close()
-        self._allocs = []
 
 
 # QP -> (sq producer index, sq completed index, cq consumer index) left by a closed engine, so
@@ -730,8 +718,9 @@ def _key(obj, names):
     raise ConfigError(f"{obj!r} has no {' / '.join(names)}")
 
 
-class ProxyEngine:
-    """CPU proxy threads draining ``channels`` into the peers' QPs.
+class ProxyEngine(Resource):
+    """CPU proxy threads draining ``channels`` into the peers' QPs (a gpunet.resource.Resource:
+    close() stops the threads; the channels are not its children and outlive it).
 
     Arguments:
       nic: the NIC the QPs belong to (``gpunet.host.softnic.SoftNic``, later the verbs NIC); used
@@ -766,7 +755,6 @@ class ProxyEngine:
         self.channels = list(channels)
         self.threads = threads
         self.drain_only = bool(drain_only)
-        self.closed = False
         self._stop = False
         self._thread_errors = []
         self._scratch_mr = None
@@ -954,16 +942,13 @@ class ProxyEngine:
     def alive_threads(self):
         return [th for th in self._threads if th.is_alive()]
 
-    def close(self):
-        """Stop the proxy threads (idempotent). Channels stay usable by a new engine."""
-        if self.closed:
-            return
+    def _release(self):
+        """Stop the proxy threads. Channels stay usable by a new engine."""
         self._stop = True
         self._stop_word[0] = 1                 # proxy_run polls it with an acquire load
         for th in self._threads:
             if th.is_alive():
                 th.join()
-        self.closed = True
         for c in self.channels:
             c.engine = None
         for q, qpo in self._qp_objs:
@@ -972,15 +957,6 @@ class ProxyEngine:
                                    int(self.qp[q, QP_CQ_CI]))
             except TypeError:      # not weak-referenceable: a later engine cannot reuse it
                 pass
-        if self._scratch_mr is not None and self.nic is not None:
-            try:
-                self.nic.dereg_mr(self._scratch_mr)
-            except Exception:  # noqa: BLE001 - the NIC may already be closed
-                pass
-            self._scratch_mr = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        mr, self._scratch_mr = self._scratch_mr, None
+        if mr is not None and not self.nic.closed:     # a closed NIC took its MRs with it
+            self.nic.dereg_mr(mr)

@@ -51,6 +51,7 @@ from numba import njit
 
 from gpunet import mlx5
 from gpunet.errors import ClosedError, CoherenceViolation, ConfigError, GpunetError
+from gpunet.host.nic import Nic
 from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, address_of, atomic_cas_u64, bswap64, c_kill0,
                                 c_memmove, c_sched_yield, clock_ns, i64_at, idle_pause,
                                 load_acquire_u32, load_acquire_u64, pin_current_thread,
@@ -654,8 +655,9 @@ class QP:
         return "QP(qpn=%d, sq_wqebbs=%d)" % (self.qpn, self.sq_wqebbs)
 
 
-class SoftNic:
-    """A software mlx5 NIC with its own engine thread and shared-memory arena.
+class SoftNic(Nic):
+    """A software mlx5 NIC with its own engine thread and shared-memory arena (host/nic.py's Nic:
+    open it with ``open_nic("soft", ...)`` above host/).
 
     profile: "nvidia" (every memory kind coherent with the NIC) or "c500" (`device` memory seen
         through an HBM image that syncs with SM memory only at ``evict()``).
@@ -681,7 +683,6 @@ class SoftNic:
             raise ConfigError("arena_bytes must be at least %d" % (HEAP_START + (1 << 16)))
         if not retry_timeout_s > 0:
             raise ConfigError("retry_timeout_s must be > 0")
-        self._closed = True
         self._thread = None
         self.profile, self.strict = profile, bool(strict)
         self.retry_timeout_s = float(retry_timeout_s)
@@ -696,7 +697,6 @@ class SoftNic:
         remove_stale_arenas()            # what crashed NICs on this machine left in /dev/shm
         self._arena = _Arena(self.arena_name, arena_bytes, create=True)
         self._finalizer = weakref.finalize(self, _unlink_quiet, self.arena_name)
-        self._closed = False
         try:
             self._lock = threading.Lock()
             T = self._arena.T
@@ -739,12 +739,9 @@ class SoftNic:
         self.placement = pin_current_thread(self._cpus)
         engine_run(self._arena.base, self._peer_bases, self._scratch, self._segs, -1)
 
-    # --- lifecycle ---
-    def close(self):
-        """Stop the engine, tell peers this NIC is gone, unlink the arena. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    # --- lifecycle (gpunet.resource.Resource: close() is idempotent and runs this once) ---
+    def _release(self):
+        """Stop the engine, tell peers this NIC is gone, unlink the arena."""
         T = self._arena.T
         T[H_DOWN] = 1
         T[H_STOP] = 1
@@ -758,19 +755,15 @@ class SoftNic:
         self._arena.close()
         remove_stale_arenas()            # a survivor reclaims the arenas of peers that crashed
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def _check_open(self):
-        if self._closed:
+        if self.closed:
             raise ClosedError("SoftNic %s is closed; create a new one" % self.arena_name)
 
-    @property
-    def closed(self):
-        return self._closed
+    def mapped_ranges(self):
+        """The whole arena: every ring, CQ, doorbell record and word and every ``alloc`` buffer is
+        inside it, so the GPU maps it once (device/descriptors.py NicMapping)."""
+        self._check_open()
+        return [(self._arena.base, self._arena.size)]
 
     # --- memory ---
     def _heap_alloc(self, nbytes, align=64):
@@ -1028,7 +1021,7 @@ class SoftNic:
 
         The CQs are not touched. Returns the send CQ's producer index (CQEs written so far): a
         consumer that owns that CQ alone skips to it, since every CQE before it is of the old life
-        (host/devctx.py QpDescriptor.reset). Raises GpunetError if the engine does not drain or
+        (device/descriptors.py QpDescriptor.reset). Raises GpunetError if the engine does not drain or
         pass within ``timeout_s`` (a NIC marked down never does).
         tests/test_softnic.py::test_reset_qp_after_a_protection_error_returns_to_rts_and_works.
         """
@@ -1102,7 +1095,7 @@ class SoftNic:
 
     def __repr__(self):
         return "SoftNic(%s, profile=%s%s)" % (self.arena_name, self.profile,
-                                             ", closed" if self._closed else "")
+                                             ", closed" if self.closed else "")
 
 
 def u8_view(addr, n):

@@ -18,6 +18,7 @@ import os
 import sys
 
 from gpunet.errors import ConfigError, ToolchainError
+from gpunet.resource import Resource
 
 # Where Debian/Ubuntu put python3-pyverbs (built for the system Python, matched to the system
 # rdma-core; PyPI's pyverbs needs rdma-core >= 59 and fails to import on bookworm — FACTS.md).
@@ -110,8 +111,10 @@ class NoRdmaDeviceError(ConfigError):
     """A real NIC was asked for and this host has none (or not the one named)."""
 
 
-class VerbsNic:
-    """The real mlx5 NIC, through pyverbs. A context manager; ``close()`` is idempotent.
+class VerbsNic(Resource):
+    """The real mlx5 NIC, through pyverbs (detection and opening only: it does not implement
+    host/nic.py's Nic yet). A gpunet.resource.Resource: ``close()`` releases the PD, then the
+    device context (children first), idempotently.
 
     Args:
         device: RDMA device name (e.g. "mlx5_0"), or None for the first one found.
@@ -122,7 +125,6 @@ class VerbsNic:
     """
 
     def __init__(self, device=None, port=1):
-        self.closed = False
         self._ctx = self._pd = None
         devices = available_devices()
         if not devices:
@@ -141,7 +143,9 @@ class VerbsNic:
             from pyverbs.pd import PD
             self._ctx = Mlx5Context(Mlx5DVContextAttr(flags=e.MLX5DV_CONTEXT_FLAGS_DEVX),
                                     name=device)
+            self._adopt(self._ctx.close, "mlx5 context")
             self._pd = PD(self._ctx)
+            self._adopt(self._pd.close, "PD")       # adopted later: closed first
             self.port_attr = self._ctx.query_port(port)
         except PyverbsError as err:
             self.close()
@@ -149,20 +153,3 @@ class VerbsNic:
                                  f"mlx5 NIC with DevX (and the permission to use it); use "
                                  f"nic='soft' otherwise.") from err
         # ---- end of the not-yet-run section ----
-
-    def close(self):
-        """Release the PD, then the device context (children first); idempotent."""
-        if self.closed:
-            return
-        self.closed = True
-        for attr in ("_pd", "_ctx"):
-            obj = getattr(self, attr, None)
-            if obj is not None:
-                setattr(self, attr, None)
-                obj.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

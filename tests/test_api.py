@@ -210,7 +210,7 @@ def test_context_closes_after_an_error():
 def test_auto_transport_falls_back_to_the_proxy_when_the_doorbell_cannot_be_mapped():
     """choose_transport: a driver that refuses to map the doorbell (cudaHostRegister IoMemory,
     error 800) makes "auto" pick the proxy and say why; "ibgda" then raises; "proxy" never probes."""
-    from gpunet.context import choose_transport
+    from gpunet.transports import choose_transport
     from gpunet.host.platform import ERR_NOT_PERMITTED, VendorRuntimeError
 
     def refused():

@@ -33,14 +33,14 @@ def ctx(request):
 
 
 def _heap_state(c):
-    return (c._top, list(c._free), sorted(c._allocs))
+    return (c._heap.top, list(c._heap.free), sorted(c._heap.allocs))
 
 
 def _heads(c):
     """Every device posting counter and proxy counter of the Context (nothing posted: equal)."""
-    h = [q.heads() for q in c._qpds.values()]
-    if c._proxy is not None:
-        h.extend((c._proxy_head(ch), ch.completed) for ch in c._proxy_channels.values())
+    t = c._transports
+    h = [q.heads() for q in t.qpds.values()]
+    h.extend((t.proxy_head(ch), ch.completed) for ch in t.channels.values())
     return h
 
 
@@ -167,7 +167,7 @@ def test_heap_model(small, ops):
     finally:
         for t, _ in list(live.values()):
             c.free(t)
-    assert (c._top, c._free) == (RESERVED_BYTES, [])
+    assert (c._heap.top, c._heap.free) == (RESERVED_BYTES, [])
     whole = c.alloc((c.heap_bytes - RESERVED_BYTES,), torch.uint8)
     c.free(whole)
 

@@ -58,7 +58,7 @@ def test_abi_layout_matches_cpp(tmp_path):
              "int main() {"]
     cxx = {"Status": "gpunet::Status", "CqDesc": "gpunet::CqDesc", "QpDesc": "gpunet::QpDesc",
            "PeerDesc": "gpunet::PeerDesc", "DevCtx": "gpunet::DevCtx", "OpDesc": "OpDesc",
-           "SchedParams": "SchedParams"}
+           "SchedParams": "SchedParams", "ProxyChannel": "gpunet::proxy::ProxyChannel"}
     py = abi.layout()
     for name, (size, fields) in py.items():
         lines.append('std::printf("%s sizeof %%zu\\n", sizeof(%s));' % (name, cxx[name]))

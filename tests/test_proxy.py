@@ -503,7 +503,11 @@ def test_engine_threads_pin_to_the_cpus_asked():
 
 # ---- device code on the HOST arm ----------------------------------------------------------------
 def _descs(chans):
-    return np.concatenate([c.descriptor() for c in chans])
+    """The channels' device descriptors, as one array (device/descriptors.proxy_channel_desc)."""
+    from gpunet.device.abi import ProxyChannelDesc
+    from gpunet.device.descriptors import proxy_channel_desc
+
+    return (ProxyChannelDesc * len(chans))(*[proxy_channel_desc(c) for c in chans])
 
 
 def _launch_produce(kernels, chans, status, mode, warp, grid, block, per_thread, size, stride,
@@ -514,7 +518,7 @@ def _launch_produce(kernels, chans, status, mode, warp, grid, block, per_thread,
                                           ctypes.c_uint64] + [ctypes.c_uint32] * 5 + [
         ctypes.c_uint64, ctypes.c_uint32]
     d = _descs(chans)
-    rc = f(grid, block, warp, d.ctypes.data, len(chans), status.ctypes.data, int(timeout_s * 1e9),
+    rc = f(grid, block, warp, ctypes.addressof(d), len(chans), status.ctypes.data, int(timeout_s * 1e9),
            mode, npeers, per_thread, size, stride, sig_base, active_mod)
     assert rc == 0
 

@@ -1,8 +1,10 @@
-"""Device descriptors for NIC resources: the QpDesc / PeerDesc / DevCtx / Status the kernels read.
+"""Device descriptors for NIC resources: the QpDesc / PeerDesc / DevCtx / Status / ProxyChannel
+that kernels read, filled from NIC objects (device/abi.py holds their layouts).
 
-The layouts are device/abi.py's (mirrored from qp.cuh and gpunet.cuh). This module fills them
-from soft-NIC (or, later, verbs) QPs and CQs, so that every user of device code — the Python API's
-Context, the tests' Loopback, the benchmarks — builds them the same way.
+Every user of device code (the Python API's Context, the tests' Loopback, the benchmarks) builds
+them here, the same way. This module reads NIC and proxy objects only through their attributes
+(the QP / CQ fields of host/nic.py's interface, ``Nic.mapped_ranges()``, a proxy channel's device
+addresses), so the device side never imports host/ (tests/test_layers.py).
 
 Where the descriptors live (the one place that chooses):
 - HOST arm (CPU platform, ``mem=None``): "device memory" is ordinary 64-byte-aligned host memory
@@ -10,27 +12,31 @@ Where the descriptors live (the one place that chooses):
 - GPU (``mem=DeviceMemory(platform)``): Python fills host shadows (the same abi structs) and
   copies them into device memory (cudaMalloc + platform.memcpy); the kernels get the device
   copies' addresses. Status and QP heads are read back with ``get``. NIC rings (SQ, CQ, DBRs,
-  doorbell word) stay in the soft NIC's arena, which :class:`MappedArena` registers with the GPU;
-  their addresses are translated with its ``g`` (identity where UVA gives device == host).
+  doorbell word) stay where the NIC put them; :class:`NicMapping` registers the NIC's
+  ``mapped_ranges()`` with the GPU and translates their addresses with ``g`` (identity where UVA
+  gives device == host).
 """
+import bisect
 import ctypes
 
 import numpy as np
 
+from gpunet import mlx5
+from gpunet._floor import address_of
 from gpunet.device import abi
-from gpunet.host.rawmem import address_of
+from gpunet.resource import Resource
 
 
-class DeviceMemory:
+class DeviceMemory(Resource):
     """Device-memory copies of ctypes objects / numpy arrays through a Platform (CPU: memmove).
 
     ``put(obj)`` -> device address of a new copy; ``zeros(n)``; ``get(obj, dptr)`` copies back into
-    ``obj``; ``write(dptr, obj)`` overwrites; ``close()`` frees everything (reverse order).
+    ``obj``; ``write(dptr, obj)`` overwrites. Each copy is a platform Allocation this object owns:
+    ``close()`` frees them, newest first.
     """
 
     def __init__(self, plat):
         self.plat = plat
-        self.allocs = []
 
     @staticmethod
     def _span(obj):
@@ -40,8 +46,7 @@ class DeviceMemory:
 
     def put(self, obj):
         src, n = self._span(obj)
-        a = self.plat.alloc("device", max(n, 64))
-        self.allocs.append(a)
+        a = self._adopt(self.plat.alloc("device", max(n, 64)), "device copy")
         self.plat.memcpy(a.ptr, src, n)
         return a.ptr
 
@@ -57,38 +62,56 @@ class DeviceMemory:
         src, n = self._span(obj)
         self.plat.memcpy(dptr, src, n)
 
-    def close(self):
-        for a in reversed(self.allocs):
-            self.plat.free(a)
-        self.allocs = []
 
+class NicMapping(Resource):
+    """What a NIC says the GPU must reach (``nic.mapped_ranges()``: its rings, CQs, doorbell
+    records and doorbell words, and the heap allocated from it), registered with the GPU
+    (cudaHostRegister Mapped | Portable); ``close()`` unregisters them.
 
-class MappedArena:
-    """A soft NIC's whole arena registered with the GPU (cudaHostRegister Mapped | Portable).
-
-    ``dptr``: the GPU's address of the arena's first byte; ``g(addr)`` translates an arena address;
-    ``identity``: device pointer == host address (UVA), which code that hands the same heap
-    addresses to the NIC and to GPU loads/stores needs.
+    ``ranges``: [(host address, nbytes, device pointer)], sorted; ``g(addr)`` translates an address
+    inside them; ``identity``: every device pointer equals its host address (UVA), which code that
+    hands the same heap addresses to the NIC and to GPU loads/stores needs.
     """
 
     def __init__(self, plat, nic):
-        # The arena's mapping (a private attribute of SoftNic: the one file that holds every ring).
-        self.plat, self.base, self.size = plat, nic._arena.base, nic._arena.size
-        self.dptr = plat.host_register(self.base, self.size)
-        self.closed = False
+        self.plat = plat
+        self.ranges = []
+        try:
+            for base, nbytes in sorted(nic.mapped_ranges()):
+                dptr = plat.host_register(base, nbytes)
+                self._adopt(_unregister(plat, base), "GPU registration of 0x%x" % base)
+                self.ranges.append((int(base), int(nbytes), int(dptr)))
+        except BaseException:
+            self.close()             # what was registered before the failure
+            raise
+        self._starts = [r[0] for r in self.ranges]
 
     def g(self, addr):
-        """The GPU's address for arena address ``addr``."""
-        return int(addr) - self.base + self.dptr
+        """The GPU's address for host address ``addr`` (inside one of the mapped ranges)."""
+        addr = int(addr)
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0 or addr >= self.ranges[i][0] + self.ranges[i][1]:
+            raise ValueError("0x%x is not inside the NIC's mapped ranges" % addr)
+        base, _, dptr = self.ranges[i]
+        return addr - base + dptr
 
     @property
     def identity(self):
-        return self.dptr == self.base
+        return all(base == dptr for base, _, dptr in self.ranges)
 
-    def close(self):
-        if not self.closed:
-            self.closed = True
-            self.plat.host_unregister(self.base)
+
+def _unregister(plat, base):
+    return lambda: plat.host_unregister(base)
+
+
+def proxy_channel_desc(ch):
+    """The device's ``ProxyChannel`` for proxy channel ``ch`` (host/proxy.py ProxyChannel: its GPU
+    addresses ``dev_fifo_addr`` / ``dev_hctrl_addr`` / ``dev_dctrl_addr``, ``depth`` and its index
+    in the engine that drains it)."""
+    d = abi.ProxyChannelDesc()
+    d.fifo, d.host, d.dev = ch.dev_fifo_addr, ch.dev_hctrl_addr, ch.dev_dctrl_addr
+    d.depth, d.id = ch.depth, ch.index or 0
+    return d
 
 
 def fill_qpdesc(d, qp, peer, db_batch, slot_db, slot_nbb, g=int):
@@ -104,7 +127,7 @@ def fill_qpdesc(d, qp, peer, db_batch, slot_db, slot_nbb, g=int):
 
 
 def device_qpdesc(m, dev, nic_qp, cq, peer, db_batch):
-    """A host QpDesc for ``nic_qp`` whose ring pointers are GPU addresses (``m``: MappedArena) and
+    """A host QpDesc for ``nic_qp`` whose ring pointers are GPU addresses (``m``: NicMapping) and
     whose slot arrays are in device memory (``dev``: DeviceMemory). ``cq`` must be its send CQ."""
     assert cq is nic_qp.send_cq
     return fill_qpdesc(abi.QpDesc(), nic_qp, peer, db_batch, dev.zeros(nic_qp.sq_wqebbs * 8),
@@ -117,7 +140,7 @@ class QpDescriptor:
     ``qp``: a soft-NIC QP; ``peer``: the PE it reaches; ``db_batch``: ring the doorbell every
     that many WQEBBs at most (1 = every post). The CQ must hold at least ``qp.sq_wqebbs`` CQEs in
     owner-bit mode (every device WQE is signalled), or be collapsed. ``mem``/``mapped``: on a GPU,
-    a DeviceMemory for the descriptor and slot arrays and the MappedArena holding the rings.
+    a DeviceMemory for the descriptor and slot arrays and the NicMapping holding the rings.
     """
 
     def __init__(self, qp, peer, db_batch=1, mem=None, mapped=None):
@@ -171,8 +194,6 @@ class QpDescriptor:
         be read as a completion of the new life. No kernel may be running on this QP.
         tests/test_api_adversarial.py::test_protection_error_is_raised_then_the_context_recovers.
         """
-        from gpunet import mlx5
-
         if self._dptr is not None:
             self._mem.get(self.desc, self._dptr)
         d = self.desc
@@ -230,7 +251,8 @@ class DeviceContext:
         self._push_peers()
 
     def set_peer_proxy(self, pe, channel_desc_addr, remote_base, rkey, keep=None):
-        """PE ``pe`` is reached through a CPU-proxy channel (its device descriptor address)."""
+        """PE ``pe`` is reached through a CPU-proxy channel (the address of its ProxyChannel
+        descriptor: ``place(proxy_channel_desc(ch))``)."""
         p = self.peers[pe]
         p.qp, p.proxy, p.remote_base, p.rkey = 0, channel_desc_addr, remote_base, rkey
         if keep is not None:

@@ -1,0 +1,271 @@
+"""Per-peer transport wiring of one rank: which transport reaches each peer, the RC QPs, the device
+descriptors of ibgda peers, and the proxy channels and engine of proxy peers (DESIGN.md
+"Transports under one device API").
+
+- ``ibgda``: the kernel writes WQEs into the peer QP's send ring and rings its doorbell itself
+  (device/descriptors.py QpDescriptor).
+- ``proxy``: the kernel pushes 16-byte commands into a channel's host-mapped FIFO and a CPU proxy
+  thread posts them (host/proxy.py). One channel per proxied peer.
+
+``auto`` picks ibgda where the NIC's doorbell can be mapped into the device, else the proxy, and
+says why. The choice is per peer: one kind for every peer, a dict {peer: kind, "default": kind}
+or a callable (rank, peer) -> kind; both ends of a pair must agree (gpunet/context.py checks it
+in the init exchange).
+
+Set-up is two steps around the Context's exchanges: :class:`Transports` makes the QPs and
+returns what peers need (``info``), then :meth:`Transports.connect` connects them to the peers'
+and fills the device context. Every QP a rank makes has a partner only on peers that use the same
+transport somewhere: a QP whose peer made no partner for it is left unconnected and unused
+(tests/test_transports.py::test_a_rank_that_never_uses_the_proxy_beside_one_that_does).
+"""
+import logging
+import time
+
+import numpy as np
+
+from gpunet import mlx5
+from gpunet._floor import Deadline
+from gpunet.device.descriptors import QpDescriptor, proxy_channel_desc
+from gpunet.errors import ConfigError, GpunetError
+from gpunet.resource import Resource
+
+log = logging.getLogger("gpunet")
+
+TRANSPORTS = ("auto", "ibgda", "proxy")
+SQ_WQEBBS = 256                   # per-peer send ring: 16 KiB, deep enough for a doorbell batch
+PROXY_DEPTH = 1024                # proxy FIFO slots per channel
+
+
+def check_transport(transport):
+    """ConfigError unless ``transport`` is one of TRANSPORTS, a dict {peer: kind, "default": kind}
+    or a callable (rank, peer) -> kind (see peer_transport)."""
+    if isinstance(transport, str) and transport in TRANSPORTS:
+        return
+    if isinstance(transport, dict):
+        for k, v in transport.items():
+            if not (k == "default" or (isinstance(k, int) and not isinstance(k, bool) and k >= 0)):
+                raise ConfigError("transport dict: keys are peer ranks or 'default', not %r" % (k,))
+            if not isinstance(v, str) or v not in TRANSPORTS:
+                raise ConfigError("transport dict: peer %r -> %r is not one of %s" % (k, v, TRANSPORTS))
+        return
+    if callable(transport):
+        return
+    raise ConfigError("transport must be one of %s, a dict {peer: transport, 'default': transport} or "
+                      "a callable (rank, peer) -> transport, not %r" % (TRANSPORTS, transport))
+
+
+def peer_transport(transport, rank, peer):
+    """The transport asked for between ``rank`` and ``peer``: one kind for every peer (a str), a
+    dict {peer: kind} with an optional "default" ("auto" if absent), or a callable
+    (rank, peer) -> kind, e.g. ``lambda a, b: "proxy" if (a + b) % 2 else "ibgda"``. Both ends of
+    a pair must get the same kind (init checks it); a callable symmetric in its arguments does."""
+    if isinstance(transport, str):
+        return transport
+    if isinstance(transport, dict):
+        return transport.get(peer, transport.get("default", "auto"))
+    kind = transport(rank, peer)
+    if not isinstance(kind, str) or kind not in TRANSPORTS:
+        raise ConfigError("transport(%d, %d) returned %r, not one of %s" % (rank, peer, kind, TRANSPORTS))
+    return kind
+
+
+def choose_transport(requested, probe_doorbell):
+    """("ibgda" | "proxy", reason) for a requested transport ("auto" | "ibgda" | "proxy").
+
+    ``probe_doorbell()`` maps the NIC's doorbell into the device and returns a description, or
+    raises host.platform.VendorRuntimeError when the driver refuses (cudaHostRegister with
+    IoMemory: error 800 where the driver does not allow it). "auto" falls back to the CPU proxy
+    then; "ibgda" cannot work and raises ConfigError; "proxy" does not probe.
+    """
+    from gpunet.host.platform import VendorRuntimeError
+
+    if requested == "proxy":
+        return "proxy", "asked for (transport='proxy')"
+    try:
+        how = probe_doorbell()
+    except VendorRuntimeError as e:
+        if requested == "ibgda":
+            raise ConfigError("transport='ibgda' needs the NIC's doorbell mapped into the device, "
+                              "and the driver refused (%s); use transport='auto' or 'proxy'" % e)
+        return "proxy", ("auto: the doorbell cannot be mapped into the device (%s, code %s), so a "
+                         "CPU proxy thread posts for the kernels" % (e.call or "runtime", e.code))
+    if requested == "ibgda":
+        return "ibgda", "asked for (transport='ibgda'); %s" % how
+    return "ibgda", "auto: %s" % how
+
+
+class Transports(Resource):
+    """The transports of one rank towards every peer (itself included, through loopback QPs).
+
+    ``nic``: a host/nic.py Nic; ``platform``: host/platform.py's Platform (the proxy's FIFOs go in
+    its host-mapped memory on a GPU); ``transport``: as gpunet.init takes it; ``probe_doorbell``:
+    see choose_transport; ``proxy_threads``: threads draining the proxy channels.
+
+    Attributes: ``kinds`` (peer -> "ibgda" | "proxy"), ``reasons`` (peer -> why), after
+    :meth:`connect` ``qpds`` (peer -> QpDescriptor, ibgda peers), ``channels`` (peer ->
+    ProxyChannel, proxy peers) and ``engine`` (the ProxyEngine, or None).
+
+    Close order (children, last made first): the proxy engine (its threads stop posting), then the
+    proxy channels (their FIFO memory); the QPs go with the NIC, which the Context closes after.
+    """
+
+    def __init__(self, nic, platform, rank, world_size, transport, probe_doorbell, proxy_threads=1):
+        self.nic, self.platform = nic, platform
+        self.rank, self.world_size = rank, world_size
+        self._gpu = platform.name != "cpu"
+        self._proxy_threads = proxy_threads
+        self.qpds, self.channels, self.engine = {}, {}, None
+        self.kinds, self.reasons = {}, {}
+        n, me = world_size, rank
+        # all peers share this NIC's doorbell page, so one probe decides for every one of them
+        for p in range(n):
+            asked = peer_transport(transport, me, p)
+            t, why = choose_transport(asked, probe_doorbell)
+            if not isinstance(transport, str):
+                why = "per-peer choice %r; %s" % (asked, why)
+            self.kinds[p], self.reasons[p] = t, why
+            log.info("gpunet rank %d -> peer %d: %s (%s)", me, p, t, why)
+        # One RC QP per peer and transport user (the device, or the proxy threads: a QP has one
+        # poster), plus a loopback partner per user for this rank itself.
+        self._users = sorted(set(self.kinds.values()))
+        self._qps, self._partner = {}, {}
+        for u in self._users:
+            for p in range(n):
+                self._qps[u, p] = self.nic.create_qp(self.nic.create_cq(cqe_cnt=SQ_WQEBBS),
+                                                     sq_wqebbs=SQ_WQEBBS)
+            self._partner[u] = self.nic.create_qp(self.nic.create_cq(cqe_cnt=SQ_WQEBBS),
+                                                  sq_wqebbs=SQ_WQEBBS)
+
+    def info(self):
+        """What the peers need to connect to this rank's QPs (picklable)."""
+        return {"qps": {k: q.info() for k, q in self._qps.items()}, "transports": dict(self.kinds)}
+
+    def connect(self, everyone, dev, local_heap, mem=None, mapping=None):
+        """Connect every QP to its partner on the peer and fill ``dev`` (a DeviceContext): per
+        ibgda peer a QpDescriptor, per proxy peer a channel drained by the proxy engine.
+
+        ``everyone``: per rank, its ``info()`` plus "heap" and "rkey" (its heap's address and
+        rkey); ``local_heap``: (address, lkey) of this rank's heap; ``mem`` / ``mapping``: on a
+        GPU, the DeviceMemory for descriptors and the NicMapping of the NIC's rings."""
+        n, me = self.world_size, self.rank
+        for (u, p), q in self._qps.items():
+            if p == me:
+                self.nic.connect(q, self._partner[u].info())
+                self.nic.connect(self._partner[u], q.info())
+            elif (u, me) in everyone[p]["qps"]:
+                self.nic.connect(q, everyone[p]["qps"][u, me])
+            # else: peer p uses no `u` QPs at all, so this one has no partner and stays unused
+            # (a proxied peer is reached through its channel only; kinds agree pairwise)
+        for p in range(n):
+            if self.kinds[p] == "ibgda":
+                qpd = QpDescriptor(self._qps["ibgda", p], p, mem=mem, mapped=mapping)
+                dev.set_peer_qp(p, qpd, everyone[p]["heap"], everyone[p]["rkey"])
+                self.qpds[p] = qpd
+        proxied = [p for p in range(n) if self.kinds[p] == "proxy"]
+        if proxied:
+            self._setup_proxy(proxied, everyone, dev, local_heap)
+
+    def _setup_proxy(self, proxied, everyone, dev, local_heap):
+        """One proxy channel per proxied peer, all drained by the proxy threads. Per peer, because
+        a channel's recorded failure is sticky (every later quiet on it fails): a dead peer then
+        fails the operations to it alone, and code that decides per peer (gpunet.ep's masking,
+        tests/test_ep_ll.py's killed-rank tests over the proxy) can go on with the rest."""
+        from gpunet.host.proxy import ProxyChannel, ProxyEngine
+
+        for p in proxied:
+            self.channels[p] = self._adopt(
+                ProxyChannel(depth=PROXY_DEPTH, platform=self.platform if self._gpu else None),
+                "proxy channel %d" % p)
+        remote_heaps = [(e["heap"], e["rkey"]) for e in everyone]
+        # kept to start a new engine on the same channels and QPs after a reset (recover)
+        self._engine_args = (self.nic, list(self.channels.values()),
+                             [[self._qps["proxy", p]] for p in range(self.world_size)],
+                             local_heap, remote_heaps)
+        self.engine = ProxyEngine(*self._engine_args, threads=self._proxy_threads)
+        self._adopt(lambda: self.engine.close(), "proxy engine")
+        for p, ch in self.channels.items():
+            dev.set_peer_proxy(p, dev.place(proxy_channel_desc(ch)), everyone[p]["heap"],
+                               everyone[p]["rkey"])
+
+    # --- after a failure ----------------------------------------------------------------------
+    def failure(self):
+        """The failure the proxy recorded (a GpunetError), or None (also without a proxy)."""
+        if self.engine is None:
+            return None
+        try:
+            self.engine.check()
+        except GpunetError as e:
+            return e
+        return None
+
+    def recover(self, timeout_s):
+        """Bring every QP that a failure left unusable back to RTS, so that the next good
+        operation works: a QP the NIC moved to ERR (a protection error, a bad WQE) or whose device
+        posting state cannot go on (an error CQE seen, a reservation never published) is reset at
+        the NIC (Nic.reset_qp) and in its device descriptor (QpDescriptor.reset); the proxy's
+        channels are drained, its engine restarted on the reset QPs and their recorded failures
+        cleared. Work queued on a reset QP after the failed operation is discarded. A QP whose
+        peer did not answer (retry exceeded: dead) is left in error: every later operation to
+        that peer fails at once. No kernel of ours may be running. Returns notes for the error
+        message (an empty list when nothing needed doing).
+        tests/test_api_adversarial.py::test_protection_error_is_raised_then_the_context_recovers.
+        """
+        notes = []
+        for p, qpd in self.qpds.items():
+            if self.nic.qp_state(qpd.qp) != "ERR" and not qpd.needs_reset():
+                continue
+            if self._dead_peer(qpd.qp, p, notes):
+                continue
+            qpd.reset(self.nic.reset_qp(qpd.qp, timeout_s=timeout_s))
+            notes.append("the QP to peer %d was reset to RTS (what was queued on it after the "
+                         "failed operation was discarded)" % p)
+        if self.engine is not None:
+            notes += self._recover_proxy(timeout_s)
+        return notes
+
+    def _dead_peer(self, qp, peer, notes):
+        if self.nic.qp_error_syndrome(qp) != mlx5.SYNDROME_TRANSPORT_RETRY_EXC_ERR:
+            return False
+        notes.append("the QP to peer %d stays in error: the peer did not answer (retry exceeded: "
+                     "dead?), so every later operation to it fails at once; close this Context"
+                     % peer)
+        return True
+
+    def _recover_proxy(self, timeout_s):
+        from gpunet.host.proxy import ProxyEngine, resume_after_reset
+
+        chans = list(self.channels.values())
+        bad = [(p, row[0]) for p, row in enumerate(self._engine_args[2])
+               if self.nic.qp_state(row[0]) == "ERR"]
+        if all(ch.error() is None for ch in chans) and not bad:
+            return []
+        # Every command pushed so far completes first (those behind an error flush), so that the
+        # new engine, which resumes at `completed`, takes none of them again.
+        deadline = Deadline(timeout_s)
+        for ch in chans:
+            head = self.proxy_head(ch)
+            while ch.completed < head:
+                if deadline.expired() or self.engine.alive_threads() == []:
+                    return ["a proxy channel did not drain (%d of %d commands completed), so it "
+                            "stays failed; close this Context" % (ch.completed, head)]
+                time.sleep(50e-6)
+        self.engine.close()
+        notes = []
+        for p, qp in bad:
+            if self._dead_peer(qp, p, notes):
+                continue
+            resume_after_reset(qp, self.nic.reset_qp(qp, timeout_s=timeout_s))
+            notes.append("the proxy's QP to peer %d was reset to RTS (what was queued on it after "
+                         "the failed command was discarded)" % p)
+        for ch in chans:
+            ch.clear_error()
+        self.engine = ProxyEngine(*self._engine_args, threads=self._proxy_threads)
+        return notes or ["the proxy channel's failure was cleared"]
+
+    def proxy_head(self, ch):
+        """Commands pushed into proxy channel ``ch`` so far (DevCtrl.head; on a GPU device memory)."""
+        if not self._gpu:
+            return ch.head
+        word = np.zeros(1, dtype=np.uint64)
+        self.platform.memcpy(word.ctypes.data, ch.dctrl_addr, 8)
+        return int(word[0])

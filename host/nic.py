@@ -1,0 +1,102 @@
+"""The NIC interface: what gpunet needs from a NIC, and ``open_nic``, the one place that names an
+implementation.
+
+Code above this module (gpunet/context.py, gpunet/transports.py, the proxy engine, the device
+descriptors) works with any :class:`Nic`; only :func:`open_nic` knows the soft NIC
+(host/softnic.py) and the verbs NIC (host/verbs.py). tests/test_layers.py checks that no module
+of gpunet/ above host/ imports an implementation. A second implementation (a DevX mlx5 NIC)
+subclasses :class:`Nic`, provides the objects below, and is added to ``open_nic``.
+
+Objects a Nic hands out (the attributes device descriptors and the proxy read; mlx5 PRM names):
+
+- ``alloc(nbytes, align)`` -> a zeroed ``np.uint8`` array in memory the NIC can reach, inside
+  ``mapped_ranges()`` (heaps, op lists, landing slots).
+- MR (``reg_mr``): ``addr``, ``length``, ``lkey``, ``rkey``.
+- CQ (``create_cq``): ``cqn``, ``buf`` (uint8[cqe_cnt * 64]), ``buf_addr``, ``cqe_cnt``, ``dbrec``
+  (uint8[8]), ``dbrec_addr``, ``collapsed``.
+- QP (``create_qp``): ``qpn``, ``sq`` (uint8[sq_wqebbs * 64]), ``sq_addr``, ``sq_wqebbs``,
+  ``dbrec`` / ``dbrec_addr``, ``db_addr`` (the doorbell word: UAR + 0x800 on mlx5),
+  ``send_cq``, ``max_inline``, and ``info()``: a picklable dict a peer passes to ``connect``.
+"""
+import abc
+
+from gpunet.errors import ConfigError
+from gpunet.resource import Resource
+
+KINDS = ("auto", "soft", "verbs")
+
+
+class Nic(Resource, abc.ABC):
+    """A NIC gpunet drives: memory, registration, CQs, RC QPs, and what the GPU must map.
+
+    A Resource: ``close()`` releases every object the NIC made, idempotently.
+    """
+
+    @abc.abstractmethod
+    def alloc(self, nbytes, align=64):
+        """A zeroed np.uint8 array of ``nbytes`` (``align``-aligned) the NIC and the GPU can reach."""
+
+    @abc.abstractmethod
+    def reg_mr(self, buf_or_addr, length=None, access=None, kind="host", pd=None):
+        """Register memory (an array, or an address + ``length``); ``kind``: "device" |
+        "finegrained" | "host" (host/platform.py's memory kinds). Returns an MR."""
+
+    @abc.abstractmethod
+    def dereg_mr(self, mr):
+        """Undo ``reg_mr``."""
+
+    @abc.abstractmethod
+    def create_cq(self, cqe_cnt=256, collapsed=False):
+        """A CQ of ``cqe_cnt`` 64-byte CQEs (owner-bit mode), or one collapsed slot."""
+
+    @abc.abstractmethod
+    def create_qp(self, send_cq, recv_cq=None, sq_wqebbs=256, max_inline=256, pd=None):
+        """An RC QP whose send completions go to ``send_cq``; ``qp.info()`` names it to a peer."""
+
+    @abc.abstractmethod
+    def connect(self, qp, remote_qp_info):
+        """Connect ``qp`` to the peer QP ``remote_qp_info`` describes (INIT -> RTR -> RTS)."""
+
+    @abc.abstractmethod
+    def qp_state(self, qp):
+        """"RESET" | "INIT" | "RTR" | "RTS" | "ERR" (as the NIC sees it now)."""
+
+    @abc.abstractmethod
+    def qp_error_syndrome(self, qp):
+        """The mlx5 syndrome that moved ``qp`` to ERR (0 when it is not in error)."""
+
+    @abc.abstractmethod
+    def reset_qp(self, qp, timeout_s=5.0):
+        """ERR -> RESET -> RTS on the same connection, after the NIC drained what was rung;
+        returns the send CQ's consumer index from which CQEs belong to the QP's new life."""
+
+    @abc.abstractmethod
+    def mapped_ranges(self):
+        """[(address, nbytes)]: the host memory the GPU must map for GPU-initiated posting (rings,
+        CQs, doorbell records and words, and everything ``alloc`` returns)."""
+
+
+def open_nic(kind="auto", *, profile="nvidia", arena_bytes=64 << 20, retry_timeout_s=1.0,
+             name=None):
+    """Open a NIC of ``kind``: "soft" (host/softnic.py: the software mlx5 NIC, shared-memory arena
+    of ``arena_bytes``, coherence ``profile``, peers dead after ``retry_timeout_s``), "verbs" (a
+    real mlx5 NIC: detected, not yet drivable; ConfigError says so) or "auto" (verbs where pyverbs
+    sees an RDMA device, else soft). ``name`` tags the soft NIC's arena file. Returns a Nic.
+    """
+    from gpunet.host import verbs
+
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ConfigError("nic must be one of %s, not %r" % (KINDS, kind))
+    if kind == "verbs" or (kind == "auto" and verbs.have_pyverbs() and verbs.available_devices()):
+        with verbs.VerbsNic():       # raises NoRdmaDeviceError with what to do when there is none
+            raise ConfigError("nic='verbs': the real-NIC path is not wired into the Python API "
+                              "yet; use nic='soft'")
+    from gpunet.host.softnic import SoftNic
+
+    try:
+        return SoftNic(profile=profile, retry_timeout_s=retry_timeout_s, arena_bytes=arena_bytes,
+                       name=name)
+    except OSError as e:
+        raise ConfigError("cannot create the soft NIC's %d-byte shared-memory arena in /dev/shm "
+                          "(%s); ask for less memory (gpunet.init's heap_bytes) or free /dev/shm"
+                          % (arena_bytes, e)) from e
