@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from gpunet import mlx5
-from gpunet.host.softnic import Access, SoftNic
+from gpunet.host.nic import Access, open_nic
 from gpunet.host.wq import CompletionQueue, SendQueue
 
 HEAP = 1 << 20
@@ -45,7 +45,7 @@ def run(out=sys.stdout):
         print("  [%d] %-28s %s" % (len(rows), name, "ok" if ok else "FAIL"), file=out, flush=True)
 
     print("gpunet selftest: two soft mlx5 NICs, one RC QP pair", file=out, flush=True)
-    with SoftNic(name="selftest-a") as a, SoftNic(name="selftest-b") as b:
+    with open_nic("soft", name="selftest-a") as a, open_nic("soft", name="selftest-b") as b:
         (qa, cqa, bufa, mra), (qb, cqb, bufb, mrb) = _pair(a, b)
         sq, cq = SendQueue(qa), CompletionQueue(cqa)
         rcq = CompletionQueue(cqb)
@@ -111,7 +111,8 @@ def run(out=sys.stdout):
                          ("remote protection error", protection)]:
             row(name, fn)
 
-    with SoftNic(profile="c500", name="selftest-c") as c500, SoftNic(profile="c500", name="selftest-d") as d:
+    with open_nic("soft", profile="c500", name="selftest-c") as c500, \
+            open_nic("soft", profile="c500", name="selftest-d") as d:
         (qc, cqc, bufc, _), (qd, _, bufd, mrd) = _pair(c500, d)
         sqc, cqc_poll = SendQueue(qc), CompletionQueue(cqc)
 

@@ -19,11 +19,21 @@ Objects a Nic hands out (the attributes device descriptors and the proxy read; m
   ``send_cq``, ``max_inline``, and ``info()``: a picklable dict a peer passes to ``connect``.
 """
 import abc
+import enum
 
 from gpunet.errors import ConfigError
 from gpunet.resource import Resource
 
 KINDS = ("auto", "soft", "verbs")
+
+
+class Access(enum.IntFlag):
+    """MR access flags (``reg_mr(access=)``; ibv_access_flags values)."""
+    LOCAL_WRITE = 1
+    REMOTE_WRITE = 2
+    REMOTE_READ = 4
+    REMOTE_ATOMIC = 8
+    ALL = 15
 
 
 class Nic(Resource, abc.ABC):
@@ -37,9 +47,10 @@ class Nic(Resource, abc.ABC):
         """A zeroed np.uint8 array of ``nbytes`` (``align``-aligned) the NIC and the GPU can reach."""
 
     @abc.abstractmethod
-    def reg_mr(self, buf_or_addr, length=None, access=None, kind="host", pd=None):
-        """Register memory (an array, or an address + ``length``); ``kind``: "device" |
-        "finegrained" | "host" (host/platform.py's memory kinds). Returns an MR."""
+    def reg_mr(self, buf_or_addr, length=None, access=Access.ALL, kind="host", pd=None):
+        """Register memory (an array, or an address + ``length``) with ``access`` (Access
+        flags); ``kind``: "device" | "finegrained" | "host" (host/platform.py's memory kinds).
+        Returns an MR."""
 
     @abc.abstractmethod
     def dereg_mr(self, mr):

@@ -37,7 +37,6 @@ Semantics chosen where the issue leaves a choice (docs/INTERFACES.md repeats the
   memory (the one whose ``check()`` raises), first one wins.
 """
 import atexit
-import enum
 import fcntl
 import itertools
 import os
@@ -51,7 +50,7 @@ from numba import njit
 
 from gpunet import mlx5
 from gpunet.errors import ClosedError, CoherenceViolation, ConfigError, GpunetError
-from gpunet.host.nic import Nic
+from gpunet.host.nic import Access, Nic
 from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, address_of, atomic_cas_u64, bswap64, c_kill0,
                                 c_memmove, c_sched_yield, clock_ns, i64_at, idle_pause,
                                 load_acquire_u32, load_acquire_u64, pin_current_thread,
@@ -108,15 +107,6 @@ PID_CHECK_NS = 2_000_000             # heartbeat age (> the 200 us idle sleep) a
 CQ_LOCK_SPINS = 1 << 26              # bound on the CQ lock spin (a holder that died)
 STALE_MIN_AGE_S = 10.0               # an unlocked arena without a header is young for this long:
                                      # its creator may be between O_CREAT and flock
-
-
-class Access(enum.IntFlag):
-    """MR access flags (ibv_access_flags values)."""
-    LOCAL_WRITE = 1
-    REMOTE_WRITE = 2
-    REMOTE_READ = 4
-    REMOTE_ATOMIC = 8
-    ALL = 15
 
 
 # --- engine ------------------------------------------------------------------------------------
