@@ -45,7 +45,8 @@ class LlParams(ctypes.Structure):
                 ("x", u64), ("topk_idx", u64), ("topk_weights", u64), ("out_x", u64),
                 ("out_scales", u64), ("out_count", u64), ("src_info", u64), ("layout_range", u64),
                 ("cum_stats", u64), ("wait_stats", u64),
-                ("mask", u64), ("failed", u64), ("got", u64), ("nrecv", u64), ("status", u64),
+                ("mask", u64), ("failed", u64), ("got", u64), ("nrecv", u64),
+                ("status_flag", u64), ("status", u64),
                 ("expected", u64), ("sync", u64), ("bits", u64), ("hist", u64), ("plan", u64),
                 ("tab", u64), ("table", u64)]
 
@@ -56,7 +57,7 @@ class EpStatus(ctypes.Structure):
                 ("pad", u64)]
 
 
-SIZES = {"LlParams": 360, "EpStatus": 64, "DevCtx": 128}
+SIZES = {"LlParams": 368, "EpStatus": 64, "DevCtx": 128}
 
 
 def load_ep(arch="host", defines=None):

@@ -307,6 +307,25 @@ def test_bad_arguments_raise_config_errors_before_anything_runs(solo):
     assert solo.get_local_buffer_tensor(torch.uint8).numel() == solo.num_nvl_bytes == 0
 
 
+def test_a_corrupt_combine_handle_is_refused_by_the_kernel_with_a_config_error():
+    """A handle whose layout_range points past the packed rows (a handle from another Buffer, or
+    tampered with) is caught by the combine kernel (EP_ERR_LAYOUT) and raised as ConfigError
+    naming the layout check; nothing is sent for it (the receiver side times out, bounded)."""
+    b = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(4, 128, 1, 2),
+               low_latency_mode=True, explicitly_destroy=True, timeout_s=0.5)
+    try:
+        x = torch.ones(4, 128, dtype=torch.bfloat16)
+        tk = torch.tensor([[0], [1], [0], [1]], dtype=torch.int64)
+        recv, count, handle, _, _ = b.low_latency_dispatch(x, tk, 4, 2, use_fp8=False)
+        lr = handle[1].clone()
+        lr[0, 0] = (3 << 32) | 2                        # rows [3, 5) of a 4-row expert
+        bad = (handle[0], lr) + tuple(handle[2:])
+        with pytest.raises(ConfigError, match="layout"):
+            b.low_latency_combine(recv, tk, torch.ones(4, 1), bad)
+    finally:
+        b.destroy()
+
+
 def test_timeout_is_settable_at_run_time_and_destroyed_buffers_refuse_calls():
     """set_timeout / timeout_s change the per-peer bound from the next call on (bad values raise);
     after destroy() every call raises ClosedError."""

@@ -128,7 +128,7 @@ def ctl_layout(num_ranks):
     host-mapped). Returns (dict name -> offset, total bytes)."""
     r = num_ranks
     sizes = [("sig", 8 * 5 * r), ("mask", 4 * r), ("failed", 4 * r), ("got", 4 * r),
-             ("nrecv", 4 * r), ("status", 64)]
+             ("nrecv", 4 * r), ("status_flag", 4)]
     out, off = {}, 0
     for k, n in sizes:
         out[k] = off

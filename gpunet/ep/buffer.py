@@ -288,7 +288,9 @@ class Buffer:
         i32 = lambda name: self._ctl_np[self._ctl_off[name]:self._ctl_off[name] + 4 * r].view(np.int32)
         self._mask_np, self._failed_np = i32("mask"), i32("failed")
         self._got_np, self._nrecv_np = i32("got"), i32("nrecv")
-        self._ep_status = dep.EpStatus.from_address(base + self._ctl_off["status"])
+        self._status_flag = self._ctl_np[self._ctl_off["status_flag"]:][:4].view(np.uint32)
+        self._ep_status = torch.zeros(ctypes.sizeof(dep.EpStatus), dtype=torch.uint8,
+                                      device=self._device)
         # the per-peer Status blocks of the per-peer device contexts: device memory (every verb
         # reads its context's Status); the host reads one only to describe a failure
         self._peer_status = torch.zeros(128 * r, dtype=torch.uint8, device=self._device)
@@ -565,7 +567,8 @@ class Buffer:
         for ws in self._shape_ws.values():
             ws["bits"].zero_()
             ws["table"].fill_(-1)
-        ctypes.memset(ctypes.addressof(self._ep_status), 0, ctypes.sizeof(dep.EpStatus))
+        self._ep_status.zero_()
+        self._status_flag[0] = 0
 
     # ---- launches ---------------------------------------------------------------------------------
     def _layout(self, t_max, hidden, num_experts, what):
@@ -600,7 +603,8 @@ class Buffer:
         P.failed = self._ctl_base + self._ctl_off["failed"]
         P.got = self._ctl_base + self._ctl_off["got"]
         P.nrecv = self._ctl_base + self._ctl_off["nrecv"]
-        P.status = self._ctl_base + self._ctl_off["status"]
+        P.status_flag = self._ctl_base + self._ctl_off["status_flag"]
+        P.status = _addr(self._ep_status)
         P.expected, P.sync = _addr(self._expected), _addr(self._sync)
         ws = self._workspace(layout.t_max, layout.num_experts)
         P.bits, P.hist, P.plan = _addr(ws["bits"]), _addr(ws["hist"]), _addr(ws["plan"])
@@ -620,8 +624,7 @@ class Buffer:
         """Raise what the kernels recorded: an EP-level failure (then the workspace is reset), or,
         without enable_shrink, the peers that failed (EPTimeout). CPU: the launch just finished;
         CUDA: whatever launches have completed so far (host-mapped state, no device sync)."""
-        st = self._ep_status
-        if st.code:
+        if self._status_flag[0]:
             err = self._ep_error(what)
             self._reset_workspace()
             raise err
@@ -648,7 +651,7 @@ class Buffer:
         return str(err) if err is not None else "rank %d: failed (no detail recorded)" % p
 
     def _ep_error(self, what):
-        st = self._ep_status
+        st = dep.EpStatus.from_buffer_copy(self._ep_status.cpu().numpy().tobytes())
         code = int(st.code)
         text = "%s on rank %d: %s, at %s (peer %d, block %d; expected %d, observed %d, %.3f s)" % (
             what, self.rank, dep.EP_ERR_NAMES.get(code, "EP failure %d" % code),

@@ -114,7 +114,7 @@ enum : uint32_t {
   EP_SITE_HEADER = 5, EP_SITE_COMBINE_LAYOUT = 6,
 };
 
-// One launch's arguments, passed BY VALUE (a CUDA graph captures them). 360 B. device/ep.py.
+// One launch's arguments, passed BY VALUE (a CUDA graph captures them). 368 B. device/ep.py.
 struct LlParams {
   uint32_t op, phases, flags, buf;             // OP_*, PH_* bits, F_* bits, LL buffer 0/1
   uint32_t rank, nranks, num_experts, e_loc;
@@ -144,7 +144,9 @@ struct LlParams {
   uint64_t got;           // int32 [R], this launch: 1 = the peer's signal and header arrived
   uint64_t nrecv;         // int32 [R], this launch: messages / rows the peer sent us (written,
                           // never read here: the copies the kernels read are in `tab`)
-  uint64_t status;        // EpStatus
+  uint64_t status_flag;   // uint32: set to 1 (a plain store) once `status` records a failure
+  uint64_t status;        // EpStatus, device memory: its first-failure CAS must not be an atomic
+                          // on host-mapped memory (PCIe atomics are not guaranteed everywhere)
   // workspace (device memory)
   uint64_t expected;      // u64 [2 kinds][2 bufs][R] + barrier [R]: signal counts seen so far
   uint64_t sync;          // u64 [SYNC_WORDS * kSyncStride], zero between launches
@@ -155,7 +157,7 @@ struct LlParams {
                           // send [E_loc*R] + [R], then receive [2][R*E_loc]: both live at once)
   uint64_t table;         // int64 [t_max * K], -1 between launches: combine (source, row) slots
 };
-static_assert(sizeof(LlParams) == 360, "LlParams layout is mirrored in device/ep.py");
+static_assert(sizeof(LlParams) == 368, "LlParams layout is mirrored in device/ep.py");
 
 // The first EP-level failure of a launch (first wins). 64 B. device/ep.py: EpStatus.
 struct EpStatus {
@@ -350,6 +352,7 @@ GPUNET_DEVICE void ep_fail(const LlParams& P, uint32_t code, uint32_t site, uint
   arch::store_relaxed(&s->observed, observed);
   arch::store_relaxed(&s->waited_ns, waited);
   arch::store_release_sys(&s->valid, uint64_t(1));
+  arch::store_release_sys(ptr<uint32_t>(P.status_flag), 1u);
 }
 
 // Bounded wait until *word >= target (another block's flag or arrival count), then acquire.
