@@ -2,7 +2,7 @@
 
 The CPU default runs everything against a software mlx5 NIC (``gpunet.host.softnic``).
 """
-from .errors import (ClosedError, CoherenceViolation, CompletionError, ConfigError,
+from .errors import (CloseError, ClosedError, CoherenceViolation, CompletionError, ConfigError,
                      GpunetError, TimeoutError, ToolchainError)
 
 __version__ = "0.1.0"
@@ -19,7 +19,7 @@ def __getattr__(name):
 
 
 _API = ("init", "put", "get", "put_signal", "atomic_add", "wait_until", "quiet", "barrier",
-        "Context", "Remote", "read_signal")
+        "Context", "Remote", "read_signal", "DeviceHandle", "build_extension")
 
 __all__ = ["GpunetError", "ConfigError", "ToolchainError", "TimeoutError", "CompletionError",
-           "CoherenceViolation", "ClosedError", "__version__", *_API]
+           "CoherenceViolation", "ClosedError", "CloseError", "__version__", *_API]

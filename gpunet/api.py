@@ -5,7 +5,8 @@ symmetric heap (``ctx.alloc``); sizes are in bytes of the local tensor; a Remote
 (``ctx.remote(rank, tensor, offset)``) names the same tensor on another rank.
 """
 from gpunet import context as _context
-from gpunet.context import Context, Remote, read_signal  # noqa: F401 - re-exported
+from gpunet.context import Context, DeviceHandle, Remote, read_signal  # noqa: F401 - re-exported
+from gpunet.extension import build_extension  # noqa: F401 - re-exported
 
 
 def init(group=None, transport="auto", nic="auto", **kwargs):
