@@ -63,6 +63,19 @@ def _expert(x_in, rank, e_loc):
     return (x_in.float() * scale.view(-1, 1, 1)).to(torch.bfloat16)
 
 
+def _device(buf):
+    return "cuda" if buf.runtime.platform.name == "cuda" else "cpu"
+
+
+def _cpu(obj):
+    """Tensors (also inside tuples) moved to the CPU for checking; everything else as is."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, tuple):
+        return tuple(_cpu(o) for o in obj)
+    return obj
+
+
 def _hashes(d):
     return {k: ref.hash_tensor(v) for k, v in d.items() if isinstance(v, torch.Tensor)}
 
@@ -160,10 +173,11 @@ def _ref_combine(spec, inputs, world, rank, masked_dispatch, masked_combine):
 
 def _dispatch(buf, spec, mine, stats):
     e_loc = spec["num_experts"] // buf.group_size
-    cum = torch.zeros(e_loc, dtype=torch.int32) if stats else None
-    wstats = torch.zeros(buf.group_size, buf.group_size, dtype=torch.int64) if stats else None
+    dev = _device(buf)
+    cum = torch.zeros(e_loc, dtype=torch.int32, device=dev) if stats else None
+    wstats = torch.zeros(buf.group_size, buf.group_size, dtype=torch.int64, device=dev) if stats else None
     recv_x, count, handle, event, hook = buf.low_latency_dispatch(
-        mine["x"], mine["topk_idx"], spec["t_max"], spec["num_experts"],
+        mine["x"].to(dev), mine["topk_idx"].to(dev), spec["t_max"], spec["num_experts"],
         cumulative_local_expert_recv_stats=cum, dispatch_wait_recv_cost_stats=wstats,
         use_fp8=spec.get("use_fp8", False), round_scale=spec.get("round_scale", False),
         use_ue8m0=spec.get("use_ue8m0", False), return_recv_hook=spec.get("hook", False))
@@ -171,15 +185,18 @@ def _dispatch(buf, spec, mine, stats):
 
 
 def _combine(buf, spec, mine, recv_x, handle, stats):
+    """Combine the expert outputs of what dispatch delivered (recv_x, handle: as returned)."""
     e_loc = spec["num_experts"] // buf.group_size
-    x_c = _expert(_decode(recv_x, spec.get("use_fp8", False)), buf.rank, e_loc)
+    dev = _device(buf)
+    x_c = _expert(_decode(_cpu(recv_x), spec.get("use_fp8", False)), buf.rank, e_loc).to(dev)
     if spec.get("zero_copy"):
         zbuf = buf.get_next_low_latency_combine_buffer(handle)
         zbuf.copy_(x_c)
         x_c = zbuf
-    cstats = torch.zeros(buf.group_size, dtype=torch.int64) if stats else None
+    cstats = torch.zeros(buf.group_size, dtype=torch.int64, device=dev) if stats else None
     combined, event, hook = buf.low_latency_combine(
-        x_c, mine["topk_idx"], mine["topk_weights"], handle, zero_copy=spec.get("zero_copy", False),
+        x_c, mine["topk_idx"].to(dev), mine["topk_weights"].to(dev), handle,
+        zero_copy=spec.get("zero_copy", False),
         return_recv_hook=spec.get("combine_hook", spec.get("hook", False)),
         combine_wait_recv_cost_stats=cstats)
     return combined, hook, cstats
@@ -202,9 +219,11 @@ def round_(state, spec):
         os._exit(0)
     try:
         t0 = time.monotonic()
-        recv_x, count, handle, hook, cum, wstats = _dispatch(buf, spec, mine, stats)
+        recv_d, count_d, handle_d, hook, cum, wstats = _dispatch(buf, spec, mine, stats)
         hook()
         out["t_dispatch"] = time.monotonic() - t0
+        recv_x, count, handle = _cpu(recv_d), count_d.cpu(), _cpu(handle_d)
+        cum, wstats = _cpu(cum), _cpu(wstats)
         out["bad"] += _check_dispatch(spec, world, rank, inputs, (recv_x, count, handle), masked_dispatch)
         if cum is not None and not torch.equal(cum, count):
             out["bad"].append("cumulative_local_expert_recv_stats %s != counts %s"
@@ -217,8 +236,9 @@ def round_(state, spec):
         if rank == victim and stage == "combine":
             os._exit(0)
         t0 = time.monotonic()
-        combined, chook, cstats = _combine(buf, spec, mine, recv_x, handle, stats)
+        combined, chook, cstats = _combine(buf, spec, mine, recv_d, handle_d, stats)
         chook()
+        combined, cstats = combined.cpu(), _cpu(cstats)
         out["t_combine"] = time.monotonic() - t0
     except EPTimeout as e:
         out["raised"] = {"phase": e.phase, "peers_silent": e.peers_silent,
@@ -254,14 +274,13 @@ def two_in_flight(state, spec_a, spec_b):
         got[3]()                                        # receive hooks, in order A, B
     combs = []
     for name, spec, inputs, got in runs:
-        recv_x, count, handle = got[0], got[1], got[2]
-        res[name] = {"bad": _check_dispatch(spec, world, rank, inputs, (recv_x, count, handle), ())}
-        combs.append((name, spec, inputs, _combine(buf, spec, inputs[rank], recv_x, handle, False)))
+        res[name] = {"bad": _check_dispatch(spec, world, rank, inputs, _cpu(got[:3]), ())}
+        combs.append((name, spec, inputs, _combine(buf, spec, inputs[rank], got[0], got[2], False)))
     for _, _, _, c in combs:
         c[1]()
     for name, spec, inputs, c in combs:
         want = _ref_combine(spec, inputs, world, rank, (), ())
-        res[name]["calc_diff"] = ref.calc_diff(c[0], want) if c[0].numel() else 0.0
+        res[name]["calc_diff"] = ref.calc_diff(c[0].cpu(), want) if c[0].numel() else 0.0
     return res
 
 
@@ -283,3 +302,11 @@ def clean(state, spec):
     buf = state["ep_buf"]
     buf.clean_low_latency_buffer(spec["t_max"], spec["hidden"], spec["num_experts"])
     return buf.masked_ranks() if buf.enable_shrink else []
+
+
+def scribble(state, byte):
+    """Use the whole RDMA buffer as scratch (callers do, between LL phases): fill it with `byte`."""
+    buf = state["ep_buf"]
+    t = buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
+    t.fill_(byte)
+    return t.numel()

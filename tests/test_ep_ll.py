@@ -93,9 +93,21 @@ def ibgda2():
 
 @pytest.fixture(scope="module")
 def proxy2():
-    r = _pool(2, "proxy", 64)
+    r = _pool(2, "proxy", 64, shrink=True)
     yield r
     _close(r)
+
+
+def _run_on(r, ranks, name, *args, timeout=120):
+    """Run a job on some ranks of a pool only; returns their answers (raises on an error)."""
+    for i in ranks:
+        r.inboxes[i].put((name, args))
+    out = []
+    for i in ranks:
+        status, val = r.outboxes[i].get(timeout=timeout)
+        assert status == "ok", "rank %d: %s" % (i, val)
+        out.append(val)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -412,6 +424,19 @@ def test_empty_and_hot_experts_and_ranks_without_tokens(ibgda2):
         _assert_round(ibgda2.run("ep_jobs:round_", spec), spec)
 
 
+def test_the_rdma_buffer_used_as_scratch_then_cleaned_works_again(ibgda2):
+    """Callers reuse the RDMA buffer as scratch between LL phases (SGLang's prefill workspace),
+    then clean_low_latency_buffer on every rank: the next rounds match the reference again."""
+    spec = _spec(2, seed=43)
+    _assert_round(ibgda2.run("ep_jobs:round_", spec), spec)
+    assert all(n >= Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8)
+               for n in ibgda2.run("ep_jobs:scribble", 0xA5))
+    assert ibgda2.run("ep_jobs:clean", spec) == [[], []]
+    for seed in (44, 45):
+        spec = _spec(2, seed=seed, use_fp8=seed == 45)
+        _assert_round(ibgda2.run("ep_jobs:round_", spec), spec)
+
+
 def test_mask_api_needs_enable_shrink(ibgda2):
     """Without enable_shrink the mask calls raise ConfigError on every rank (DeepEP asserts)."""
     with pytest.raises(AssertionError, match="enable_shrink"):
@@ -452,6 +477,23 @@ def test_mode_matrix_over_the_proxy_with_warps_of_64(proxy2, mode):
     """The mode matrix (hook and zero_copy together) through the CPU proxy with 64-lane warps."""
     spec = _spec(2, seed=61, **mode)
     _assert_round(proxy2.run("ep_jobs:round_", spec), spec)
+
+
+def test_mask_update_query_clean_then_unmasked_rounds(proxy2):
+    """The DeepEP mask API (enable_shrink): every rank masks rank 1, the query names it, rank 0
+    runs a round alone (its own tokens only, rank 1's experts left out of combine, nothing waited
+    for); then every rank unmasks (clean_mask) and cleans the LL buffer, and full rounds match
+    the reference again."""
+    proxy2.run("ep_jobs:mask", "update", (1, True))
+    assert proxy2.run("ep_jobs:mask", "query") == [[0, 1], [0, 1]]
+    alone = _spec(2, seed=63, masked=(1,))
+    _assert_round(_run_on(proxy2, [0], "ep_jobs:round_", alone), alone)
+    proxy2.run("ep_jobs:mask", "clean")
+    assert proxy2.run("ep_jobs:mask", "query") == [[0, 0], [0, 0]]
+    assert proxy2.run("ep_jobs:clean", alone) == [[], []]
+    for seed in (64, 65):
+        spec = _spec(2, seed=seed, hook=seed == 65)
+        _assert_round(proxy2.run("ep_jobs:round_", spec), spec)
 
 
 def test_varying_tokens_over_the_proxy(proxy2):

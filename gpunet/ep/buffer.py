@@ -285,10 +285,15 @@ class Buffer:
         self._ctl = ctx.alloc((ctl_bytes,), torch.uint8)
         base = self._ctl_base = int(self._ctl.data_ptr())
         self._ctl_np = np.frombuffer((ctypes.c_uint8 * ctl_bytes).from_address(base), dtype=np.uint8)
+        # two views of the per-peer state: numpy (the host reads it at once, without a device
+        # sync) and a heap tensor (writes stream-ordered after the kernels queued before them)
         i32 = lambda name: self._ctl_np[self._ctl_off[name]:self._ctl_off[name] + 4 * r].view(np.int32)
+        t32 = lambda name, n=r: self._ctl[self._ctl_off[name]:self._ctl_off[name] + 4 * n].view(torch.int32)
         self._mask_np, self._failed_np = i32("mask"), i32("failed")
         self._got_np, self._nrecv_np = i32("got"), i32("nrecv")
+        self._mask_t, self._failed_t = t32("mask"), t32("failed")
         self._status_flag = self._ctl_np[self._ctl_off["status_flag"]:][:4].view(np.uint32)
+        self._status_flag_t = t32("status_flag", 1)
         self._ep_status = torch.zeros(ctypes.sizeof(dep.EpStatus), dtype=torch.uint8,
                                       device=self._device)
         # the per-peer Status blocks of the per-peer device contexts: device memory (every verb
@@ -485,7 +490,7 @@ class Buffer:
         self._alive()
         self._need_shrink("low_latency_update_mask_buffer")
         r = self._rank_arg(rank_to_mask, "rank_to_mask")
-        self._mask_np[r] = 1 if mask else 0
+        self._mask_t[r] = 1 if mask else 0
         if not mask:
             self._forget_failure(r)
 
@@ -497,18 +502,18 @@ class Buffer:
                 tuple(mask_status.shape) != (self.group_size,):
             raise ConfigError("low_latency_query_mask_buffer: mask_status must be an int32 tensor of "
                               "shape [%d]" % self.group_size)
-        mask_status.copy_(torch.from_numpy(self._mask_np.copy()))
+        mask_status.copy_(self._mask_t)
 
     def low_latency_clean_mask_buffer(self):
         """Unmask every rank (and forget their failures)."""
         self._alive()
         self._need_shrink("low_latency_clean_mask_buffer")
+        self._mask_t.zero_()
         for r in range(self.group_size):
-            self._mask_np[r] = 0
             self._forget_failure(r)
 
     def _forget_failure(self, r):
-        self._failed_np[r] = 0
+        self._failed_t[r] = 0
         self._peer_status[128 * r:128 * (r + 1)].zero_()
         self._warned_masked.discard(r)
 
@@ -568,7 +573,7 @@ class Buffer:
             ws["bits"].zero_()
             ws["table"].fill_(-1)
         self._ep_status.zero_()
-        self._status_flag[0] = 0
+        self._status_flag_t.zero_()
 
     # ---- launches ---------------------------------------------------------------------------------
     def _layout(self, t_max, hidden, num_experts, what):
@@ -625,8 +630,14 @@ class Buffer:
         without enable_shrink, the peers that failed (EPTimeout). CPU: the launch just finished;
         CUDA: whatever launches have completed so far (host-mapped state, no device sync)."""
         if self._status_flag[0]:
+            # the failure path may wait: the failed launch and what follows it finish, the
+            # workspace is reset, and the reset is done before the next call reads the flag
+            if self._gpu:
+                torch.cuda.current_stream().synchronize()
             err = self._ep_error(what)
             self._reset_workspace()
+            if self._gpu:
+                torch.cuda.current_stream().synchronize()
             raise err
         failed = [p for p in range(self.group_size) if self._failed_np[p]]
         if not failed:
