@@ -267,11 +267,14 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
     b.connect(qb, qa.info())
     lh, rh = a.alloc(1 << 16), b.alloc(1 << 16)
     pcpu = [cpus["proxy"]] if "proxy" in cpus else None
+    # the proxy spins (10 ms after its last command) only on a core of its own: spinning on a
+    # shared core takes it from the threads it waits for (host/proxy.py SPIN_US)
+    pspin = 10_000 if plan else 0
     if drain_only:
         eng = P.ProxyEngine(None, [ch], None, (lh.ctypes.data, 1), [(0, 2)], drain_only=True,
-                            spin_us=10_000, cpus=pcpu)
+                            spin_us=pspin, cpus=pcpu)
     else:
-        eng = P.ProxyEngine(a, [ch], [[qa]], a.reg_mr(lh), [b.reg_mr(rh)], spin_us=10_000,
+        eng = P.ProxyEngine(a, [ch], [[qa]], a.reg_mr(lh), [b.reg_mr(rh)], spin_us=pspin,
                             cpus=pcpu)
     if arch == "cuda":
         status_m, out_m = plat.alloc("host", 128), plat.alloc("host", 8 * iters)
@@ -305,6 +308,7 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
         ns = out.view(np.uint64).astype(np.float64)[iters // 10:]   # drop the warm-up tenth
         return {"median_us": float(np.median(ns)) / 1e3, "p99_us": float(np.percentile(ns, 99)) / 1e3,
                 "min_us": float(ns.min()) / 1e3, "max_us": float(ns.max()) / 1e3,
+                "proxy_spin_us": pspin, "nic_spin_us": nic_spin_us,
                 "placement": {"plan": plan, "why": why, "gpu_local": near, "threads": threads}}
     finally:
         os.sched_setaffinity(0, mask)
@@ -331,6 +335,7 @@ def roundtrip_row(mode, reps, iters, arch, **kw):
            "min_median_us": srt[0], "max_median_us": srt[-1],
            "p99_us": sorted(r["p99_us"] for r in runs)[len(runs) // 2],
            "run_p99s_us": [r["p99_us"] for r in runs], "min_us": min(r["min_us"] for r in runs),
+           "proxy_spin_us": runs[0]["proxy_spin_us"], "nic_spin_us": runs[0]["nic_spin_us"],
            "placement": [r["placement"] for r in runs]}
     if arch == "cuda":
         row.update(floor_us=FLOOR_US, target_ratio=2.0, ratio_to_floor=row["median_us"] / FLOOR_US,
@@ -376,7 +381,8 @@ def main(argv=None):
         print("one PUT pushed by one device thread, then a device quiet on it; %d runs per row, "
               "each with fresh NICs, channel and proxy; drain-only: the proxy completes it on "
               "building the WQE (no NIC); soft NIC: executed by the soft NIC, whose engine yields "
-              "when idle; spinning: its engines poll for 1 ms after their last work.%s"
+              "when idle; spinning: its engines poll for 1 ms after their last work; the proxy "
+              "spins 10 ms after its last command when pinned, else yields.%s"
               % (args.reps, " Target (GPU): <= 2.0x the %.2f us floor in every run." % FLOOR_US
                  if arch == "cuda" else " (HOST arm: the GPU floor does not apply.)"))
     else:
