@@ -38,6 +38,7 @@ def _progress(msg):
 def _rank_entry(target, rank, world, port, args, results, env):
     """One rank process of run_ranks: joins the gloo group, runs ``target(rank, world, args)``;
     rank 0 reports ("ok", its return value); any rank that raises reports ("err", traceback)."""
+    import pickle
     import traceback
 
     os.environ.update(env or {})
@@ -48,7 +49,9 @@ def _rank_entry(target, rank, world, port, args, results, env):
                                 world_size=world)
         out = target(rank, world, args)
         if rank == 0:
-            results.put(("ok", out))
+            # by value: a queue would pass tensors as shared-memory handles that die with this
+            # process, which may exit before the launcher reads them
+            results.put(("ok", pickle.dumps(out)))
         dist.destroy_process_group()
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, then exit non-zero
         results.put(("err", "rank %d: %s: %s\n%s" % (rank, type(e).__name__, e,
@@ -65,6 +68,7 @@ def run_ranks(target, world, args, timeout_s=900, env=None):
     outlasts ``timeout_s`` (stragglers are killed: the wait is bounded). ``env``: variables set in
     every rank before it imports anything else. Used by ``gpunet demo``, ``gpunet ep-demo`` and
     bench/ep.py."""
+    import pickle
     import queue
 
     import torch.multiprocessing as mp
@@ -102,7 +106,7 @@ def run_ranks(target, world, args, timeout_s=900, env=None):
         raise GpunetTimeout("run_ranks: %d ranks gave no result within %d s" % (world, timeout_s))
     if got[0] != "ok":
         raise GpunetError("run_ranks: %s" % got[1])
-    return got[1]
+    return pickle.loads(got[1])
 
 
 PUT_QUIET_BYTES = 64

@@ -48,9 +48,12 @@ def test_torch_moe_weights_sum_to_one_per_token():
 
 
 def test_run_ranks_returns_rank0_result_and_names_a_failing_rank():
-    """run_ranks returns rank 0's value; when every rank raises, the GpunetError carries the
-    exception type and message, and the call returns (bounded) instead of hanging."""
+    """run_ranks returns rank 0's value, tensors by value (rank 0 may exit before the launcher
+    reads it); when every rank raises, the GpunetError carries the exception type and message,
+    and the call returns (bounded) instead of hanging."""
     assert run_ranks(pow, 2, 7, timeout_s=120) == 0          # pow(rank=0, world=2, 7)
+    got = run_ranks(torch.arange, 2, 1, timeout_s=120)       # torch.arange(0, 2, 1)
+    assert torch.equal(got, torch.tensor([0, 1]))
     with pytest.raises(GpunetError, match="ValueError"):
         run_ranks(pow, 2, 0, timeout_s=120)                    # pow(x, 2, 0): modulus 0
 
