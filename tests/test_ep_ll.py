@@ -9,8 +9,8 @@ and compares its own results with the reference, returning findings and hashes. 
 2 ranks ibgda warp 32, 2 ranks proxy warp 64, 4 ranks mixed (ibgda and proxy pairs) warp 32,
 4 ranks ibgda warp 64, and 3-rank worlds that lose a rank (ibgda, proxy, mixed).
 """
-import ctypes
 import itertools
+import shutil
 import sys
 import types
 
@@ -194,6 +194,16 @@ def test_fp8_group_scale_is_the_contracts_formula(eplib, amax, round_scale):
     if round_scale:
         t = torch.pow(2.0, torch.ceil(torch.log2(t)))
     assert np.array_equal(out, t.numpy()), (a, out, t.numpy())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA arm cannot be compiled")
+def test_ep_kernels_compile_for_the_cuda_arm_with_the_mirrored_layouts(eplib):
+    """device/kernels/ep_ll.cu builds with nvcc (sm_90, device/loader.py) and its LlParams /
+    EpStatus / DevCtx sizes are the ones device/ep.py mirrors (load_ep checks them); the numerics
+    compiled by nvcc's host pass agree with the HOST build on every e4m3 midpoint."""
+    lib = dep.load_ep("cuda")
+    f = np.linspace(-500, 500, 20001, dtype=np.float32)
+    assert np.array_equal(_e4m3(lib, f), _e4m3(eplib, f))
 
 
 # ---- the API without ranks ----------------------------------------------------------------------
