@@ -115,7 +115,8 @@ def proxy_channel_desc(ch):
 
 
 def fill_qpdesc(d, qp, peer, db_batch, slot_db, slot_nbb, g=int):
-    """Fill QpDesc ``d`` for soft-NIC ``qp``: ring addresses through ``g``, slot arrays given."""
+    """Fill QpDesc ``d`` for NIC ``qp`` (host/nic.py's QP attributes): ring addresses through
+    ``g``, slot arrays given."""
     cq = qp.send_cq
     d.sq, d.dbrec, d.db = g(qp.sq_addr), g(qp.dbrec_addr), g(qp.db_addr)
     d.slot_db, d.slot_nbb = slot_db, slot_nbb
@@ -137,7 +138,7 @@ def device_qpdesc(m, dev, nic_qp, cq, peer, db_batch):
 class QpDescriptor:
     """A QpDesc (plus its per-slot arrays) for one NIC QP whose send CQ the device polls.
 
-    ``qp``: a soft-NIC QP; ``peer``: the PE it reaches; ``db_batch``: ring the doorbell every
+    ``qp``: a NIC QP (host/nic.py); ``peer``: the PE it reaches; ``db_batch``: ring the doorbell every
     that many WQEBBs at most (1 = every post). The CQ must hold at least ``qp.sq_wqebbs`` CQEs in
     owner-bit mode (every device WQE is signalled), or be collapsed. ``mem``/``mapped``: on a GPU,
     a DeviceMemory for the descriptor and slot arrays and the NicMapping holding the rings.
@@ -186,7 +187,7 @@ class QpDescriptor:
         return bool(s["errored"]) or s["resv_head"] != s["ready_head"]
 
     def reset(self, cq_ci):
-        """Restart device posting after the NIC QP was reset (``SoftNic.reset_qp``, which returns
+        """Restart device posting after the NIC QP was reset (``Nic.reset_qp``, which returns
         ``cq_ci``): its send queue restarts at WQE counter 0, so the heads restart at 0, the locks
         are free and ``errored`` is clear. The CQ, owned by this QP alone, resumes at ``cq_ci``:
         every CQE before it is of the old life (its consumer record says so to the NIC). A

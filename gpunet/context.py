@@ -274,7 +274,8 @@ class Context(Resource):
                                    "cuda" if self._gpu else "cpu", self)
         self.warp_size = warp_size or self.platform.warp_size
         self._transports = self._adopt(Transports(self.nic, self.platform, self.rank,
-                                                  self.world_size, transport, self._probe_doorbell,
+                                                  self.world_size, transport,
+                                                  lambda: self.nic.map_doorbell(self.platform),
                                                   proxy_threads), "transports")
         self.transports, self.reasons = self._transports.kinds, self._transports.reasons
         # adopted last: closed first, so on CUDA no kernel still runs when the rest is freed
@@ -308,15 +309,6 @@ class Context(Resource):
                               "driver), because the NIC and the GPU use the same heap addresses"
                               % ", ".join("0x%x -> 0x%x" % (b, d) for b, _, d in self._mapping.ranges))
         self._mem = self._adopt(DeviceMemory(self.platform), "device descriptors")
-
-    def _probe_doorbell(self):
-        """Map the NIC's doorbell into the device, or raise VendorRuntimeError. The soft NIC's
-        doorbell word lives in its arena: ordinary memory on the CPU, and on CUDA the arena is
-        already registered (Mapped) by _setup_gpu_memory. A real mlx5 UAR would be registered here
-        with cudaHostRegister(Mapped | IoMemory), which drivers may refuse (error 800)."""
-        return "the soft NIC's doorbell word is %s" % (
-            "host memory registered with the GPU (cudaHostRegister)" if self._gpu else
-            "memory the HOST arm's device threads store to")
 
     # --- lifetime -----------------------------------------------------------------------------
     def _release(self):

@@ -82,6 +82,14 @@ class Nic(Resource, abc.ABC):
         returns the send CQ's consumer index from which CQEs belong to the QP's new life."""
 
     @abc.abstractmethod
+    def map_doorbell(self, platform):
+        """Make this NIC's doorbell reachable by device code on ``platform`` (host/platform.py)
+        and say how (a description for logs), or raise host.platform.VendorRuntimeError when the
+        driver refuses (a real mlx5 UAR: cudaHostRegister(Mapped | IoMemory), error 800 where
+        GPU-initiated doorbells are not permitted); transports.choose_transport then falls back
+        to the proxy."""
+
+    @abc.abstractmethod
     def mapped_ranges(self):
         """[(address, nbytes)]: the host memory the GPU must map for GPU-initiated posting (rings,
         CQs, doorbell records and words, and everything ``alloc`` returns)."""

@@ -749,6 +749,13 @@ class SoftNic(Nic):
         if self.closed:
             raise ClosedError("SoftNic %s is closed; create a new one" % self.arena_name)
 
+    def map_doorbell(self, platform):
+        """The doorbell word lives in the arena: ordinary memory the HOST arm's device threads
+        store to, and on a GPU host memory mapped with the rest of the arena (NicMapping)."""
+        return "the soft NIC's doorbell word is %s" % (
+            "memory the HOST arm's device threads store to" if platform.name == "cpu" else
+            "host memory registered with the GPU (cudaHostRegister)")
+
     def mapped_ranges(self):
         """The whole arena: every ring, CQ, doorbell record and word and every ``alloc`` buffer is
         inside it, so the GPU maps it once (device/descriptors.py NicMapping)."""
