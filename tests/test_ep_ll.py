@@ -286,6 +286,31 @@ def test_one_rank_round_trip_matches_the_reference(solo):
     assert ref.calc_diff(out, (inp["x"].float() * w).to(torch.bfloat16)) < BF16_BOUND
 
 
+def test_more_than_1024_tokens_and_top_16_with_diagnostics():
+    """Limits DeepEP users ask to lift: 1100 tokens per rank (DeepEP/SGLang stop at 1024) and
+    top-16 (DeepEP LL: 11), hidden 384 (not in DeepEP's list): the dispatch equals the reference
+    and combine is within bounds; diagnostics=True collects the per-peer waits for report()."""
+    t, h, e, k = 1100, 384, 32, 16
+    b = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(t, h, 1, e),
+               low_latency_mode=True, explicitly_destroy=True, timeout_s=30.0, diagnostics=True)
+    try:
+        inp = ref.make_rank_inputs(1, t, h, k, e, seed=9, holes=40, hot_expert=3)[0]
+        recv, count, handle, _, _ = b.low_latency_dispatch(inp["x"], inp["topk_idx"], t, e, use_fp8=False)
+        want = ref.ll_dispatch_ref([inp["x"]], [inp["topk_idx"]], e, t, 0)
+        assert torch.equal(count, want[1]) and torch.equal(handle[1], want[3])
+        for le in range(e):
+            n = int(count[le])
+            assert torch.equal(recv[le, :n], want[0][le, :n]) and torch.equal(handle[0][le, :n], want[2][le, :n])
+        out, _, _ = b.low_latency_combine(recv, inp["topk_idx"], inp["topk_weights"], handle)
+        w = (inp["topk_weights"] * (inp["topk_idx"] >= 0)).sum(1, keepdim=True)
+        assert ref.calc_diff(out, (inp["x"].float() * w).to(torch.bfloat16)) < BF16_BOUND
+        rep = b.report()
+        assert len(rep["dispatch"]) == len(rep["combine"]) == 1 and rep["masked"] == []
+        assert rep["dispatch"][0] >= 0 and "dispatch" in rep["slowest"]
+    finally:
+        b.destroy()
+
+
 def test_bad_arguments_raise_config_errors_before_anything_runs(solo):
     """Wrong dtypes, shapes, too many tokens, top-k above 16, a buffer too small for the shape, a
     zero-copy tensor that is not the buffer's, a hook called twice, the mask API without
