@@ -29,7 +29,7 @@ EP_ERR_NAMES = {
 }
 EP_SITE_NAMES = {1: "the dispatch / combine plan flag", 2: "the receive controller's flag",
                  3: "the combine slot-table barrier", 4: "a received message", 5: "a peer's header",
-                 6: "the combine layout check"}
+                 6: "the combine layout check", 7: "this rank's own data (self counter)"}
 
 
 class LlParams(ctypes.Structure):

@@ -52,6 +52,12 @@
 //            a grid barrier; then warp per token: out[t] = bf16(sum_k w[t,k] * row(t,k)) in float32,
 //            k ascending (deterministic: same inputs, same bits), rows of masked ranks left out.
 //
+// Self: what a rank sends to itself never goes through the NIC. The send phase stores those
+// messages / rows straight into its own receive areas (plain stores: the local heap is mapped),
+// writes its own header there, and announces it by adding 1 to a device-memory counter
+// (self_sig[kind][buf]) instead of a NIC signal; the receive side reads them like any source's.
+// With 2 ranks that is half the traffic the soft NIC's engine no longer copies.
+//
 // Failures: every verb is called on a PER-PEER copy of the Context's DevCtx (`ctxs[p]`) whose
 // Status block is its own: a dead peer's error CQE or a silent peer's timeout is recorded for that
 // peer alone and never makes operations to live peers fail fast. A verb that returns false marks
@@ -111,7 +117,7 @@ enum : uint32_t {
 };
 enum : uint32_t {
   EP_SITE_PLAN = 1, EP_SITE_RECV_READY = 2, EP_SITE_TABLE = 3, EP_SITE_MESSAGE = 4,
-  EP_SITE_HEADER = 5, EP_SITE_COMBINE_LAYOUT = 6,
+  EP_SITE_HEADER = 5, EP_SITE_COMBINE_LAYOUT = 6, EP_SITE_SELF = 7,
 };
 
 // One launch's arguments, passed BY VALUE (a CUDA graph captures them). 368 B. device/ep.py.
@@ -148,7 +154,8 @@ struct LlParams {
   uint64_t status;        // EpStatus, device memory: its first-failure CAS must not be an atomic
                           // on host-mapped memory (PCIe atomics are not guaranteed everywhere)
   // workspace (device memory)
-  uint64_t expected;      // u64 [2 kinds][2 bufs][R] + barrier [R]: signal counts seen so far
+  uint64_t expected;      // u64 [2 kinds][2 bufs][R] + barrier [R]: signal counts seen so far,
+                          // then self expected [2][2] and self_sig [2][2] (see "Self" above)
   uint64_t sync;          // u64 [SYNC_WORDS * kSyncStride], zero between launches
   uint64_t bits;          // u64 [bits_warps][hist_cols], zero between tiles
   uint64_t hist;          // int32 [ntiles + 1][hist_cols]
@@ -306,6 +313,13 @@ GPUNET_DEVICE uint64_t* barrier_sig(const LlParams& P, uint32_t j) {
 GPUNET_DEVICE uint64_t* barrier_expected(const LlParams& P, uint32_t j) {
   return ptr<uint64_t>(P.expected) + (uint64_t(4) * P.nranks + j);
 }
+// Self traffic: the counts seen, and the counters the send phase adds to (device memory).
+GPUNET_DEVICE uint64_t* self_expected(const LlParams& P, uint32_t kind, uint32_t b) {
+  return ptr<uint64_t>(P.expected) + (uint64_t(5) * P.nranks + kind * 2 + b);
+}
+GPUNET_DEVICE uint64_t* self_sig(const LlParams& P, uint32_t kind, uint32_t b) {
+  return ptr<uint64_t>(P.expected) + (uint64_t(5) * P.nranks + 4 + kind * 2 + b);
+}
 GPUNET_DEVICE uint64_t* sync_word(const LlParams& P, uint32_t w) {
   return ptr<uint64_t>(P.sync) + uint64_t(w) * kSyncStride;
 }
@@ -437,10 +451,13 @@ GPUNET_DEVICE void quiet_live_peers(const LlParams& P, const Geo& g) {
 // Bounded wait for source j's signal of kind/buffer to pass the count this rank expects; adds
 // the wait to the stats. true: the header and data it announces are visible (acquire).
 GPUNET_DEVICE bool wait_source(const LlParams& P, uint32_t kind, uint32_t j) {
-  uint64_t* exp = expected_word(P, kind, P.buf, j);
+  const bool self = j == P.rank;
+  uint64_t* exp = self ? self_expected(P, kind, P.buf) : expected_word(P, kind, P.buf, j);
   const uint64_t want = *exp + 1;
   const uint64_t t0 = arch::now_ns();
-  const bool ok = wait_until(peer_ctx(P, j), sig_word(P, kind, P.buf, j), CMP_GE, want);
+  // self: a block of this launch (or of the send launch before a hook) adds to a device counter
+  const bool ok = self ? grid_wait(P, self_sig(P, kind, P.buf), want, EP_SITE_SELF)
+                       : wait_until(peer_ctx(P, j), sig_word(P, kind, P.buf, j), CMP_GE, want);
   const uint64_t waited = arch::now_ns() - t0;
   if (P.wait_stats) {
     int64_t* ws = ptr<int64_t>(P.wait_stats) +
@@ -469,6 +486,16 @@ GPUNET_DEVICE bool header_matches(const LlParams& P, const int32_t* h, uint32_t 
   ep_fail(P, EP_ERR_MISMATCH, EP_SITE_HEADER, peer, (uint64_t(P.num_experts) << 32) | P.hidden,
           (uint64_t(uint32_t(h[3])) << 32) | uint32_t(h[2]), 0);
   return false;
+}
+
+// The last block of a send phase: this rank's own header and data (stored by the whole grid,
+// ordered by last_block's fences) are announced to its receive phase.
+GPUNET_DEVICE void announce_self(const LlParams& P, const Geo& g, uint32_t kind) {
+  arch::syncthreads();
+  if (g.tid == 0 && !peer_out(P, P.rank)) {
+    arch::fence_sys();
+    arch::atomic_add(self_sig(P, kind, P.buf), uint64_t(1));
+  }
 }
 
 // ---- dispatch -----------------------------------------------------------------------------------
@@ -590,11 +617,23 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
       meta[5 + 2 * g.lane] = idx;
     }
     arch::syncwarp();  // row and meta stores of every lane before the posting lanes' fences
+    if (!out[P.rank]) {
+      // to self: the warp stores the message into its own receive slot (no NIC)
+      int32_t self_slot = -1;
+      for (uint32_t k = 0; k < K; ++k) {
+        const int32_t ps = plan_slot[uint64_t(t) * K + k];
+        if (ps >= 0 && uint32_t(topk[uint64_t(t) * K + k]) / P.e_loc == P.rank)
+          self_slot = hist[uint64_t(tile) * C + E + P.rank] + ps;
+      }
+      if (self_slot >= 0)
+        warp_copy(g, P.d_recv + (uint64_t(P.rank) * P.t_max + uint32_t(self_slot)) * P.msg_stride,
+                  msg, P.msg_stride);
+    }
     if (g.lane < K) {
       const int32_t ps = plan_slot[uint64_t(t) * K + g.lane];
       if (ps >= 0) {
         const uint32_t d = uint32_t(e) / P.e_loc;
-        if (!out[d]) {
+        if (!out[d] && d != P.rank) {
           const uint32_t slot = uint32_t(hist[uint64_t(tile) * C + E + d] + ps);
           const DevCtx& cx = peer_ctx(P, d);
           const uint64_t dst = P.d_recv + (uint64_t(P.rank) * P.t_max + slot) * P.msg_stride;
@@ -609,17 +648,21 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     const uint32_t hdr_bytes = (kHdrHead + P.e_loc) * 4;
     for (uint32_t d = g.tid; d < P.nranks; d += g.bdim) {
       if (peer_out(P, d)) continue;
-      int32_t* h = ptr<int32_t>(P.d_shdr + uint64_t(d) * P.hdr_stride);
+      const bool self = d == P.rank;  // self: straight into its own header slot
+      int32_t* h = ptr<int32_t>(self ? P.d_rhdr + uint64_t(P.rank) * P.hdr_stride
+                                     : P.d_shdr + uint64_t(d) * P.hdr_stride);
       h[0] = total[E + d];
       h[1] = int32_t(T);
       fill_header_tail(P, h);
       for (uint32_t le = 0; le < P.e_loc; ++le) h[kHdrHead + le] = total[d * P.e_loc + le];
+      if (self) continue;
       const DevCtx& cx = peer_ctx(P, d);
       const uint64_t rh = P.d_rhdr + uint64_t(P.rank) * P.hdr_stride;
       if (!(fence(cx) && put_signal_nbi(cx, ptr<void>(rh), h, hdr_bytes,
                                          sig_word(P, SIG_DISPATCH, P.buf, P.rank), 1, int(d))))
         peer_fail(P, d);
     }
+    announce_self(P, g, SIG_DISPATCH);
     reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
   }
   return true;
@@ -686,6 +729,9 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     const int32_t* meta = ptr<const int32_t>(msg + P.payload_bytes);
     const int32_t t = meta[0];
     const uint32_t kk = uint32_t(meta[1]) < kMaxTopk ? uint32_t(meta[1]) : kMaxTopk;  // the sender's K
+    // the packed rows this message goes to (one per local expert the token selected)
+    uint64_t dst[kMaxTopk];
+    uint32_t nd = 0;
     for (uint32_t k = 0; k < kk; ++k) {
       const int32_t e = meta[4 + 2 * k];
       if (e < int32_t(e0) || e >= int32_t(e0 + EL)) continue;
@@ -698,13 +744,9 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
         continue;
       }
       const uint64_t pos = uint64_t(begin[uint64_t(le) * R + j] + idx);
-      const uint64_t r = uint64_t(le) * rows + pos;
-      if (g.lane == 0) ptr<int32_t>(P.src_info)[r] = t;
-      if (!fp8) {
-        warp_copy(g, P.out_x + r * H * 2, msg, uint64_t(H) * 2);
-        continue;
-      }
-      warp_copy(g, P.out_x + r * H, msg, H);
+      dst[nd++] = uint64_t(le) * rows + pos;
+      if (g.lane == 0) ptr<int32_t>(P.src_info)[uint64_t(le) * rows + pos] = t;
+      if (!fp8) continue;
       const float* sc = ptr<const float>(msg + H);
       if (!ue8m0) {
         for (uint32_t grp = g.lane; grp < G; grp += g.ws)
@@ -717,6 +759,12 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
           ptr<int32_t>(P.out_scales)[(uint64_t(le) * NW + w) * rows + pos] = int32_t(word);
         }
       }
+    }
+    // the row is read once (on GPUs it is in host-mapped memory) and written to every copy
+    const uint64_t row_bytes = fp8 ? uint64_t(H) : uint64_t(H) * 2;
+    for (uint64_t i = uint64_t(g.lane) * 16; i < row_bytes; i += uint64_t(g.ws) * 16) {
+      const V16 v = *ptr<const V16>(msg + i);
+      for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + i) = v;
     }
   }
   if (last_block(P, g, SYNC_RECV_DONE)) reset_sync(P, g, SYNC_RECV_READY, SYNC_RECV_DONE);
@@ -763,6 +811,14 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     const uint64_t b = uint64_t(v >> 32), c = uint64_t(v & 0xffffffff);
     if (c == 0) continue;
     const uint64_t r0 = uint64_t(le) * rows + b;
+    if (j == P.rank) {
+      // to self: rows and token indices straight into its own receive area (no NIC)
+      const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + uint64_t(pre[uint64_t(le) * R + j]);
+      warp_copy(g, P.c_recv + dst_row * H * 2, P.x + r0 * H * 2, c * H * 2);
+      for (uint64_t i = g.lane; i < c; i += g.ws)
+        ptr<int32_t>(P.c_rtags)[dst_row + i] = ptr<const int32_t>(P.src_info)[r0 + i];
+      continue;
+    }
     if (!zero_copy) warp_copy(g, P.c_send + r0 * H * 2, P.x + r0 * H * 2, c * H * 2);
     for (uint64_t i = g.lane; i < c; i += g.ws)
       ptr<int32_t>(P.c_stags)[r0 + i] = ptr<const int32_t>(P.src_info)[r0 + i];
@@ -782,17 +838,22 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     const uint32_t hdr_bytes = (kHdrHead + EL) * 4;
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
       if (ntot[j] < 0 || peer_out(P, j)) continue;
-      int32_t* h = ptr<int32_t>(P.c_shdr + uint64_t(j) * P.hdr_stride);
+      const bool self = j == P.rank;
+      int32_t* h = ptr<int32_t>(self ? P.c_rhdr + uint64_t(P.rank) * P.hdr_stride
+                                     : P.c_shdr + uint64_t(j) * P.hdr_stride);
       h[0] = ntot[j];
       h[1] = int32_t(P.t_max);
       fill_header_tail(P, h);
       for (uint32_t le = 0; le < EL; ++le) h[kHdrHead + le] = int32_t(lr[uint64_t(le) * R + j] & 0xffffffff);
+      if (self) continue;
       const DevCtx& cx = peer_ctx(P, j);
       const uint64_t rh = P.c_rhdr + uint64_t(P.rank) * P.hdr_stride;
       if (!(fence(cx) && put_signal_nbi(cx, ptr<void>(rh), h, hdr_bytes,
                                          sig_word(P, SIG_COMBINE, P.buf, P.rank), 1, int(j))))
         peer_fail(P, j);
     }
+    if (ntot[P.rank] >= 0) announce_self(P, g, SIG_COMBINE);
+    else arch::syncthreads();
     reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
   }
   return true;
@@ -909,6 +970,8 @@ GPUNET_DEVICE void clean(const LlParams& P, const Geo& g) {
   barrier_live(P, g);
   for (uint32_t i = g.tid; i < 4 * P.nranks; i += g.bdim)
     ptr<uint64_t>(P.expected)[i] = signal_read(ptr<const uint64_t>(P.sig) + i);
+  for (uint32_t i = g.tid; i < 4; i += g.bdim)
+    *self_expected(P, i / 2, i % 2) = arch::atomic_load(self_sig(P, i / 2, i % 2));
   for (uint32_t w = g.tid; w < SYNC_WORDS; w += g.bdim) arch::atomic_store(sync_word(P, w), uint64_t(0));
   arch::syncthreads();
   barrier_live(P, g);
