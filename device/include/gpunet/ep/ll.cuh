@@ -106,6 +106,9 @@ enum : uint32_t {
   SYNC_RECV_DONE = 4, SYNC_WORDS = 8,
 };
 constexpr uint32_t kSyncStride = 8;     // u64 words between two sync words (64 bytes)
+// A combine slot-table entry is (source << 32 | row of its receive area), or kSelfRow | (row of x)
+// for this rank's own rows read in place (bit 62: no source rank reaches 2^30).
+constexpr int64_t kSelfRow = int64_t(1) << 62;
 
 // EpStatus codes and sites. device/ep.py: EP_ERR_*, EP_SITE_*.
 enum : uint32_t {
@@ -488,6 +491,13 @@ GPUNET_DEVICE bool header_matches(const LlParams& P, const int32_t* h, uint32_t 
   return false;
 }
 
+// Send and receive in ONE launch (no hook), BF16 dispatch or any combine: the receive reads this
+// rank's own rows straight from x (device memory on GPUs), which stays valid for the whole launch;
+// with a hook the caller may reuse x after the send, so the send phase copies them.
+GPUNET_DEVICE bool self_reads_source(const LlParams& P) {
+  return (P.phases & PH_RECV) && (P.phases & PH_SEND) && (P.op == OP_COMBINE || !(P.flags & F_FP8));
+}
+
 // The last block of a send phase: this rank's own header and data (stored by the whole grid,
 // ordered by last_block's fences) are announced to its receive phase.
 GPUNET_DEVICE void announce_self(const LlParams& P, const Geo& g, uint32_t kind) {
@@ -500,15 +510,34 @@ GPUNET_DEVICE void announce_self(const LlParams& P, const Geo& g, uint32_t kind)
 
 // ---- dispatch -----------------------------------------------------------------------------------
 
-// FP8: one lane quantises one 128-column group of a bf16 row into e4m3 bytes and a float scale.
+// FP8: one lane quantises one 128-column group of a bf16 row (256 B, 16-byte aligned) into 128
+// e4m3 bytes and a float scale, in 16-byte loads and stores: the staging it writes is
+// host-mapped on GPUs, where single-byte stores each cross PCIe (measured on the H200: FP8
+// dispatch 3.6x slower than BF16 with byte stores).
+GPUNET_DEVICE float bf16_at(const V16& v, uint32_t q) {
+  return bf16_to_f32(uint16_t((q < 4 ? v.a : v.b) >> (16 * (q & 3))));
+}
 GPUNET_DEVICE void quantise_group(const uint16_t* src, uint8_t* q, float* scale, bool round) {
+  const V16* in = reinterpret_cast<const V16*>(src);
   float amax = 0.0f;
-  for (uint32_t i = 0; i < kGroup; ++i) {
-    const float a = bits_f32(f32_bits(bf16_to_f32(src[i])) & 0x7fffffffu);
-    amax = a > amax ? a : amax;
+  for (uint32_t c = 0; c < kGroup / 8; ++c) {
+    const V16 v = in[c];
+    for (uint32_t i = 0; i < 8; ++i) {
+      const float a = bits_f32(f32_bits(bf16_at(v, i)) & 0x7fffffffu);
+      amax = a > amax ? a : amax;
+    }
   }
   const float s = group_scale(amax, round);
-  for (uint32_t i = 0; i < kGroup; ++i) q[i] = f32_to_e4m3(bf16_to_f32(src[i]) / s);
+  V16* out = reinterpret_cast<V16*>(q);
+  for (uint32_t c = 0; c < kGroup / 16; ++c) {
+    const V16 lo = in[2 * c], hi = in[2 * c + 1];
+    V16 o = {0, 0};
+    for (uint32_t i = 0; i < 8; ++i) {
+      o.a |= uint64_t(f32_to_e4m3(bf16_at(lo, i) / s)) << (8 * i);
+      o.b |= uint64_t(f32_to_e4m3(bf16_at(hi, i) / s)) << (8 * i);
+    }
+    out[c] = o;
+  }
   *scale = s;
 }
 
@@ -586,6 +615,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   const int32_t* plan_slot = plan_idx + uint64_t(P.t_max) * K;
   const int32_t* hist = ptr<const int32_t>(P.hist);
   const bool fp8 = (P.flags & F_FP8) != 0;
+  const bool self_direct = self_reads_source(P);
   const bool round = (P.flags & (F_ROUND_SCALE | F_UE8M0)) != 0;
   // ws (the plan's tile width) is the same for every warp of the launch
   for (uint32_t t = g.gw; t < T; t += g.gwarps) {
@@ -625,9 +655,11 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
         if (ps >= 0 && uint32_t(topk[uint64_t(t) * K + k]) / P.e_loc == P.rank)
           self_slot = hist[uint64_t(tile) * C + E + P.rank] + ps;
       }
+      // BF16 with the receive in this launch: only the meta (the receive reads the row from x)
+      const uint64_t from = self_direct ? P.payload_bytes : 0;
       if (self_slot >= 0)
-        warp_copy(g, P.d_recv + (uint64_t(P.rank) * P.t_max + uint32_t(self_slot)) * P.msg_stride,
-                  msg, P.msg_stride);
+        warp_copy(g, P.d_recv + (uint64_t(P.rank) * P.t_max + uint32_t(self_slot)) * P.msg_stride + from,
+                  msg + from, P.msg_stride - from);
     }
     if (g.lane < K) {
       const int32_t ps = plan_slot[uint64_t(t) * K + g.lane];
@@ -719,6 +751,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
   for (uint32_t j = 0; j < R; ++j) total += uint64_t(nmsg[j]);
   const bool fp8 = (P.flags & F_FP8) != 0;
   const bool ue8m0 = (P.flags & F_UE8M0) != 0;
+  const bool self_direct = self_reads_source(P);
   const uint32_t G = H / kGroup, NW = (G + 3) / 4;
   const uint32_t e0 = P.rank * EL;
   for (uint64_t it = g.gw; it < total; it += g.gwarps) {
@@ -762,8 +795,9 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     }
     // the row is read once (on GPUs it is in host-mapped memory) and written to every copy
     const uint64_t row_bytes = fp8 ? uint64_t(H) : uint64_t(H) * 2;
+    const uint64_t src = (j == P.rank && self_direct) ? P.x + uint64_t(t) * row_bytes : msg;
     for (uint64_t i = uint64_t(g.lane) * 16; i < row_bytes; i += uint64_t(g.ws) * 16) {
-      const V16 v = *ptr<const V16>(msg + i);
+      const V16 v = *ptr<const V16>(src + i);
       for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + i) = v;
     }
   }
@@ -803,6 +837,8 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   }
   uint8_t* out = load_peer_view(P, g);
   const bool zero_copy = (P.flags & F_ZERO_COPY) != 0;
+  const int64_t* topk = ptr<const int64_t>(P.topk_idx);
+  int64_t* table = ptr<int64_t>(P.table);
   const uint64_t items = uint64_t(EL) * R;
   for (uint64_t it = g.gw; it < items; it += g.gwarps) {
     const uint32_t j = uint32_t(it % R), le = uint32_t(it / R);
@@ -812,7 +848,19 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     if (c == 0) continue;
     const uint64_t r0 = uint64_t(le) * rows + b;
     if (j == P.rank) {
-      // to self: rows and token indices straight into its own receive area (no NIC)
+      if (self_reads_source(P)) {
+        // the receive of this launch reads these rows from x: their slots go in the table now
+        const int64_t ge = int64_t(P.rank) * EL + le;
+        for (uint64_t i = g.lane; i < c; i += g.ws) {
+          const int32_t t = ptr<const int32_t>(P.src_info)[r0 + i];
+          if (t < 0 || uint32_t(t) >= P.num_tokens) continue;  // (the receive reports it)
+          for (uint32_t k = 0; k < P.topk; ++k)
+            if (topk[uint64_t(t) * P.topk + k] == ge)
+              table[uint64_t(t) * P.topk + k] = kSelfRow | int64_t(r0 + i);
+        }
+        continue;
+      }
+      // to self, with a hook: rows and token indices into its own receive area (no NIC)
       const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + uint64_t(pre[uint64_t(le) * R + j]);
       warp_copy(g, P.c_recv + dst_row * H * 2, P.x + r0 * H * 2, c * H * 2);
       for (uint64_t i = g.lane; i < c; i += g.ws)
@@ -900,10 +948,11 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
   }
   // the slot table: (source, row) of every (token, k) whose expert sent a row
   const uint64_t items = uint64_t(R) * EL;
+  const bool self_tabled = self_reads_source(P);
   for (uint64_t it = g.gw; it < items; it += g.gwarps) {
     const uint32_t o = uint32_t(it / EL), le = uint32_t(it % EL);
     const int32_t c = cnt[it];
-    if (c <= 0) continue;
+    if (c <= 0 || (o == P.rank && self_tabled)) continue;
     const int64_t ge = int64_t(o) * EL + le;
     const uint64_t p0 = uint64_t(o) * P.c_rows + uint64_t(pre[it]);
     for (uint32_t r = g.lane; r < uint32_t(c); r += g.ws) {
@@ -927,7 +976,9 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
         if (s < 0) continue;
         const uint64_t o = uint64_t(s) >> 32, i = uint64_t(s) & 0xffffffffu;
         const float wk = w[uint64_t(t) * K + k];
-        const V16 v = *ptr<const V16>(P.c_recv + ((o * P.c_rows + i) * H + c0) * 2);
+        const uint64_t row = (s & kSelfRow) ? P.x + (uint64_t(s & ~kSelfRow) * H + c0) * 2
+                                            : P.c_recv + ((o * P.c_rows + i) * H + c0) * 2;
+        const V16 v = *ptr<const V16>(row);
         for (uint32_t q = 0; q < 8; ++q)
           acc[q] += wk * bf16_to_f32(uint16_t((q < 4 ? v.a : v.b) >> (16 * (q & 3))));
       }
