@@ -42,7 +42,7 @@ from gpunet.errors import ClosedError, CompletionError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import wq
 from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_u64, clock_ns,
-                                idle_pause, load_acquire_u64, pin_current_thread,
+                                engine_thread_start, idle_pause, load_acquire_u64,
                                 store_release_u64, u8_at, wire_njit)
 from gpunet.resource import Resource
 
@@ -531,19 +531,17 @@ def proxy_run(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stat
     """A proxy thread's whole life, without the GIL: drain passes until the word at ``stop_addr``
     is non-zero. A pass that found no work is followed by rawmem.idle_pause (spin ``spin_ns``
     after the last work, then yield, then sleep with a back-off of at most IDLE_SLEEP_MAX_US)."""
-    sleeps = 0
     busy = True
     last_work = 0
     while load_acquire_u64(stop_addr) == 0:
         if _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out) != 0:
             busy = True
-            sleeps = 0
             continue
         now = clock_ns()
         if busy:                       # the first idle pass: the work ended one pass ago
             last_work = now
             busy = False
-        sleeps = idle_pause(now - last_work, spin_ns, sleeps)
+        idle_pause(now - last_work, spin_ns)
 
 
 @wire_njit(cache=True, nogil=True)
@@ -741,7 +739,7 @@ class ProxyEngine(Resource):
       spin_us: how long an idle thread keeps polling (a pure spin) before it yields and sleeps.
       start: False starts no thread; drive it with ``step(t)`` (benchmarks, tests).
       cpus: None, or one set of CPU numbers per thread: thread t pins itself to ``cpus[t]``
-        (``pin_current_thread``); ``placement[t]`` then records what it got.
+        (rawmem.engine_thread_start); ``placement[t]`` then records what it got.
     """
 
     def __init__(self, nic, channels, qps_per_peer, local_heap, remote_heaps, threads=1,
@@ -904,7 +902,7 @@ class ProxyEngine(Resource):
         my_ch, my_qp, st, out = (self._thread_chs[t], self._thread_qps[t], self.stats[t],
                                  self._outs[t])
         try:
-            self.placement[t] = pin_current_thread(self._cpus[t] if self._cpus else None)
+            self.placement[t] = engine_thread_start(self._cpus[t] if self._cpus else None)
             proxy_run(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
                       self.heap, my_ch, my_qp, st, out, self._spin_ns, self._stop_word.ctypes.data)
         except BaseException as e:  # noqa: BLE001 - reported by check()/close()

@@ -281,33 +281,48 @@ def _i64ptr(typingctx, addr):
 
 
 # --- the idle policy of the CPU engines (soft NIC engine, proxy threads) -------------------------
-# A polling engine thread that found no work on a pass: a pure spin while less than ``spin_ns``
-# passed since its last work (benchmarks on machines with cores to spare), then sched_yield()
-# polling for IDLE_YIELD_NS more, then sleeping with a doubling back-off from IDLE_SLEEP_MIN_US to
-# IDLE_SLEEP_MAX_US. Why these values: a user who is communicating issues a doorbell every few
-# tens of us (a host-wrapper call costs ~10 us, a CPU ping-pong round trip ~50 us), so inside the
-# yield window a doorbell is seen within one pass instead of after a sleep (a 20..200 us back-off
-# was most of a CPU put's ~120 us: bench/cpu_put.py); a yielding thread gives its core to any
-# runnable thread, so unlike a spin it does not starve the emulated device threads on 2 cores;
-# after IDLE_YIELD_NS without work the engine costs one wake-up per IDLE_SLEEP_MAX_US, and that
-# cap bounds the latency of the first doorbell after an idle spell.
+# A polling engine thread that found no work on a pass, ``idle`` after its last work: a pure spin
+# while idle < spin (an option, for machines with a core to spare per engine), then sched_yield()
+# polling for IDLE_YIELD_NS more, then sleeps of idle / 10, at least IDLE_SLEEP_MIN_US and at most
+# IDLE_SLEEP_MAX_US (so a doorbell after an idle spell waits ~10% of that spell, 200 us at most).
+# Why: a user who is communicating rings a doorbell every few tens of us (a host-wrapper call
+# costs ~10 us of Python, a CPU ping-pong hop ~50 us), and inside the yield window the engine sees
+# it within one pass (a 20..200 us sleep back-off reached after 32 yields was most of a CPU put's
+# ~120 us: bench/cpu_put.py). A yielding thread gives its core to any runnable thread, but it is
+# always runnable and so still takes a fair share of a busy core: the window is short, and the
+# short sleeps after it cost one wake-up per 20+ us. Engine threads run with a 1 us timer slack
+# (engine_thread_start), so a 20 us sleep ends after ~20 us, not after Linux's default 50 us slack.
 # tests/test_proxy.py::test_idle_engines_answer_a_doorbell_in_time guards the policy.
-IDLE_YIELD_NS = 500_000
+IDLE_YIELD_NS = 200_000
 IDLE_SLEEP_MIN_US = 20
 IDLE_SLEEP_MAX_US = 200
 
 
 @wire_njit(cache=True, nogil=True)
-def idle_pause(idle_ns, spin_ns, sleeps):
-    """One idle pass, ``idle_ns`` after the thread's last work (see the policy above). ``sleeps``:
-    the sleeps taken since the work stopped (0 at first); returns the new count."""
+def idle_pause(idle_ns, spin_ns):
+    """One idle pass of an engine thread, ``idle_ns`` after its last work (the policy above)."""
     if idle_ns < spin_ns:
-        return 0
+        return
     if idle_ns < spin_ns + IDLE_YIELD_NS:
         c_sched_yield()
-        return 0
-    c_usleep(min(IDLE_SLEEP_MIN_US << min(sleeps, 4), IDLE_SLEEP_MAX_US))
-    return sleeps + 1
+        return
+    c_usleep(min(max((idle_ns - spin_ns) // 10_000, IDLE_SLEEP_MIN_US), IDLE_SLEEP_MAX_US))
+
+
+ENGINE_TIMER_SLACK_NS = 1000
+
+
+def engine_thread_start(cpus=None):
+    """What an engine thread (soft NIC, proxy) does first, before it enters numba: a timer slack
+    of ENGINE_TIMER_SLACK_NS for its own sleeps (prctl PR_SET_TIMERSLACK, per thread; see the
+    idle policy), then ``pin_current_thread(cpus)``, whose record it returns."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(29, ENGINE_TIMER_SLACK_NS, 0, 0, 0)     # PR_SET_TIMERSLACK
+    except (OSError, AttributeError):   # not Linux: the default slack only lengthens idle sleeps
+        pass
+    return pin_current_thread(cpus)
 
 
 def pin_current_thread(cpus=None):

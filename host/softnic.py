@@ -53,7 +53,7 @@ from gpunet.errors import ClosedError, CoherenceViolation, ConfigError, GpunetEr
 from gpunet.host.nic import Access, Nic
 from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, address_of, atomic_cas_u64, bswap64, c_kill0,
                                 c_memmove, c_sched_yield, clock_ns, i64_at, idle_pause,
-                                load_acquire_u32, load_acquire_u64, pin_current_thread,
+                                engine_thread_start, load_acquire_u32, load_acquire_u64,
                                 store_release_u32, store_release_u64, u8_at)
 
 # --- arena layout (int64 word indices unless said otherwise) -------------------------------------
@@ -444,7 +444,6 @@ def engine_step(base, peer_bases, now, budget, scratch, segs):
 def engine_run(base, peer_bases, scratch, segs, max_iters):
     """The engine thread's whole life: runs until the header's stop word is set (or max_iters)."""
     T = i64_at(base, TABLE_WORDS)
-    sleeps = 0
     it = 0
     last_work = clock_ns()
     while load_acquire_u64(base + H_STOP * 8) == 0:
@@ -458,13 +457,12 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
         if max_iters > 0 and it >= max_iters:
             break
         if did > 0:
-            sleeps = 0
             last_work = now
             continue
         # rawmem.idle_pause: spin for H_SPIN_NS (idle_spin_us: a pure spin, for machines with a core
         # to spare: on the H200 host even one sched_yield every 64 passes took the proxy round trip
         # from 4.7 to 8.0 us, bench/RESULTS.md), then yield, then sleep with a bounded back-off
-        sleeps = idle_pause(now - last_work, T[H_SPIN_NS], sleeps)
+        idle_pause(now - last_work, T[H_SPIN_NS])
 
 
 @njit(cache=True)
@@ -661,7 +659,7 @@ class SoftNic(Nic):
         (the default) suits shared CPUs; a latency benchmark on a machine with cores to spare
         passes ~1000 (a yielding engine adds a sched_yield syscall to a doorbell, a sleeping one
         up to its back-off).
-    cpus: None, or the CPU numbers the engine thread pins itself to (rawmem.pin_current_thread;
+    cpus: None, or the CPU numbers the engine thread pins itself to (rawmem.engine_thread_start;
         ``placement`` then records its thread id and CPUs).
     """
 
@@ -726,7 +724,7 @@ class SoftNic(Nic):
             raise
 
     def _engine_thread(self):
-        self.placement = pin_current_thread(self._cpus)
+        self.placement = engine_thread_start(self._cpus)
         engine_run(self._arena.base, self._peer_bases, self._scratch, self._segs, -1)
 
     # --- lifecycle (gpunet.resource.Resource: close() is idempotent and runs this once) ---
