@@ -1,24 +1,32 @@
-"""The device-visible descriptors, mirrored from C++ byte for byte (ctypes Structures).
+"""The device-visible descriptors, mirrored from C++ byte for byte (ctypes Structures), and the one
+decoder of a failure into a gpunet exception.
 
-The C++ definitions are the source of truth: ``device/include/gpunet/qp.cuh`` (Status, CqDesc,
-QpDesc), ``gpunet.cuh`` (PeerDesc, DevCtx), ``proxy.cuh`` (ProxyChannel) and
+The C++ definitions are the source of truth: ``device/include/gpunet/status.cuh`` (Status, the
+status codes, the ONE site registry), ``qp.cuh`` (CqDesc, QpDesc), ``devctx.cuh`` (PeerDesc,
+DevCtx, the transport kinds, the comparisons), ``proxy.cuh`` (ProxyChannel) and
 ``device/kernels/ops.cu`` (OpDesc, SchedParams). Every device-ABI mirror lives here; the code that
 fills them from NIC and proxy objects is device/descriptors.py.
 ``tests/test_device_qp.py::test_abi_layout_matches_cpp`` compiles a program that prints every
-``offsetof`` / ``sizeof`` and compares it with :func:`layout`.
+``offsetof`` / ``sizeof`` and compares it with :func:`layout`; ``tests/test_status.py`` checks every
+STATUS_* / SITE_* / TRANSPORT_* / CMP_* value against the headers and that nothing else defines one.
 
-Also here: the constants those headers define (status codes, wait sites, comparisons, op kinds),
-the decoding of a Status block into a :class:`gpunet.errors.GpunetError`, and :func:`alloc_struct`
-for descriptors in 64-byte-aligned memory that stays alive with the returned object.
+:func:`failure_error` is the one place a failure record (:class:`Failure`) becomes an exception,
+with a message that names what failed or waited (site, QP, peer, proxy channel, signal word) and
+what to check. Its inputs: :func:`status_failure` (a device Status block; :func:`status_error`,
+:func:`raise_for_status`), :func:`proxy_failure` (a proxy channel's HostCtrl error, from
+host/proxy.py) and :func:`coherence_error` (the soft NIC's strict-mode record). Also here:
+:func:`alloc_struct` for descriptors in 64-byte-aligned memory that stays alive with the returned
+object.
 """
 import ctypes
+from dataclasses import dataclass, field
 
 from gpunet import errors, mlx5
 from gpunet._floor import aligned_zeros
 
 u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32
 
-# --- qp.cuh -----------------------------------------------------------------------------------
+# --- status.cuh ---------------------------------------------------------------------------------
 STATUS_OK = 0
 STATUS_TIMEOUT = 1
 STATUS_COMPLETION_ERROR = 2
@@ -26,6 +34,8 @@ STATUS_BAD_ARGUMENT = 3
 STATUS_QP_ERROR = 4
 STATUS_NAMES = {STATUS_OK: "ok", STATUS_TIMEOUT: "timeout", STATUS_COMPLETION_ERROR: "completion error",
                 STATUS_BAD_ARGUMENT: "bad argument", STATUS_QP_ERROR: "QP in error"}
+# Host-only failure code (never written by device code): the soft NIC's strict coherence record.
+FAILURE_COHERENCE = 0x100
 
 SITE_NONE = 0
 SITE_SQ_SPACE = 1
@@ -36,7 +46,9 @@ SITE_CQE = 5
 SITE_WAIT_UNTIL = 6
 SITE_ATOMIC = 7
 SITE_POST_ARG = 8
-SITE_PROXY_FIFO = 16        # proxy.cuh: the proxy transport's wait sites
+SITE_PEER_RANGE = 9
+SITE_PEER_KIND = 10
+SITE_PROXY_FIFO = 16
 SITE_PROXY_QUIET = 17
 SITE_PROXY_ARG = 18
 SITE_PROXY_CMD = 19
@@ -50,14 +62,31 @@ SITE_NAMES = {
     SITE_WAIT_UNTIL: "wait_until on a signal word",
     SITE_ATOMIC: "atomic_fetch_add waiting for its result",
     SITE_POST_ARG: "the argument checks of a post",
+    SITE_PEER_RANGE: "the peer check of a verb (pe out of range)",
+    SITE_PEER_KIND: "the peer check of a verb (no transport to that pe)",
     SITE_PROXY_FIFO: "a proxy push waiting for FIFO space (is the proxy thread running?)",
     SITE_PROXY_QUIET: "quiet waiting for the proxy's completed counter",
     SITE_PROXY_ARG: "the argument checks of a proxy command",
     SITE_PROXY_CMD: "a command the proxy rejected",
 }
+PEER_NONE = 0xFFFFFFFF          # Status.peer: the failure concerns no peer
+CHANNEL_NONE = 0xFFFFFFFF       # Status.channel: no proxy channel
+NO_HEAP_OFF = (1 << 64) - 1     # Status.heap_off: the address is outside the local heap
 
-# --- gpunet.cuh ---------------------------------------------------------------------------------
+# --- devctx.cuh: the comparisons (Status.cmp records one) -----------------------------------------
 CMP_EQ, CMP_NE, CMP_GE, CMP_GT, CMP_LE, CMP_LT = range(6)
+CMP_SYMBOLS = {CMP_EQ: "==", CMP_NE: "!=", CMP_GE: ">=", CMP_GT: ">", CMP_LE: "<=", CMP_LT: "<"}
+
+
+# --- devctx.cuh: PeerDesc.kind -------------------------------------------------------------------
+TRANSPORT_NONE = 0
+TRANSPORT_IBGDA = 1
+TRANSPORT_PROXY = 2
+TRANSPORT_P2P = 3               # reserved: no device code implements it yet
+TRANSPORT_NAMES = {TRANSPORT_NONE: "none", TRANSPORT_IBGDA: "ibgda", TRANSPORT_PROXY: "proxy",
+                   TRANSPORT_P2P: "p2p"}
+
+# --- qp.cuh -------------------------------------------------------------------------------------
 MAX_INLINE = 4 * mlx5.WQEBB - 32 - 4        # gpunet::kMaxInline (qp.cuh: kMaxWqeBBs = 4)
 
 # --- ops.cu ------------------------------------------------------------------------------------
@@ -72,7 +101,8 @@ class Status(ctypes.Structure):
     _fields_ = [("code", u64), ("valid", u64), ("site", u32), ("qpn", u32), ("peer", u32),
                 ("syndrome", u32), ("vendor_syndrome", u32), ("wqe_counter", u32), ("block", u32),
                 ("thread", u32), ("wqe_index", u64), ("expected", u64), ("observed", u64),
-                ("waited_ns", u64), ("reserved", u64 * 6)]
+                ("waited_ns", u64), ("addr", u64), ("heap_off", u64), ("cmp", u32),
+                ("channel", u32), ("seq", u64), ("reserved", u64 * 2)]
 
 
 class CqDesc(ctypes.Structure):
@@ -88,7 +118,7 @@ class QpDesc(ctypes.Structure):
 
 
 class PeerDesc(ctypes.Structure):
-    _fields_ = [("qp", u64), ("remote_base", u64), ("rkey", u32), ("pad0", u32), ("proxy", u64)]
+    _fields_ = [("qp", u64), ("remote_base", u64), ("rkey", u32), ("kind", u32), ("proxy", u64)]
 
 
 class DevCtx(ctypes.Structure):
@@ -149,38 +179,173 @@ def addr_of(obj):
     return ctypes.addressof(obj)
 
 
-def status_error(st, what="device kernel"):
-    """The GpunetError a Status block describes, or None if it records no failure."""
-    code = int(st.code)
+# --- the one decoder ------------------------------------------------------------------------------
+@dataclass
+class Failure:
+    """One failure, whatever recorded it: the fields of a device Status block (status.cuh) with
+    their "does not apply" values as defaults, plus the soft NIC's coherence fields. Every
+    exception :func:`failure_error` returns carries its Failure as ``.failure``."""
+    code: int
+    site: int = SITE_NONE
+    qpn: int = 0
+    peer: int = PEER_NONE
+    syndrome: int = 0
+    vendor_syndrome: int = 0
+    wqe_counter: int = 0
+    block: int = None
+    thread: int = None
+    wqe_index: int = 0
+    expected: int = 0
+    observed: int = 0
+    waited_ns: int = 0
+    addr: int = 0
+    heap_off: int = NO_HEAP_OFF
+    cmp: int = 0
+    channel: int = CHANNEL_NONE
+    seq: int = 0
+    valid: bool = True
+    extra: dict = field(default_factory=dict)   # FAILURE_COHERENCE: opcode, key, length, ...
+
+
+def _where(f):
+    """What the failure concerns, in words: QP, peer, proxy channel, device thread."""
+    parts = []
+    if f.qpn:
+        parts.append("QP %d" % f.qpn)
+    if f.peer != PEER_NONE:
+        parts.append("peer %d" % f.peer)
+    if f.channel != CHANNEL_NONE:
+        parts.append("proxy channel %d" % f.channel)
+    if f.block is not None:
+        parts.append("block %d thread %d" % (f.block, f.thread))
+    return ", ".join(parts) or "no QP or peer"
+
+
+def _word(f):
+    if f.heap_off != NO_HEAP_OFF:
+        return "the signal word at heap offset %d (0x%x, address 0x%x)" % (f.heap_off, f.heap_off,
+                                                                          f.addr)
+    return "the word at address 0x%x (outside the symmetric heap)" % f.addr
+
+
+def failure_error(f, what="device kernel"):
+    """The GpunetError subclass describing Failure ``f`` (None if it records no failure).
+
+    The message names what failed or waited (site, QP, peer, proxy channel, signal word) and
+    what to check; ``.failure`` on the exception holds ``f``."""
+    code = f.code
     if code == STATUS_OK:
         return None
-    site = SITE_NAMES.get(int(st.site), "site %d" % st.site)
-    where = "QP %d (peer %d), block %d thread %d" % (st.qpn, st.peer, st.block, st.thread)
-    if not st.valid:
-        return errors.GpunetError("%s: failure code %d recorded but its details were not published "
-                                  "(the kernel did not finish?)" % (what, code))
+    if not f.valid:
+        err = errors.GpunetError("%s: failure code %d recorded but its details were not published "
+                                 "(the kernel did not finish?)" % (what, code))
+        err.failure = f
+        return err
+    site = SITE_NAMES.get(f.site, "site %d" % f.site)
+    where = _where(f)
+    proxied = f.channel != CHANNEL_NONE
     if code == STATUS_COMPLETION_ERROR:
-        name = mlx5.syndrome_name(st.syndrome)
-        return errors.CompletionError(
+        at = ("command #%d" % f.seq) if proxied else ("WQEBB %d" % f.wqe_index)
+        err = errors.CompletionError(
             "%s: error completion on %s: syndrome 0x%02x (%s), vendor syndrome 0x%02x, wqe_counter %d "
-            "(WQEBB %d). Check the keys and bounds of the addresses posted, and that the peer is "
-            "alive.%s" % (what, where, st.syndrome, name, st.vendor_syndrome, st.wqe_counter, st.wqe_index,
+            "(%s). Check the keys and bounds of the addresses posted, and that the peer is "
+            "alive.%s" % (what, where, f.syndrome, mlx5.syndrome_name(f.syndrome),
+                          f.vendor_syndrome, f.wqe_counter, at,
                           " (A collapsed CQ keeps only the newest CQE: the first error may have been "
                           "overwritten by this flush; an owner-bit CQ names it.)"
-                          if st.syndrome == mlx5.SYNDROME_WR_FLUSH_ERR else ""),
-            syndrome=int(st.syndrome), vendor_syndrome=int(st.vendor_syndrome), qpn=int(st.qpn),
-            wqe_counter=int(st.wqe_counter))
-    if code == STATUS_TIMEOUT:
-        return errors.TimeoutError(
-            "%s: timed out after %.3f s in %s on %s: expected %d, observed %d (WQEBB %d). The peer or "
-            "NIC may be dead, or the timeout too short for the load." % (
-                what, st.waited_ns / 1e9, site, where, st.expected, st.observed, st.wqe_index))
-    if code == STATUS_BAD_ARGUMENT:
-        return errors.ConfigError("%s: bad argument in %s on %s (limit %d, got %d)" % (
-            what, site, where, st.expected, st.observed))
-    if code == STATUS_QP_ERROR:
-        return errors.CompletionError("%s: posted on %s, which is in error" % (what, where), qpn=int(st.qpn))
-    return errors.GpunetError("%s: unknown failure code %d at %s" % (what, code, site))
+                          if f.syndrome == mlx5.SYNDROME_WR_FLUSH_ERR and not proxied else ""),
+            syndrome=f.syndrome, vendor_syndrome=f.vendor_syndrome, qpn=f.qpn,
+            wqe_counter=f.wqe_counter)
+    elif code == STATUS_TIMEOUT:
+        secs = f.waited_ns / 1e9
+        if f.site == SITE_WAIT_UNTIL:
+            msg = ("%s: timed out after %.3f s in wait_until on %s: waited for value %s %d, last "
+                   "read %d (%s). The peer that should signal it is dead, late, or never sends "
+                   "this signal." % (what, secs, _word(f), CMP_SYMBOLS.get(f.cmp, "?%d" % f.cmp),
+                                     f.expected, f.observed, where))
+        elif f.site == SITE_PROXY_FIFO:
+            msg = ("%s: timed out after %.3f s in %s on %s: command #%d needs the proxy's tail to "
+                   "reach %d, it is at %d. Is the proxy thread running?" % (
+                       what, secs, site, where, f.seq, f.expected, f.observed))
+        elif f.site == SITE_PROXY_QUIET:
+            msg = ("%s: timed out after %.3f s in %s on %s: waiting for every command below #%d "
+                   "to complete, completed %d. The peer or NIC may be dead, or the timeout too "
+                   "short for the load." % (what, secs, site, where, f.expected, f.observed))
+        else:
+            msg = ("%s: timed out after %.3f s in %s on %s: WQEBB counter expected %d, observed %d "
+                   "(WQEBB %d). The peer or NIC may be dead, or the timeout too short for the "
+                   "load." % (what, secs, site, where, f.expected, f.observed, f.wqe_index))
+        err = errors.TimeoutError(msg)
+    elif code == STATUS_BAD_ARGUMENT:
+        if f.site == SITE_PEER_RANGE:
+            detail = "pe %d is out of range [0, %d)" % (_signed32(f.observed), f.expected)
+        elif f.site == SITE_PEER_KIND:
+            detail = "pe %d has no transport (PeerDesc.kind %d: none, or a kind this build " \
+                     "does not know)" % (f.peer, f.observed)
+        elif f.site == SITE_PROXY_CMD:
+            detail = "the proxy rejected command #%d on %s (op %d unknown or out of place, or a " \
+                     "peer it does not serve)" % (f.seq, where, f.observed)
+        else:
+            detail = "%s on %s: limit %d, got %d" % (site, where, f.expected, f.observed)
+        err = errors.ConfigError("%s: bad argument: %s" % (what, detail))
+    elif code == STATUS_QP_ERROR:
+        err = errors.CompletionError("%s: posted on %s, which is in error" % (what, where), qpn=f.qpn)
+    elif code == FAILURE_COHERENCE:
+        x = f.extra
+        err = errors.CoherenceViolation(
+            "NIC %s (QP %d of pid %d, opcode 0x%02x) %s c500 `device` memory at 0x%x (%d bytes, key "
+            "0x%x) owned by %s: that memory is not coherent with the NIC (the NIC sees HBM, SMs see "
+            "L2). Use `finegrained` memory for NIC-read payload and `host` memory for rings and "
+            "signals." % ("write" if x["is_write"] else "read", f.qpn, x["pid"], x["opcode"],
+                          "wrote" if x["is_write"] else "read", f.addr, x["length"], x["key"],
+                          x["owner"]))
+    else:
+        err = errors.GpunetError("%s: unknown failure code %d at %s" % (what, code, site))
+    err.failure = f
+    return err
+
+
+def _signed32(v):
+    v = int(v) & 0xFFFFFFFF
+    return v - (1 << 32) if v >= 1 << 31 else v
+
+
+def proxy_failure(is_cqe, syndrome, vendor_syndrome, wqe_counter, qpn, seq, peer, channel):
+    """The Failure a proxy channel's HostCtrl records, exactly as proxy.cuh's proxy_record_error
+    copies it into a device Status. ``is_cqe``: an error CQE (else the proxy rejected the command:
+    ``syndrome`` holds its op); the other fields come from host/proxy.py's unpack_error, err_seq
+    and err_peer; ``channel``: the channel's index (None: unknown)."""
+    channel = CHANNEL_NONE if channel is None else int(channel)
+    if is_cqe:
+        return Failure(STATUS_COMPLETION_ERROR, SITE_CQE, qpn=int(qpn), peer=int(peer),
+                       syndrome=int(syndrome), vendor_syndrome=int(vendor_syndrome),
+                       wqe_counter=int(wqe_counter), channel=channel, seq=int(seq))
+    return Failure(STATUS_BAD_ARGUMENT, SITE_PROXY_CMD, peer=int(peer), observed=int(syndrome),
+                   channel=channel, seq=int(seq))
+
+
+def coherence_error(qpn, opcode, key, addr, length, is_write, pid, owner):
+    """The CoherenceViolation for the soft NIC's strict-mode record."""
+    return failure_error(Failure(FAILURE_COHERENCE, qpn=int(qpn), addr=int(addr), extra=dict(
+        opcode=int(opcode), key=int(key), length=int(length), is_write=bool(is_write),
+        pid=int(pid), owner=owner)), "soft NIC")
+
+
+_STATUS_FIELDS = ("code", "site", "qpn", "peer", "syndrome", "vendor_syndrome", "wqe_counter",
+                  "block", "thread", "wqe_index", "expected", "observed", "waited_ns", "addr",
+                  "heap_off", "cmp", "channel", "seq")
+
+
+def status_failure(st):
+    """The Failure a device Status block records (``code`` 0: none)."""
+    f = Failure(**{k: int(getattr(st, k)) for k in _STATUS_FIELDS})
+    f.valid = bool(st.valid)
+    return f
+
+
+def status_error(st, what="device kernel"):
+    """The GpunetError a Status block describes, or None if it records no failure."""
+    return failure_error(status_failure(st), what)
 
 
 def raise_for_status(st, what="device kernel"):

@@ -247,7 +247,8 @@ class DeviceContext:
     def set_peer_qp(self, pe, qpd, remote_base, rkey):
         """PE ``pe`` is reached by GPU-initiated posting on ``qpd`` (a QpDescriptor)."""
         p = self.peers[pe]
-        p.qp, p.remote_base, p.rkey = qpd.addr, remote_base, rkey
+        p.kind, p.qp, p.proxy = abi.TRANSPORT_IBGDA, qpd.addr, 0
+        p.remote_base, p.rkey = remote_base, rkey
         self._keep.append(qpd)
         self._push_peers()
 
@@ -255,7 +256,8 @@ class DeviceContext:
         """PE ``pe`` is reached through a CPU-proxy channel (the address of its ProxyChannel
         descriptor: ``place(proxy_channel_desc(ch))``)."""
         p = self.peers[pe]
-        p.qp, p.proxy, p.remote_base, p.rkey = 0, channel_desc_addr, remote_base, rkey
+        p.kind, p.qp, p.proxy = abi.TRANSPORT_PROXY, 0, channel_desc_addr
+        p.remote_base, p.rkey = remote_base, rkey
         if keep is not None:
             self._keep.append(keep)
         self._push_peers()

@@ -343,6 +343,51 @@ def ctrl_fm_ce_se(buf, off):
     return buf[off + CTRL_FM_CE_SE]
 
 
+@wire_njit(cache=True, inline="always")
+def ctrl_imm_raw(buf, off):
+    """The ctrl segment's immediate as stored (a CQE's imm_raw carries it unchanged)."""
+    return get_le32(buf, off + CTRL_IMM)
+
+
+@wire_njit(cache=True, inline="always")
+def raddr_seg_raddr(buf, off):
+    """struct mlx5_wqe_raddr_seg at ``off``: the remote address."""
+    return get_be64(buf, off)
+
+
+@wire_njit(cache=True, inline="always")
+def raddr_seg_rkey(buf, off):
+    return get_be32(buf, off + 8)
+
+
+@wire_njit(cache=True, inline="always")
+def data_seg_byte_count(buf, off):
+    """struct mlx5_wqe_data_seg at ``off``: byte_count (an inline segment's header word has the
+    same place and INLINE_SEG set)."""
+    return get_be32(buf, off)
+
+
+@wire_njit(cache=True, inline="always")
+def data_seg_lkey(buf, off):
+    return get_be32(buf, off + 4)
+
+
+@wire_njit(cache=True, inline="always")
+def data_seg_addr(buf, off):
+    return get_be64(buf, off + 8)
+
+
+@wire_njit(cache=True, inline="always")
+def atomic_seg_swap_add(buf, off):
+    """struct mlx5_wqe_atomic_seg at ``off``: swap_add (the fetch-add's addend)."""
+    return get_be64(buf, off)
+
+
+@wire_njit(cache=True, inline="always")
+def atomic_seg_compare(buf, off):
+    return get_be64(buf, off + 8)
+
+
 # --- CQEs --------------------------------------------------------------------------------------
 @wire_njit(cache=True)
 def init_cq(cq_buf, cqe_cnt):

@@ -14,10 +14,16 @@ Command (two little-endian 64-bit words, 16 bytes, 16-byte aligned in the ring):
         bits 46..57 PEER       destination rank (12 bits: 4096 peers)
         bits 39..45 LOCAL_HI   local heap offset bits 32..38
         bits 32..38 REMOTE_HI  remote heap offset bits 32..38
-        bits  0..31 ARG        PUT/GET: bytes; ATOMIC_FA: signed 32-bit addend;
-                               SIGNAL_ADD/SIGNAL_SET: low 32 bits of the 64-bit value
+        bits  0..31 ARG        PUT/GET: bytes; SIGNAL_ADD/SIGNAL_SET: low 32 bits of the 64-bit
+                               value; ATOMIC_FA, OPERAND: 0
     w1  bits  0..31 LOCAL_LO   local heap offset bits 0..31 (SIGNAL_*: the value's high 32 bits)
         bits 32..63 REMOTE_LO  remote heap offset bits 0..31
+                               (OPERAND: w1 is a whole 64-bit value)
+
+ATOMIC_FA is two commands in one reservation: the header (result offset in LOCAL, word offset in
+REMOTE) in slot s, then OPERAND carrying the 64-bit addend in w1 in slot s + 1. The drain takes the
+pair only once both slots are valid and completes the operand with its header
+(:func:`atomic_fa_commands` builds the pair).
 
 Offsets are 39 bits (512 GiB heaps); sizes are 32 bits because an mlx5 data segment's byte_count
 is 32 bits anyway (the proxy splits a PUT/GET above ``MAX_WQE_BYTES`` into several WQEs).
@@ -38,7 +44,8 @@ import weakref
 import numpy as np
 
 from gpunet import mlx5
-from gpunet.errors import ClosedError, CompletionError, ConfigError, GpunetError
+from gpunet.device import abi
+from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import wq
 from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_u64, clock_ns,
@@ -52,11 +59,12 @@ OP_NOP = 0          # completes when every earlier command of the channel has; m
 OP_PUT = 1          # RDMA WRITE  local[loff, +size) -> peer[roff, +size)
 OP_GET = 2          # RDMA READ   peer[roff, +size) -> local[loff, +size)
 OP_SIGNAL_ADD = 3   # 8-byte fetch-add of a 64-bit value on peer[roff]; the fetched value is dropped
-OP_ATOMIC_FA = 4    # 8-byte fetch-add of a signed 32-bit addend on peer[roff]; old value -> local[loff]
+OP_ATOMIC_FA = 4    # 8-byte fetch-add on peer[roff]; old value -> local[loff]; addend: next slot
 OP_SIGNAL_SET = 5   # 8-byte store of a 64-bit value to peer[roff] (an inline RDMA WRITE)
-OP_MAX = 5
+OP_OPERAND = 6      # the 64-bit operand (w1) of the command in the slot before it (ATOMIC_FA)
+OP_MAX = 6
 OP_NAMES = {OP_NOP: "NOP", OP_PUT: "PUT", OP_GET: "GET", OP_SIGNAL_ADD: "SIGNAL_ADD",
-            OP_ATOMIC_FA: "ATOMIC_FA", OP_SIGNAL_SET: "SIGNAL_SET"}
+            OP_ATOMIC_FA: "ATOMIC_FA", OP_SIGNAL_SET: "SIGNAL_SET", OP_OPERAND: "OPERAND"}
 
 VALID_SHIFT = 63
 OP_SHIFT = 58
@@ -78,6 +86,7 @@ HC_TAIL = 0          # u64 word indices into HostCtrl
 HC_COMPLETED = 1
 HC_ERROR = 2
 HC_ERR_SEQ = 3
+HC_ERR_PEER = 4      # the failed command's destination rank (written before HC_ERROR)
 DEV_CTRL_BYTES = 128
 DC_HEAD = 0          # u64 word indices into DevCtrl: head and cached_tail on separate 64 B lines
 DC_CACHED_TAIL = 8
@@ -87,7 +96,6 @@ DC_CACHED_TAIL = 8
 ERR_NONE = 0
 ERR_CQE = 1          # an error CQE: syndrome, vendor syndrome, qpn and wqe_counter are valid
 ERR_BAD_COMMAND = 2  # the proxy could not decode the command (op or peer out of range)
-ERR_NAMES = {ERR_CQE: "error completion", ERR_BAD_COMMAND: "malformed command"}
 
 # ---- engine tuning (named, with the reason) --------------------------------------------------
 # ConnectX-5/6/7 report max_msg_sz = 1 GiB: a larger PUT/GET is split into WQEs of this size.
@@ -122,7 +130,7 @@ CH_FIFO, CH_DEPTH, CH_HCTRL, CH_TAIL, CH_COMPLETED, CH_PUB_TAIL, CH_PUB_COMPLETE
 # per QP, int64
 (QP_SQ, QP_WQEBBS, QP_QPN, QP_DBREC, QP_DB, QP_CQ, QP_CQE_CNT, QP_CQ_DBREC, QP_PI, QP_SQ_CI,
  QP_CQ_CI, QP_UNSIG, QP_LAST_UNSIG, QP_DIRTY, QP_RBASE, QP_RKEY, QP_SCRATCH, QP_SCRATCH_LKEY,
- QP_NULL, QP_NFIELDS) = range(20)
+ QP_NULL, QP_PEER, QP_NFIELDS) = range(21)
 # heap, int64
 HP_LBASE, HP_LKEY, HP_NFIELDS = range(3)
 # stats, int64 per thread
@@ -185,13 +193,12 @@ def cmd_signal_value(w0, w1):
     return (np.uint64(w1) << np.uint64(32)) | (np.uint64(w0) & np.uint64(ARG_MASK))
 
 
-@wire_njit(cache=True, inline="always")
-def cmd_addend32(w0):
-    """ATOMIC_FA's addend: ARG as a signed 32-bit value, sign-extended to 64 bits (two's complement)."""
-    a = np.int64(np.uint64(w0) & np.uint64(ARG_MASK))
-    if a >= 0x80000000:
-        a -= 0x100000000
-    return np.uint64(a)
+def atomic_fa_commands(peer, addend, local_off, remote_off):
+    """The two commands of an ATOMIC_FA (one reservation): [(w0, w1) header, (w0, w1) OPERAND].
+    ``addend`` is any integer, taken modulo 2**64 (two's complement: -1 decrements)."""
+    hw0, hw1 = encode(OP_ATOMIC_FA, peer, 0, local_off, remote_off)
+    ow0, _ = encode(OP_OPERAND, peer, 0, 0, 0)
+    return [(int(hw0), int(hw1)), (int(ow0), int(addend) & 0xFFFFFFFFFFFFFFFF)]
 
 
 @wire_njit(cache=True, inline="always")
@@ -210,9 +217,8 @@ def decode(w0, w1):
          "remote_off": (w1 >> 32) | (((w0 >> REMOTE_HI_SHIFT) & HI_MASK) << 32)}
     if op in (OP_SIGNAL_ADD, OP_SIGNAL_SET):
         d["value"] = ((w1 & ARG_MASK) << 32) | (w0 & ARG_MASK)
-    if op == OP_ATOMIC_FA:
-        a = w0 & ARG_MASK
-        d["addend"] = a - (1 << 32) if a >= 1 << 31 else a
+    if op == OP_OPERAND:
+        d["value"] = w1
     return d
 
 
@@ -303,11 +309,12 @@ def cpu_wait_completed(hctrl, issued, timeout_ns):
 
 # ---- the drain step ----------------------------------------------------------------------------
 @wire_njit(cache=True, inline="always")
-def _record_error(ch, c, word, seq):
+def _record_error(ch, c, word, seq, peer):
     if ch[c, CH_ERR] == 0:                       # first failure wins
         ch[c, CH_ERR] = 1
         h = ch[c, CH_HCTRL]
         store_release_u64(h + 8 * HC_ERR_SEQ, np.uint64(seq))
+        store_release_u64(h + 8 * HC_ERR_PEER, np.uint64(peer))
         store_release_u64(h + 8 * HC_ERROR, word)
 
 
@@ -355,15 +362,17 @@ def _post(qp, q, side_ch, side_seq, c, seq, last, opcode, raddr, rkey, laddr, lk
 
 
 @wire_njit(cache=True)
-def _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, seq, w0, w1):
-    """Turn one command into WQE(s). Returns 1 if consumed, 0 if the QP's SQ is full (retry)."""
+def _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, seq, w0, w1, operand, width):
+    """Turn one command into WQE(s). Returns 1 if consumed, 0 if the QP's SQ is full (retry).
+    ``width`` 2: an ATOMIC_FA whose OPERAND (``operand``) was in the next slot."""
     op = cmd_op(w0)
     peer = cmd_peer(w0)
     if op == OP_NOP:
         _mark_done(ch, done, c, seq)
         return 1
-    if op > OP_MAX or peer >= peer_qp.shape[0]:
-        _record_error(ch, c, pack_error(ERR_BAD_COMMAND, op, 0, 0, peer), seq)
+    if op > OP_MAX or peer >= peer_qp.shape[0] or op == OP_OPERAND \
+            or (op == OP_ATOMIC_FA and width != 2):
+        _record_error(ch, c, pack_error(ERR_BAD_COMMAND, op, 0, 0, peer), seq, peer)
         _mark_done(ch, done, c, seq)
         return 1
     q = peer_qp[peer, ch[c, CH_QPSLOT]]
@@ -386,7 +395,7 @@ def _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, seq, w0, w1):
                   max(n, 0), 0, False)
     elif op == OP_ATOMIC_FA:
         _post(qp, q, side_ch, side_seq, c, seq, True, mlx5.OPCODE_ATOMIC_FA, raddr, rkey,
-              heap[HP_LBASE] + cmd_local_off(w0, w1), heap[HP_LKEY], 8, cmd_addend32(w0), False)
+              heap[HP_LBASE] + cmd_local_off(w0, w1), heap[HP_LKEY], 8, np.uint64(operand), False)
     elif op == OP_SIGNAL_ADD:
         _post(qp, q, side_ch, side_seq, c, seq, True, mlx5.OPCODE_ATOMIC_FA, raddr, rkey,
               qp[q, QP_SCRATCH], qp[q, QP_SCRATCH_LKEY], 8, cmd_signal_value(w0, w1), False)
@@ -445,7 +454,7 @@ def _poll_cq(ch, done, qp, side_ch, side_seq, q, out):
                 if is_err and p == upto:
                     word = pack_error(ERR_CQE, mlx5.cqe_syndrome(out, off),
                                       mlx5.cqe_vendor_syndrome(out, off), wc, mlx5.cqe_qpn(out, off))
-                    _record_error(ch, c, word, s if s >= 0 else -1 - s)
+                    _record_error(ch, c, word, s if s >= 0 else -1 - s, qp[q, QP_PEER])
                 p += 1
             qp[q, QP_SQ_CI] = upto + 1
         qp[q, QP_CQ_CI] += n
@@ -495,9 +504,25 @@ def _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, o
             if (w0 >> np.uint64(VALID_SHIFT)) != valid_bit(tail, lg):
                 break                              # not written yet (or the ring is empty)
             w1 = load_acquire_u64(slot + 8)
-            if _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, tail, w0, w1) == 0:
+            operand = np.uint64(0)
+            width = 1
+            if cmd_op(w0) == OP_ATOMIC_FA:
+                # its OPERAND is the next slot of the same reservation: take the pair or wait
+                if tail + 1 - ch[c, CH_COMPLETED] >= depth:
+                    break
+                slot2 = fifo + ((tail + 1) & (depth - 1)) * CMD_BYTES
+                x0 = load_acquire_u64(slot2)
+                if (x0 >> np.uint64(VALID_SHIFT)) != valid_bit(tail + 1, lg):
+                    break                          # not written yet
+                if cmd_op(x0) == OP_OPERAND:
+                    operand = load_acquire_u64(slot2 + 8)
+                    width = 2
+            if _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, tail, w0, w1, operand,
+                      width) == 0:
                 break                              # SQ full: ring, poll, retry next pass
-            tail += 1
+            if width == 2:
+                _mark_done(ch, done, c, tail + 1)  # the operand completes with its header
+            tail += width
             n += 1
             ch[c, CH_TAIL] = tail
             if tail - ch[c, CH_PUB_TAIL] >= TAIL_PUBLISH_EVERY:
@@ -639,25 +664,19 @@ class ProxyChannel(Resource):
             return None
         code, synd, vendor, wc, qpn = unpack_error(w)
         return {"code": code, "syndrome": synd, "vendor_syndrome": vendor, "wqe_counter": wc,
-                "qpn": qpn, "seq": self._hword(HC_ERR_SEQ), "word": w}
+                "qpn": qpn, "seq": self._hword(HC_ERR_SEQ), "peer": self._hword(HC_ERR_PEER),
+                "word": w}
 
-    def raise_if_error(self):
-        """Raise gpunet.CompletionError for the channel's first failure, if any."""
+    def raise_if_error(self, what="proxy"):
+        """Raise the channel's first failure, if any, as device code would report it (the one
+        decoder, gpunet.device.abi.failure_error): CompletionError for an error CQE, ConfigError
+        for a command the proxy rejected."""
         e = self.error()
         if e is None:
             return
-        where = f"proxy channel {self.index}, command #{e['seq']}"
-        if e["code"] == ERR_CQE:
-            raise CompletionError(
-                f"{where}: error CQE on QP 0x{e['qpn']:x}, wqe_counter {e['wqe_counter']}: "
-                f"{mlx5.syndrome_name(e['syndrome'])} (syndrome 0x{e['syndrome']:02x}, vendor "
-                f"0x{e['vendor_syndrome']:02x}); check the peer is alive and the heap offsets / "
-                f"keys are inside the registered heaps",
-                syndrome=e["syndrome"], vendor_syndrome=e["vendor_syndrome"], qpn=e["qpn"],
-                wqe_counter=e["wqe_counter"])
-        raise CompletionError(
-            f"{where}: {ERR_NAMES.get(e['code'], 'error %d' % e['code'])} (op {e['syndrome']}, "
-            f"peer {e['qpn']}): the device pushed a command the proxy cannot execute")
+        raise abi.failure_error(abi.proxy_failure(
+            e["code"] == ERR_CQE, e["syndrome"], e["vendor_syndrome"], e["wqe_counter"], e["qpn"],
+            e["seq"], e["peer"], self.index), what)
 
     def clear_error(self):
         """Forget the channel's recorded failure, once the QPs it came from were reset and while no
@@ -665,6 +684,7 @@ class ProxyChannel(Resource):
         unless a new failure is recorded."""
         h = self._hctrl.view(np.uint64)
         h[HC_ERR_SEQ] = 0
+        h[HC_ERR_PEER] = 0
         h[HC_ERROR] = 0
 
     def push(self, commands, timeout_s=1.0):
@@ -821,7 +841,7 @@ class ProxyEngine(Resource):
             for j in range(k):
                 q = p * k + j
                 row = self.qp[q]
-                row[QP_RBASE], row[QP_RKEY] = rbase, rkey
+                row[QP_RBASE], row[QP_RKEY], row[QP_PEER] = rbase, rkey, p
                 row[QP_LAST_UNSIG] = -1
                 if drain_only:
                     row[QP_SQ] = self._null_rings[q].ctypes.data

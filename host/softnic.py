@@ -49,7 +49,8 @@ import numpy as np
 from numba import njit
 
 from gpunet import mlx5
-from gpunet.errors import ClosedError, CoherenceViolation, ConfigError, GpunetError
+from gpunet.device import abi
+from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.host.nic import Access, Nic
 from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, address_of, atomic_cas_u64, bswap64, c_kill0,
                                 c_memmove, c_sched_yield, clock_ns, i64_at, idle_pause,
@@ -112,22 +113,15 @@ STALE_MIN_AGE_S = 10.0               # an unlocked arena without a header is you
 # --- engine ------------------------------------------------------------------------------------
 
 @njit(cache=True, inline="always")
-def _ring_be32(ring, rbytes, p):
-    """Big-endian u32 at byte ``p`` of a WQE in the ring (p may run past the end: it wraps).
+def _seg(rbytes, p):
+    """Ring offset of the WQE segment at byte ``p`` of the ring (p may run past the end: it wraps).
 
-    Fields sit inside 16-byte segments and the ring is a multiple of 64 bytes, so a field never
-    straddles the wrap: one reduction of p is enough.
+    Segments are 16 bytes and the ring is a multiple of 64 bytes, so a segment never straddles the
+    wrap: one reduction of p is enough. WQE fields are read with gpunet.mlx5's parsers at it.
     """
     if p >= rbytes:
         p = p % rbytes
-    return np.int64(mlx5.get_be32(ring, p))
-
-
-@njit(cache=True, inline="always")
-def _ring_be64(ring, rbytes, p):
-    if p >= rbytes:
-        p = p % rbytes
-    return mlx5.get_be64(ring, p)
+    return p
 
 
 @njit(cache=True)
@@ -203,10 +197,11 @@ def _cq_push(cbase, cqn, opcode, qpn, counter, byte_cnt, imm, synd, wqe_op, scra
             owner = 1 if (pi & cnt) != 0 else 0
             mlx5.write_cqe(scratch, 0, opcode, qpn, counter, byte_cnt, imm, owner, synd, 0, wqe_op)
             dst = cbase + T[ce + C_BUF_OFF] + (pi & (cnt - 1)) * mlx5.CQE_SIZE
-            c_memmove(dst, scratch.ctypes.data, mlx5.CQE_SIZE - 4)
-            last = (np.uint32(scratch[60]) | (np.uint32(scratch[61]) << np.uint32(8))
-                    | (np.uint32(scratch[62]) << np.uint32(16)) | (np.uint32(scratch[63]) << np.uint32(24)))
-            store_release_u32(dst + 60, last)        # op_own last: publishes the CQE
+            # every byte but the last word, then that word (wqe_counter, signature, op_own) with
+            # a release: op_own last publishes the CQE (pollers acquire-load that word)
+            c_memmove(dst, scratch.ctypes.data, mlx5.CQE_WQE_COUNTER)
+            store_release_u32(dst + mlx5.CQE_WQE_COUNTER,
+                              mlx5.get_le32(scratch, mlx5.CQE_WQE_COUNTER))
             T[ce + C_PI] = pi + 1
             ok = True
     store_release_u64(lock, 0)
@@ -248,12 +243,11 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
         if pending == 0:
             break
         off = (ci & mask) * mlx5.WQEBB
-        opcode = np.int64(ring[off + 3])
-        ds = np.int64(ring[off + 7])
-        fm = np.int64(ring[off + mlx5.CTRL_FM_CE_SE])
-        imm = (np.int64(ring[off + 12]) | (np.int64(ring[off + 13]) << 8)
-               | (np.int64(ring[off + 14]) << 16) | (np.int64(ring[off + 15]) << 24))
-        nbb = (ds * mlx5.DS_UNIT + mlx5.WQEBB - 1) // mlx5.WQEBB
+        opcode = np.int64(mlx5.ctrl_opcode(ring, off))
+        ds = np.int64(mlx5.ctrl_ds(ring, off))
+        fm = np.int64(mlx5.ctrl_fm_ce_se(ring, off))
+        imm = np.int64(mlx5.ctrl_imm_raw(ring, off))
+        nbb = mlx5.wqebb_count(ds)
         counter = ci & 0xFFFF
         synd = 0
         advance = nbb
@@ -287,10 +281,11 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                 if (is_rdma and ds < 3) or (is_atomic and ds != mlx5.DS_ATOMIC):
                     synd = mlx5.SYNDROME_LOCAL_QP_OP_ERR
                 else:
-                    raddr = np.int64(_ring_be64(ring, rbytes, p0 + 16))
-                    rkey = _ring_be32(ring, rbytes, p0 + 24)
-                    first = 2 if is_rdma else 3
-                    bc0 = _ring_be32(ring, rbytes, p0 + first * 16)
+                    rs = _seg(rbytes, p0 + mlx5.CTRL_SEG_SIZE)
+                    raddr = np.int64(mlx5.raddr_seg_raddr(ring, rs))
+                    rkey = np.int64(mlx5.raddr_seg_rkey(ring, rs))
+                    first = 2 if is_rdma else 3            # segments before the data segments
+                    bc0 = np.int64(mlx5.data_seg_byte_count(ring, _seg(rbytes, p0 + first * 16)))
                     if is_rdma and (bc0 & mlx5.INLINE_SEG) != 0:
                         inline_len = bc0 & 0x7FFFFFFF
                         if opcode == mlx5.OPCODE_RDMA_READ:
@@ -303,16 +298,16 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                     else:
                         lw = 1 if (opcode == mlx5.OPCODE_RDMA_READ or is_atomic) else 0
                         for s in range(ds - first):
-                            sp = p0 + (first + s) * 16
-                            bc = _ring_be32(ring, rbytes, sp)
+                            sp = _seg(rbytes, p0 + (first + s) * mlx5.DS_UNIT)
+                            bc = np.int64(mlx5.data_seg_byte_count(ring, sp))
                             if (bc & mlx5.INLINE_SEG) != 0:
                                 synd = mlx5.SYNDROME_LOCAL_QP_OP_ERR
                                 break
                             if is_atomic and bc != 8:
                                 synd = mlx5.SYNDROME_LOCAL_LENGTH_ERR
                                 break
-                            lkey = _ring_be32(ring, rbytes, sp + 4)
-                            laddr = np.int64(_ring_be64(ring, rbytes, sp + 8))
+                            lkey = np.int64(mlx5.data_seg_lkey(ring, sp))
+                            laddr = np.int64(mlx5.data_seg_addr(ring, sp))
                             me = _mr_lookup(T, lkey, pd, laddr, bc, lw)
                             if me < 0:
                                 synd = mlx5.SYNDROME_LOCAL_PROT_ERR
@@ -369,9 +364,10 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                         acc += segs[2 * s + 1]
                 elif is_atomic:
                     old = np.uint64(0)
-                    sa = _ring_be64(ring, rbytes, p0 + 32)
+                    asg = _seg(rbytes, p0 + mlx5.CTRL_SEG_SIZE + mlx5.RADDR_SEG_SIZE)
+                    sa = mlx5.atomic_seg_swap_add(ring, asg)
                     if opcode == mlx5.OPCODE_ATOMIC_CS:
-                        cmp = _ring_be64(ring, rbytes, p0 + 40)
+                        cmp = mlx5.atomic_seg_compare(ring, asg)
                         old = atomic_cas_u64(rna, bswap64(cmp), bswap64(sa))
                     else:
                         while True:
@@ -383,7 +379,7 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                     for i in range(8):         # the raw word *is* the big-endian wire value
                         dst[i] = np.uint8((old >> np.uint64(8 * i)) & np.uint64(0xFF))
                 elif inline_len >= 0:
-                    src = p0 + 16 + 16 + mlx5.INLINE_HDR_SIZE
+                    src = p0 + mlx5.CTRL_SEG_SIZE + mlx5.RADDR_SEG_SIZE + mlx5.INLINE_HDR_SIZE
                     src = src % rbytes
                     first_part = min(inline_len, rbytes - src)
                     c_memmove(rna, ring.ctypes.data + src, first_part)
@@ -1072,16 +1068,8 @@ class SoftNic(Nic):
         T = self._arena.T
         if int(T[H_VIO_VALID]) == 0:
             return
-        op = int(T[H_VIO_OPCODE])
-        raise CoherenceViolation(
-            "NIC %s (QP %d of pid %d, opcode 0x%02x) %s c500 `device` memory at 0x%x "
-            "(%d bytes, key 0x%x) owned by %s: that memory is not coherent with the NIC "
-            "(the NIC sees HBM, SMs see L2). Use `finegrained` memory for NIC-read payload and "
-            "`host` memory for rings and signals." % (
-                "write" if int(T[H_VIO_WRITE]) else "read",
-                int(T[H_VIO_QPN]), int(T[H_VIO_PID]), op,
-                "wrote" if int(T[H_VIO_WRITE]) else "read",
-                int(T[H_VIO_ADDR]), int(T[H_VIO_LEN]), int(T[H_VIO_KEY]), self.arena_name))
+        raise abi.coherence_error(T[H_VIO_QPN], T[H_VIO_OPCODE], T[H_VIO_KEY], T[H_VIO_ADDR],
+                                  T[H_VIO_LEN], T[H_VIO_WRITE], T[H_VIO_PID], self.arena_name)
 
     def mark_down(self):
         """Make this NIC dead: its engine stops executing, peers time out with retry exceeded."""

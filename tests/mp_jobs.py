@@ -141,6 +141,28 @@ def atomic_add_signed(state, addends, k):
     ctx.barrier()
     return {"start": start, "olds": olds, "after_seq": after, "final": gpunet.read_signal(ctr)}
 
+def failure_message(state, what, rank):
+    """Rank ``rank`` makes ``what`` time out ("wait_until": its signal word ``sig[rank]``, which
+    nobody signals; "barrier": a barrier no other rank joins); the other ranks return None at
+    once. Returns the exception's type, message and decoded failure fields, and the signal
+    word's heap offset."""
+    ctx = state["ctx"]
+    if ctx.rank != rank:
+        return None
+    sig = state["sig"]
+    try:
+        if what == "wait_until":
+            gpunet.wait_until(sig, 5, index=rank)
+        else:
+            gpunet.barrier()
+    except gpunet.GpunetError as e:
+        f = getattr(e, "failure", None)
+        return {"raised": type(e).__name__, "msg": str(e),
+                "failure": {k: v for k, v in vars(f).items() if k != "extra"} if f else None,
+                "sig_off": sig.data_ptr() + 8 * rank - ctx.heap_base}
+    return {"raised": None}
+
+
 def close(state):
     ctx = state.pop("ctx", None)
     arena = ctx.nic.arena_name if ctx else None

@@ -173,6 +173,7 @@ def test_every_primitive_gives_its_documented_result(lib, ws):
     assert out[7] == block
     assert out[8] == 0 + 1 + 1 + 1 + 1 + ws + 1
     assert u64[4] == 21 and u32[4] == 4 and u64[2] == 6
+    assert u64[6] == 23 and u64[7] == 25                  # store_relaxed_v2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,7 +306,8 @@ def test_cuda_arm_compiles_and_emits_the_intended_ptx():
          str(KERNELS), "-o", "-"],
         capture_output=True, text=True, timeout=300, check=True).stdout
     for needle in ("ld.acquire.sys", "st.release.sys", "fence.acq_rel.sys", "%globaltimer",
-                   "ld.relaxed.gpu", "st.relaxed.gpu", "prmt.b32", "nanosleep", "bar.red.or"):
+                   "ld.relaxed.gpu", "st.relaxed.gpu", "prmt.b32", "nanosleep", "bar.red.or",
+                   "st.volatile.v2.u64"):
         assert needle in ptx, needle
 
 
@@ -331,7 +333,7 @@ template <class T> T __shfl(T, int); unsigned long long __ballot(int); int __any
 namespace a = gpunet::arch;
 uint64_t use(uint32_t* p, uint64_t* q) {
   a::store_release_sys(p, 1u); a::fence_sys(); a::store_relaxed(q, uint64_t(2));
-  a::doorbell_store64(q, 3); a::spin_pause();
+  a::doorbell_store64(q, 3); a::spin_pause(); a::store_relaxed_v2(q, 4, 5);
   return a::load_acquire_sys(p) + a::load_acquire_sys(q) + a::atomic_add(p, 1u) + a::atomic_cas(q, 1, 2) +
          a::bswap64(5) + a::bswap16(1) + a::now_ns() + a::shfl(7u, 1) + a::ballot(true) + a::any(true) +
          a::block_any(false) + a::lane_id() + a::warp_size() + a::atomic_load(q) + a::shared_mem()[0];

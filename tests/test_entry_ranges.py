@@ -131,13 +131,10 @@ def entries():
 
     def cmd_fields(v):
         got = (int(P.cmd_op(v)), int(P.cmd_peer(v)), int(P.cmd_arg(v)), int(P.cmd_local_off(v, v)),
-               int(P.cmd_remote_off(v, v)), int(P.cmd_signal_value(v, v)), int(P.cmd_addend32(v)),
-               int(P.valid_bit(v, 3)))
+               int(P.cmd_remote_off(v, v)), int(P.cmd_signal_value(v, v)), int(P.valid_bit(v, 3)))
         d = P.decode(v, v)
-        a = v & M32
         want = (d["op"], d["peer"], d["arg"], d["local_off"], d["remote_off"],
-                ((v << 32) | (v & M32)) & M64, (a - (1 << 32) if a >> 31 else a) & M64,
-                ((v >> 3) & 1) ^ 1)
+                ((v << 32) | (v & M32)) & M64, ((v >> 3) & 1) ^ 1)
         return got, want
 
     def pack_error(v):

@@ -165,6 +165,24 @@ def test_build_write_inline_matches_including_wrap(mirror, fill, cases):
 
 
 @SETTINGS
+@given(cases=st.lists(st.tuples(u32, u24, opcodes, u8, u64, u32, u32, st.binary(max_size=220)),
+                      min_size=1, max_size=8))
+def test_write_inline_wqe_values_match_build_write_inline(mirror, cases):
+    """Generates inline WRITEs (payload 0..220 bytes: up to the 4 WQEBBs device WQEs hold) over
+    each argument's full width. Invariant: mlx5.cuh's write_inline_wqe (the value builder qp.cuh
+    posts) returns gpunet.mlx5.build_write_inline's WQEBB count, and its segments, stored in memory
+    order, are the bytes build_write_inline leaves at pi in a zeroed 4-WQEBB ring, read from pi on."""
+    lines = ["vwi %d %d %d %d %d %d %d %s" % (pi, qpn, op, fm, raddr, rkey, imm, data.hex() or "-")
+             for pi, qpn, op, fm, raddr, rkey, imm, data in cases]
+    for (pi, qpn, op, fm, raddr, rkey, imm, data), got in zip(cases, mirror.ask(lines)):
+        ring = _filled(4 * mlx5.WQEBB, 0)
+        nbb = mlx5.build_write_inline(ring, 4, pi, qpn, op, fm, U64(raddr), rkey,
+                                      np.frombuffer(data, dtype=np.uint8).copy(), imm)
+        in_order = np.roll(ring, -(pi & 3) * mlx5.WQEBB)[:nbb * mlx5.WQEBB]   # unwrap from pi
+        assert got == "%d %s" % (nbb, _hex(in_order))
+
+
+@SETTINGS
 @given(fill=u8, cases=st.lists(st.tuples(RING_DEPTHS, u32, st.integers(1, 16)), min_size=1,
                                max_size=8))
 def test_write_wqe_wrapped_matches(mirror, fill, cases):
@@ -205,15 +223,18 @@ def test_write_cqe_matches(mirror, fill, cqes):
 
 @SETTINGS
 @given(raw=st.lists(st.binary(min_size=64, max_size=64), min_size=1, max_size=BATCH))
-def test_cqe_and_ctrl_parsers_match_on_any_bytes(mirror, raw):
-    """Generates arbitrary 64-byte CQEs (their first 16 bytes doubling as a ctrl segment).
-    Invariant: every cqe_* and ctrl_* parser of mlx5.cuh returns gpunet.mlx5's value, and the
-    tail decoders (a little-endian load of bytes 60..63) agree with cqe_opcode/owner and
+def test_cqe_and_wqe_parsers_match_on_any_bytes(mirror, raw):
+    """Generates arbitrary 64 bytes, read as a CQE, as a ctrl segment (bytes 0..15) and as a
+    raddr / data / atomic segment (bytes 16..31). Invariant: every cqe_*, ctrl_* and *_seg_*
+    parser of mlx5.cuh returns gpunet.mlx5's value (the soft NIC reads WQEs with the latter), and
+    the tail decoders (a little-endian load of bytes 60..63) agree with cqe_opcode/owner and
     cqe_wqe_counter."""
-    answers = mirror.ask([x for r in raw for x in ("parse " + r.hex(), "pctrl " + r[:16].hex())])
+    answers = mirror.ask([x for r in raw for x in ("parse " + r.hex(), "pctrl " + r[:16].hex(),
+                                                   "pseg " + r[16:32].hex())])
     for i, r in enumerate(raw):
         b = np.frombuffer(r, dtype=np.uint8)
-        c, p = _fields(answers[2 * i]), _fields(answers[2 * i + 1])
+        c, p, g = (_fields(answers[3 * i]), _fields(answers[3 * i + 1]),
+                   _fields(answers[3 * i + 2]))
         ours = {"opcode": mlx5.cqe_opcode(b, 0), "owner": mlx5.cqe_owner(b, 0),
                 "qpn": mlx5.cqe_qpn(b, 0), "wqe_counter": mlx5.cqe_wqe_counter(b, 0),
                 "byte_cnt": mlx5.cqe_byte_cnt(b, 0), "imm_raw": mlx5.cqe_imm_raw(b, 0),
@@ -224,8 +245,14 @@ def test_cqe_and_ctrl_parsers_match_on_any_bytes(mirror, raw):
         assert c["tail_wqe_counter"] == c["wqe_counter"]
         ctrl = {"opcode": mlx5.ctrl_opcode(b, 0), "opmod": mlx5.ctrl_opmod(b, 0),
                 "wqe_index": mlx5.ctrl_wqe_index(b, 0), "qpn": mlx5.ctrl_qpn(b, 0),
-                "ds": mlx5.ctrl_ds(b, 0), "fm_ce_se": mlx5.ctrl_fm_ce_se(b, 0)}
+                "ds": mlx5.ctrl_ds(b, 0), "fm_ce_se": mlx5.ctrl_fm_ce_se(b, 0),
+                "imm_raw": mlx5.ctrl_imm_raw(b, 0)}
         assert p == {k: int(v) for k, v in ctrl.items()}
+        segs = {"raddr": mlx5.raddr_seg_raddr(b, 16), "rkey": mlx5.raddr_seg_rkey(b, 16),
+                "byte_count": mlx5.data_seg_byte_count(b, 16), "lkey": mlx5.data_seg_lkey(b, 16),
+                "addr": mlx5.data_seg_addr(b, 16), "swap_add": mlx5.atomic_seg_swap_add(b, 16),
+                "compare": mlx5.atomic_seg_compare(b, 16)}
+        assert g == {k: int(v) for k, v in segs.items()}
 
 
 @SETTINGS
@@ -303,14 +330,17 @@ __global__ void probe(unsigned long long* sq, unsigned char* cq, unsigned* out) 
            m::doorbell_wqe_index(m::doorbell_word(w.seg[0]));
   out[2] = m::sq_dbrec_value(5) ^ m::inline_hdr(3) ^ m::atomic_seg(1, 2).w[0];
   out[3] = m::syndrome_name(cq[m::CQE_SYNDROME])[0];
+  m::Seg16 segs[8];
+  out[0] += m::write_inline_wqe(segs, 1, 7, m::OPCODE_RDMA_WRITE, 0, 1, 2, d, 4, 0) +
+            m::data_seg_lkey(cq) + m::raddr_seg_rkey(cq) + m::ctrl_imm_raw(cq);
 }
 static_assert(m::wqebb_count(m::inline_ds(100)) == 3, "constexpr on the host side of nvcc");
 """
 
 
 def test_header_compiles_with_nvcc(tmp_path):
-    """nvcc -std=c++17 -x cu -c compiles a kernel that uses mlx5.cuh's value builders, writers and
-    parsers (compile only: no GPU needed)."""
+    """nvcc -std=c++17 -x cu -c compiles a kernel that uses mlx5.cuh's value builders (the inline
+    WQE's too), writers and parsers (compile only: no GPU needed)."""
     nvcc = shutil.which("nvcc") or shutil.which("/usr/local/bin/nvcc")
     if nvcc is None:
         pytest.skip("nvcc not found on PATH or at /usr/local/bin/nvcc: the CUDA arm of "

@@ -120,12 +120,16 @@ def test_signal_value_round_trip(op, peer, value, roff):
     assert int(P.cmd_signal_value(np.uint64(w0), np.uint64(w1))) == value
 
 
-@given(addend=st.integers(-2**31, 2**31 - 1))
-def test_atomic_addend_sign_extends(addend):
-    """ATOMIC_FA's 32-bit addend is sign-extended to the 64-bit two's-complement swap_add."""
-    w0, _ = P.encode(P.OP_ATOMIC_FA, 0, addend & 0xFFFFFFFF, 0, 0)
-    assert int(P.cmd_addend32(w0)) == addend & (2**64 - 1)
-    assert P.decode(w0, 0)["addend"] == addend
+@given(addend=st.integers(-2**63, 2**64 - 1), peer=st.integers(0, 4095), loff=offs, roff=offs)
+def test_atomic_fa_is_a_header_and_a_64bit_operand(addend, peer, loff, roff):
+    """Generates any 64-bit addend (negative: two's complement), peer and offsets. Invariant:
+    ATOMIC_FA is two commands, the header (op, peer, result and word offsets) and an OPERAND whose
+    w1 is the addend modulo 2**64; both have the valid bit clear."""
+    (h0, h1), (o0, o1) = P.atomic_fa_commands(peer, addend, loff, roff)
+    assert h0 >> 63 == 0 and o0 >> 63 == 0
+    h, o = P.decode(h0, h1), P.decode(o0, o1)
+    assert (h["op"], h["peer"], h["local_off"], h["remote_off"]) == (P.OP_ATOMIC_FA, peer, loff, roff)
+    assert (o["op"], o["peer"], o["value"]) == (P.OP_OPERAND, peer, addend % 2**64)
 
 
 def test_valid_bit_is_inverted_lap_parity():
@@ -168,6 +172,9 @@ def test_header_encoding_matches_python(kernels, op, peer, arg, loff, roff, valu
     kernels.proxy_encode_signal(P.OP_SIGNAL_ADD, peer, value, roff, out.ctypes.data)
     assert tuple(map(int, out)) == tuple(map(int, P.encode_signal(P.OP_SIGNAL_ADD, peer, value,
                                                                   roff)))
+    kernels.proxy_encode_operand.argtypes = [ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p]
+    kernels.proxy_encode_operand(peer, value, out.ctypes.data)
+    assert tuple(map(int, out)) == P.atomic_fa_commands(peer, value, loff, roff)[1]
 
 
 # ---- data path ---------------------------------------------------------------------------------
@@ -243,8 +250,8 @@ def test_atomics_signals_and_get(nics, heaps):
         ch.push([P.encode_signal(P.OP_SIGNAL_ADD, 0, big, 64),
                  P.encode_signal(P.OP_SIGNAL_ADD, 0, 5, 64),
                  P.encode_signal(P.OP_SIGNAL_SET, 0, 0x1122334455667788, 72)])
-        issued = ch.push([P.encode(P.OP_ATOMIC_FA, 0, (-3) & 0xFFFFFFFF, 128, 64),
-                          P.encode(P.OP_GET, 0, 32, 2000, 1000), P.encode(P.OP_NOP, 0, 0, 0, 0)])
+        issued = ch.push(P.atomic_fa_commands(0, -3, 128, 64) +
+                         [P.encode(P.OP_GET, 0, 32, 2000, 1000), P.encode(P.OP_NOP, 0, 0, 0, 0)])
         eng.quiet(ch, issued)
     assert int.from_bytes(rh[64:72].tobytes(), "big") == big + 5 - 3
     assert int.from_bytes(rh[72:80].tobytes(), "big") == 0x1122334455667788
@@ -402,7 +409,7 @@ def test_malformed_command_recorded():
     with P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], drain_only=True) as eng:
         ch.push([P.encode(P.OP_NOP, 0, 0, 0, 0), P.encode(31, 0, 0, 0, 0),
                  P.encode(P.OP_PUT, 3, 8, 0, 0)])
-        with pytest.raises(gpunet.CompletionError, match="malformed"):
+        with pytest.raises(gpunet.ConfigError, match="rejected command #1"):
             eng.quiet(ch, 3)
         assert ch.error()["seq"] == 1 and ch.completed == 3
 

@@ -92,8 +92,8 @@ void proxy_layout(uint64_t* out) {
   out[11] = px::OP_MAX;
   out[12] = px::MAX_OFFSET;
   out[13] = px::MAX_PEERS;
-  out[14] = px::SITE_PROXY_FIFO;
-  out[15] = px::SITE_PROXY_QUIET;
+  out[14] = gpunet::SITE_PROXY_FIFO;
+  out[15] = gpunet::SITE_PROXY_QUIET;
 }
 
 void proxy_encode(uint32_t op, uint32_t peer, uint64_t arg, uint64_t local_off, uint64_t remote_off,
@@ -106,6 +106,12 @@ void proxy_encode(uint32_t op, uint32_t peer, uint64_t arg, uint64_t local_off, 
 void proxy_encode_signal(uint32_t op, uint32_t peer, uint64_t value, uint64_t remote_off,
                          uint64_t* out) {
   const px::Command c = px::encode_signal(op, peer, value, remote_off);
+  out[0] = c.w0;
+  out[1] = c.w1;
+}
+
+void proxy_encode_operand(uint32_t peer, uint64_t value, uint64_t* out) {
+  const px::Command c = px::encode_operand(peer, value);
   out[0] = c.w0;
   out[1] = c.w1;
 }

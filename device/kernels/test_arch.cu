@@ -243,6 +243,7 @@ GPUNET_GLOBAL void k_every_primitive(uint64_t* out, uint32_t* u32, uint64_t* u64
     arch::atomic_store(&u64[3], uint64_t(19));
     out[5] = arch::atomic_load(&u32[5]) + arch::atomic_load(&u64[3]);
     arch::doorbell_store64(reinterpret_cast<volatile uint64_t*>(&u64[4]), uint64_t(21));
+    arch::store_relaxed_v2(&u64[6], uint64_t(23), uint64_t(25));  // 16-byte aligned when u64 is
     const uint64_t t0 = arch::now_ns();
     arch::spin_pause();
     out[6] = arch::now_ns() >= t0;

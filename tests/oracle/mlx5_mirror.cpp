@@ -14,6 +14,8 @@
 //   cqe opcode qpn wc byte_cnt imm owner synd vsynd wop    write_cqe on a pre-filled CQE (hex)
 //   parse HEX64B                                   cqe_* parsers and the tail decoders (k=v ...)
 //   pctrl HEX16B                                   ctrl_* parsers (k=v ...)
+//   pseg HEX16B                                    raddr_seg_* / data_seg_* / atomic_seg_* parsers
+//   vwi pi qpn opcode fm_ce_se raddr rkey imm HEX|-   write_inline_wqe: "nbb HEX(nbb WQEBBs)"
 //   valid op_own ci cqe_cnt                        cqe_is_valid (and op_own_is_valid must agree)
 //   sqdb pi | cqdb ci                              set_*_dbrec on a pre-filled record: "HEX get value"
 //   dbw HEX16B                                     "doorbell_word doorbell_wqe_index"
@@ -207,9 +209,29 @@ static int serve(char* line) {
     if (!need(1)) return 0;
     if (!unhex(tok[1], bytes) || bytes.size() != 16) return std::printf("ERR pctrl wants 16 B\n");
     const uint8_t* p = bytes.data();
-    std::printf("opcode=%u opmod=%u wqe_index=%u qpn=%u ds=%u fm_ce_se=%u\n", m::ctrl_opcode(p),
-                m::ctrl_opmod(p), m::ctrl_wqe_index(p), m::ctrl_qpn(p), m::ctrl_ds(p),
-                m::ctrl_fm_ce_se(p));
+    std::printf("opcode=%u opmod=%u wqe_index=%u qpn=%u ds=%u fm_ce_se=%u imm_raw=%u\n",
+                m::ctrl_opcode(p), m::ctrl_opmod(p), m::ctrl_wqe_index(p), m::ctrl_qpn(p),
+                m::ctrl_ds(p), m::ctrl_fm_ce_se(p), m::ctrl_imm_raw(p));
+  } else if (cmd == "pseg") {
+    if (!need(1)) return 0;
+    if (!unhex(tok[1], bytes) || bytes.size() != 16) return std::printf("ERR pseg wants 16 B\n");
+    const uint8_t* p = bytes.data();
+    std::printf("raddr=%llu rkey=%u byte_count=%u lkey=%u addr=%llu swap_add=%llu compare=%llu\n",
+                (unsigned long long)m::raddr_seg_raddr(p), m::raddr_seg_rkey(p),
+                m::data_seg_byte_count(p), m::data_seg_lkey(p),
+                (unsigned long long)m::data_seg_addr(p),
+                (unsigned long long)m::atomic_seg_swap_add(p),
+                (unsigned long long)m::atomic_seg_compare(p));
+  } else if (cmd == "vwi") {
+    if (!need(8)) return 0;
+    if (!unhex(tok[8], bytes)) return std::printf("ERR bad hex\n");
+    m::Seg16 segs[4 * 16];
+    const uint32_t nbb = m::write_inline_wqe(segs, a(0), a(1), a(2), a(3), a(4), a(5),
+                                             bytes.data(), uint32_t(bytes.size()), a(6));
+    std::printf("%u ", nbb);
+    std::vector<uint8_t> out(nbb * m::WQEBB);
+    for (uint32_t i = 0; i < 4 * nbb; ++i) m::store_seg(out.data() + 16 * i, segs[i]);
+    hex(out.data(), out.size());
   } else if (cmd == "valid") {
     if (!need(3)) return 0;
     std::memset(b, 0, sizeof b);

@@ -21,6 +21,8 @@
 //   u64 load_acquire_gpu(const u64*)                 void store_release_gpu(u64*, v)
 //              (device scope: for words only GPU threads exchange; see qp.cuh's publish)
 //   T load_relaxed(const T*)                         void store_relaxed(T*, T)
+//   void store_relaxed_v2(u64* p, u64 w0, u64 w1)    (16 bytes at a 16-byte aligned p: one
+//              vector store on the GPUs; a WQE segment is written with one of them)
 //   void fence_sys()
 //   u32/u64 atomic_add(p, v) -> old                  u32/u64 atomic_cas(p, expected, desired) -> old
 //   u32/u64 atomic_load(const p)                     void atomic_store(p, v)
@@ -110,6 +112,11 @@ GPUNET_DEVICE T load_relaxed(const T* p) {
   return *const_cast<const volatile T*>(p);
 }
 GPUNET_DEVICE void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// One 16-byte vector store (st.volatile.v2.u64): a WQE segment in one instruction. Volatile like
+// store_relaxed; p must be 16-byte aligned (SQ slots are).
+GPUNET_DEVICE void store_relaxed_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
+  asm volatile("st.volatile.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(w0), "l"(w1) : "memory");
+}
 
 GPUNET_DEVICE uint32_t atomic_add(uint32_t* p, uint32_t v) { return atomicAdd(p, v); }
 GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
@@ -246,6 +253,12 @@ GPUNET_DEVICE T load_relaxed(const T* p) {
   return *const_cast<const volatile T*>(p);
 }
 GPUNET_DEVICE void fence_sys() { __threadfence_system(); }
+// UNVERIFIED on MACA: two 8-byte volatile stores; a 16-byte vector store intrinsic is to be
+// confirmed on the first C500 build (the publish protocol does not rely on the store's width).
+GPUNET_DEVICE void store_relaxed_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
+  store_relaxed(p, w0);
+  store_relaxed(p + 1, w1);
+}
 
 GPUNET_DEVICE uint32_t atomic_add(uint32_t* p, uint32_t v) { return atomicAdd(p, v); }
 GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
@@ -347,6 +360,13 @@ template <class T>
 GPUNET_DEVICE void store_relaxed(T* p, T v) { host_store(p, v, __ATOMIC_RELAXED); }
 template <class T>
 GPUNET_DEVICE T load_relaxed(const T* p) { return host_load(p, __ATOMIC_RELAXED); }
+// Two relaxed 8-byte stores: in weak mode they enter the store buffer separately and may become
+// visible in either order, which is weaker than one vector store, so every protocol that passes
+// here (the NIC reads WQE segments only after a release) passes with the real store too.
+GPUNET_DEVICE void store_relaxed_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
+  host_store(p, w0, __ATOMIC_RELAXED);
+  host_store(p + 1, w1, __ATOMIC_RELAXED);
+}
 GPUNET_DEVICE void fence_sys() {
   if (hd::ThreadCtx* c = hd::weak_ctx()) hd::drain_all(c);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);

@@ -6,11 +6,12 @@
 // (HOST arm, g++), and that nvcc compiles it (CUDA arm). Change both files together.
 //
 // Two kinds of builders:
-//   * value builders (ctrl_seg, raddr_seg, data_seg, atomic_seg, inline_hdr, rdma_wqe, ...) return
-//     a segment's 16 bytes as a Seg16 of two 64-bit words in memory order: storing w[0] then w[1]
-//     with plain little-endian 64-bit stores at a 16-byte aligned address reproduces the bytes.
-//     Device QP code stores them through arch.cuh's store primitives, so that the HOST arm's
-//     weak-memory model sees (and may hold back) every store the NIC reads.
+//   * value builders (ctrl_seg, raddr_seg, data_seg, atomic_seg, inline_hdr, rdma_wqe,
+//     write_inline_wqe, ...) return a segment's 16 bytes as a Seg16 of two 64-bit words in memory
+//     order: storing w[0] then w[1] with plain little-endian 64-bit stores at a 16-byte aligned
+//     address reproduces the bytes. These are what the device posts: qp.cuh stores each Seg16 with
+//     one 16-byte arch::store_relaxed_v2, so that the HOST arm's weak-memory model sees (and may
+//     hold back) every store the NIC reads.
 //   * writers (set_ctrl_seg, set_data_seg, build_rdma, build_write_inline, ...) fill a byte buffer
 //     exactly as gpunet/mlx5.py's functions of the same name do (same bytes, same untouched bytes),
 //     for code that needs no ordering model: host-side tools, tests, the proxy's staging buffers.
@@ -288,6 +289,26 @@ GPUNET_DEVICE Wqebb nop_wqe(uint32_t pi, uint32_t qpn, uint32_t fm_ce_se) {
                 Seg16{{0, 0}}, Seg16{{0, 0}}}};
 }
 
+// RDMA WRITE (or WRITE_WITH_IMM) carrying `nbytes` of `data` inline, as values: segs[0 .. 4 * nbb)
+// are the WQE's whole WQEBBs (ctrl, raddr, inline header + payload, zero padding) in memory
+// order, so that storing them contiguously gives build_write_inline's bytes (at pi, unwrapped).
+// Returns nbb = wqebb_count(inline_ds(nbytes)); `segs` must hold 4 * nbb segments.
+GPUNET_DEVICE uint32_t write_inline_wqe(Seg16* segs, uint32_t pi, uint32_t qpn, uint32_t opcode,
+                                        uint32_t fm_ce_se, uint64_t raddr, uint32_t rkey,
+                                        const uint8_t* data, uint32_t nbytes, uint32_t imm) {
+  const uint32_t ds = inline_ds(nbytes);
+  const uint32_t nbb = wqebb_count(ds);
+  segs[0] = ctrl_seg(pi, opcode, 0, qpn, fm_ce_se, ds, 0, imm);
+  segs[1] = raddr_seg(raddr, rkey);
+  // The inline segment runs on through the later segments: header word, payload, zeros.
+  uint8_t* b = reinterpret_cast<uint8_t*>(&segs[2]);  // (a byte view may alias any object)
+  const uint32_t hdr = inline_hdr(nbytes);
+  for (uint32_t i = 0; i < INLINE_HDR_SIZE; ++i) b[i] = uint8_t(hdr >> (8 * i));
+  const uint32_t room = nbb * WQEBB - CTRL_SEG_SIZE - RADDR_SEG_SIZE - INLINE_HDR_SIZE;
+  for (uint32_t i = 0; i < room; ++i) b[INLINE_HDR_SIZE + i] = i < nbytes ? data[i] : 0;
+  return nbb;
+}
+
 // --- writers (gpunet/mlx5.py's functions of the same name, byte for byte) -------------------------
 // Plain byte stores: no alignment needed, no ordering implied.
 GPUNET_DEVICE void store_seg(uint8_t* p, const Seg16& s) {
@@ -388,6 +409,14 @@ GPUNET_DEVICE uint32_t ctrl_wqe_index(const uint8_t* p) { return get_be16(p + 1)
 GPUNET_DEVICE uint32_t ctrl_qpn(const uint8_t* p) { return get_be32(p + CTRL_QPN_DS) >> 8; }
 GPUNET_DEVICE uint32_t ctrl_ds(const uint8_t* p) { return p[CTRL_QPN_DS + 3]; }
 GPUNET_DEVICE uint32_t ctrl_fm_ce_se(const uint8_t* p) { return p[CTRL_FM_CE_SE]; }
+GPUNET_DEVICE uint32_t ctrl_imm_raw(const uint8_t* p) { return get_le32(p + CTRL_IMM); }
+GPUNET_DEVICE uint64_t raddr_seg_raddr(const uint8_t* p) { return get_be64(p); }
+GPUNET_DEVICE uint32_t raddr_seg_rkey(const uint8_t* p) { return get_be32(p + 8); }
+GPUNET_DEVICE uint32_t data_seg_byte_count(const uint8_t* p) { return get_be32(p); }
+GPUNET_DEVICE uint32_t data_seg_lkey(const uint8_t* p) { return get_be32(p + 4); }
+GPUNET_DEVICE uint64_t data_seg_addr(const uint8_t* p) { return get_be64(p + 8); }
+GPUNET_DEVICE uint64_t atomic_seg_swap_add(const uint8_t* p) { return get_be64(p); }
+GPUNET_DEVICE uint64_t atomic_seg_compare(const uint8_t* p) { return get_be64(p + 8); }
 
 // --- CQEs ---------------------------------------------------------------------------------------
 // Initialise a CQ ring as rdma-core does: every op_own = 0xF0 (opcode INVALID, owner 0).

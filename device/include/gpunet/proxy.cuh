@@ -1,10 +1,10 @@
-// gpunet/proxy.cuh — the CPU-proxy transport, device side: 16-byte commands pushed into a
-// host-mapped multi-producer FIFO that CPU threads (host/proxy.py) drain into mlx5 QPs.
+// gpunet/proxy.cuh — the CPU-proxy FIFO, device side: 16-byte commands pushed into a host-mapped
+// multi-producer FIFO that CPU threads (host/proxy.py) drain into mlx5 QPs. The mechanism under
+// transport/proxy.cuh (the verbs for peers whose doorbell cannot be mapped into the GPU, DESIGN.md
+// "Transports under one device API"); failures use status.cuh's vocabulary.
 //
 // The command format, the channel's memory layout and the completion protocol are defined here and
-// mirrored in host/proxy.py (tests/test_proxy.py checks the two against each other). This is the
-// transport for peers whose doorbell cannot be mapped into the GPU (DESIGN.md, "Transports under
-// one device API"); the user API (gpunet.cuh) dispatches to it per peer.
+// mirrored in host/proxy.py (tests/test_proxy.py checks the two against each other).
 //
 // ------------------------------------------------------------------------------------------------
 // Command: two 64-bit words, little-endian, 16-byte aligned slot.
@@ -18,20 +18,25 @@
 //       46..57  PEER       destination rank (12 bits)
 //       39..45  LOCAL_HI   local heap offset bits 32..38
 //       32..38  REMOTE_HI  remote heap offset bits 32..38
-//        0..31  ARG        PUT/GET: bytes. ATOMIC_FA: signed 32-bit addend.
-//                          SIGNAL_ADD/SIGNAL_SET: the 64-bit value's low half.
+//        0..31  ARG        PUT/GET: bytes. SIGNAL_ADD/SIGNAL_SET: the 64-bit value's low half.
+//                          ATOMIC_FA, OPERAND: 0.
 //   w1   0..31  LOCAL_LO   local heap offset bits 0..31 (SIGNAL_*: the value's high half)
 //       32..63  REMOTE_LO  remote heap offset bits 0..31
+//   OPERAND's w1 is a whole 64-bit value instead (see ATOMIC_FA).
 //
-// Changes from the first sketch (w0 = valid|op|peer|46-bit size, w1 = two 32-bit offsets), and why:
-//   - offsets are 39 bits, not 32: EP buffers reach several GiB (DeepEP normal mode), and a 4 GiB
-//     heap cap would be a silent limit; the bits come from the size field, because
+// Why these widths:
+//   - offsets are 39 bits: EP buffers reach several GiB (DeepEP normal mode), and a 4 GiB heap cap
+//     would be a silent limit;
 //   - sizes are 32 bits: an mlx5 data segment's byte_count is 32 bits and ConnectX's max_msg_sz is
 //     1 GiB, so a larger size never reaches the wire in one WQE anyway (the proxy splits at 1 GiB;
 //     proxy_put splits above 4 GiB - 1 into several commands);
-//   - SIGNAL_ADD carries a full 64-bit addend (ARG + LOCAL_LO): it lands nowhere locally (the proxy
-//     owns the 8-byte landing slot an mlx5 atomic needs), so the local offset field is free;
-//   - SIGNAL_SET (an 8-byte inline RDMA WRITE built by the proxy) gives put_signal its SET variant;
+//   - SIGNAL_ADD / SIGNAL_SET carry a full 64-bit value (ARG + LOCAL_LO): they land nowhere locally
+//     (the proxy owns the 8-byte landing slot an mlx5 atomic needs), so the local offset is free;
+//   - ATOMIC_FA needs the result offset AND a 64-bit addend, more than one slot holds: it is TWO
+//     commands in ONE reservation, the header (op, peer, result offset in LOCAL, word offset in
+//     REMOTE) in slot s and OPERAND (the addend in w1) in slot s + 1. The proxy takes the pair only
+//     once both slots are valid and completes the operand with its header (tests/test_api_transport.py
+//     checks addends 2**31, 2**63, 2**64 - 1 and -1 through the API).
 //   - put_signal is two commands in ONE reservation (adjacent slots, same channel), so the signal
 //     goes on the same QP right behind its payload: the RC QP executes in order, so a receiver that
 //     sees the signal sees the payload.
@@ -48,7 +53,8 @@
 //   fifo      depth x 16 B, host-mapped (policy "proxy_fifo": pinned host memory the GPU maps).
 //   HostCtrl  64 B, host-mapped, written only by the channel's proxy thread, read by producers:
 //             tail (commands taken from the FIFO), completed (every command with a sequence below
-//             it has completed at the NIC), error (0 or the first failure, packed), err_seq.
+//             it has completed at the NIC), error (0 or the first failure, packed), err_seq and
+//             err_peer (the failed command's sequence and destination rank, written before error).
 //   DevCtrl   128 B, device memory, touched only by producers: head (slots reserved, atomic_add)
 //             and, on its own 64-byte line, cached_tail (the largest tail any producer has read).
 //
@@ -76,19 +82,19 @@
 // slots per channel and advances `completed` only over a prefix of completed commands. It takes a
 // command from the FIFO only while tail - completed < depth. An error CQE completes its command
 // (and every later flushed one) and records the first failure of the channel in HostCtrl.error
-// (release-stored before the `completed` that covers it).
+// (release-stored after err_seq / err_peer and before the `completed` that covers it).
 //
 // Quiet (proxy_quiet): bounded wait until completed >= issued, reading HostCtrl over PCIe with a
 // backoff; HostCtrl.error != 0 fails the quiet and is copied into the Status block (first failure
-// wins; STATUS_COMPLETION_ERROR with syndrome / qpn / wqe_counter, wqe_index = the command's
-// sequence). An error is sticky: every later quiet on the channel fails.
+// wins; STATUS_COMPLETION_ERROR with syndrome / qpn / wqe_counter, the failed command's peer, the
+// channel and the command's sequence). An error is sticky: every later quiet on the channel fails.
 // ------------------------------------------------------------------------------------------------
 #pragma once
 
 #include <stdint.h>
 
 #include "arch.cuh"
-#include "qp.cuh"  // Status, Waiter, record_failure, failed, STATUS_* (the shared failure block)
+#include "status.cuh"
 
 namespace gpunet {
 namespace proxy {
@@ -99,9 +105,11 @@ enum : uint32_t {
   OP_PUT = 1,         // RDMA WRITE local[loff, +size) -> peer[roff, +size)
   OP_GET = 2,         // RDMA READ  peer[roff, +size) -> local[loff, +size)
   OP_SIGNAL_ADD = 3,  // 8-byte fetch-add of a 64-bit value on peer[roff] (result dropped)
-  OP_ATOMIC_FA = 4,   // 8-byte fetch-add of a signed 32-bit addend; old value -> local[loff] (BE)
+  OP_ATOMIC_FA = 4,   // 8-byte fetch-add on peer[roff]; old value -> local[loff] (BE); the addend
+                      // is in the OPERAND command right behind it (same reservation)
   OP_SIGNAL_SET = 5,  // 8-byte store of a 64-bit value (big-endian) to peer[roff]
-  OP_MAX = 5,
+  OP_OPERAND = 6,     // the 64-bit operand (w1) of the command in the slot before it
+  OP_MAX = 6,
 };
 
 constexpr uint32_t kCmdBytes = 16;
@@ -116,14 +124,6 @@ constexpr uint64_t MAX_CMD_SIZE = ARG_MASK;
 // packed HostCtrl.error: code(8) | syndrome(8) | vendor syndrome(8) | wqe_counter(16) | qpn(24)
 enum : uint32_t { ERR_NONE = 0, ERR_CQE = 1, ERR_BAD_COMMAND = 2 };
 
-// Status::site values of this transport (continuing qp.cuh's SITE_*; device/abi.py mirrors them).
-enum : uint32_t {
-  SITE_PROXY_FIFO = 16,   // push: waiting for FIFO space (the proxy's tail)
-  SITE_PROXY_QUIET = 17,  // quiet: waiting for the proxy's completed counter
-  SITE_PROXY_ARG = 18,    // argument check of a push (peer, offset, size, addend out of range)
-  SITE_PROXY_CMD = 19,    // the proxy rejected a command (HostCtrl.error code ERR_BAD_COMMAND)
-};
-
 struct Command {
   uint64_t w0, w1;
 };
@@ -134,9 +134,11 @@ struct HostCtrl {          // host-mapped; written by the proxy thread only
   uint64_t completed;      // @8  every command with sequence < completed has completed
   uint64_t error;          // @16 0, or the channel's first failure (packed, see above)
   uint64_t err_seq;        // @24 sequence of the failed command (written before error)
-  uint64_t reserved[4];
+  uint64_t err_peer;       // @32 destination rank of the failed command (written before error)
+  uint64_t reserved[3];
 };
 static_assert(sizeof(HostCtrl) == 64, "HostCtrl layout is mirrored in host/proxy.py");
+static_assert(__builtin_offsetof(HostCtrl, err_peer) == 32, "HC_ERR_PEER in host/proxy.py");
 
 struct DevCtrl {           // device memory; producers only
   uint64_t head;           // @0  slots reserved
@@ -178,6 +180,15 @@ GPUNET_HOST_DEVICE Command encode_signal(uint32_t op, uint32_t peer, uint64_t va
                                          uint64_t remote_off) {
   return encode(op, peer, value & ARG_MASK, value >> 32, remote_off);
 }
+// The OPERAND command carrying `value` for the command in the slot before it.
+GPUNET_HOST_DEVICE Command encode_operand(uint32_t peer, uint64_t value) {
+  Command c = encode(OP_OPERAND, peer, 0, 0, 0);
+  c.w1 = value;
+  return c;
+}
+GPUNET_HOST_DEVICE uint32_t command_peer(const Command& c) {
+  return uint32_t((c.w0 >> PEER_SHIFT) & PEER_MASK);
+}
 GPUNET_HOST_DEVICE uint64_t valid_bit(uint64_t seq, uint32_t depth) {
   return (((seq / depth) & 1) ^ 1) << VALID_SHIFT;
 }
@@ -211,7 +222,9 @@ GPUNET_DEVICE void raise_cached_tail(DevCtrl* d, uint64_t t) {
 }
 
 // Step 2: wait until slots [seq, seq + n) are free. false: a failure is recorded (or was).
-GPUNET_DEVICE bool wait_space(const ProxyChannel& ch, const Waiter& w, uint64_t seq, uint32_t n) {
+// `peer`: the destination of the commands waiting (PEER_NONE for a warp's mixed peers).
+GPUNET_DEVICE bool wait_space(const ProxyChannel& ch, const Waiter& w, uint64_t seq, uint32_t n,
+                              uint32_t peer) {
   DevCtrl* d = dctrl(ch);
   if (seq + n <= arch::atomic_load(&d->cached_tail) + ch.depth) return true;  // the common case
   HostCtrl* h = hctrl(ch);
@@ -225,8 +238,14 @@ GPUNET_DEVICE bool wait_space(const ProxyChannel& ch, const Waiter& w, uint64_t 
     if (failed(w)) return false;
     const uint64_t now = arch::now_ns();
     if (now - t0 > w.timeout_ns) {
-      record_failure(w.st, STATUS_TIMEOUT, SITE_PROXY_FIFO, 0, ch.id, seq, seq + n - ch.depth, t,
-                     now - t0);
+      Failure f(STATUS_TIMEOUT, SITE_PROXY_FIFO);
+      f.peer = peer;
+      f.channel = ch.id;
+      f.seq = seq;
+      f.expected = seq + n - ch.depth;  // the tail this push needs
+      f.observed = t;
+      f.waited_ns = now - t0;
+      record_failure(w.st, f);
       return false;
     }
     for (uint32_t i = 0; i < backoff; ++i) arch::spin_pause();
@@ -243,13 +262,27 @@ GPUNET_DEVICE void write_slot(const ProxyChannel& ch, uint64_t seq, const Comman
   arch::store_release_sys(&s->w0, c.w0 | valid_bit(seq, ch.depth));  // publishes w1 too
 }
 
+// The command fields are in range: peer < MAX_PEERS, the (end) offsets <= MAX_OFFSET, `size` <=
+// `max_size`. Otherwise a BAD_ARGUMENT names the first field out of range (limit vs given).
 GPUNET_DEVICE bool check_args(const ProxyChannel& ch, const Waiter& w, uint32_t peer,
-                              uint64_t local_off, uint64_t remote_off, uint64_t arg_limit_ok) {
-  if (peer < MAX_PEERS && local_off <= MAX_OFFSET && remote_off <= MAX_OFFSET && arg_limit_ok)
+                              uint64_t local_off, uint64_t remote_off, uint64_t size = 0,
+                              uint64_t max_size = 0) {
+  uint64_t limit = 0, got = 0;
+  if (peer >= MAX_PEERS) {
+    limit = MAX_PEERS - 1, got = peer;
+  } else if (local_off > MAX_OFFSET || remote_off > MAX_OFFSET) {
+    limit = MAX_OFFSET, got = local_off > remote_off ? local_off : remote_off;
+  } else if (size > max_size) {
+    limit = max_size, got = size;
+  } else {
     return true;
-  record_failure(w.st, STATUS_BAD_ARGUMENT, SITE_PROXY_ARG, 0, peer, 0, MAX_OFFSET,
-                 local_off > remote_off ? local_off : remote_off, 0);
-  (void)ch;
+  }
+  Failure f(STATUS_BAD_ARGUMENT, SITE_PROXY_ARG);
+  f.peer = peer;
+  f.channel = ch.id;
+  f.expected = limit;
+  f.observed = got;
+  record_failure(w.st, f);
   return false;
 }
 
@@ -263,11 +296,15 @@ GPUNET_DEVICE bool proxy_push_n(const ProxyChannel& ch, const Waiter& w, const C
                                 uint32_t n, uint64_t* issued = nullptr) {
   if (failed(w)) return false;
   if (n == 0 || n > ch.depth) {
-    record_failure(w.st, STATUS_BAD_ARGUMENT, SITE_PROXY_ARG, 0, ch.id, 0, ch.depth, n, 0);
+    Failure f(STATUS_BAD_ARGUMENT, SITE_PROXY_ARG);
+    f.channel = ch.id;
+    f.expected = ch.depth;
+    f.observed = n;
+    record_failure(w.st, f);
     return false;
   }
   const uint64_t seq = arch::atomic_add(&detail::dctrl(ch)->head, uint64_t(n));
-  if (!detail::wait_space(ch, w, seq, n)) return false;
+  if (!detail::wait_space(ch, w, seq, n, command_peer(cmds[0]))) return false;
   for (uint32_t i = 0; i < n; ++i) detail::write_slot(ch, seq + i, cmds[i]);
   if (issued) *issued = seq + n;
   return true;
@@ -296,7 +333,7 @@ GPUNET_DEVICE bool proxy_push_warp(const ProxyChannel& ch, const Waiter& w, cons
       ok = 0;
     } else if (total > 0) {
       base = arch::atomic_add(&detail::dctrl(ch)->head, uint64_t(total));
-      ok = detail::wait_space(ch, w, base, total) ? 1u : 0u;
+      ok = detail::wait_space(ch, w, base, total, PEER_NONE) ? 1u : 0u;
     }
   }
   base = arch::shfl(base, 0);
@@ -311,20 +348,31 @@ GPUNET_DEVICE bool proxy_push_warp(const ProxyChannel& ch, const Waiter& w, cons
 // Copy the channel's recorded failure into the Status (first failure wins there too).
 GPUNET_DEVICE void proxy_record_error(const ProxyChannel& ch, const Waiter& w, uint64_t err) {
   HostCtrl* h = detail::hctrl(ch);
-  const uint64_t seq = arch::load_relaxed(&h->err_seq);  // ordered by the acquire of `error`
   const uint32_t code = uint32_t(err >> 56) & 0xff;
   const uint32_t synd = uint32_t(err >> 48) & 0xff, vendor = uint32_t(err >> 40) & 0xff;
   const uint32_t counter = uint32_t(err >> 24) & 0xffff, qpn = uint32_t(err) & 0xffffff;
-  if (code == ERR_CQE)
-    record_failure(w.st, STATUS_COMPLETION_ERROR, SITE_CQE, qpn, ch.id, seq, 0, 0, 0, synd, vendor,
-                   counter);
-  else  // ERR_BAD_COMMAND: syndrome holds the op, qpn the peer the proxy rejected
-    record_failure(w.st, STATUS_BAD_ARGUMENT, SITE_PROXY_CMD, 0, qpn, seq, synd, code, 0);
+  Failure f(code == ERR_CQE ? STATUS_COMPLETION_ERROR : STATUS_BAD_ARGUMENT,
+            code == ERR_CQE ? SITE_CQE : SITE_PROXY_CMD);
+  f.seq = arch::load_relaxed(&h->err_seq);  // ordered by the acquire of `error`
+  f.peer = uint32_t(arch::load_relaxed(&h->err_peer));
+  f.channel = ch.id;
+  if (code == ERR_CQE) {
+    f.qpn = qpn;
+    f.syndrome = synd;
+    f.vendor_syndrome = vendor;
+    f.wqe_counter = counter;
+  } else {  // ERR_BAD_COMMAND: the syndrome field holds the op the proxy rejected
+    f.expected = OP_MAX;
+    f.observed = synd;
+  }
+  record_failure(w.st, f);
 }
 
 // Bounded wait until every command with a sequence below `issued` has completed. true: all
 // completed and the channel has no failure; false: a failure is recorded in the Status.
-GPUNET_DEVICE bool proxy_quiet(const ProxyChannel& ch, const Waiter& w, uint64_t issued) {
+// `peer`: the PE the caller waits for (PEER_NONE: the whole channel), named on a timeout.
+GPUNET_DEVICE bool proxy_quiet(const ProxyChannel& ch, const Waiter& w, uint64_t issued,
+                               uint32_t peer = PEER_NONE) {
   HostCtrl* h = detail::hctrl(ch);
   uint64_t t0 = 0;
   uint32_t n = 0;
@@ -341,8 +389,14 @@ GPUNET_DEVICE bool proxy_quiet(const ProxyChannel& ch, const Waiter& w, uint64_t
       const uint64_t now = arch::now_ns();
       if (t0 == 0) t0 = now;
       if (now - t0 > w.timeout_ns) {
-        record_failure(w.st, STATUS_TIMEOUT, SITE_PROXY_QUIET, 0, ch.id, issued, issued, done,
-                       now - t0);
+        Failure f(STATUS_TIMEOUT, SITE_PROXY_QUIET);
+        f.peer = peer;
+        f.channel = ch.id;
+        f.seq = issued;
+        f.expected = issued;
+        f.observed = done;
+        f.waited_ns = now - t0;
+        record_failure(w.st, f);
         return false;
       }
     }
@@ -351,8 +405,9 @@ GPUNET_DEVICE bool proxy_quiet(const ProxyChannel& ch, const Waiter& w, uint64_t
 }
 
 // Quiet everything reserved on the channel so far (by any thread).
-GPUNET_DEVICE bool proxy_quiet_all(const ProxyChannel& ch, const Waiter& w) {
-  return proxy_quiet(ch, w, arch::atomic_load(&detail::dctrl(ch)->head));
+GPUNET_DEVICE bool proxy_quiet_all(const ProxyChannel& ch, const Waiter& w,
+                                   uint32_t peer = PEER_NONE) {
+  return proxy_quiet(ch, w, arch::atomic_load(&detail::dctrl(ch)->head), peer);
 }
 
 // ---- operations (what gpunet.cuh's per-peer dispatch calls for a proxy peer) ----------------------
@@ -363,7 +418,7 @@ namespace detail {
 GPUNET_DEVICE bool push_split(const ProxyChannel& ch, const Waiter& w, uint32_t op, uint32_t peer,
                               uint64_t local_off, uint64_t remote_off, uint64_t nbytes,
                               uint64_t* issued) {
-  if (!check_args(ch, w, peer, local_off + nbytes, remote_off + nbytes, true)) return false;
+  if (!check_args(ch, w, peer, local_off + nbytes, remote_off + nbytes)) return false;
   do {
     const uint64_t n = nbytes < MAX_CMD_SIZE ? nbytes : MAX_CMD_SIZE;
     if (!proxy_push(ch, w, encode(op, peer, n, local_off, remote_off), issued)) return false;
@@ -391,7 +446,7 @@ GPUNET_DEVICE bool proxy_get(const ProxyChannel& ch, const Waiter& w, uint32_t p
 GPUNET_DEVICE bool proxy_signal(const ProxyChannel& ch, const Waiter& w, uint32_t peer,
                                 uint64_t sig_off, uint64_t value, bool add,
                                 uint64_t* issued = nullptr) {
-  if (!detail::check_args(ch, w, peer, 0, sig_off, true)) return false;
+  if (!detail::check_args(ch, w, peer, 0, sig_off)) return false;
   return proxy_push(ch, w, encode_signal(add ? OP_SIGNAL_ADD : OP_SIGNAL_SET, peer, value, sig_off),
                     issued);
 }
@@ -402,29 +457,29 @@ GPUNET_DEVICE bool proxy_put_signal(const ProxyChannel& ch, const Waiter& w, uin
                                     uint64_t local_off, uint64_t remote_off, uint64_t nbytes,
                                     uint64_t sig_off, uint64_t value, bool add,
                                     uint64_t* issued = nullptr) {
-  if (!detail::check_args(ch, w, peer, local_off + nbytes, remote_off + nbytes,
-                          nbytes <= MAX_CMD_SIZE && sig_off <= MAX_OFFSET))
+  if (!detail::check_args(ch, w, peer, local_off + nbytes,
+                          remote_off + nbytes > sig_off ? remote_off + nbytes : sig_off, nbytes,
+                          MAX_CMD_SIZE))
     return false;
   Command c[2] = {encode(OP_PUT, peer, nbytes, local_off, remote_off),
                   encode_signal(add ? OP_SIGNAL_ADD : OP_SIGNAL_SET, peer, value, sig_off)};
   return proxy_push_n(ch, w, c, 2, issued);
 }
 
-// Fetch-add: the old value of peer[remote_off] lands at local[result_off] (8 bytes, big-endian);
-// waits for it (a quiet up to this command) and returns it through `old` in host order.
-// `local_heap` is the device's address of the local symmetric heap. The addend must fit in a
-// signed 32-bit value (the command carries 32 bits next to a result offset): else BAD_ARGUMENT.
+// Fetch-add of any 64-bit addend (two's complement: -1 decrements): the old value of
+// peer[remote_off] lands at local[result_off] (8 bytes, big-endian); waits for it (a quiet up to
+// this command) and returns it through `old` in host order. `local_heap` is the device's address
+// of the local symmetric heap. ATOMIC_FA + OPERAND, one reservation (see the command format).
 GPUNET_DEVICE bool proxy_atomic_fetch_add(const ProxyChannel& ch, const Waiter& w, uint32_t peer,
-                                          uint64_t remote_off, int64_t addend,
+                                          uint64_t remote_off, uint64_t addend,
                                           uint64_t result_off, const uint8_t* local_heap,
                                           uint64_t* old) {
-  const bool fits = addend >= -(int64_t(1) << 31) && addend < (int64_t(1) << 31);
-  if (!detail::check_args(ch, w, peer, result_off, remote_off, fits)) return false;
+  if (!detail::check_args(ch, w, peer, result_off, remote_off)) return false;
+  const Command c[2] = {encode(OP_ATOMIC_FA, peer, 0, result_off, remote_off),
+                        encode_operand(peer, addend)};
   uint64_t issued = 0;
-  if (!proxy_push(ch, w, encode(OP_ATOMIC_FA, peer, uint64_t(addend) & ARG_MASK, result_off,
-                                remote_off), &issued))
-    return false;
-  if (!proxy_quiet(ch, w, issued)) return false;
+  if (!proxy_push_n(ch, w, c, 2, &issued)) return false;
+  if (!proxy_quiet(ch, w, issued, peer)) return false;
   const uint64_t be =
       arch::load_acquire_sys(reinterpret_cast<const uint64_t*>(local_heap + result_off));
   if (old) *old = arch::bswap64(be);

@@ -1,6 +1,9 @@
 // gpunet/qp.cuh — GPU-initiated operations on one mlx5 RC queue pair: reserve, write, publish,
-// ring, poll, quiet. The device-visible descriptors (QpDesc, CqDesc, Status) are defined here
-// once; device/abi.py mirrors them byte for byte and tests/test_device_qp.py checks the layout.
+// ring, poll, quiet: the mechanism under transport/ibgda.cuh. The device-visible descriptors
+// (QpDesc, CqDesc) are defined here once; device/abi.py mirrors them byte for byte and
+// tests/test_device_qp.py checks the layout. WQEs are mlx5.cuh's segment values (the builders
+// tests/test_mlx5_mirror.py checks byte for byte against gpunet/mlx5.py), written as whole 16-byte
+// stores (arch::store_relaxed_v2); failures use status.cuh's vocabulary.
 //
 // ------------------------------------------------------------------------------------------------
 // The posting protocol (every counter is a 64-bit, monotonically increasing WQEBB count; the ring
@@ -44,34 +47,23 @@
 //   (stale by ~2^16) can only alias to a start s < s_true - 2^16 + sq_wqebbs, whose credit is below
 //   the current done_head: harmless. A ring exactly full (r - done == sq_wqebbs) works: d <= r -
 //   done - 1.
-//   The previous rule bounded s by db_head (s < db_head) and by sq_wqebbs. It ignored a VALID
-//   newest CQE whenever the poller read db_head before the ringer's db_head store was visible (the
-//   NIC completes WQEs before the ringer stores db_head: the window of the owner-bit bug), leaving
-//   every waiter's progress hostage to the visibility of one relaxed store of a thread that may be
-//   descheduled (2-core CI, 256 emulated threads) or, in the weak model, hold it in its store
-//   buffer while blocked at a warp collective; with every poster waiting for space no further CQE
-//   arrives to replace it, so all of them spin on a CQE they refuse, and the time until that store
-//   shows counted against their deadlines. The suspected cause of the hypothesis run's timeout
-//   (SITE_SQ_SPACE on a 64-deep ring, db_batch 2, counters ~70,885, a loaded 2-core box); not
-//   reproduced as a permanent hang, the refusal itself is (test_device_qp.py
-//   test_collapsed_cq_credits_the_newest_cqe_exactly[rung_before_db_head]). ready_head is
-//   visible to the poller whenever the CQE is, so no valid CQE is ever refused.
+//   Why ready_head and not db_head bounds s: the NIC completes a WQE before its ringer stores
+//   db_head, so a bound by db_head refuses a valid newest CQE until that store shows, and with
+//   every poster waiting for space no newer CQE comes to replace it (test_device_qp.py
+//   test_collapsed_cq_credits_the_newest_cqe_exactly[rung_before_db_head]).
 //
 // Memory orders (arch.cuh's atomics are RELAXED, like CUDA's): locks are CAS then fence_sys;
 // credits to done_head follow a fence_sys, so a thread that reads done_head with acquire also
 // sees what the NIC wrote for those WQEs (READ data, atomic results) — the CQE was read with
 // acquire, the NIC publishes op_own / the CQE's last 4 bytes with a release store.
 //
-// Failures: every wait is bounded by Status-aware deadlines (see Waiter). The first failure is
-// recorded in the Status block (CAS code 0 -> code, fill, release-store valid); every other wait
-// sees code != 0 and returns false at once, so the grid drains. Nothing traps or exits early.
+// Failures: every wait is a status.cuh Spin (bounded, first failure wins, the grid drains).
 //
 // Test-only switches (tests/test_device_qp.py builds them to prove its fence test can fail):
 //   GPUNET_TEST_DROP_DOORBELL_FENCE   no fence between the DBR store and the doorbell store
 //   GPUNET_TEST_RELAXED_PUBLISH       ready_head published with a relaxed store, not a release
-//   GPUNET_TEST_DELAY_POINTS          arch::spin_pause() at points where real hardware may stall
-//                                     a thread (legal in the real build; the weak HOST model pops
-//                                     one buffered store there, widening the windows)
+//   GPUNET_TEST_DELAY_POINTS          status.cuh's GPUNET_DELAY_POINT(): a stall where real
+//                                     hardware may stall a thread (widens the weak model's windows)
 //
 // Warp-cooperative posting (post_warp): one reservation per warp (lane 0's atomic_add, shfl of
 // the base), lane i writes WQE i, syncwarp, lane 0 publishes and rings. Correct for warps of 32
@@ -86,6 +78,7 @@
 
 #include "arch.cuh"
 #include "mlx5.cuh"
+#include "status.cuh"
 
 namespace gpunet {
 
@@ -93,48 +86,6 @@ namespace gpunet {
 // Descriptors (device memory). Plain structs, fixed-width fields, explicit padding: the Python
 // mirror is device/abi.py (ctypes), checked by tests/test_device_qp.py::test_abi_layout_matches.
 // ------------------------------------------------------------------------------------------------
-
-// Status codes (Status::code). abi.py: STATUS_*.
-enum : uint32_t {
-  STATUS_OK = 0,
-  STATUS_TIMEOUT = 1,           // a bounded wait ran out
-  STATUS_COMPLETION_ERROR = 2,  // an error CQE (syndrome, vendor syndrome, qpn, wqe_counter)
-  STATUS_BAD_ARGUMENT = 3,      // e.g. a post larger than the ring, pe out of range
-  STATUS_QP_ERROR = 4,          // posting on a QP already in error (its cause is recorded first)
-};
-
-// What waited / failed (Status::site). abi.py: SITE_*.
-enum : uint32_t {
-  SITE_NONE = 0,
-  SITE_SQ_SPACE = 1,     // post: waiting for ring space (done_head)
-  SITE_READY = 2,        // post: waiting for earlier reservations to publish (ready_head)
-  SITE_DOORBELL = 3,     // flush_doorbell: waiting for db_head to reach the ready head
-  SITE_QUIET = 4,        // quiet: waiting for done_head to reach the ready head
-  SITE_CQE = 5,          // CQ poll: an error CQE
-  SITE_WAIT_UNTIL = 6,   // wait_until on a signal word
-  SITE_ATOMIC = 7,       // atomic_fetch_add waiting for its result
-  SITE_POST_ARG = 8,     // argument check of a post
-};
-
-// The first failure of a kernel (or of a DevCtx's lifetime until the host clears it). 128 B.
-struct Status {
-  uint64_t code;             // 0: no failure. First failure wins: CAS 0 -> code.
-  uint64_t valid;            // release-stored 1 after every field below is written
-  uint32_t site;             // SITE_*
-  uint32_t qpn;
-  uint32_t peer;
-  uint32_t syndrome;         // error CQE: mlx5 syndrome (FACTS.md); 0 otherwise
-  uint32_t vendor_syndrome;
-  uint32_t wqe_counter;      // error CQE: its 16-bit wqe_counter
-  uint32_t block;            // linear block index of the recording thread
-  uint32_t thread;           // linear thread index in its block
-  uint64_t wqe_index;        // 64-bit WQEBB counter concerned (base of the post, s of the CQE)
-  uint64_t expected;         // the value waited for
-  uint64_t observed;         // the value seen last
-  uint64_t waited_ns;        // how long it waited
-  uint64_t reserved[6];
-};
-static_assert(sizeof(Status) == 128, "Status layout is mirrored in device/abi.py");
 
 // A CQ as the device polls it. 32 B.
 struct CqDesc {
@@ -175,85 +126,6 @@ static_assert(sizeof(QpDesc) == 192, "QpDesc layout is mirrored in device/abi.py
 static_assert(__builtin_offsetof(QpDesc, resv_head) == 128, "QpDesc state at 128");
 
 // ------------------------------------------------------------------------------------------------
-// Bounded waits
-// ------------------------------------------------------------------------------------------------
-
-// The wait context threaded through every call: where failures go and how long a wait may last.
-struct Waiter {
-  Status* st;
-  uint64_t timeout_ns;
-};
-
-// How often a spin loop reads the status word and the clock (a load of device memory and a
-// clock read are cheap, but not free on the hot path of a short wait).
-constexpr uint32_t kCheckEvery = 8;
-
-#if defined(GPUNET_TEST_DELAY_POINTS)
-#define GPUNET_DELAY_POINT() ::gpunet::arch::spin_pause()
-#else
-#define GPUNET_DELAY_POINT() ((void)0)
-#endif
-
-GPUNET_DEVICE bool failed(const Waiter& w) { return arch::atomic_load(&w.st->code) != 0; }
-
-// Record the first failure; later ones are dropped (first failure wins).
-GPUNET_DEVICE void record_failure(Status* st, uint32_t code, uint32_t site, uint32_t qpn,
-                                  uint32_t peer, uint64_t wqe_index, uint64_t expected,
-                                  uint64_t observed, uint64_t waited_ns, uint32_t syndrome = 0,
-                                  uint32_t vendor_syndrome = 0, uint32_t wqe_counter = 0) {
-  if (arch::atomic_cas(&st->code, uint64_t(0), uint64_t(code)) != 0) return;
-  arch::store_relaxed(&st->site, site);
-  arch::store_relaxed(&st->qpn, qpn);
-  arch::store_relaxed(&st->peer, peer);
-  arch::store_relaxed(&st->syndrome, syndrome);
-  arch::store_relaxed(&st->vendor_syndrome, vendor_syndrome);
-  arch::store_relaxed(&st->wqe_counter, wqe_counter);
-  const arch::Dim3 b = arch::block_idx(), g = arch::grid_dim();
-  arch::store_relaxed(&st->block, b.x + g.x * (b.y + g.y * b.z));
-  arch::store_relaxed(&st->thread, arch::thread_rank());
-  arch::store_relaxed(&st->wqe_index, wqe_index);
-  arch::store_relaxed(&st->expected, expected);
-  arch::store_relaxed(&st->observed, observed);
-  arch::store_relaxed(&st->waited_ns, waited_ns);
-  arch::store_release_sys(&st->valid, uint64_t(1));
-}
-
-// One spin of a bounded wait: false when the wait must give up (a failure is recorded, by us on
-// timeout or by someone else before). `t0` is 0 until the first check.
-// Waits on the QP's monotone counters (db_head, done_head, ready_head) are bounded by the time
-// WITHOUT PROGRESS (`progress`: an observed value larger than the last one restarts the clock):
-// a poster behind hundreds of others on a busy ring is not hung while the ring moves, and a
-// dead ring (no completion for timeout_ns) still fails. The distance to the target is finite
-// and every step restarts a finite clock, so the wait stays bounded. Status::waited_ns is the
-// time since the last progress. wait_until (a user's word, any comparison) keeps a plain bound.
-struct Spin {
-  uint64_t t0 = 0;
-  uint64_t last = 0;
-  uint32_t n = 0;
-  bool progress = true;
-  GPUNET_DEVICE bool keep_going(const Waiter& w, uint32_t site, const QpDesc* qp,
-                                uint64_t wqe_index, uint64_t expected, uint64_t observed) {
-    if ((n++ % kCheckEvery) != 0) {
-      arch::spin_pause();
-      return true;
-    }
-    if (failed(w)) return false;
-    const uint64_t now = arch::now_ns();
-    if (t0 == 0 || (progress && observed > last)) {
-      t0 = now;
-      last = observed;
-    }
-    if (now - t0 > w.timeout_ns) {
-      record_failure(w.st, STATUS_TIMEOUT, site, qp ? qp->qpn : 0, qp ? qp->peer : 0, wqe_index,
-                     expected, observed, now - t0);
-      return false;
-    }
-    arch::spin_pause();
-    return true;
-  }
-};
-
-// ------------------------------------------------------------------------------------------------
 // Small helpers
 // ------------------------------------------------------------------------------------------------
 namespace qpd {
@@ -280,120 +152,91 @@ GPUNET_DEVICE void credit_done(QpDesc* qp, uint64_t v) {
   }
 }
 
-// The doorbell word of a WQE: the first 8 bytes of its ctrl segment, as the little-endian integer
-// those bytes form (one 64-bit store reproduces them): be32(opmod_idx_opcode) | be32(qpn_ds).
-GPUNET_DEVICE uint64_t ctrl_word0(uint64_t pi, uint32_t opcode, uint32_t qpn, uint32_t ds) {
-  const uint32_t a = (uint32_t(pi & 0xffff) << 8) | (opcode & 0xff);
-  const uint32_t b = ((qpn & 0xffffff) << 8) | (ds & 0xff);
-  return uint64_t(arch::bswap32(a)) | (uint64_t(arch::bswap32(b)) << 32);
-}
-// ctrl bytes 8..15: signature 0, dci_stream_channel_id 0, fm_ce_se, imm (stored as given).
-GPUNET_DEVICE uint64_t ctrl_word1(uint32_t fm_ce_se, uint32_t imm_raw) {
-  return (uint64_t(fm_ce_se & 0xff) << 24) | (uint64_t(imm_raw) << 32);
-}
-// A 16-byte segment made of a big-endian 64-bit field then a big-endian 32-bit one (raddr seg),
-// or be32, be32, be64 (data seg): returned as two little-endian words.
-GPUNET_DEVICE void raddr_seg(uint64_t raddr, uint32_t rkey, uint64_t& w0, uint64_t& w1) {
-  w0 = arch::bswap64(raddr);
-  w1 = uint64_t(arch::bswap32(rkey));
-}
-GPUNET_DEVICE void data_seg(uint32_t byte_count, uint32_t lkey, uint64_t addr, uint64_t& w0,
-                            uint64_t& w1) {
-  w0 = uint64_t(arch::bswap32(byte_count)) | (uint64_t(arch::bswap32(lkey)) << 32);
-  w1 = arch::bswap64(addr);
-}
-
-// Store 8-byte word `i` (0..8*nbb) of the WQE starting at counter `base`, wrapping per WQEBB.
-GPUNET_DEVICE void wqe_store(const QpDesc* qp, uint64_t base, uint32_t i, uint64_t v) {
-  const uint64_t mask = qp->sq_wqebbs - 1;
-  const uint64_t bb = (base + i / 8) & mask;
-  arch::store_relaxed(u64p(qp->sq + bb * mlx5::WQEBB + (i % 8) * 8), v);
+// What a wait on this QP names when it times out (status.cuh Spin): the site, the QP, its peer.
+GPUNET_DEVICE auto on_qp(const QpDesc* qp, uint32_t site, uint64_t wqe_index, uint64_t expected) {
+  return [=](Failure& f) {
+    f.site = site;
+    f.qpn = qp->qpn;
+    f.peer = qp->peer;
+    f.wqe_index = wqe_index;
+    f.expected = expected;
+  };
 }
 
 }  // namespace qpd
 
-// A WQE as the posting code builds it: up to kMaxWqeWords 8-byte words (the inline limit).
-// ds, opcode and nbb describe it; words[] are stored with store_relaxed by whoever posts it.
+// A WQE as the posting code builds it: mlx5.cuh segment values, up to kMaxWqeBBs WQEBBs. seg[0]
+// (the ctrl segment) is stamped with the producer index and the QPN by write_wqe, which stores
+// every segment with one 16-byte store.
 constexpr uint32_t kMaxWqeBBs = 4;  // 256 B: ctrl + raddr + inline header + up to 220 B inline
 struct Wqe {
   uint32_t opcode;
   uint32_t ds;
   uint32_t nbb;
   uint32_t fm_ce_se;
-  uint64_t w[kMaxWqeBBs * 8];
+  mlx5::Seg16 seg[kMaxWqeBBs * 4];
 };
 
 // Build helpers: every device WQE is signalled (CQ_UPDATE): completions are counted per WQE.
-GPUNET_DEVICE void wqe_rdma(Wqe& q, uint32_t opcode, uint64_t raddr, uint32_t rkey, uint64_t laddr,
-                            uint32_t lkey, uint32_t nbytes) {
+GPUNET_DEVICE void wqe_take(Wqe& q, const mlx5::Wqebb& b, uint32_t opcode, uint32_t ds) {
   q.opcode = opcode;
-  q.ds = mlx5::DS_RDMA;
+  q.ds = ds;
   q.nbb = 1;
   q.fm_ce_se = mlx5::WQE_CTRL_CQ_UPDATE;
-  q.w[1] = qpd::ctrl_word1(q.fm_ce_se, 0);
-  qpd::raddr_seg(raddr, rkey, q.w[2], q.w[3]);
-  qpd::data_seg(nbytes, lkey, laddr, q.w[4], q.w[5]);
-  q.w[6] = q.w[7] = 0;
+  for (int i = 0; i < 4; ++i) q.seg[i] = b.seg[i];
+}
+GPUNET_DEVICE void wqe_rdma(Wqe& q, uint32_t opcode, uint64_t raddr, uint32_t rkey, uint64_t laddr,
+                            uint32_t lkey, uint32_t nbytes) {
+  wqe_take(q, mlx5::rdma_wqe(0, 0, opcode, mlx5::WQE_CTRL_CQ_UPDATE, raddr, rkey, laddr, lkey,
+                             nbytes, 0),
+           opcode, mlx5::DS_RDMA);
 }
 GPUNET_DEVICE void wqe_atomic_fa(Wqe& q, uint64_t raddr, uint32_t rkey, uint64_t result_addr,
                                  uint32_t lkey, uint64_t add) {
-  q.opcode = mlx5::OPCODE_ATOMIC_FA;
-  q.ds = mlx5::DS_ATOMIC;
-  q.nbb = 1;
-  q.fm_ce_se = mlx5::WQE_CTRL_CQ_UPDATE;
-  q.w[1] = qpd::ctrl_word1(q.fm_ce_se, 0);
-  qpd::raddr_seg(raddr, rkey, q.w[2], q.w[3]);
-  q.w[4] = arch::bswap64(add);  // atomic seg: swap_add be64, compare be64
-  q.w[5] = 0;
-  qpd::data_seg(8, lkey, result_addr, q.w[6], q.w[7]);
+  wqe_take(q, mlx5::atomic_wqe(0, 0, mlx5::OPCODE_ATOMIC_FA, mlx5::WQE_CTRL_CQ_UPDATE, raddr, rkey,
+                               result_addr, lkey, add, 0),
+           mlx5::OPCODE_ATOMIC_FA, mlx5::DS_ATOMIC);
 }
 GPUNET_DEVICE void wqe_nop(Wqe& q) {
-  q.opcode = mlx5::OPCODE_NOP;
-  q.ds = mlx5::DS_NOP;
-  q.nbb = 1;
-  q.fm_ce_se = mlx5::WQE_CTRL_CQ_UPDATE;
-  q.w[1] = qpd::ctrl_word1(q.fm_ce_se, 0);
-  for (int i = 2; i < 8; ++i) q.w[i] = 0;
+  wqe_take(q, mlx5::nop_wqe(0, 0, mlx5::WQE_CTRL_CQ_UPDATE), mlx5::OPCODE_NOP, mlx5::DS_NOP);
 }
 // RDMA WRITE with the payload carried inline (read by this thread now: the source may be reused
 // as soon as the post returns). nbytes <= kMaxInline; the NIC also checks its max_inline.
-constexpr uint32_t kMaxInline = kMaxWqeBBs * mlx5::WQEBB - 32 - 4;
+constexpr uint32_t kMaxInline =
+    kMaxWqeBBs * mlx5::WQEBB - mlx5::CTRL_SEG_SIZE - mlx5::RADDR_SEG_SIZE - mlx5::INLINE_HDR_SIZE;
 GPUNET_DEVICE void wqe_write_inline(Wqe& q, uint64_t raddr, uint32_t rkey, const uint8_t* src,
                                     uint32_t nbytes) {
   q.opcode = mlx5::OPCODE_RDMA_WRITE;
-  q.ds = 2 + (4 + nbytes + 15) / 16;
-  q.nbb = (q.ds * 16 + 63) / 64;
+  q.ds = mlx5::inline_ds(nbytes);
   q.fm_ce_se = mlx5::WQE_CTRL_CQ_UPDATE;
-  q.w[1] = qpd::ctrl_word1(q.fm_ce_se, 0);
-  qpd::raddr_seg(raddr, rkey, q.w[2], q.w[3]);
-  uint8_t* bytes = reinterpret_cast<uint8_t*>(&q.w[4]);
-  const uint32_t hdr = arch::bswap32(nbytes | mlx5::INLINE_SEG);
-  for (int i = 0; i < 4; ++i) bytes[i] = uint8_t(hdr >> (8 * i));
-  const uint32_t total = q.nbb * 64 - 32;
-  for (uint32_t i = 0; i < total - 4; ++i) bytes[4 + i] = i < nbytes ? src[i] : 0;
+  q.nbb = mlx5::write_inline_wqe(q.seg, 0, 0, q.opcode, q.fm_ce_se, raddr, rkey, src, nbytes, 0);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Polling
 // ------------------------------------------------------------------------------------------------
 
-// Handle one CQE's last word (wqe_counter be16 @60, signature @62, op_own @63) and, for an error
-// CQE, its syndromes. Returns the WQE start counter it names (or UINT64_MAX if stale / bogus).
-GPUNET_DEVICE uint64_t cqe_start(const QpDesc* qp, uint64_t done, uint32_t last_word) {
-  const uint32_t w = ((last_word & 0xff) << 8) | ((last_word >> 8) & 0xff);
-  const uint64_t d = (uint64_t(w) - done) & 0xffff;  // s - done modulo 2^16
+// The WQE start counter an owner-bit CQE names (its 16-bit wqe_counter, in the window above
+// `done`), or UINT64_MAX if stale / bogus.
+GPUNET_DEVICE uint64_t cqe_start(const QpDesc* qp, uint64_t done, uint32_t tail) {
+  const uint64_t d = (uint64_t(mlx5::cqe_tail_wqe_counter(tail)) - done) & 0xffff;  // s - done
   if (d >= qp->sq_wqebbs) return UINT64_MAX;          // credited already (or never posted)
   return done + d;
 }
 
+// An error CQE at `cqe_addr` naming WQE start `s`: the QP is in error; record its syndromes.
 GPUNET_DEVICE void cqe_error(QpDesc* qp, const Waiter& w, uint64_t cqe_addr, uint64_t s,
-                             uint32_t last_word) {
-  const uint32_t w52 = arch::load_relaxed(qpd::u32p(cqe_addr + 52));  // vendor @54, synd @55
-  const uint32_t w56 = arch::bswap32(arch::load_relaxed(qpd::u32p(cqe_addr + 56)));
-  const uint32_t counter = ((last_word & 0xff) << 8) | ((last_word >> 8) & 0xff);
+                             uint32_t tail) {
+  const uint8_t* cqe = reinterpret_cast<const uint8_t*>(uintptr_t(cqe_addr));
   arch::atomic_store(&qp->errored, uint64_t(1));
-  record_failure(w.st, STATUS_COMPLETION_ERROR, SITE_CQE, w56 & 0xffffff, qp->peer, s, 0, 0, 0,
-                 (w52 >> 24) & 0xff, (w52 >> 16) & 0xff, counter);
+  Failure f(STATUS_COMPLETION_ERROR, SITE_CQE);
+  f.qpn = arch::bswap32(arch::load_relaxed(qpd::u32p(cqe_addr + mlx5::CQE_SOP_DROP_QPN))) & 0xffffff;
+  f.peer = qp->peer;
+  f.wqe_index = s;
+  f.syndrome = arch::load_relaxed(cqe + mlx5::CQE_SYNDROME);
+  f.vendor_syndrome = arch::load_relaxed(cqe + mlx5::CQE_VENDOR_ERR_SYND);
+  f.wqe_counter = mlx5::cqe_tail_wqe_counter(tail);
+  record_failure(w.st, f);
 }
 
 // Poll the QP's CQ once: credit done_head with whatever completed. Never waits.
@@ -409,49 +252,46 @@ GPUNET_DEVICE void poll_cq(QpDesc* qp, const Waiter& w) {
     // before the CQE (a stale done can only under-credit), ready_head after it (never older than
     // the WQE the CQE names).
     const uint64_t done = arch::load_acquire_sys(&qp->done_head);
-    const uint32_t last = arch::load_acquire_sys(qpd::u32p(cq.buf + 60));
-    const uint32_t op = (last >> 24) >> 4;
+    const uint32_t tail = arch::load_acquire_sys(qpd::u32p(cq.buf + mlx5::CQE_WQE_COUNTER));
+    const uint32_t op = mlx5::cqe_tail_op_own(tail) >> 4;
     const uint64_t ready = arch::load_acquire_sys(&qp->ready_head);
-    const uint32_t wc = ((last & 0xff) << 8) | ((last >> 8) & 0xff);
-    const uint64_t d = (uint64_t(wc) - done) & 0xffff;  // s - done modulo 2^16
+    const uint64_t d = (uint64_t(mlx5::cqe_tail_wqe_counter(tail)) - done) & 0xffff;  // s - done
     // Skip an INVALID slot, and a CQE credited already (or with nothing posted).
     if (op != mlx5::CQE_INVALID && ready > done && d < ready - done) {
       const uint64_t s = done + d;
-      if (op == mlx5::CQE_REQ_ERR || op == mlx5::CQE_RESP_ERR) cqe_error(qp, w, cq.buf, s, last);
+      if (op == mlx5::CQE_REQ_ERR || op == mlx5::CQE_RESP_ERR) cqe_error(qp, w, cq.buf, s, tail);
       qpd::credit_done(qp, s + arch::load_relaxed(&slot_nbb[s & mask]));
     }
     qpd::unlock(&qp->poll_lock);
     return;
   }
-  QpDesc* q = qp;
-  if (!qpd::try_lock(&q->poll_lock)) return;
-  uint64_t ci = arch::load_relaxed(&q->cq.ci);
-  uint64_t done = arch::load_acquire_sys(&q->done_head);
+  if (!qpd::try_lock(&qp->poll_lock)) return;
+  uint64_t ci = arch::load_relaxed(&qp->cq.ci);
+  uint64_t done = arch::load_acquire_sys(&qp->done_head);
   uint64_t new_done = done;
   bool consumed = false;
   for (uint32_t k = 0; k < cq.cqe_cnt; ++k) {
     const uint64_t addr = cq.buf + (ci & (cq.cqe_cnt - 1)) * mlx5::CQE_SIZE;
-    const uint32_t last = arch::load_acquire_sys(qpd::u32p(addr + 60));
-    const uint32_t op_own = last >> 24;
-    const uint32_t op = op_own >> 4;
-    if (op == mlx5::CQE_INVALID || (op_own & 1) != ((ci & cq.cqe_cnt) ? 1u : 0u)) break;
+    const uint32_t tail = arch::load_acquire_sys(qpd::u32p(addr + mlx5::CQE_WQE_COUNTER));
+    if (!mlx5::op_own_is_valid(mlx5::cqe_tail_op_own(tail), ci, cq.cqe_cnt)) break;
+    const uint32_t op = mlx5::cqe_tail_op_own(tail) >> 4;
     // Every valid CQE is consumed exactly once, in order: no staleness check is needed (nor
     // allowed: the NIC may complete a WQE before its ringer has advanced db_head).
-    const uint64_t s = cqe_start(qp, new_done, last);
+    const uint64_t s = cqe_start(qp, new_done, tail);
     if (s != UINT64_MAX) {
-      if (op == mlx5::CQE_REQ_ERR || op == mlx5::CQE_RESP_ERR) cqe_error(q, w, addr, s, last);
+      if (op == mlx5::CQE_REQ_ERR || op == mlx5::CQE_RESP_ERR) cqe_error(qp, w, addr, s, tail);
       new_done = s + arch::load_relaxed(&slot_nbb[s & mask]);
     }
     ++ci;
     consumed = true;
   }
   if (consumed) {
-    arch::store_relaxed(&q->cq.ci, ci);
+    arch::store_relaxed(&qp->cq.ci, ci);
     // CQ DBR: consumed up to ci. Release: our reads of those CQEs come first.
-    arch::store_release_sys(qpd::u32p(cq.dbrec), arch::bswap32(uint32_t(ci & 0xffffff)));
-    if (new_done > done) qpd::credit_done(q, new_done);
+    arch::store_release_sys(qpd::u32p(cq.dbrec + 4 * mlx5::DBREC_RCV), mlx5::cq_dbrec_value(ci));
+    if (new_done > done) qpd::credit_done(qp, new_done);
   }
-  qpd::unlock(&q->poll_lock);
+  qpd::unlock(&qp->poll_lock);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -471,8 +311,7 @@ GPUNET_DEVICE bool flush_doorbell(QpDesc* qp, const Waiter& w) {
       if (r > dbh) {
         const uint64_t word = arch::load_relaxed(&qpd::u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)]);
         arch::fence_sys();  // the WQEs (published to us through ready_head) before the DBR
-        arch::store_relaxed(qpd::u32p(qp->dbrec + 4 * mlx5::DBREC_SND),
-                            arch::bswap32(uint32_t(r & 0xffff)));
+        arch::store_relaxed(qpd::u32p(qp->dbrec + 4 * mlx5::DBREC_SND), mlx5::sq_dbrec_value(r));
 #if !defined(GPUNET_TEST_DROP_DOORBELL_FENCE)
         arch::fence_sys();  // the DBR before the doorbell: the NIC reads the DBR when it sees it
 #endif
@@ -484,7 +323,7 @@ GPUNET_DEVICE bool flush_doorbell(QpDesc* qp, const Waiter& w) {
       seen = arch::load_acquire_sys(&qp->db_head);
       if (seen >= target) break;
     }
-    if (!spin.keep_going(w, SITE_DOORBELL, qp, target, target, seen)) return false;
+    if (!spin.keep_going(w, seen, qpd::on_qp(qp, SITE_DOORBELL, target, target))) return false;
     seen = arch::load_acquire_sys(&qp->db_head);
   }
   return true;
@@ -508,7 +347,7 @@ GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& ba
     poll_cq(qp, w);
     done = arch::load_acquire_sys(&qp->done_head);
     if (done >= need) break;
-    if (!spin.keep_going(w, SITE_SQ_SPACE, qp, base, need, done)) return false;
+    if (!spin.keep_going(w, done, qpd::on_qp(qp, SITE_SQ_SPACE, base, need))) return false;
   }
   return true;
 }
@@ -520,7 +359,7 @@ GPUNET_DEVICE bool publish(QpDesc* qp, const Waiter& w, uint64_t base, uint32_t 
   Spin spin;
   uint64_t ready = arch::load_acquire_sys(&qp->ready_head);
   while (ready != base) {
-    if (!spin.keep_going(w, SITE_READY, qp, base, base, ready)) return false;
+    if (!spin.keep_going(w, ready, qpd::on_qp(qp, SITE_READY, base, base))) return false;
     ready = arch::load_acquire_sys(&qp->ready_head);
   }
   const uint64_t mask = qp->sq_wqebbs - 1;
@@ -542,13 +381,32 @@ GPUNET_DEVICE bool publish(QpDesc* qp, const Waiter& w, uint64_t base, uint32_t 
   return true;
 }
 
-// Write a built WQE at counter `base` (this thread's stores) and record its size.
-GPUNET_DEVICE uint64_t write_wqe(const QpDesc* qp, uint64_t base, Wqe& q) {
-  q.w[0] = qpd::ctrl_word0(base, q.opcode, qp->qpn, q.ds);
-  for (uint32_t i = 0; i < q.nbb * 8; ++i) qpd::wqe_store(qp, base, i, q.w[i]);
-  arch::store_relaxed(&qpd::u32p(qp->slot_nbb)[base & (qp->sq_wqebbs - 1)], q.nbb);
+// The ctrl segment of WQE `q` at producer index `pi` on this QP (mlx5.cuh's ctrl_seg).
+GPUNET_DEVICE mlx5::Seg16 ctrl_of(const QpDesc* qp, uint64_t pi, const Wqe& q) {
+  return mlx5::ctrl_seg(uint32_t(pi), q.opcode, 0, qp->qpn, q.fm_ce_se, q.ds, 0, 0);
+}
+
+// Write a built WQE at counter `base` with its ctrl segment `ctrl` (ctrl_of: this thread's stores,
+// one 16-byte store per segment, wrapping per WQEBB) and record its size. Returns its doorbell word.
+GPUNET_DEVICE uint64_t write_wqe(const QpDesc* qp, uint64_t base, const Wqe& q,
+                                 const mlx5::Seg16& ctrl) {
+  const uint64_t mask = qp->sq_wqebbs - 1;
+  uint64_t* bb = qpd::u64p(qp->sq + (base & mask) * mlx5::WQEBB);
+  arch::store_relaxed_v2(bb, ctrl.w[0], ctrl.w[1]);
+  if (q.nbb == 1) {  // the common case (RDMA, atomic, short inline): one WQEBB, no wrap
+    for (uint32_t i = 1; i < 4; ++i) arch::store_relaxed_v2(bb + 2 * i, q.seg[i].w[0], q.seg[i].w[1]);
+  } else {
+    for (uint32_t i = 1; i < q.nbb * 4; ++i) {
+      uint64_t* p = qpd::u64p(qp->sq + ((base + i / 4) & mask) * mlx5::WQEBB + (i % 4) * mlx5::DS_UNIT);
+      arch::store_relaxed_v2(p, q.seg[i].w[0], q.seg[i].w[1]);
+    }
+  }
+  arch::store_relaxed(&qpd::u32p(qp->slot_nbb)[base & mask], q.nbb);
   GPUNET_DELAY_POINT();
-  return q.w[0];
+  return mlx5::doorbell_word(ctrl);
+}
+GPUNET_DEVICE uint64_t write_wqe(const QpDesc* qp, uint64_t base, const Wqe& q) {
+  return write_wqe(qp, base, q, ctrl_of(qp, base, q));
 }
 
 // Post `count` (1 or 2) WQEs as one reservation, in order (put_signal: WRITE then ATOMIC).
@@ -557,13 +415,16 @@ GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
                         uint64_t* end = nullptr) {
   if (failed(w)) return false;
   if (arch::atomic_load(&qp->errored)) {
-    record_failure(w.st, STATUS_QP_ERROR, SITE_POST_ARG, qp->qpn, qp->peer, 0, 0, 0, 0);
+    Failure f(STATUS_QP_ERROR, SITE_POST_ARG);
+    f.qpn = qp->qpn;
+    f.peer = qp->peer;
+    record_failure(w.st, f);
     return false;
   }
   uint32_t n = 0;
   for (uint32_t i = 0; i < count; ++i) n += wqes[i].nbb;
   if (n > qp->sq_wqebbs) {
-    record_failure(w.st, STATUS_BAD_ARGUMENT, SITE_POST_ARG, qp->qpn, qp->peer, 0, qp->sq_wqebbs, n, 0);
+    record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, n);
     return false;
   }
   uint64_t base;
@@ -602,10 +463,11 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
   ok = arch::shfl(uint32_t(ok && lane0_ok), 0) != 0;
   // The last posting lane's doorbell word goes to lane 0 BEFORE the WQE stores: after them the
   // only collective is the syncwarp whose ordering the publish relies on (and tests check).
-  uint64_t word = mine ? qpd::ctrl_word0(base + off, q.opcode, qp->qpn, q.ds) : 0;
+  const mlx5::Seg16 ctrl = ctrl_of(qp, base + off, q);
+  uint64_t word = mine ? mlx5::doorbell_word(ctrl) : 0;
   const uint32_t last_lane = nposts ? (nposts < ws ? nposts : ws) - 1 : 0;
   word = arch::shfl(word, last_lane);
-  if (ok && mine) write_wqe(qp, base + off, q);
+  if (ok && mine) write_wqe(qp, base + off, q, ctrl);
   arch::syncwarp();  // lanes' WQE stores happen-before lane 0's release below (cumulative)
   uint32_t res = 1;
   if (lane == 0 && total > 0) res = ok && publish(qp, w, base, total, word);
@@ -631,8 +493,7 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
   ok = arch::all(ok);
   if (!ok) {
     if (lane == 0 && !failed(w) && !arch::atomic_load(&qp->errored))
-      record_failure(w.st, STATUS_BAD_ARGUMENT, SITE_POST_ARG, qp->qpn, qp->peer, 0, qp->sq_wqebbs,
-                     total, 0);
+      record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
     return false;
   }
   uint64_t base = 0;
@@ -640,11 +501,11 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
   if (lane == 0) lane0_ok = reserve(qp, w, uint32_t(total), base);
   base = arch::shfl(base, 0);
   ok = arch::shfl(uint32_t(lane0_ok), 0) != 0;
-  uint64_t word = qpd::ctrl_word0(base + total - ws + lane, last.opcode, qp->qpn, last.ds);
-  word = arch::shfl(word, ws - 1);
+  const mlx5::Seg16 last_ctrl = ctrl_of(qp, base + total - ws + lane, last);
+  const uint64_t word = arch::shfl(mlx5::doorbell_word(last_ctrl), ws - 1);
   for (uint32_t j = 0; ok && j < k; ++j) {
     if (j + 1 == k) {
-      write_wqe(qp, base + uint64_t(j) * ws + lane, last);
+      write_wqe(qp, base + uint64_t(j) * ws + lane, last, last_ctrl);
     } else {
       Wqe q;
       make(j, q);
@@ -672,7 +533,7 @@ GPUNET_DEVICE bool wait_done(QpDesc* qp, const Waiter& w, uint64_t end, uint32_t
     done = arch::load_acquire_sys(&qp->done_head);
     if (done >= end) break;
     if (arch::atomic_load(&qp->errored)) return false;
-    if (!spin.keep_going(w, site, qp, end, end, done)) return false;
+    if (!spin.keep_going(w, done, qpd::on_qp(qp, site, end, end))) return false;
     // Someone may have published after us and not rung yet (their duty, but cheap to help).
     if (!flush_doorbell(qp, w)) return false;
   }
