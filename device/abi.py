@@ -52,6 +52,8 @@ SITE_PROXY_FIFO = 16
 SITE_PROXY_QUIET = 17
 SITE_PROXY_ARG = 18
 SITE_PROXY_CMD = 19
+SITE_P2P_RANGE = 32
+SITE_P2P_STORE_ONLY = 33
 SITE_NAMES = {
     SITE_NONE: "nothing",
     SITE_SQ_SPACE: "a post waiting for send-queue space (completions)",
@@ -68,6 +70,8 @@ SITE_NAMES = {
     SITE_PROXY_QUIET: "quiet waiting for the proxy's completed counter",
     SITE_PROXY_ARG: "the argument checks of a proxy command",
     SITE_PROXY_CMD: "a command the proxy rejected",
+    SITE_P2P_RANGE: "the bounds check of a p2p access",
+    SITE_P2P_STORE_ONLY: "the store-only rule of a p2p peer",
 }
 PEER_NONE = 0xFFFFFFFF          # Status.peer: the failure concerns no peer
 CHANNEL_NONE = 0xFFFFFFFF       # Status.channel: no proxy channel
@@ -82,9 +86,12 @@ CMP_SYMBOLS = {CMP_EQ: "==", CMP_NE: "!=", CMP_GE: ">=", CMP_GT: ">", CMP_LE: "<
 TRANSPORT_NONE = 0
 TRANSPORT_IBGDA = 1
 TRANSPORT_PROXY = 2
-TRANSPORT_P2P = 3               # reserved: no device code implements it yet
+TRANSPORT_P2P = 3
 TRANSPORT_NAMES = {TRANSPORT_NONE: "none", TRANSPORT_IBGDA: "ibgda", TRANSPORT_PROXY: "proxy",
                    TRANSPORT_P2P: "p2p"}
+P2P_STORE_ONLY = 1              # PeerDesc.rkey of a p2p peer: stores only (the c500 profile)
+SIGNAL_ADD, SIGNAL_SET = 0, 1   # put_signal's signal operation (OpDesc.cmp of OP_PUT_SIGNAL)
+P2P_REFUSED = {1: "a get (remote loads)", 2: "an atomic", 3: "an ADD signal (a remote atomic)"}
 
 # --- qp.cuh -------------------------------------------------------------------------------------
 MAX_INLINE = 4 * mlx5.WQEBB - 32 - 4        # gpunet::kMaxInline (qp.cuh: kMaxWqeBBs = 4)
@@ -282,6 +289,16 @@ def failure_error(f, what="device kernel"):
         elif f.site == SITE_PEER_KIND:
             detail = "pe %d has no transport (PeerDesc.kind %d: none, or a kind this build " \
                      "does not know)" % (f.peer, f.observed)
+        elif f.site == SITE_P2P_STORE_ONLY:
+            detail = ("pe %d is reached by p2p under the c500 profile, which allows stores only "
+                      "(sustained remote loads over MetaXLink left C500s unusable, FACTS.md), so "
+                      "%s to it is refused: use SET signals (put_signal(..., op='set'), one writer "
+                      "per word) or reach this peer through a NIC transport (transport={%d: "
+                      "'ibgda'})" % (f.peer, P2P_REFUSED.get(f.observed, "op %d" % f.observed),
+                                     f.peer))
+        elif f.site == SITE_P2P_RANGE:
+            detail = ("a p2p access to pe %d at heap offset %d runs outside its %d-byte heap"
+                      % (f.peer, f.observed, f.expected))
         elif f.site == SITE_PROXY_CMD:
             detail = "the proxy rejected command #%d on %s (op %d unknown or out of place, or a " \
                      "peer it does not serve)" % (f.seq, where, f.observed)

@@ -24,7 +24,7 @@ struct OpDesc {       // 64 B
   uint64_t nbytes;
   uint64_t sig;       // put_signal: symmetric signal word
   uint64_t value;     // put_signal / atomic: addend; wait_until: value
-  uint32_t cmp;       // wait_until: CMP_*
+  uint32_t cmp;       // wait_until: CMP_*; put_signal: SIGNAL_* (0: ADD)
   uint32_t ok;        // out: 1 if the op returned true
   uint64_t result;    // out: atomic_fetch_add's old value
 };
@@ -49,7 +49,7 @@ GPUNET_DEVICE bool run_op(const DevCtx& ctx, OpDesc& op) {
     case OP_PUT_SIGNAL:
       return gpunet::put_signal_nbi(ctx, reinterpret_cast<void*>(op.dst),
                                     reinterpret_cast<const void*>(op.src), op.nbytes,
-                                    reinterpret_cast<uint64_t*>(op.sig), op.value, op.pe);
+                                    reinterpret_cast<uint64_t*>(op.sig), op.value, op.pe, op.cmp);
     case OP_ATOMIC_ADD: {
       bool ok = false;
       op.result = gpunet::atomic_fetch_add(ctx, reinterpret_cast<uint64_t*>(op.dst), op.value, op.pe, &ok);

@@ -17,14 +17,26 @@ enum : uint32_t {
   TRANSPORT_NONE = 0,   // unreachable: every verb to it records a bad argument (SITE_PEER_KIND)
   TRANSPORT_IBGDA = 1,  // GPU-initiated posting on an RC QP (transport/ibgda.cuh; PeerDesc::qp)
   TRANSPORT_PROXY = 2,  // a CPU proxy posts for us (transport/proxy.cuh; PeerDesc::proxy)
-  TRANSPORT_P2P = 3,    // reserved: load/store over a peer mapping (not implemented yet)
+  TRANSPORT_P2P = 3,    // stores into the PE's heap mapped here (transport/p2p.cuh; remote_base)
+};
+
+// PeerDesc::rkey of a TRANSPORT_P2P peer: flags (a mapping needs no key). abi.py: P2P_*.
+enum : uint32_t {
+  P2P_STORE_ONLY = 1u,  // stores only: no remote loads, no remote atomics (the c500 profile)
+};
+
+// put_signal's signal operation (gpunet.cuh put_signal_nbi). abi.py: SIGNAL_*.
+enum : uint32_t {
+  SIGNAL_ADD = 0,  // atomic add of the value (any number of signallers)
+  SIGNAL_SET = 1,  // store of the value (one writer per word: the store-only form)
 };
 
 // How one PE is reached. 32 B. abi.py: PeerDesc.
 struct PeerDesc {
   uint64_t qp;           // ibgda: QpDesc* (device memory) of the QP connected to this PE
-  uint64_t remote_base;  // the PE's symmetric heap base, as its NIC resolves addresses
-  uint32_t rkey;         // the PE's heap rkey
+  uint64_t remote_base;  // the PE's symmetric heap base, as its NIC resolves addresses (p2p: as
+                         // mapped in this process)
+  uint32_t rkey;         // the PE's heap rkey (p2p: P2P_* flags)
   uint32_t kind;         // TRANSPORT_*
   uint64_t proxy;        // proxy: proxy::ProxyChannel* (device memory) serving this PE
 };
@@ -71,8 +83,8 @@ GPUNET_DEVICE const PeerDesc* peer(const DevCtx& ctx, const Waiter& w, int pe, b
     return nullptr;
   }
   const PeerDesc* p = peers(ctx) + pe;
-  if (p->kind != TRANSPORT_IBGDA && p->kind != TRANSPORT_PROXY) {
-    if (record) record_bad_argument(w, SITE_PEER_KIND, 0, uint32_t(pe), TRANSPORT_PROXY, p->kind);
+  if (p->kind != TRANSPORT_IBGDA && p->kind != TRANSPORT_PROXY && p->kind != TRANSPORT_P2P) {
+    if (record) record_bad_argument(w, SITE_PEER_KIND, 0, uint32_t(pe), TRANSPORT_P2P, p->kind);
     return nullptr;
   }
   return p;

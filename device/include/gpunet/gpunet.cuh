@@ -35,7 +35,8 @@
 // Transports: each PE has one explicit kind (PeerDesc::kind, devctx.cuh). Every verb that names a
 // PE checks it (api::peer) and then dispatches ONCE (dispatch() below, one switch) to the
 // transport's function of the same name: transport/ibgda.cuh (GPU-initiated posting) or
-// transport/proxy.cuh (a CPU proxy posts). Code above this header — ops kernels, EP kernels, user
+// transport/proxy.cuh (a CPU proxy posts) or transport/p2p.cuh (stores into the PE's heap mapped
+// here; on the c500 profile stores only: get, atomics and ADD signals to such a PE fail). Code above this header — ops kernels, EP kernels, user
 // kernels — includes gpunet.cuh only (tests/test_include_rule.py), so the transports can change
 // beneath it.
 #pragma once
@@ -46,6 +47,7 @@
 #include "devctx.cuh"
 #include "status.cuh"
 #include "transport/ibgda.cuh"
+#include "transport/p2p.cuh"
 #include "transport/proxy.cuh"
 
 namespace gpunet {
@@ -58,6 +60,7 @@ GPUNET_DEVICE auto dispatch(uint32_t kind, Op op) -> decltype(op(transport::Ibgd
   switch (kind) {
     case TRANSPORT_IBGDA: return op(transport::Ibgda{});
     case TRANSPORT_PROXY: return op(transport::Proxy{});
+    case TRANSPORT_P2P: return op(transport::P2p{});
     default: return decltype(op(transport::Ibgda{}))();
   }
 }
@@ -66,6 +69,7 @@ template <class Op>
 GPUNET_DEVICE bool all_transports(Op op) {
   bool ok = op(transport::Ibgda{});
   ok = op(transport::Proxy{}) && ok;
+  ok = op(transport::P2p{}) && ok;
   return ok;
 }
 
@@ -98,16 +102,19 @@ GPUNET_DEVICE bool get_nbi(const DevCtx& ctx, void* dst, const void* src_sym, ui
   return p && dispatch(p->kind, [&](auto t) { return t.get_nbi(ctx, w, *p, pe, dst, src_sym, nbytes); });
 }
 
-// put then signal: RDMA WRITE of the payload, then ATOMIC fetch-add of `add` on the 8-byte signal
-// word sig_sym on `pe`, posted as one reservation on the pe's QP (or channel). A receiver that
-// sees the signal reach k (wait_until) sees every payload put to it before the k-th signal
-// (in-order RC execution; the payload's WRITE completes before the atomic executes). Non-blocking.
+// put then signal: the payload, then the signal on the 8-byte word sig_sym on `pe`: SIGNAL_ADD
+// adds `value` (ATOMIC fetch-add; p2p: a device CAS), SIGNAL_SET stores it (an 8-byte RDMA WRITE;
+// p2p: a release store; one writer per word, the store-only form c500 p2p peers allow). The NIC
+// transports post both as one reservation on the pe's QP (or channel). A receiver that sees the
+// signal reach k (wait_until) sees every payload put to it before that signal (in-order RC
+// execution; p2p: a system fence between payload and signal). Non-blocking.
 GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, void* dst_sym, const void* src, uint64_t nbytes,
-                                  uint64_t* sig_sym, uint64_t add, int pe) {
+                                  uint64_t* sig_sym, uint64_t value, int pe,
+                                  uint32_t sig_op = SIGNAL_ADD) {
   const Waiter w = api::waiter(ctx);
   const PeerDesc* p = api::peer(ctx, w, pe);
   return p && dispatch(p->kind, [&](auto t) {
-           return t.put_signal_nbi(ctx, w, *p, pe, dst_sym, src, nbytes, sig_sym, add);
+           return t.put_signal_nbi(ctx, w, *p, pe, dst_sym, src, nbytes, sig_sym, value, sig_op);
          });
 }
 

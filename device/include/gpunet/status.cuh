@@ -52,6 +52,9 @@ enum : uint32_t {
   SITE_PROXY_QUIET = 17,  // quiet: waiting for the proxy's completed counter
   SITE_PROXY_ARG = 18,    // argument check of a push (peer, offset, size out of range)
   SITE_PROXY_CMD = 19,    // the proxy rejected a command (HostCtrl.error code ERR_BAD_COMMAND)
+  // p2p (transport/p2p.cuh)
+  SITE_P2P_RANGE = 32,       // an access outside the peer's mapped heap (observed = heap offset)
+  SITE_P2P_STORE_ONLY = 33,  // a get / atomic / ADD to a store-only peer (observed: 1, 2, 3)
 };
 
 // "Does not apply" values of Status fields.

@@ -71,11 +71,12 @@ struct Ibgda {
                 uint64_t(uintptr_t(dst)), nbytes);
   }
 
-  // Payload beyond one WQE goes first; the last chunk and the signal's ATOMIC fetch-add are one
-  // reservation on the QP, so they execute in that order (RC in-order execution).
+  // Payload beyond one WQE goes first; the last chunk and the signal (ADD: ATOMIC fetch-add; SET:
+  // an inline 8-byte WRITE of the big-endian value) are one reservation on the QP, so they
+  // execute in that order (RC in-order execution).
   static GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
                                            int pe, void* dst_sym, const void* src, uint64_t nbytes,
-                                           uint64_t* sig_sym, uint64_t add) {
+                                           uint64_t* sig_sym, uint64_t add, uint32_t sig_op) {
     const uint64_t step = api::max_wqe(ctx);
     const uint64_t head = nbytes > step ? ((nbytes - 1) / step) * step : 0;
     if (head && !put_nbi(ctx, w, p, pe, dst_sym, src, head)) return false;
@@ -85,7 +86,13 @@ struct Ibgda {
       wqe_rdma(q[k++], mlx5::OPCODE_RDMA_WRITE, api::remote(ctx, p, dst_sym) + head, p.rkey,
                uint64_t(uintptr_t(src)) + head, ctx.lkey, uint32_t(nbytes - head));
     }
-    wqe_atomic_fa(q[k++], api::remote(ctx, p, sig_sym), p.rkey, ctx.discard, ctx.lkey, add);
+    if (sig_op == SIGNAL_SET) {
+      const uint64_t be = arch::bswap64(add);
+      wqe_write_inline(q[k++], api::remote(ctx, p, sig_sym), p.rkey,
+                       reinterpret_cast<const uint8_t*>(&be), 8);
+    } else {
+      wqe_atomic_fa(q[k++], api::remote(ctx, p, sig_sym), p.rkey, ctx.discard, ctx.lkey, add);
+    }
     return post(qp_of(p), w, q, k);
   }
 

@@ -51,18 +51,19 @@ struct Proxy {
   // Payload beyond one command first; the last chunk and the signal are one reservation.
   static GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
                                            int pe, void* dst_sym, const void* src, uint64_t nbytes,
-                                           uint64_t* sig_sym, uint64_t add) {
+                                           uint64_t* sig_sym, uint64_t add, uint32_t sig_op) {
     const proxy::ProxyChannel& ch = channel(p);
+    const bool is_add = sig_op != SIGNAL_SET;
     const uint64_t cmax = proxy::MAX_CMD_SIZE;
     const uint64_t head = nbytes > cmax ? ((nbytes - 1) / cmax) * cmax : 0;
     if (head && !proxy::proxy_put(ch, w, uint32_t(pe), api::heap_off(ctx, src),
                                   api::heap_off(ctx, dst_sym), head))
       return false;
     if (nbytes == head)
-      return proxy::proxy_signal(ch, w, uint32_t(pe), api::heap_off(ctx, sig_sym), add, true);
+      return proxy::proxy_signal(ch, w, uint32_t(pe), api::heap_off(ctx, sig_sym), add, is_add);
     return proxy::proxy_put_signal(ch, w, uint32_t(pe), api::heap_off(ctx, src) + head,
                                    api::heap_off(ctx, dst_sym) + head, nbytes - head,
-                                   api::heap_off(ctx, sig_sym), add, true);
+                                   api::heap_off(ctx, sig_sym), add, is_add);
   }
 
   static GPUNET_DEVICE bool atomic_fetch_add(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,

@@ -1,0 +1,226 @@
+// gpunet/transport/p2p.cuh — the verbs over a peer mapping (P2P): this rank mapped the PE's
+// symmetric heap into its own address space (CUDA IPC on a GPU; on the CPU the soft NIC's arena
+// by name), and device threads store into it directly. PeerDesc::remote_base is the PE's heap
+// base AS MAPPED IN THIS PROCESS; PeerDesc::rkey carries the P2P_* flags below (a mapping needs
+// no key).
+//
+// The same function set as transport/ibgda.cuh (see there for the list); the guarantees of
+// gpunet.cuh's verbs, reached this way:
+//   - put: the calling thread (put_nbi) or warp (put_nbi_warp) copies the bytes itself with
+//     16-byte vector stores where source and destination share 16-byte alignment (else the
+//     widest common unit). The data is written when the call returns, so src is reusable at
+//     once; visibility at the PE needs the release below (quiet / fence / a signal).
+//   - put_signal: payload, then fence_sys (the release: every payload store becomes visible
+//     before the signal), then the signal. ADD is a device CAS loop on the big-endian signal
+//     word (the NIC's atomics keep signals big-endian, gpunet.cuh header), so P2P and NIC
+//     updates of one word stay atomic with respect to each other; SET is one release store of
+//     the big-endian value (store-only: the form the c500 profile allows).
+//   - quiet / quiet_pe / fence: fence_sys, the system-scope fence that orders every earlier
+//     store of this thread before anything it does later (CUDA fence.acq_rel.sys; MACA
+//     __threadfence_system; HOST drains the weak store buffer).
+//   - get and atomics: loads / CAS on the peer's memory, allowed only without P2P_STORE_ONLY.
+//
+// The store-only rule (P2P_STORE_ONLY, set for every p2p peer on the c500 profile): the seed's
+// C500 all-reduce doing sustained remote loads over MetaXLink produced AER completion timeouts
+// that left GPUs unusable (FACTS.md), so on c500 a p2p peer gets stores only. get_nbi,
+// atomic_fetch_add and an ADD signal to such a peer record SITE_P2P_STORE_ONLY (a bad argument,
+// raised on the host as ConfigError naming the way out: SET signals, or a NIC transport for that
+// peer) and touch nothing. tests/test_p2p.py::test_c500_store_only_rule_refuses_get_and_add.
+//
+// Bounds: every access is checked against the symmetric heap's size (all heaps have the same
+// size, gpunet/context.py checks it), since no NIC checks a key here; an access outside records
+// SITE_P2P_RANGE and touches nothing.
+#pragma once
+
+#include <stdint.h>
+
+#include "../arch.cuh"
+#include "../devctx.cuh"
+#include "../status.cuh"
+
+namespace gpunet {
+
+namespace transport {
+
+struct P2p {
+  // The PE's copy of symmetric `sym`, in this process.
+  static GPUNET_DEVICE uint8_t* mapped(const DevCtx& ctx, const PeerDesc& p, const void* sym) {
+    return reinterpret_cast<uint8_t*>(uintptr_t(api::remote(ctx, p, sym)));
+  }
+
+  // [sym, sym + nbytes) inside the symmetric heap (8-byte aligned when `word`), else record it.
+  static GPUNET_DEVICE bool in_heap(const DevCtx& ctx, const Waiter& w, int pe, const void* sym,
+                                    uint64_t nbytes, bool word = false) {
+    const uint64_t off = api::heap_off(ctx, sym);
+    if (off <= ctx.heap_bytes && nbytes <= ctx.heap_bytes - off && !(word && (off & 7))) return true;
+    Failure f(STATUS_BAD_ARGUMENT, SITE_P2P_RANGE);
+    f.peer = uint32_t(pe);
+    f.addr = uint64_t(uintptr_t(sym));
+    f.expected = ctx.heap_bytes;
+    f.observed = off;
+    record_failure(w.st, f);
+    return false;
+  }
+
+  // The store-only rule: false (and recorded) for a load or an atomic to a P2P_STORE_ONLY peer.
+  // `what`: 1 get, 2 atomic_fetch_add, 3 ADD signal (lands in Status::observed).
+  static GPUNET_DEVICE bool may_load(const Waiter& w, const PeerDesc& p, int pe, uint32_t what) {
+    if (!(p.rkey & P2P_STORE_ONLY)) return true;
+    record_bad_argument(w, SITE_P2P_STORE_ONLY, 0, uint32_t(pe), 0, what);
+    return false;
+  }
+
+  // Thread `me` of `count` cooperating threads copies its share of [src, src + n) to dst, in
+  // units of U bytes (dst and src both U-aligned at `head`): thread i takes units i, i + count,
+  // ... so a warp's stores are contiguous.
+  struct alignas(16) V2 {
+    uint64_t a, b;
+  };
+  template <class T>
+  static GPUNET_DEVICE void copy_units(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t me,
+                                       uint32_t count) {
+    const uint64_t units = n / sizeof(T);
+    for (uint64_t i = me; i < units; i += count) {
+      if constexpr (sizeof(T) == 16) {
+        const V2 v = reinterpret_cast<const V2*>(src)[i];
+        arch::store_relaxed_v2(reinterpret_cast<uint64_t*>(dst) + 2 * i, v.a, v.b);
+      } else {
+        arch::store_relaxed(reinterpret_cast<T*>(dst) + i, reinterpret_cast<const T*>(src)[i]);
+      }
+    }
+  }
+  static GPUNET_DEVICE void copy_bytes(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t me,
+                                       uint32_t count) {
+    for (uint64_t i = me; i < n; i += count) arch::store_relaxed(dst + i, src[i]);
+  }
+  // The cooperative copy every put and get uses: bytes up to dst's alignment of the widest unit
+  // dst and src share, that unit (16 bytes when they share 16-byte alignment: one vector store),
+  // then the tail bytes.
+  static GPUNET_DEVICE void copy(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t me,
+                                 uint32_t count) {
+    const uintptr_t mis = uintptr_t(dst) ^ uintptr_t(src);
+    const uint32_t unit = (mis & 15) == 0 ? 16 : (mis & 7) == 0 ? 8 : (mis & 3) == 0 ? 4
+                          : (mis & 1) == 0 ? 2 : 1;
+    uint64_t head = (unit - (uintptr_t(dst) & (unit - 1))) & (unit - 1);
+    if (head > n) head = n;
+    const uint64_t body = (n - head) & ~uint64_t(unit - 1);
+    copy_bytes(dst, src, head, me, count);
+    uint8_t* d = dst + head;
+    const uint8_t* s = src + head;
+    switch (unit) {
+      case 16: copy_units<V2>(d, s, body, me, count); break;
+      case 8: copy_units<uint64_t>(d, s, body, me, count); break;
+      case 4: copy_units<uint32_t>(d, s, body, me, count); break;
+      case 2: copy_units<uint16_t>(d, s, body, me, count); break;
+      default: copy_bytes(d, s, body, me, count); break;
+    }
+    copy_bytes(d + body, s + body, n - head - body, me, count);
+  }
+
+  static GPUNET_DEVICE bool put_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p, int pe,
+                                    void* dst_sym, const void* src, uint64_t nbytes) {
+    if (!in_heap(ctx, w, pe, dst_sym, nbytes)) return false;
+    copy(mapped(ctx, p, dst_sym), static_cast<const uint8_t*>(src), nbytes, 0, 1);
+    return !failed(w);
+  }
+
+  // Every put reads its source before it returns: the inline promise holds as is.
+  static GPUNET_DEVICE bool put_inline_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
+                                           int pe, void* dst_sym, const void* src,
+                                           uint32_t nbytes) {
+    return put_nbi(ctx, w, p, pe, dst_sym, src, nbytes);
+  }
+
+  // Loads from the peer's memory (nvidia profile); dst holds the data on return.
+  static GPUNET_DEVICE bool get_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p, int pe,
+                                    void* dst, const void* src_sym, uint64_t nbytes) {
+    if (!may_load(w, p, pe, 1) || !in_heap(ctx, w, pe, src_sym, nbytes)) return false;
+    copy(static_cast<uint8_t*>(dst), mapped(ctx, p, src_sym), nbytes, 0, 1);
+    return !failed(w);
+  }
+
+  // `add` on the big-endian word at `word` by CAS (atomic with the NIC's atomics on it, which
+  // use CAS as well); returns the old value in host order. A retry is progress elsewhere, so the
+  // loop is bounded like any wait (a word that changes forever records a timeout).
+  static GPUNET_DEVICE bool add_be(const Waiter& w, int pe, uint64_t* word, uint64_t add,
+                                   uint64_t* old) {
+    uint64_t cur = arch::atomic_load(word);
+    Spin spin;
+    spin.progress = false;
+    for (;;) {
+      const uint64_t got = arch::atomic_cas(word, cur, arch::bswap64(arch::bswap64(cur) + add));
+      if (got == cur) break;
+      cur = got;
+      if (!spin.keep_going(w, arch::bswap64(cur), [&](Failure& f) {
+            f.site = SITE_ATOMIC;
+            f.peer = uint32_t(pe);
+            f.addr = uint64_t(uintptr_t(word));
+          }))
+        return false;
+    }
+    *old = arch::bswap64(cur);
+    return true;
+  }
+
+  static GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
+                                           int pe, void* dst_sym, const void* src, uint64_t nbytes,
+                                           uint64_t* sig_sym, uint64_t value, uint32_t sig_op) {
+    if (sig_op != SIGNAL_SET && !may_load(w, p, pe, 3)) return false;
+    if (!in_heap(ctx, w, pe, sig_sym, 8, true) || !put_nbi(ctx, w, p, pe, dst_sym, src, nbytes))
+      return false;
+    arch::fence_sys();  // the release: the payload is visible before the signal
+    uint64_t* sig = reinterpret_cast<uint64_t*>(mapped(ctx, p, sig_sym));
+    if (sig_op == SIGNAL_SET) {
+      arch::store_release_sys(sig, arch::bswap64(value));
+      return !failed(w);
+    }
+    uint64_t old = 0;
+    return add_be(w, pe, sig, value, &old);
+  }
+
+  static GPUNET_DEVICE bool atomic_fetch_add(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
+                                             int pe, uint64_t* sym_addr, uint64_t v,
+                                             uint64_t* result, uint64_t* old) {
+    (void)result;  // the old value comes back from the CAS itself
+    if (!may_load(w, p, pe, 2) || !in_heap(ctx, w, pe, sym_addr, 8, true)) return false;
+    arch::fence_sys();  // ordered after this thread's earlier stores to the PE, as on a QP
+    return add_be(w, pe, reinterpret_cast<uint64_t*>(mapped(ctx, p, sym_addr)), v, old);
+  }
+
+  static GPUNET_DEVICE bool quiet_pe(const DevCtx& ctx, const Waiter& w, const PeerDesc& p, int pe) {
+    (void)ctx, (void)p, (void)pe;
+    arch::fence_sys();
+    return !failed(w);
+  }
+
+  // One fence covers every p2p peer (only when there is one: other worlds pay nothing).
+  static GPUNET_DEVICE bool quiet_all(const DevCtx& ctx, const Waiter& w) {
+    const PeerDesc* peers = api::peers(ctx);
+    for (uint32_t pe = 0; pe < ctx.npes; ++pe) {
+      if (peers[pe].kind == TRANSPORT_P2P) {
+        arch::fence_sys();
+        break;
+      }
+    }
+    return !failed(w);
+  }
+
+  // Collective (every lane, same arguments): the lanes copy together, lane i taking 16-byte
+  // units i, i + warp_size, ... (contiguous stores per round).
+  static GPUNET_DEVICE bool put_nbi_warp(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
+                                         int pe, void* dst_sym, const void* src, uint64_t nbytes) {
+    const uint64_t off = api::heap_off(ctx, dst_sym);
+    const bool ok = off <= ctx.heap_bytes && nbytes <= ctx.heap_bytes - off;
+    if (!ok) {
+      if (arch::lane_id() == 0) in_heap(ctx, w, pe, dst_sym, nbytes);
+      arch::syncwarp();
+      return false;
+    }
+    copy(mapped(ctx, p, dst_sym), static_cast<const uint8_t*>(src), nbytes, arch::lane_id(),
+         arch::warp_size());
+    return arch::all(!failed(w));
+  }
+};
+
+}  // namespace transport
+}  // namespace gpunet
