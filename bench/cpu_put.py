@@ -68,27 +68,35 @@ def _timed(fn, iters, warmup):
 
 
 def breakdown(transport, iters, warmup):
-    """The breakdown rows of one run (one rank, loopback): {row: stats}."""
+    """The breakdown rows of one run (one rank, loopback): {row: stats}. The ops kernel is
+    launched the way a user kernel is (ctx.device_context(), gpunet.device.ops, ctx.check())."""
     import torch
 
     import gpunet
     from gpunet.demo import stats_us
     from gpunet.device import abi
+    from gpunet.device.ops import Launch, load_ops
 
     res = {}
     with gpunet.init(transport=transport, heap_bytes=4 << 20, timeout_s=30.0) as ctx:
         x = ctx.alloc((64,), torch.uint8)
         y = ctx.alloc((64,), torch.uint8)
         r = ctx.remote(0, y)
-        lib, largs, dev = ctx._launcher.lib, ctx._launcher.launch.args(), ctx._dev.addr
-        quiet = ctx._ops(dict(kind=abi.OP_QUIET))
-        put = ctx._ops(dict(kind=abi.OP_PUT, pe=0, dst=ctx.heap_base + r.offset,
-                            src=x.data_ptr(), nbytes=64))
+        h = ctx.device_context()
+        lib, largs = load_ops(h.arch), Launch(1, 1, h.warp_size).args()
+
+        def op(**fields):
+            ops = (abi.OpDesc * 1)()
+            for k, v in fields.items():
+                setattr(ops[0], k, v)
+            return ops
+        quiet = op(kind=abi.OP_QUIET)
+        put = op(kind=abi.OP_PUT, pe=0, dst=y.data_ptr(), src=x.data_ptr(), nbytes=64)
 
         def launch(ops):
-            if lib.gpunet_ops_launch(*largs, dev, ctypes.addressof(ops), 1) != 0:
+            if lib.gpunet_ops_launch(*largs, h.ptr, ctypes.addressof(ops), 1) != 0:
                 raise gpunet.GpunetError("launch failed")
-            ctx._dev.raise_for_status("bench")
+            ctx.check("bench")
         res["ctypes call"] = stats_us(_timed(lambda: lib.gpunet_mix64(1, 2, 3, 4), iters, warmup))
         res["launch, quiet only"] = stats_us(_timed(lambda: launch(quiet), iters, warmup))
         res["device put+quiet"] = stats_us(_timed(lambda: launch(put), iters, warmup))
