@@ -8,7 +8,7 @@ run; the table gives the median of the runs' medians and the spread [min, max] o
                    put_quiet); what a Python caller waits for one small put to be delivered.
   ping-pong        2 ranks: 8-byte put_signal there, wait_until the answer (gpunet.demo's ping_pong).
   breakdown (one rank, loopback QP, this process):
-    ctypes call            a foreign call into the ops library that does nothing (gpunet_mix64)
+    ctypes call            a foreign call into the ops library that does nothing (an ABI size query)
     launch, quiet only     the HOST-arm launch of the ops kernel with one OP_QUIET and nothing
                            outstanding: the launch and the status handling without any NIC work
     device put+quiet       the ops kernel putting 64 B (the kernel ends with a quiet): the device
@@ -97,7 +97,7 @@ def breakdown(transport, iters, warmup):
             if lib.gpunet_ops_launch(*largs, h.ptr, ctypes.addressof(ops), 1) != 0:
                 raise gpunet.GpunetError("launch failed")
             ctx.check("bench")
-        res["ctypes call"] = stats_us(_timed(lambda: lib.gpunet_mix64(1, 2, 3, 4), iters, warmup))
+        res["ctypes call"] = stats_us(_timed(lambda: lib.gpunet_ops_abi_size(0), iters, warmup))
         res["launch, quiet only"] = stats_us(_timed(lambda: launch(quiet), iters, warmup))
         res["device put+quiet"] = stats_us(_timed(lambda: launch(put), iters, warmup))
         res["API put+quiet"] = stats_us(_timed(lambda: (gpunet.put(r, x), gpunet.quiet()),
