@@ -139,7 +139,11 @@ def ping_pong(ctx, buf, sig, iters, warmup):
 def put_quiet(ctx, buf, iters, warmup, nbytes=PUT_QUIET_BYTES):
     """Rank 0 puts ``nbytes`` of ``buf`` to rank 1 and quiet()s, ``iters`` times after
     ``warmup``: returns the seconds each put + quiet took (other ranks: []; all meet at a barrier
-    after). What a Python caller waits for one small put to be delivered."""
+    after). What a Python caller waits for one small put to be delivered. The other ranks wait in
+    torch.distributed's barrier (asleep in a socket read) while rank 0 measures: a gpunet barrier
+    is device code polling its signal, which on the CPU takes a core from rank 0's threads."""
+    import torch.distributed as dist
+
     import gpunet
 
     times = []
@@ -151,6 +155,8 @@ def put_quiet(ctx, buf, iters, warmup, nbytes=PUT_QUIET_BYTES):
             gpunet.quiet()
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
     gpunet.barrier()
     return times
 
