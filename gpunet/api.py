@@ -13,7 +13,7 @@ def init(group=None, transport="auto", nic="auto", **kwargs):
     """Start gpunet on this rank and return its Context (a context manager).
 
     ``group``: a torch.distributed process group (default: the initialised default group, or
-    torchrun's environment, or a single rank); ``transport``: "auto" | "ibgda" | "proxy";
+    torchrun's environment, or a single rank); ``transport``: "auto" | "ibgda" | "proxy" | "p2p";
     ``nic``: "auto" | "soft" | "verbs". Keyword arguments go to :class:`gpunet.context.Context`
     (heap_bytes, timeout_s, warp_size, proxy_threads).
 
@@ -37,9 +37,10 @@ def get(tensor, remote, ctx=None):
     (ctx or _context.current()).get(tensor, remote)
 
 
-def put_signal(remote, tensor, signal, value=1, ctx=None):
-    """Put, then add ``value`` to the 8-byte ``signal`` on the same rank, in that order."""
-    (ctx or _context.current()).put_signal(remote, tensor, signal, value)
+def put_signal(remote, tensor, signal, value=1, ctx=None, op="add"):
+    """Put, then add ``value`` to (``op="set"``: store it in) the 8-byte ``signal`` on the same
+    rank, in that order."""
+    (ctx or _context.current()).put_signal(remote, tensor, signal, value, op=op)
 
 
 def atomic_add(remote, value, ctx=None):

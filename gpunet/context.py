@@ -68,6 +68,7 @@ MAX_HEAP_BYTES = 1 << 39          # the proxy command carries 39-bit heap offset
 MAX_TIMEOUT_S = 86400.0           # a device wait bound beyond a day is a units mistake
 NIC_EXTRA_BYTES = 8 << 20         # NIC memory beside the heap: rings, CQs, op ring, proxy slots
 U64 = (1 << 64) - 1
+MAX_RANKS = 511                   # barrier slots: heap head words 1..511, below the scratch at 4096
 
 # Open Contexts made by gpunet.init, oldest first. The module-level wrappers use the newest one
 # still open, so closing a later Context falls back to the earlier one (a stack, not one slot).
@@ -165,10 +166,10 @@ class DeviceHandle(NamedTuple):
 class Context(Resource):
     """One rank's gpunet resources. Use :func:`gpunet.init` to make one.
 
-    Attributes: ``rank``, ``world_size``, ``transports`` (dict peer -> "ibgda" | "proxy"),
+    Attributes: ``rank``, ``world_size``, ``transports`` (dict peer -> "ibgda" | "proxy" | "p2p"),
     ``reasons`` (dict peer -> why that transport), ``platform``, ``nic``, ``heap_bytes``,
     ``heap_base``, ``warp_size``, ``timeout_s``.
-    ``transport`` is one kind for every peer ("auto" | "ibgda" | "proxy") or a per-peer choice:
+    ``transport`` is one kind for every peer ("auto" | "ibgda" | "proxy" | "p2p") or a per-peer choice:
     a dict {peer: kind, "default": kind} or a callable (rank, peer) -> kind (both ends of a pair
     must agree, e.g. ``lambda a, b: "proxy" if (a + b) % 2 else "ibgda"``: a mixed world).
 
@@ -246,6 +247,9 @@ class Context(Resource):
         """Step 1 on this rank: arguments, NIC, heap, QPs; returns what the peers need."""
         transport, nic, heap_bytes, timeout_s, warp_size, proxy_threads = \
             self._check_args(args, unknown)
+        if self.world_size > MAX_RANKS:
+            raise ConfigError("gpunet.init: at most %d ranks (the barrier's slots), not %d"
+                              % (MAX_RANKS, self.world_size))
         self.platform = get_platform()
         self._gpu = self.platform.name == "cuda"
         if self.platform.name not in ("cpu", "cuda"):
@@ -276,7 +280,8 @@ class Context(Resource):
         self._transports = self._adopt(Transports(self.nic, self.platform, self.rank,
                                                   self.world_size, transport,
                                                   lambda: self.nic.map_doorbell(self.platform),
-                                                  proxy_threads), "transports")
+                                                  proxy_threads, heap=(self.heap_base, heap_bytes)),
+                                       "transports")
         self.transports, self.reasons = self._transports.kinds, self._transports.reasons
         # adopted last: closed first, so on CUDA no kernel still runs when the rest is freed
         self._launcher = self._adopt(_launch.Launcher(self.nic, self._gpu, self.warp_size),
@@ -492,9 +497,14 @@ class Context(Resource):
                                  src=self.heap_base + remote.offset, nbytes=tensor.nbytes)), "get",
                   blocking=False)
 
-    def put_signal(self, remote, tensor, signal, value=1):
+    def put_signal(self, remote, tensor, signal, value=1, op="add"):
         """Put ``tensor`` to ``remote``, then add ``value`` to the 8-byte ``signal`` (a Remote on
-        the same rank), in that order: a peer that sees the signal sees the payload."""
+        the same rank), in that order: a peer that sees the signal sees the payload. ``op="set"``
+        stores ``value`` instead (one writer per word): the form a store-only p2p peer (the
+        c500 profile) accepts."""
+        ops = {"add": abi.SIGNAL_ADD, "set": abi.SIGNAL_SET}
+        if not isinstance(op, str) or op not in ops:
+            raise ConfigError("put_signal: op must be 'add' or 'set', not %r" % (op,))
         off = self._heap.offset_of(tensor, "put_signal")
         self._check_remote(remote, tensor.nbytes, "put_signal")
         self._check_remote(signal, 8, "put_signal (signal)")
@@ -506,7 +516,7 @@ class Context(Resource):
         self._run(self._ops(dict(kind=abi.OP_PUT_SIGNAL, pe=remote.rank,
                                  dst=self.heap_base + remote.offset, src=self.heap_base + off,
                                  nbytes=tensor.nbytes, sig=self.heap_base + signal.offset,
-                                 value=value)), "put_signal",
+                                 value=value, cmp=ops[op])), "put_signal",
                   blocking=False)
 
     def atomic_add(self, remote, value):
@@ -553,8 +563,10 @@ class Context(Resource):
     def barrier(self, blocking=True):
         """All ranks meet here, through the NIC (bounded: a dead rank raises TimeoutError).
 
-        Every earlier operation of this rank completes first (quiet), then each rank adds 1 to a
-        word on every rank and waits until its own word counts every rank's arrival.
+        Every earlier operation of this rank completes first (quiet), then each rank SETs its own
+        slot (heap head word 1 + rank) on every rank to the barrier's epoch and waits until every
+        slot of its own reached it. SET, not ADD: one writer per slot, so the barrier works over
+        store-only p2p peers (the c500 profile) as over the NIC transports.
         ``blocking=False`` (CUDA): only enqueue it on the current stream, so work enqueued after
         it starts on every rank when the last rank arrives (bench/ep.py aligns timed calls of
         ranks sharing a GPU this way); a failure then surfaces at the next synchronizing call.
@@ -562,13 +574,15 @@ class Context(Resource):
         """
         self._check_open()
         self._barrier_epoch += 1
-        word = self.heap_base                      # offset 0 of the reserved head
+        slot = self.heap_base + 8                  # slot r: word 1 + r of the reserved head
+        mine = slot + 8 * self.rank
         specs = [dict(kind=abi.OP_QUIET)]
-        specs += [dict(kind=abi.OP_PUT_SIGNAL, pe=p, dst=word, src=word, nbytes=0, sig=word, value=1)
+        specs += [dict(kind=abi.OP_PUT_SIGNAL, pe=p, dst=mine, src=mine, nbytes=0, sig=mine,
+                       value=self._barrier_epoch, cmp=abi.SIGNAL_SET)
                   for p in range(self.world_size)]
-        specs += [dict(kind=abi.OP_QUIET),
-                  dict(kind=abi.OP_WAIT_UNTIL, pe=self.rank, dst=word, cmp=abi.CMP_GE,
-                       value=self._barrier_epoch * self.world_size)]
+        specs += [dict(kind=abi.OP_QUIET)]
+        specs += [dict(kind=abi.OP_WAIT_UNTIL, pe=self.rank, dst=slot + 8 * r, cmp=abi.CMP_GE,
+                       value=self._barrier_epoch) for r in range(self.world_size)]
         ops = done = self._ops(*specs)
         try:
             done = self._run(ops, "barrier", blocking=False)    # the OpDescs the kernel writes

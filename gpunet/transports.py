@@ -6,9 +6,16 @@ descriptors of ibgda peers, and the proxy channels and engine of proxy peers (DE
   (device/descriptors.py QpDescriptor).
 - ``proxy``: the kernel pushes 16-byte commands into a channel's host-mapped FIFO and a CPU proxy
   thread posts them (host/proxy.py). One channel per proxied peer.
+- ``p2p``: this rank maps the peer's heap into its own address space (``Nic.map_peer_heap``: on
+  the CPU the peer soft NIC's arena by name) and the kernel stores into it directly
+  (transport/p2p.cuh). Only on request (a kind, or per peer): a peer that cannot be mapped raises
+  ConfigError. On the ``c500`` profile p2p peers are store-only (get, atomics and ADD signals to
+  them fail with a ConfigError; SET signals work).
 
 ``auto`` picks ibgda where the NIC's doorbell can be mapped into the device, else the proxy, and
-says why. The choice is per peer: one kind for every peer, a dict {peer: kind, "default": kind}
+says why. It never picks p2p: p2p has none of a NIC's liveness checks (a store into a dead peer's
+heap succeeds silently; a NIC retries and reports the peer dead) and no remote atomics on c500,
+so it is a choice the caller makes for peers it knows share the machine. The choice is per peer: one kind for every peer, a dict {peer: kind, "default": kind}
 or a callable (rank, peer) -> kind; both ends of a pair must agree (gpunet/context.py checks it
 in the init exchange).
 
@@ -31,7 +38,7 @@ from gpunet.resource import Resource
 
 log = logging.getLogger("gpunet")
 
-TRANSPORTS = ("auto", "ibgda", "proxy")
+TRANSPORTS = ("auto", "ibgda", "proxy", "p2p")
 SQ_WQEBBS = 256                   # per-peer send ring: 16 KiB, deep enough for a doorbell batch
 PROXY_DEPTH = 1024                # proxy FIFO slots per channel
 
@@ -81,6 +88,8 @@ def choose_transport(requested, probe_doorbell):
 
     if requested == "proxy":
         return "proxy", "asked for (transport='proxy')"
+    if requested == "p2p":
+        return "p2p", "asked for (transport='p2p'): stores into the peer's heap mapped here"
     try:
         how = probe_doorbell()
     except VendorRuntimeError as e:
@@ -109,12 +118,15 @@ class Transports(Resource):
     proxy channels (their FIFO memory); the QPs go with the NIC, which the Context closes after.
     """
 
-    def __init__(self, nic, platform, rank, world_size, transport, probe_doorbell, proxy_threads=1):
+    def __init__(self, nic, platform, rank, world_size, transport, probe_doorbell, proxy_threads=1,
+                 heap=None):
         self.nic, self.platform = nic, platform
         self.rank, self.world_size = rank, world_size
         self._gpu = platform.name != "cpu"
         self._proxy_threads = proxy_threads
         self.qpds, self.channels, self.engine = {}, {}, None
+        self.peer_heaps = {}             # p2p peer -> its heap mapped here (Nic.map_peer_heap)
+        self._heap = heap                # (address, nbytes) of this rank's heap: what p2p exports
         self.kinds, self.reasons = {}, {}
         n, me = world_size, rank
         # all peers share this NIC's doorbell page, so one probe decides for every one of them
@@ -127,7 +139,7 @@ class Transports(Resource):
             log.info("gpunet rank %d -> peer %d: %s (%s)", me, p, t, why)
         # One RC QP per peer and transport user (the device, or the proxy threads: a QP has one
         # poster), plus a loopback partner per user for this rank itself.
-        self._users = sorted(set(self.kinds.values()))
+        self._users = sorted(set(self.kinds.values()) - {"p2p"})
         self._qps, self._partner = {}, {}
         for u in self._users:
             for p in range(n):
@@ -138,7 +150,13 @@ class Transports(Resource):
 
     def info(self):
         """What the peers need to connect to this rank's QPs (picklable)."""
-        return {"qps": {k: q.info() for k, q in self._qps.items()}, "transports": dict(self.kinds)}
+        p2p = None
+        if any(k == "p2p" for p, k in self.kinds.items() if p != self.rank):
+            if self._heap is None:
+                raise ConfigError("transport='p2p' needs this rank's heap to export")
+            p2p = self.nic.export_heap(*self._heap)
+        return {"qps": {k: q.info() for k, q in self._qps.items()},
+                "transports": dict(self.kinds), "p2p": p2p}
 
     def connect(self, everyone, dev, local_heap, mem=None, mapping=None):
         """Connect every QP to its partner on the peer and fill ``dev`` (a DeviceContext): per
@@ -161,9 +179,33 @@ class Transports(Resource):
                 qpd = QpDescriptor(self._qps["ibgda", p], p, mem=mem, mapped=mapping)
                 dev.set_peer_qp(p, qpd, everyone[p]["heap"], everyone[p]["rkey"])
                 self.qpds[p] = qpd
+        for p in range(n):
+            if self.kinds[p] == "p2p":
+                self._setup_p2p(p, everyone, dev, local_heap)
         proxied = [p for p in range(n) if self.kinds[p] == "proxy"]
         if proxied:
             self._setup_proxy(proxied, everyone, dev, local_heap)
+
+    def _setup_p2p(self, p, everyone, dev, local_heap):
+        """Map peer ``p``'s heap (this rank itself: its own heap) and make it a p2p peer; the
+        mapping is a child, so it is unmapped when the transports close, also after a failed
+        set-up. Store-only on the c500 profile (transport/p2p.cuh)."""
+        store_only = self.platform.profile == "c500"
+        if p == self.rank:
+            dev.set_peer_p2p(p, local_heap[0], store_only)
+            return
+        if self._gpu:
+            raise ConfigError("transport='p2p' to peer %d: on %s the heap is the soft NIC's "
+                              "host-mapped arena, which p2p does not map into the GPU; use "
+                              "transport='ibgda' or 'proxy'" % (p, self.platform.name))
+        try:
+            m = self.nic.map_peer_heap(everyone[p]["p2p"])
+        except ConfigError as e:
+            raise ConfigError("transport='p2p' to peer %d: cannot map its heap here (%s); p2p "
+                              "needs the peer on this machine, alive; use transport='ibgda' or "
+                              "'proxy' for it" % (p, e)) from e
+        self.peer_heaps[p] = self._adopt(m, "p2p mapping of peer %d" % p)
+        dev.set_peer_p2p(p, m.base, store_only, keep=m)
 
     def _setup_proxy(self, proxied, everyone, dev, local_heap):
         """One proxy channel per proxied peer, all drained by the proxy threads. Per peer, because

@@ -89,6 +89,22 @@ class Nic(Resource, abc.ABC):
         GPU-initiated doorbells are not permitted); transports.choose_transport then falls back
         to the proxy."""
 
+    # --- peer heaps (the p2p transport, gpunet/transports.py) ----------------------------------
+    # Optional: a NIC that cannot share memory with a peer process keeps these defaults, and
+    # transport="p2p" then raises ConfigError naming the NIC.
+    def export_heap(self, addr, nbytes):
+        """A picklable description of ``[addr, addr + nbytes)`` (memory from ``alloc``) that a
+        process on the same machine passes to ``map_peer_heap`` to store into it directly."""
+        raise ConfigError("%s cannot export memory to peer processes, so no peer can reach it "
+                          "by p2p; use transport='ibgda' or 'proxy'" % type(self).__name__)
+
+    def map_peer_heap(self, exported):
+        """Map a peer's ``export_heap`` description into this process: a Resource with ``base``
+        (the first byte's address here) and ``nbytes``; ``close()`` unmaps it. ConfigError when
+        the peer's memory cannot be reached from here (another machine, a closed peer)."""
+        raise ConfigError("%s cannot map a peer's memory; use transport='ibgda' or 'proxy'"
+                          % type(self).__name__)
+
     @abc.abstractmethod
     def mapped_ranges(self):
         """[(address, nbytes)]: the host memory the GPU must map for GPU-initiated posting (rings,

@@ -52,6 +52,7 @@ from gpunet import mlx5
 from gpunet.device import abi
 from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.host.nic import Access, Nic
+from gpunet.resource import Resource
 from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, address_of, atomic_cas_u64, bswap64, c_kill0,
                                 c_memmove, c_sched_yield, clock_ns, i64_at, idle_pause,
                                 engine_thread_start, load_acquire_u32, load_acquire_u64,
@@ -756,6 +757,28 @@ class SoftNic(Nic):
         self._check_open()
         return [(self._arena.base, self._arena.size)]
 
+    # --- peer heaps (Nic.export_heap / map_peer_heap: the p2p transport) ---
+    def export_heap(self, addr, nbytes):
+        """``[addr, addr + nbytes)`` inside the arena, named by the arena file and an offset (a
+        peer maps the same file: /dev/shm is per machine)."""
+        self._check_open()
+        off = int(addr) - self._arena.base
+        if not (0 <= off and 0 <= int(nbytes) <= self._arena.size - off):
+            raise ConfigError("export_heap: [0x%x, +%d) is not inside arena %s"
+                              % (int(addr), int(nbytes), self.arena_name))
+        return {"arena": self.arena_name, "pid": self.pid, "offset": off, "nbytes": int(nbytes)}
+
+    def map_peer_heap(self, exported):
+        """Map the peer arena range ``exported`` describes (its own mapping, apart from the one
+        ``connect`` makes for the engine): a PeerHeap whose ``close()`` unmaps it."""
+        self._check_open()
+        try:
+            name, pid = str(exported["arena"]), int(exported["pid"])
+            off, nbytes = int(exported["offset"]), int(exported["nbytes"])
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError("map_peer_heap needs an export_heap() dict, not %r" % (exported,))
+        return PeerHeap(name, pid, off, nbytes)
+
     # --- memory ---
     def _heap_alloc(self, nbytes, align=64):
         nbytes = int(nbytes)
@@ -1079,6 +1102,32 @@ class SoftNic(Nic):
     def __repr__(self):
         return "SoftNic(%s, profile=%s%s)" % (self.arena_name, self.profile,
                                              ", closed" if self.closed else "")
+
+
+class PeerHeap(Resource):
+    """A range of a peer soft NIC's arena mapped into this process (SoftNic.map_peer_heap):
+    ``base`` (address here), ``nbytes``, ``arena``. ``close()`` unmaps it (the mapping must not
+    outlive the Context that uses it: tests/test_p2p.py checks /proc/self/maps)."""
+
+    def __init__(self, name, pid, off, nbytes):
+        self.arena = name
+        self._a = _Arena(name)           # ConfigError when the file is gone (peer closed)
+        try:
+            if int(self._a.T[H_MAGIC]) != ARENA_MAGIC or int(self._a.T[H_PID]) != pid:
+                raise ConfigError("%s is not the soft NIC arena of pid %d" % (name, pid))
+            if not (0 <= off and 0 <= nbytes <= self._a.size - off):
+                raise ConfigError("peer heap [%d, +%d) is outside arena %s (%d bytes)"
+                                  % (off, nbytes, name, self._a.size))
+        except BaseException:
+            self._a.close()
+            raise
+        self.base, self.nbytes = self._a.base + off, nbytes
+
+    def _release(self):
+        self._a.close()
+
+    def __repr__(self):
+        return "PeerHeap(%s, 0x%x, %d)" % (self.arena, self.base, self.nbytes)
 
 
 def u8_view(addr, n):
