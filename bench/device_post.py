@@ -4,8 +4,9 @@
     python bench/device_post.py --compile-only              # builds the CUDA kernels, runs nothing
     python bench/device_post.py --cpu-smoke                 # the same script on the HOST arm (CI box)
 
-The device code is gpunet's own (device/include/gpunet/qp.cuh through device/kernels/ops.cu and
-device/kernels/bench_post.cu), built with device/loader.py for arch "cuda" (nvcc -arch=sm_90).
+The device code is gpunet's own (device/include/gpunet/qp.cuh through gpunet.device.testing's
+kernels/schedule.cu and kernels/post_rate.cu), built with device/loader.py for arch "cuda"
+(nvcc -arch=sm_90). Needs gpunet installed (``pip install --no-deps -e .``).
 
 Memory (the same on every row):
 - SQ rings, CQs, doorbell records and doorbell words: in a soft NIC's arena (an mmap'd /dev/shm
@@ -37,11 +38,12 @@ Rows (the table says which is which):
 - ``post, soft NIC``: the same kernel on a connected soft NIC QP pair: the engine executes each
   64-byte WRITE (memmove in the arena) and writes a CQE per WQE. End to end; bounded by the soft
   NIC's engine thread, not by the GPU. The destination is compared with the source afterwards.
-- ``ordering``: ops.cu's k_schedule (tests/ordering_ref.py is the reference) against the soft
-  NIC, checking tests/test_ordering.py's invariants: memory == sequential reference (puts, gets,
-  warp puts), signals counted exactly, atomic fetch-add chains (exactly once), no signal before
-  its payload (in-kernel receiver check), heads equal and the NIC's consumer index at them, QP in
-  RTS, no failure in the Status. PASS / FAIL per launch (each launch = ROUNDS schedules).
+- ``ordering``: schedule.cu's k_schedule against the soft NIC, checking the invariants of
+  tests/test_ordering.py (gpunet.device.testing.ordering_ref.check_schedule): memory ==
+  sequential reference (puts, gets, warp puts), signals counted exactly, atomic fetch-add chains
+  (exactly once), no signal before its payload (in-kernel receiver check), heads equal and the
+  NIC's consumer index at them, QP in RTS, no failure in the Status. PASS / FAIL per launch (each
+  launch = ROUNDS schedules).
 
 Target (the device-API issue): >= 100 M WQE/s posted by many warps with batched doorbells.
 Prints a table with the machine last; writes JSON (default bench/out/device_post.json).
@@ -58,18 +60,19 @@ from pathlib import Path
 import numpy as np
 from numba import njit
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))       # ordering_ref (the schedule's reference)
-
-from gpunet import errors, mlx5                                        # noqa: E402
-from gpunet.device import abi, loader                                  # noqa: E402
-from gpunet.device import loopback as L                                # noqa: E402
-from gpunet.device import ops as dops                                  # noqa: E402
-from gpunet.host import platform as P                                  # noqa: E402
-from gpunet.device.descriptors import DeviceMemory, NicMapping, device_qpdesc  # noqa: E402
-from gpunet.host.rawmem import (address_of, c_sched_yield, load_acquire_u32,  # noqa: E402
+from gpunet import errors, mlx5
+from gpunet.device import abi, loader
+from gpunet.device import testing
+from gpunet.device.testing import loopback as L
+from gpunet.device.testing import schedule as S
+from gpunet.device.testing.ordering_ref import check_schedule, prepare_schedule, schedule_sizes
+from gpunet.host import platform as P
+from gpunet.device.descriptors import DeviceMemory, NicMapping, device_qpdesc
+from gpunet.host.rawmem import (address_of, c_sched_yield, load_acquire_u32,
                                 load_acquire_u64, store_release_u32)
-from machine import machine       # noqa: E402 - bench/machine.py (the script's folder is on sys.path)
+from machine import machine       # bench/machine.py (the script's folder is on sys.path)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TARGET_MWQES = 100.0
 WARPS = (1, 4, 32, 132, 264)
@@ -78,7 +81,7 @@ PAYLOAD_SPAN = 1 << 20                                        # WRITE src/dst cy
 
 
 class PostArgs(ctypes.Structure):
-    """Mirror of bench_post.cu's PostArgs."""
+    """Mirror of post_rate.cu's PostArgs."""
     _fields_ = [("qps", ctypes.c_uint64), ("status", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
                 ("raddr", ctypes.c_uint64), ("laddr", ctypes.c_uint64), ("span", ctypes.c_uint64),
                 ("nqps", ctypes.c_uint32), ("iters", ctypes.c_uint32), ("rkey", ctypes.c_uint32),
@@ -88,10 +91,10 @@ class PostArgs(ctypes.Structure):
 
 # --- building ----------------------------------------------------------------------------------
 def build(arch, defines=None):
-    """(ops lib, bench lib) for ``arch``, bound. nvcc missing: ToolchainError from the loader.
-    ``defines``: extra -D for both (a protocol variant, e.g. GPUNET_PUBLISH_GPU_SCOPE)."""
-    ops = dops.load_ops(arch, defines=defines)
-    b = loader.build([loader.kernels_dir() / "bench_post.cu"], arch=arch, defines=defines or {})
+    """(schedule lib, post-rate lib) for ``arch``, bound. nvcc missing: ToolchainError from the
+    loader. ``defines``: extra -D for both (a protocol variant, e.g. GPUNET_PUBLISH_GPU_SCOPE)."""
+    sched = S.load(arch, defines=defines)
+    b = loader.build([testing.kernels_dir() / "post_rate.cu"], arch=arch, defines=defines or {})
     u32, vp = ctypes.c_uint32, ctypes.c_void_p
     b.gpunet_bench_post_args_size.restype = u32
     b.gpunet_bench_post.argtypes = [u32, u32, vp, ctypes.POINTER(ctypes.c_float)]
@@ -99,9 +102,9 @@ def build(arch, defines=None):
     b.gpunet_bench_store.argtypes = [u32, u32, ctypes.c_uint64, u32, u32, ctypes.POINTER(ctypes.c_float)]
     b.gpunet_bench_store.restype = ctypes.c_int
     if b.gpunet_bench_post_args_size() != ctypes.sizeof(PostArgs):
-        raise errors.ToolchainError("bench_post.cu PostArgs is %d bytes, the mirror %d"
+        raise errors.ToolchainError("post_rate.cu PostArgs is %d bytes, the mirror %d"
                                     % (b.gpunet_bench_post_args_size(), ctypes.sizeof(PostArgs)))
-    return ops, b
+    return sched, b
 
 
 # --- device memory helpers (shared with the Python API: device/descriptors.py) ---------------------
@@ -349,20 +352,17 @@ def e2e_row(blib, world, warps, iters, depth, batch, collapsed=False, per_lane=1
 
 
 # --- the ordering schedules on the GPU -------------------------------------------------------------
-def schedule_case(ops, world, seed, blocks, wpb, nops, depth, batch, collapsed, ws=32, check_every=4):
-    """One launch (ROUNDS schedules) of ops.cu's k_schedule; returns (ok, message)."""
-    from ordering_ref import (NCOUNTERS, REGION, WARP_REGION, check_atomic_chains, expand,
-                              prepare_schedule, schedule_sizes)
-    T, nwarps, R, mix = blocks * wpb * ws, blocks * wpb, ROUNDS, abi.MIX_ALL
+def schedule_case(sched, world, seed, blocks, wpb, nops, depth, batch, collapsed, ws=32, check_every=4):
+    """One launch (ROUNDS schedules) of schedule.cu's k_schedule; returns (ok, message, seconds)."""
+    T, nwarps, R, mix = blocks * wpb * ws, blocks * wpb, ROUNDS, S.MIX_ALL
     sizes = schedule_sizes(R, T, nwarps)
     heap = 1 << 20
     while heap < sum(sizes.values()) + len(sizes) * 64 + (64 << 10):
         heap <<= 1
     lb = world.loopback(depth, collapsed, batch, heap=heap)
     dm, dev = lb.dm, lb.dm.dev
-    p = abi.SchedParams()
-    o, (src, wsrc, gsrc) = prepare_schedule(lb, p, seed, R, T, nwarps, nops, mix, check_every, L.PEER)
-    Lh, Rh = lb.local, lb.remote
+    p = S.SchedParams()
+    o, sources = prepare_schedule(lb, p, seed, R, T, nwarps, nops, mix, check_every, L.PEER)
     results = np.zeros(R * T * nops, np.uint64)
     violations = np.zeros(T, np.uint64)
     res_dev, vio_dev = dev.put(results), dev.put(violations)
@@ -370,7 +370,7 @@ def schedule_case(ops, world, seed, blocks, wpb, nops, depth, batch, collapsed, 
     p_dev = dev.put(p)
     h0 = dm.heads()
     t0 = time.perf_counter()
-    rc = ops.gpunet_schedule_launch(blocks, wpb * ws, ws, 0, 0, 0, 0, dm.ctx_dev, p_dev)
+    rc = sched.gpunet_schedule_launch(blocks, wpb * ws, ws, 0, 0, 0, 0, dm.ctx_dev, p_dev)
     secs = time.perf_counter() - t0
     if rc != 0:
         return False, "launch failed: error %d" % rc, secs
@@ -381,26 +381,8 @@ def schedule_case(ops, world, seed, blocks, wpb, nops, depth, batch, collapsed, 
         return False, str(err), secs
     dev.get(results, res_dev)
     dev.get(violations, vio_dev)
-    e_put = np.zeros(sizes["put_dst"], np.uint8)
-    e_get = np.zeros(sizes["get_dst"], np.uint8)
-    e_warp = np.zeros(sizes["warp_dst"], np.uint8)
-    e_sig = np.zeros(R * T, np.uint64)
-    atomics = np.zeros((R * T * nops, 3), np.int64)
-    wqes = expand(seed, R, nops, T, REGION, REGION, mix, NCOUNTERS, WARP_REGION, ws,
-                  src, wsrc, gsrc, e_put, e_get, e_warp, e_sig, atomics)
     try:
-        assert (Rh[o["put_dst"]:o["put_dst"] + e_put.size] == e_put).all(), "put data != reference"
-        assert (Lh[o["get_dst"]:o["get_dst"] + e_get.size] == e_get).all(), "get data != reference"
-        assert (Rh[o["warp_dst"]:o["warp_dst"] + e_warp.size] == e_warp).all(), "warp-put data != reference"
-        sig = Rh[o["sig"]:o["sig"] + R * T * 8].view(">u8").astype(np.uint64)
-        assert (sig == e_sig).all(), "signal counts differ"
-        check_atomic_chains(atomics, results, Rh[o["counters"]:o["counters"] + NCOUNTERS * 8].view(">u8"))
-        assert int(violations.sum()) == 0, "a receiver saw a signal before its payload"
-        h = dm.heads()
-        assert h[0] == h[1] == h[2] == h[3], "heads differ %s" % (h,)
-        assert h[0] - h0[0] >= wqes, "fewer WQEBBs (%d) than the reference's WQEs (%d)" % (h[0] - h0[0], wqes)
-        assert world.nic.qp_sq_ci(lb.a) == h[0] & 0xFFFF, "NIC consumer index != heads"
-        assert world.nic.qp_state(lb.a) == "RTS", "QP not in RTS"
+        wqes = check_schedule(lb, o, sources, seed, R, nops, T, ws, mix, results, violations, h0, dm.heads())
     except AssertionError as e:
         return False, str(e), secs
     return True, "%d WQEs, %d schedules" % (wqes, R), secs
@@ -479,9 +461,9 @@ def main(argv=None):
     defines = dict((d.split("=", 1) + [""])[:2] for d in args.define) or None
 
     if args.compile_only:
-        ops, b = build("cuda", defines)
+        sched, b = build("cuda", defines)
         print("built for CUDA (%s): %s, %s" % (os.environ.get("GPUNET_CUDA_ARCH", "sm_90"),
-                                               ops.gpunet_path, b.gpunet_path))
+                                               sched.gpunet_path, b.gpunet_path))
         return 0
 
     if args.cpu_smoke:
@@ -498,7 +480,7 @@ def main(argv=None):
         import torch
         torch.cuda.init()
         torch.zeros(1, device="cuda")          # make the primary context current first
-    ops, blib = build(arch, defines)
+    sched, blib = build(arch, defines)
     skip = set(filter(None, args.skip.split(",")))
     warps_list = [int(w) for w in args.warps.split(",")]
     total = args.wqes // (8 if args.quick else 1)
@@ -585,7 +567,7 @@ def main(argv=None):
                 for k, (bl, wpb, nops, depth, batch, coll) in enumerate(scheds):
                     for s_i in range(1 if args.cpu_smoke else args.seeds):
                         seed = 1000003 * (k + 1) + s_i
-                        ok, detail, secs = schedule_case(ops, world, seed, bl, wpb, nops, depth, batch, coll)
+                        ok, detail, secs = schedule_case(sched, world, seed, bl, wpb, nops, depth, batch, coll)
                         ordering.append({"seed": seed, "blocks": bl, "wpb": wpb, "ops": nops, "depth": depth,
                                          "db_batch": batch, "collapsed": coll, "ok": ok,
                                          "detail": "%s (%.1f ms)" % (detail, secs * 1e3)})

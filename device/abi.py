@@ -4,7 +4,8 @@ decoder of a failure into a gpunet exception.
 The C++ definitions are the source of truth: ``device/include/gpunet/status.cuh`` (Status, the
 status codes, the ONE site registry), ``qp.cuh`` (CqDesc, QpDesc), ``devctx.cuh`` (PeerDesc,
 DevCtx, the transport kinds, the comparisons), ``proxy.cuh`` (ProxyChannel) and
-``device/kernels/ops.cu`` (OpDesc, SchedParams). Every device-ABI mirror lives here; the code that
+``device/kernels/ops.cu`` (OpDesc). Every device-ABI mirror of the shipped code lives here (the
+test kernels' parameter blocks live beside their binders in gpunet.device.testing); the code that
 fills them from NIC and proxy objects is device/descriptors.py.
 ``tests/test_device_qp.py::test_abi_layout_matches_cpp`` compiles a program that prints every
 ``offsetof`` / ``sizeof`` and compares it with :func:`layout`; ``tests/test_status.py`` checks every
@@ -99,9 +100,6 @@ MAX_INLINE = 4 * mlx5.WQEBB - 32 - 4        # gpunet::kMaxInline (qp.cuh: kMaxWq
 # --- ops.cu ------------------------------------------------------------------------------------
 OP_NOP, OP_PUT, OP_PUT_INLINE, OP_GET, OP_PUT_SIGNAL, OP_ATOMIC_ADD, OP_QUIET, OP_FENCE, \
     OP_WAIT_UNTIL, OP_PUT_WARP = range(10)
-# schedule kinds (SchedParams.mix bits)
-K_PUT, K_INLINE, K_GET, K_SIGNAL, K_ATOMIC, K_QUIET, K_FENCE, K_WARP = range(8)
-MIX_ALL = 0xFF
 
 
 class Status(ctypes.Structure):
@@ -147,25 +145,17 @@ class OpDesc(ctypes.Structure):
                 ("sig", u64), ("value", u64), ("cmp", u32), ("ok", u32), ("result", u64)]
 
 
-class SchedParams(ctypes.Structure):
-    _fields_ = [("seed", u64), ("rounds", u32), ("ops", u32), ("nthreads", u32), ("region", u32),
-                ("max_size", u32), ("mix", u32), ("ncounters", u32), ("warp_region", u32),
-                ("check_every", u32), ("pe", u32), ("src", u64), ("wsrc", u64), ("get_src", u64),
-                ("get_dst", u64), ("put_dst", u64), ("warp_dst", u64), ("sig", u64),
-                ("counters", u64), ("results", u64), ("violations", u64), ("peer_view", u64)]
-
-
 STRUCTS = {"Status": Status, "CqDesc": CqDesc, "QpDesc": QpDesc, "PeerDesc": PeerDesc,
-           "DevCtx": DevCtx, "OpDesc": OpDesc, "SchedParams": SchedParams,
-           "ProxyChannel": ProxyChannelDesc}
+           "DevCtx": DevCtx, "OpDesc": OpDesc, "ProxyChannel": ProxyChannelDesc}
 SIZES = {"Status": 128, "CqDesc": 32, "QpDesc": 192, "PeerDesc": 32, "DevCtx": 128, "OpDesc": 64,
-         "SchedParams": 136, "ProxyChannel": 32}
+         "ProxyChannel": 32}
 
 
-def layout():
-    """{struct name: (sizeof, {field: offsetof})} of the Python mirror."""
+def layout(structs=None):
+    """{struct name: (sizeof, {field: offsetof})} of the Python mirrors in ``structs`` ({name:
+    ctypes Structure}; default: this module's STRUCTS)."""
     out = {}
-    for name, cls in STRUCTS.items():
+    for name, cls in (STRUCTS if structs is None else structs).items():
         out[name] = (ctypes.sizeof(cls), {f[0]: getattr(cls, f[0]).offset for f in cls._fields_})
     return out
 

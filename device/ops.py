@@ -1,5 +1,5 @@
 """The kernels of device/kernels/ops.cu, bound for Python: the op-list kernel behind the host
-wrappers (gpunet.context) and the ordering-test schedule kernel (tests, bench/device_post.py)."""
+wrappers (gpunet/_launch.py); tests drive it directly through :func:`run_ops`."""
 import ctypes
 
 from gpunet.device import abi
@@ -14,14 +14,9 @@ def load_ops(arch="host", defines=None):
         return lib
     u32, u64, vp = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
     lib.gpunet_ops_abi_size.argtypes, lib.gpunet_ops_abi_size.restype = [u32], u32
-    common = [u32, u32, u32, u32, u64, u32, u32, vp]
-    lib.gpunet_ops_launch.argtypes = common + [vp, u32]
+    lib.gpunet_ops_launch.argtypes = [u32, u32, u32, u32, u64, u32, u32, vp, vp, u32]
     lib.gpunet_ops_launch.restype = ctypes.c_int
-    lib.gpunet_schedule_launch.argtypes = common + [vp]
-    lib.gpunet_schedule_launch.restype = ctypes.c_int
-    lib.gpunet_mix64.argtypes, lib.gpunet_mix64.restype = [u64, u64, u64, u64], u64
-    lib.gpunet_poll_cq_once.argtypes, lib.gpunet_poll_cq_once.restype = [vp, vp], ctypes.c_int
-    for i, name in enumerate(["Status", "CqDesc", "QpDesc", "PeerDesc", "DevCtx", "OpDesc", "SchedParams"]):
+    for i, name in enumerate(["Status", "CqDesc", "QpDesc", "PeerDesc", "DevCtx", "OpDesc"]):
         got = lib.gpunet_ops_abi_size(i)
         if got != abi.SIZES[name]:
             raise ToolchainError("ops.cu was built with sizeof(%s) = %d, device/abi.py expects %d"
@@ -42,7 +37,9 @@ class Launch:
 
 
 def run_ops(lib, lb, ops, per_thread, launch, check=True):
-    """Run ``ops`` (abi.OpDesc array, per_thread per thread) on ``lb``; raise the Status if ``check``."""
+    """Run ``ops`` (abi.OpDesc array, per_thread per thread) on ``lb`` (anything with a DevCtx
+    ``.ctx`` and its Status ``.status``, e.g. gpunet.device.testing.loopback.Loopback); raise the
+    Status if ``check``."""
     from gpunet.errors import GpunetError
 
     rc = lib.gpunet_ops_launch(*launch.args(), ctypes.addressof(lb.ctx), ctypes.addressof(ops), per_thread)
@@ -50,14 +47,3 @@ def run_ops(lib, lb, ops, per_thread, launch, check=True):
         raise GpunetError("ops kernel launch failed (%d)" % rc)
     if check:
         abi.raise_for_status(lb.status, "ops kernel")
-
-
-def run_schedule(lib, lb, params, launch, check=True):
-    """Run a schedule kernel launch (abi.SchedParams) on ``lb``; raise the Status if ``check``."""
-    from gpunet.errors import GpunetError
-
-    rc = lib.gpunet_schedule_launch(*launch.args(), ctypes.addressof(lb.ctx), ctypes.addressof(params))
-    if rc != 0:
-        raise GpunetError("schedule kernel launch failed (%d)" % rc)
-    if check:
-        abi.raise_for_status(lb.status, "schedule kernel")

@@ -1,7 +1,7 @@
 """gpunet/arch.cuh on the HOST arm (SIMT emulator, weak-memory model), the CUDA arm's compile, and
 device/loader.py.
 
-Kernels are in device/kernels/test_arch.cu; every HOST test runs with emulated warps of 32 and 64.
+Kernels are in device/testing/kernels/arch.cu; every HOST test runs with emulated warps of 32 and 64.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpunet.device import loader
+from gpunet.device import loader, testing
 from gpunet.errors import ToolchainError
 
-KERNELS = loader.kernels_dir() / "test_arch.cu"
+KERNELS = testing.kernels_dir() / "arch.cu"
 WARPS = [32, 64]
 P = ctypes.c_void_p
 U32 = ctypes.c_uint32
@@ -401,5 +401,8 @@ def test_loader_reports_compile_errors_with_the_compilers_stderr(tmp_path, monke
 
 
 def test_include_dir_holds_arch_cuh():
+    """The loader's include dir holds arch.cuh; gpunet's kernels and the test kernels are found
+    where the package says (also when installed)."""
     assert (loader.include_dir() / "gpunet" / "arch.cuh").is_file()
-    assert Path(loader.kernels_dir(), "test_arch.cu").is_file()
+    assert Path(loader.kernels_dir(), "ops.cu").is_file()
+    assert KERNELS.is_file()

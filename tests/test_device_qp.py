@@ -1,6 +1,6 @@
 """GPU-initiated QP operations (device/include/gpunet/qp.cuh, gpunet.cuh) on the HOST arm.
 
-The device code runs under the SIMT emulator against the soft NIC (device/loopback.py: PE 0 posts
+The device code runs under the SIMT emulator against the soft NIC (gpunet.device.testing's Loopback: PE 0 posts
 on QP a, PE 1 is its RC peer). Deterministic tests: the ABI mirror, every operation once, both CQ
 modes, warps of 32 and 64, a ring of 8 WQEBBs under hundreds of posts (back-pressure and wrap),
 the 16-bit WQE counter wrap, fault injection ending in a GpunetError (never a hang), and the fence
@@ -15,8 +15,10 @@ import pytest
 
 from gpunet import errors, mlx5
 from gpunet.device import abi, loader
-from gpunet.device import loopback as L
 from gpunet.device import ops as dops
+from gpunet.device import testing
+from gpunet.device.testing import loopback as L
+from gpunet.device.testing import schedule
 from gpunet.host.softnic import SoftNic
 
 WARPS = [32, 64]
@@ -33,6 +35,12 @@ def nic():
 @pytest.fixture(scope="module")
 def lib():
     return dops.load_ops()
+
+
+@pytest.fixture(scope="module")
+def sched_lib():
+    """gpunet.device.testing's schedule.cu library (its one-CQ-poll kernel)."""
+    return schedule.load()
 
 
 def _op(kind, dst=0, src=0, nbytes=0, sig=0, value=0, cmp=0, pe=L.PEER):
@@ -52,22 +60,18 @@ def _ops_array(rows):
 
 
 # ------------------------------------------------------------------------------------------------
-def test_abi_layout_matches_cpp(tmp_path):
-    """Every offsetof / sizeof of the C++ descriptors equals device/abi.py's mirror."""
-    lines = ['#include "%s"' % (loader.kernels_dir() / "ops.cu"), "#include <cstdio>", "#include <cstddef>",
-             "int main() {"]
-    cxx = {"Status": "gpunet::Status", "CqDesc": "gpunet::CqDesc", "QpDesc": "gpunet::QpDesc",
-           "PeerDesc": "gpunet::PeerDesc", "DevCtx": "gpunet::DevCtx", "OpDesc": "OpDesc",
-           "SchedParams": "SchedParams", "ProxyChannel": "gpunet::proxy::ProxyChannel"}
-    py = abi.layout()
+def _cpp_layout(tmp_path, source, cxx, py):
+    """{(struct, field or "sizeof"): value} printed by a program that includes ``source`` and
+    prints every offsetof / sizeof of ``py``'s structs (``cxx``: their C++ names)."""
+    lines = ['#include "%s"' % source, "#include <cstdio>", "#include <cstddef>", "int main() {"]
     for name, (size, fields) in py.items():
         lines.append('std::printf("%s sizeof %%zu\\n", sizeof(%s));' % (name, cxx[name]))
         for f in fields:
             lines.append('std::printf("%s %s %%zu\\n", offsetof(%s, %s));' % (name, f, cxx[name], f))
     lines.append("return 0; }")
-    src = tmp_path / "layout.cpp"
+    src = tmp_path / ("layout_%s.cpp" % source.stem)
     src.write_text("\n".join(lines))
-    exe = tmp_path / "layout"
+    exe = tmp_path / ("layout_%s" % source.stem)
     subprocess.run(["g++", "-std=c++17", "-DGPUNET_ARCH_HOST", "-I%s" % loader.include_dir(), "-pthread",
                     "-Wno-invalid-offsetof", "-o", str(exe), str(src)], check=True, capture_output=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
@@ -76,8 +80,26 @@ def test_abi_layout_matches_cpp(tmp_path):
         if line:
             s, f, v = line.split()
             got[(s, f)] = int(v)
+    return got
+
+
+@pytest.mark.parametrize("which", ["ops", "schedule"])
+def test_abi_layout_matches_cpp(tmp_path, which):
+    """Every offsetof / sizeof of the C++ descriptors equals its Python mirror: device/abi.py's
+    (ops.cu and the headers it includes) and gpunet.device.testing.schedule's (schedule.cu)."""
+    if which == "ops":
+        source, mirror = loader.kernels_dir() / "ops.cu", abi
+        cxx = {"Status": "gpunet::Status", "CqDesc": "gpunet::CqDesc", "QpDesc": "gpunet::QpDesc",
+               "PeerDesc": "gpunet::PeerDesc", "DevCtx": "gpunet::DevCtx", "OpDesc": "OpDesc",
+               "ProxyChannel": "gpunet::proxy::ProxyChannel"}
+    else:
+        source, mirror = testing.kernels_dir() / "schedule.cu", schedule
+        cxx = {"SchedParams": "SchedParams"}
+    py = abi.layout(mirror.STRUCTS)
+    assert set(py) == set(cxx) == set(mirror.SIZES)
+    got = _cpp_layout(tmp_path, source, cxx, py)
     for name, (size, fields) in py.items():
-        assert got[(name, "sizeof")] == size == abi.SIZES[name], name
+        assert got[(name, "sizeof")] == size == mirror.SIZES[name], name
         for f, off in fields.items():
             assert got[(name, f)] == off, (name, f)
 
@@ -199,7 +221,7 @@ def _collapsed_qp(depth=64):
 @pytest.mark.parametrize("case", ["rung_before_db_head", "exactly_full", "exactly_full_multi_wqebb",
                                   "wrap_16bit", "credited_already", "credited_already_after_wrap",
                                   "beyond_ready", "invalid"])
-def test_collapsed_cq_credits_the_newest_cqe_exactly(lib, case):
+def test_collapsed_cq_credits_the_newest_cqe_exactly(sched_lib, case):
     """Collapsed CQ, one poll: a CQE naming a published WQE not yet credited is credited (also when
     the ringer has not stored db_head yet: the NIC completes before that store; also with the ring
     exactly full and across the 16-bit counter wrap); a CQE already credited, or naming nothing
@@ -224,7 +246,7 @@ def test_collapsed_cq_credits_the_newest_cqe_exactly(lib, case):
     slot_nbb[s % 64] = nbb
     cqbuf[60], cqbuf[61], cqbuf[63] = (s >> 8) & 0xFF, s & 0xFF, op_own
     st = abi.alloc_struct(abi.Status)
-    assert lib.gpunet_poll_cq_once(ctypes.addressof(qp), ctypes.addressof(st)) == 0
+    assert sched_lib.gpunet_poll_cq_once(ctypes.addressof(qp), ctypes.addressof(st)) == 0
     assert int(qp.done_head) == want
     assert st.code == 0
 

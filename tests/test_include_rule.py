@@ -1,8 +1,9 @@
 """The layering of the device headers, checked on the sources (no compiler needed).
 
-- Code above the verbs (device/kernels/*.cu, the EP headers under device/include/gpunet/ep/, the
-  user-kernel examples under examples/) includes gpunet.cuh and nothing below it, so the transports can change beneath it. Kernels that
-  test or measure a lower layer on purpose are listed in BELOW_ON_PURPOSE with the reason.
+- Code above the verbs (device/kernels/*.cu, the test kernels device/testing/kernels/*.cu, the EP
+  headers under device/include/gpunet/ep/, the user-kernel examples under examples/) includes
+  gpunet.cuh and nothing below it, so the transports can change beneath it. Kernels that test or
+  measure a lower layer on purpose are listed in BELOW_ON_PURPOSE with the reason.
 - Every transport (device/include/gpunet/transport/*.cuh) includes status.cuh (the failure
   vocabulary) itself and no other transport; the mechanisms under them (qp.cuh, proxy.cuh) do not
   include each other; status.cuh stands on arch.cuh alone; gpunet.cuh includes every transport.
@@ -16,15 +17,16 @@ ROOT = Path(__file__).resolve().parents[1]
 INCLUDE_ROOT = ROOT / "device" / "include"
 GPUNET = INCLUDE_ROOT / "gpunet"
 KERNELS = ROOT / "device" / "kernels"
+TEST_KERNELS = ROOT / "device" / "testing" / "kernels"
 TRANSPORTS = GPUNET / "transport"
 EP = GPUNET / "ep"
 EXAMPLES = ROOT / "examples"
 
 # Kernels that use a layer below the verbs on purpose, and why.
 BELOW_ON_PURPOSE = {
-    "bench_post.cu": "measures qp.cuh's posting protocol (post_warp / post_warp_k) itself",
-    "proxy_kernels.cu": "tests and measures proxy.cuh's FIFO protocol (push, push_warp, quiet)",
-    "test_arch.cu": "tests arch.cuh's primitives and the weak-memory model",
+    KERNELS / "proxy_kernels.cu": "tests and measures proxy.cuh's FIFO protocol (push, push_warp, quiet)",
+    TEST_KERNELS / "post_rate.cu": "measures qp.cuh's posting protocol (post_warp / post_warp_k) itself",
+    TEST_KERNELS / "arch.cu": "tests arch.cuh's primitives and the weak-memory model",
 }
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
@@ -58,7 +60,8 @@ def above_violations(path, text=None):
 
 
 def _above_files():
-    kernels = sorted(p for p in KERNELS.glob("*.cu") if p.name not in BELOW_ON_PURPOSE)
+    kernels = sorted(p for d in (KERNELS, TEST_KERNELS) for p in d.glob("*.cu")
+                     if p not in BELOW_ON_PURPOSE)
     ep = sorted(EP.rglob("*.cuh")) if EP.is_dir() else []
     examples = sorted(EXAMPLES.glob("*.cu")) if EXAMPLES.is_dir() else []
     return kernels + ep + examples
@@ -86,10 +89,9 @@ def test_the_rule_sees_a_violation():
 def test_listed_exceptions_exist_and_need_it():
     """Every BELOW_ON_PURPOSE entry is a kernel that exists and really includes a lower header
     (an entry that no longer needs the exception must leave the list)."""
-    for name in BELOW_ON_PURPOSE:
-        path = KERNELS / name
-        assert path.is_file(), name
-        assert above_violations(path), "%s includes nothing below the verbs: drop it from the list" % name
+    for path in BELOW_ON_PURPOSE:
+        assert path.is_file(), path
+        assert above_violations(path), "%s includes nothing below the verbs: drop it from the list" % path
 
 
 def test_transports_include_status_and_no_other_transport():

@@ -16,8 +16,8 @@ layers, bottom up:
 
 A module imports only modules of its own layer or of lower ones: device/ never imports host/.
 Besides: only host/nic.py (the factory ``open_nic``) names a NIC implementation (host/softnic.py,
-host/verbs.py), and the module-level imports form no cycle (a cycle there makes import order
-matter).
+host/verbs.py), nothing outside gpunet.device.testing (test and benchmark support) imports it,
+and the module-level imports form no cycle (a cycle there makes import order matter).
 """
 import ast
 from pathlib import Path
@@ -31,6 +31,7 @@ BARE_FLOOR = {"gpunet.errors", "gpunet.config", "gpunet._floor"}     # import no
 WIRE = {"gpunet.host.rawmem", "gpunet.mlx5"}
 NIC_IMPLEMENTATIONS = {"gpunet.host.softnic", "gpunet.host.verbs"}
 NIC_FACTORY = "gpunet.host.nic"
+TESTING = "gpunet.device.testing"
 RANK = {"floor": 0, "wire": 1, "device": 2, "host": 3, "top": 4}
 
 
@@ -119,7 +120,7 @@ def test_the_rule_itself_rejects_upward_and_sideways_imports():
     top -> host / device / floor, host -> device and host -> wire are allowed."""
     assert allowed("gpunet.host.proxy", "gpunet.device.abi")
     assert not allowed("gpunet.device.descriptors", "gpunet.host.softnic")
-    assert not allowed("gpunet.device.loopback", "gpunet.host.platform")
+    assert not allowed("gpunet.device.testing.loopback", "gpunet.host.platform")
     assert not allowed("gpunet._floor", "gpunet.mlx5")
     assert not allowed("gpunet.mlx5", "gpunet.host.wq")
     assert not allowed("gpunet.host.softnic", "gpunet.context")
@@ -147,6 +148,19 @@ def test_only_the_factory_names_a_nic_implementation():
     open_nic (a second implementation is added there alone)."""
     users = sorted(m for m in MODULES for d in _imports(m)
                    if d in NIC_IMPLEMENTATIONS and m not in NIC_IMPLEMENTATIONS | {NIC_FACTORY})
+    assert users == [], users
+
+
+def _in_testing(name):
+    return name == TESTING or name.startswith(TESTING + ".")
+
+
+def test_nothing_in_the_package_imports_the_testing_support():
+    """gpunet.device.testing is test and benchmark support: no module outside it imports it, so
+    the library runs without it (and its modules are found, or this check would be vacuous)."""
+    assert {TESTING, TESTING + ".loopback", TESTING + ".schedule"} <= set(MODULES)
+    users = sorted("%s -> %s" % (m, d) for m in MODULES if not _in_testing(m)
+                   for d in _imports(m) if _in_testing(d))
     assert users == [], users
 
 

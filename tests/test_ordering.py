@@ -1,7 +1,8 @@
 """Ordering of GPU-initiated operations: hypothesis-generated schedules on the HOST arm + soft NIC.
 
 What is generated (hypothesis draws compact parameters; the kernel expands them, see
-device/kernels/ops.cu ``k_schedule``, and tests/ordering_ref.py mirrors the expansion):
+device/testing/kernels/schedule.cu ``k_schedule``, and gpunet.device.testing.ordering_ref mirrors
+the expansion):
   - T threads in 1-2 blocks of 1-2 warps, warps of 32 or 64 lanes;
   - each thread: ROUNDS schedules back to back (own memory per round, quiet between), each a
     sequence of 2-8 operations drawn from put / inline put / get / put_signal / atomic fetch-add /
@@ -32,12 +33,11 @@ from hypothesis import strategies as st
 
 from gpunet import errors
 from gpunet.device import abi
-from gpunet.device import loopback as L
 from gpunet.device import ops as dops
+from gpunet.device.testing import loopback as L
+from gpunet.device.testing import schedule as S
+from gpunet.device.testing.ordering_ref import check_schedule, prepare_schedule
 from gpunet.host.softnic import SoftNic
-
-from ordering_ref import (NCOUNTERS, REGION, WARP_REGION, check_atomic_chains, expand,
-                          prepare_schedule)
 
 ROUNDS = 16                           # schedules per launch (each thread runs them back to back)
 EXAMPLES_PER_PROFILE_EXAMPLE = 13     # ci: 50 * 13 = 650 examples * 16 rounds = 10,400 schedules
@@ -86,55 +86,31 @@ def _healthy(lb):
 
 @pytest.fixture(scope="module")
 def lib():
-    return dops.load_ops()
+    return S.load()
 
 
-def run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, mix=abi.MIX_ALL, weak=False,
+def run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, mix=S.MIX_ALL, weak=False,
              weak_seed=0, order=0, check_every=4, evict=None, check=True):
-    """Run ROUNDS schedules in one launch on ``lb`` and check every invariant; returns the
-    reference images for callers that check more."""
+    """Run ROUNDS schedules in one launch on ``lb`` and check every invariant
+    (ordering_ref.check_schedule) and that no failure was recorded; returns the heap offsets."""
     T = blocks * warps_per_block * ws
     nwarps = blocks * warps_per_block
     R = ROUNDS
-    p = abi.alloc_struct(abi.SchedParams)
-    o, (src, wsrc, gsrc) = prepare_schedule(lb, p, seed, R, T, nwarps, nops, mix, check_every, L.PEER)
-    Lh, Rh = lb.local, lb.remote
+    p = abi.alloc_struct(S.SchedParams)
+    o, sources = prepare_schedule(lb, p, seed, R, T, nwarps, nops, mix, check_every, L.PEER)
     if evict is not None:
         evict("before")
     results = np.zeros(R * T * nops, dtype=np.uint64)
     violations = np.zeros(T, dtype=np.uint64)
     p.results, p.violations = results.ctypes.data, violations.ctypes.data
     heads0 = lb.heads()
-    dops.run_schedule(lib, lb, p, dops.Launch(grid=blocks, block=warps_per_block * ws, warp_size=ws, weak=weak,
-                                        seed=weak_seed, order=order), check=check)
+    S.run_schedule(lib, lb, p, dops.Launch(grid=blocks, block=warps_per_block * ws, warp_size=ws, weak=weak,
+                                           seed=weak_seed, order=order), check=check)
     _count["launches"] += 1
     _count["schedules"] += R
     if evict is not None:
         evict("after")
-    # ---- the reference ----
-    e_put = np.zeros(R * T * REGION, np.uint8)
-    e_get = np.zeros(R * T * REGION, np.uint8)
-    e_warp = np.zeros(R * nwarps * WARP_REGION, np.uint8)
-    e_sig = np.zeros(R * T, np.uint64)
-    atomics = np.zeros((R * T * nops, 3), np.int64)
-    wqes = expand(seed, R, nops, T, REGION, REGION, mix, NCOUNTERS, WARP_REGION, ws,
-                  src, wsrc, gsrc, e_put, e_get, e_warp, e_sig, atomics)
-    got_put = Rh[o["put_dst"]:o["put_dst"] + e_put.size]
-    got_get = Lh[o["get_dst"]:o["get_dst"] + e_get.size]
-    got_warp = Rh[o["warp_dst"]:o["warp_dst"] + e_warp.size]
-    assert (got_put == e_put).all(), "put data differs from the sequential reference"
-    assert (got_get == e_get).all(), "get data differs from the sequential reference"
-    assert (got_warp == e_warp).all(), "warp-put data differs from the sequential reference"
-    sig = Rh[o["sig"]:o["sig"] + R * T * 8].view(">u8").astype(np.uint64)
-    assert (sig == e_sig).all(), "signal counts differ (a put_signal lost or duplicated)"
-    counters = Rh[o["counters"]:o["counters"] + NCOUNTERS * 8].view(">u8")
-    check_atomic_chains(atomics, results, counters)
-    assert int(violations.sum()) == 0, "a receiver saw a signal before its payload"
-    resv, ready, db, done = lb.heads()
-    assert resv == ready == db == done, (resv, ready, db, done)
-    assert resv - heads0[0] >= wqes
-    assert lb.nic.qp_sq_ci(lb.a) == resv & 0xFFFF
-    assert lb.nic.qp_state(lb.a) == "RTS"
+    check_schedule(lb, o, sources, seed, R, nops, T, ws, mix, results, violations, heads0, lb.heads())
     assert lb.status.code == 0
     return o
 
@@ -201,7 +177,7 @@ def test_c500_device_kind_payload_is_stale(world, lib):
     policy puts NIC-read payload in finegrained memory."""
     lb = world(profile="c500", depth=16, collapsed=False, batch=1, kind="device")
     with pytest.raises(AssertionError, match="differs|chain|signal"):
-        run_case(lib, lb, 12345, 1, 1, 32, 8, mix=(1 << abi.K_PUT) | (1 << abi.K_GET), check_every=0)
+        run_case(lib, lb, 12345, 1, 1, 32, 8, mix=(1 << S.K_PUT) | (1 << S.K_GET), check_every=0)
 
 
 @pytest.mark.parametrize("collapsed", [False, True])

@@ -17,8 +17,8 @@ import pytest
 
 from gpunet import errors, mlx5
 from gpunet.device import abi
-from gpunet.device import loopback as L
 from gpunet.device import ops as dops
+from gpunet.device.testing import loopback as L
 from gpunet.host import proxy as P
 from gpunet.device.descriptors import DeviceContext, proxy_channel_desc
 from gpunet.host.softnic import SoftNic

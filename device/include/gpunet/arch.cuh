@@ -29,6 +29,7 @@
 //   bswap16/32/64                                    void doorbell_store64(volatile u64* reg, u64)
 //   u64 now_ns()                                     void spin_pause()
 //   lane_id() warp_size() warp_id() thread_rank() thread_idx() block_idx() block_dim() grid_dim()
+//   u64 global_thread_rank()   (rank in the whole launch: blocks in x, y, z order)
 //   syncthreads() syncwarp() shfl(v, src) ballot(pred)->u64 any(pred) all(pred) block_any(pred)
 //   uint8_t* shared_mem()   (dynamic shared memory: the launch's shared size)
 #pragma once
@@ -505,6 +506,13 @@ GPUNET_DEVICE uint8_t* shared_mem() {
   return hd::tl_ctx ? hd::tl_ctx->block->smem.data() : lone;
 }
 #endif
+
+// ---- every arm, from the primitives above ------------------------------------------------------
+// The thread's rank in the whole launch: blocks in x, y, z order, threads by thread_rank().
+GPUNET_DEVICE uint64_t global_thread_rank() {
+  const Dim3 b = block_idx(), g = grid_dim(), bd = block_dim();
+  return uint64_t(b.x + g.x * (b.y + g.y * b.z)) * (bd.x * bd.y * bd.z) + thread_rank();
+}
 
 }  // namespace gpunet::arch
 

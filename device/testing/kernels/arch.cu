@@ -1,3 +1,4 @@
+// Test and benchmark support, not the API.
 // Test kernels for gpunet/arch.cuh (tests/test_device_arch.py): ids, barriers, warp collectives,
 // atomics, the HOST weak-memory model's litmus tests, and one kernel that uses every primitive
 // (the CUDA arm's compile check). Written once; the launchers are extern "C" for ctypes and

@@ -1,4 +1,5 @@
-"""A two-PE world inside one process on the soft NIC: what the device QP tests and benchmarks run on.
+"""Test and benchmark support, not the API: a two-PE world inside one process on the soft NIC,
+what the device QP tests and benchmarks run on.
 
 PE 0 (the device code under test) posts on QP ``a``; PE 1 is QP ``b``, its RC peer, on the same
 SoftNic or on a second one (``peer_nic``: then ``peer_nic.mark_down()`` is a dead peer). Each PE

@@ -1,3 +1,4 @@
+// Test and benchmark support, not the API.
 // Post-rate kernels for bench/device_post.py: how fast GPU warps put RDMA-WRITE WQEs into a
 // host-mapped send queue through qp.cuh's warp-cooperative path (post_warp: one reservation per
 // warp, lane i writes WQE i, lane 0 publishes in order and rings at db_batch boundaries).

@@ -1,4 +1,5 @@
-"""The sequential reference of device/kernels/ops.cu's SCHEDULE kernel, written independently in numba.
+"""Test and benchmark support, not the API: the sequential reference of the ordering SCHEDULE
+kernel (kernels/schedule.cu), written independently in numba, and the checks of its invariants.
 
 Given the schedule parameters, it re-expands every thread's operation list with the same stateless
 hash (splitmix64-based ``mix64``) and applies the operations in each thread's program order to
@@ -6,13 +7,16 @@ expected images of the memory. The schedule is designed so that this is well def
 interleaving: each thread (and each warp, for warp puts) writes only its own ranges, gets read
 ranges nobody writes, and atomics only add (they commute); per-thread order is preserved by the
 in-order QP. Returns the expected put / get / warp destinations, signal counts, and the list of
-atomic (counter, addend, slot) triples for the exactly-once chain check.
+atomic (counter, addend, slot) triples for the exactly-once chain check. :func:`check_schedule`
+checks one launch against it (tests/test_ordering.py, bench/device_post.py).
 """
 import numpy as np
 from numba import njit
 
-K_PUT, K_INLINE, K_GET, K_SIGNAL, K_ATOMIC, K_QUIET, K_FENCE, K_WARP = range(8)
-MAX_INLINE = 220
+from gpunet.device.abi import MAX_INLINE
+from gpunet.device.testing.schedule import (K_ATOMIC, K_FENCE, K_GET, K_INLINE, K_PUT, K_QUIET,
+                                            K_SIGNAL, K_WARP)
+
 _TABLE = np.array([0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 5], dtype=np.int64)
 M64 = (1 << 64) - 1
 
@@ -114,7 +118,7 @@ def check_atomic_chains(atomics, results, counters):
     assert (res[unused] == np.uint64(M64)).all(), "a result slot of a non-atomic op was written"
 
 
-# --- laying a launch of schedules out in a Loopback's heaps (tests and bench/device_post.py) ----
+# --- laying a launch of schedules out in a Loopback's heaps, and checking it -------------------
 REGION = 256            # bytes each thread owns per schedule for puts / gets
 WARP_REGION = 2048      # bytes each warp owns per schedule for warp puts
 NCOUNTERS = 4           # shared atomic counters
@@ -130,7 +134,7 @@ def schedule_sizes(rounds, nthreads, nwarps):
 
 def prepare_schedule(lb, params, seed, rounds, nthreads, nwarps, nops, mix, check_every, pe):
     """Allocate the launch's buffers in ``lb``'s symmetric heaps, fill the sources with bytes
-    seeded by ``seed``, zero the destinations, and fill ``params`` (an abi.SchedParams) except
+    seeded by ``seed``, zero the destinations, and fill ``params`` (a schedule.SchedParams) except
     its results / violations addresses, which live where the caller's device can write them.
     Returns ({name: heap offset}, (src, wsrc, get_src)): the offsets and copies of the source
     bytes, which ``expand`` needs for the reference."""
@@ -154,3 +158,42 @@ def prepare_schedule(lb, params, seed, rounds, nthreads, nwarps, nops, mix, chec
         setattr(p, name, b + o[name])
     p.peer_view = lb.remote_base
     return o, tuple(sources)
+
+
+def check_schedule(lb, o, sources, seed, rounds, nops, nthreads, ws, mix, results, violations,
+                   heads_before, heads_after):
+    """Assert every invariant of one launch of ``rounds`` schedules on ``lb`` (AssertionError with
+    what broke): memory equals the sequential reference (puts, gets, warp puts), signal words count
+    every put_signal, each atomic counter's fetched values form a chain (exactly once), no receiver
+    saw a signal before its payload (``violations``), the QP's four heads agree after the launch
+    and advanced by at least the reference's WQE count, the NIC's consumer index is at them and
+    the QP is in RTS. ``o`` and ``sources`` are :func:`prepare_schedule`'s; ``results`` /
+    ``violations`` the kernel's arrays read back; ``heads_*``: (resv, ready, db, done) before and
+    after. Returns the reference's WQE count."""
+    nwarps = (nthreads + ws - 1) // ws
+    src, wsrc, gsrc = sources
+    e_put = np.zeros(rounds * nthreads * REGION, np.uint8)
+    e_get = np.zeros(rounds * nthreads * REGION, np.uint8)
+    e_warp = np.zeros(rounds * nwarps * WARP_REGION, np.uint8)
+    e_sig = np.zeros(rounds * nthreads, np.uint64)
+    atomics = np.zeros((rounds * nthreads * nops, 3), np.int64)
+    wqes = expand(seed, rounds, nops, nthreads, REGION, REGION, mix, NCOUNTERS, WARP_REGION, ws,
+                  src, wsrc, gsrc, e_put, e_get, e_warp, e_sig, atomics)
+    local, remote = lb.local, lb.remote
+    assert (remote[o["put_dst"]:o["put_dst"] + e_put.size] == e_put).all(), \
+        "put data differs from the sequential reference"
+    assert (local[o["get_dst"]:o["get_dst"] + e_get.size] == e_get).all(), \
+        "get data differs from the sequential reference"
+    assert (remote[o["warp_dst"]:o["warp_dst"] + e_warp.size] == e_warp).all(), \
+        "warp-put data differs from the sequential reference"
+    sig = remote[o["sig"]:o["sig"] + rounds * nthreads * 8].view(">u8").astype(np.uint64)
+    assert (sig == e_sig).all(), "signal counts differ (a put_signal lost or duplicated)"
+    check_atomic_chains(atomics, results, remote[o["counters"]:o["counters"] + NCOUNTERS * 8].view(">u8"))
+    assert int(np.asarray(violations).sum()) == 0, "a receiver saw a signal before its payload"
+    resv, ready, db, done = heads_after
+    assert resv == ready == db == done, "heads differ: %s" % (heads_after,)
+    assert resv - heads_before[0] >= wqes, "fewer WQEBBs (%d) than the reference's WQEs (%d)" % (
+        resv - heads_before[0], wqes)
+    assert lb.nic.qp_sq_ci(lb.a) == resv & 0xFFFF, "the NIC's consumer index is not at the heads"
+    assert lb.nic.qp_state(lb.a) == "RTS", "the QP is not in RTS"
+    return wqes
