@@ -6,7 +6,8 @@ run; the table gives the median of the runs' medians and the spread [min, max] o
 
   put+quiet        2 ranks: rank 0 puts 64 B to rank 1 and quiet()s, one at a time (gpunet.demo's
                    put_quiet); what a Python caller waits for one small put to be delivered.
-  ping-pong        2 ranks: 8-byte put_signal there, wait_until the answer (gpunet.demo's ping_pong).
+  ping-pong        2 ranks: 8-byte put_signal there, wait_until the answer (gpunet.demo's
+                   ping_pong).
   breakdown (one rank, loopback QP, this process):
     ctypes call            a foreign call into the ops library that does nothing (an ABI size query)
     launch, quiet only     the HOST-arm launch of the ops kernel with one OP_QUIET and nothing
@@ -36,7 +37,8 @@ TARGET_US = 30.0
 
 def _rank(rank, world, args):
     """One rank of the 2-rank rows: for each run and transport, a fresh Context, then put+quiet
-    and ping-pong; rank 0 returns {transport: {"put+quiet": [stats per run], "ping-pong": [...]}}."""
+    and ping-pong; rank 0 returns {transport: {"put+quiet": [stats per run],
+    "ping-pong": [...]}}."""
     import torch
 
     import gpunet
@@ -154,8 +156,8 @@ def main(argv=None):
     for r in pq:
         r["target_us"] = TARGET_US
         r["target_met"] = r["median_us"] < TARGET_US
-    print("runs: %d x %d iterations (after %d warm-up) each; load average %.1f at the start, %.1f at "
-          "the end, %s cores. Target: put+quiet < %.0f us median: %s" % (
+    print("runs: %d x %d iterations (after %d warm-up) each; load average %.1f at the start, "
+          "%.1f at the end, %s cores. Target: put+quiet < %.0f us median: %s" % (
               args.runs, args.iters, args.warmup, load0, load1, m["cores"], TARGET_US,
               ", ".join("%s %s" % (r["transport"], "met" if r["target_met"] else "NOT met")
                         for r in pq)))

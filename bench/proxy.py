@@ -23,11 +23,15 @@ NICs, channel and proxy each); a row reports the median and [min, max] of the ru
 the median of their p99s, next to the 2.85 us GPU<->CPU floor measured on the H200 (docs
 FACTS.md); target <= 2x the floor in every run. The polling threads (the device thread's host
 thread, the proxy, both NIC engines) each get a physical core of their own, GPU-local cores
-first, when the machine has enough (``plan_placement``; ``--no-pin`` leaves it to the OS); the JSON
-records the plan and what each thread got (CPUs allowed, last CPU, involuntary switches).
+first, when the machine has enough; the proxy and the requester NIC's engine, which hand every
+command's doorbell and CQE to each other, go on the pair of cores with the lowest core-to-core
+latency measured before each run (``plan_placement``, ``c2c_ns``: a VM's vCPUs may share a socket
+or not, which its sysfs topology does not show; ``--placement spread`` skips the probe, ``none``
+leaves placement to the OS). The JSON records, per run, the plan, the measured latencies, the
+topology sysfs reports, and what each thread got (CPUs allowed, last CPU, involuntary switches).
 
 Usage: python bench/proxy.py [--quick] [--json PATH] [--gpu | --roundtrip host] [--reps 3]
-                             [--no-pin] [--threads 1,2]
+                             [--placement probe|spread|none] [--threads 1,2]
 """
 import argparse
 import json
@@ -41,7 +45,7 @@ from numba import njit
 
 from gpunet.device.descriptors import proxy_channel_desc
 from gpunet.host import proxy as P
-from gpunet.host.rawmem import pin_current_thread
+from gpunet.host.rawmem import clock_ns, load_acquire_u64, pin_current_thread, store_release_u64
 from machine import machine  # bench/machine.py (the script's folder is on sys.path)
 
 FLOOR_US = 2.85          # FACTS.md: GPU <-> CPU round trip through host-mapped memory, H200
@@ -201,10 +205,56 @@ def gpu_local_cpus():
     return {"pci": bdf, "cpus": cpus} if cpus else None
 
 
-def plan_placement(roles=ROLES, near=None):
-    """{role: [cpu]}: one physical core per role (its first allowed hyperthread), cores local to
-    ``near`` (a CPU list) first, CPU 0's core last (it takes most interrupts), and a note; or
-    (None, why) when the process may use fewer physical cores than there are roles."""
+@njit(nogil=True, cache=True)
+def _c2c(addr, me, rounds, warm, timeout_ns):
+    """One side of a cache-line ping-pong: side 0 waits for 2i and writes 2i + 1, side 1 waits
+    for 2i + 1 and writes 2i + 2. Side 0 returns the ns of ``rounds`` round trips after ``warm``
+    (-1 on timeout: the other side never came)."""
+    t0 = clock_ns()
+    start = t0
+    for i in range(warm + rounds):
+        if i == warm:
+            start = clock_ns()
+        want = 2 * i + me
+        k = 0
+        while np.int64(load_acquire_u64(addr)) != want:
+            k += 1
+            if (k & 4095) == 0 and clock_ns() - t0 > timeout_ns:
+                return -1
+        store_release_u64(addr, np.uint64(want + 1))
+    return clock_ns() - start
+
+
+def c2c_ns(a, b, rounds=2000, warm=200):
+    """One-way core-to-core latency between CPUs ``a`` and ``b`` (ns): a cache line bounced
+    between two threads pinned there. On a VM the guest's topology may hide which vCPUs share a
+    socket or a cache: this measures it."""
+    from gpunet.host.rawmem import aligned_zeros
+    word = aligned_zeros(64).view(np.uint64)
+    mask = os.sched_getaffinity(0)
+    res = {}
+
+    def other():
+        pin_current_thread([b])
+        res["b"] = _c2c(word.ctypes.data, 1, rounds, warm, int(2e9))
+    try:
+        pin_current_thread([a])
+        t = threading.Thread(target=other)
+        t.start()
+        ns = _c2c(word.ctypes.data, 0, rounds, warm, int(2e9))
+        t.join()
+    finally:
+        os.sched_setaffinity(0, mask)
+    return ns / (2.0 * rounds) if ns > 0 else float("inf")
+
+
+def plan_placement(roles=ROLES, near=None, mode="probe", max_candidates=16):
+    """({role: [cpu]}, why, info) for the round trip's polling threads, one physical core each
+    (its first allowed hyperthread; cores local to ``near`` first, CPU 0's core last: it takes
+    most interrupts); (None, why, info) when the process may use fewer physical cores than there
+    are roles. mode "probe" measures the core-to-core latency of every pair of candidate cores
+    (c2c_ns) and gives the proxy and the requester NIC's engine (the pair that hands the doorbell
+    and the CQE back and forth on every command) the closest pair; "spread" takes cores in order."""
     allowed = sorted(os.sched_getaffinity(0))
     cores = {}
     for c in allowed:
@@ -212,12 +262,52 @@ def plan_placement(roles=ROLES, near=None):
                _read("/sys/devices/system/cpu/cpu%d/topology/core_id" % c))
         cores.setdefault(key if key[1] is not None else ("cpu", c), []).append(c)
     groups = sorted(cores.values(), key=lambda g: (0 in g, not (near and g[0] in near), g[0]))
+    info = {"topology": {g[0]: topology_of(g[0]) for g in groups[:max_candidates]}}
     if len(groups) < len(roles):
         return None, ("not pinned: %d physical cores allowed for %d polling threads (%s)"
-                      % (len(groups), len(roles), ", ".join(roles)))
-    plan = {r: [g[0]] for r, g in zip(roles, groups)}
-    return plan, ("one physical core per thread%s; %d cores allowed"
-                  % (", GPU-local first" if near else "", len(groups)))
+                      % (len(groups), len(roles), ", ".join(roles))), info
+    cand = [g[0] for g in groups[:max_candidates]]
+    order = list(cand)
+    if mode == "probe" and "proxy" in roles and "nic_a" in roles:
+        lat = {}
+        for i, a in enumerate(cand):
+            for b in cand[i + 1:]:
+                lat[a, b] = c2c_ns(a, b)
+        (a, b), best = min(lat.items(), key=lambda kv: kv[1])
+        vals = sorted(lat.values())
+        info["c2c_ns"] = {"best_pair": [a, b], "best": best, "median": vals[len(vals) // 2],
+                          "worst": vals[-1], "pairs": {"%d-%d" % k: round(v, 1)
+                                                       for k, v in lat.items()}}
+        order = [a, b] + [c for c in cand if c not in (a, b)]
+        named = ["proxy", "nic_a"] + [r for r in roles if r not in ("proxy", "nic_a")]
+    else:
+        named = list(roles)
+    plan = {r: [c] for r, c in zip(named, order)}
+    why = "one physical core per thread%s; %d cores allowed" % (
+        ", GPU-local first" if near else "", len(groups))
+    if "c2c_ns" in info:
+        c2c = info["c2c_ns"]
+        why += ("; proxy and NIC engine on the closest pair measured (%.0f ns one way; median "
+                "pair %.0f, worst %.0f)" % (c2c["best"], c2c["median"], c2c["worst"]))
+    return plan, why, info
+
+
+def topology_of(cpu):
+    """What sysfs says about a CPU: package, core, SMT siblings, the CPUs sharing its last-level
+    cache, its NUMA node (a VM may present a flat topology: c2c_ns measures instead)."""
+    t = "/sys/devices/system/cpu/cpu%d/" % cpu
+    llc = None
+    for idx in (3, 2):
+        llc = _read(t + "cache/index%d/shared_cpu_list" % idx)
+        if llc:
+            break
+    node = next((n for n in os.listdir("/sys/devices/system/node") if n.startswith("node")
+                 and os.path.exists("/sys/devices/system/node/%s/cpu%d" % (n, cpu))), None) \
+        if os.path.isdir("/sys/devices/system/node") else None
+    return {"package": _read(t + "topology/physical_package_id"),
+            "core": _read(t + "topology/core_id"),
+            "siblings": _read(t + "topology/thread_siblings_list"), "llc_shared": llc,
+            "numa": node}
 
 
 def thread_record(tid):
@@ -236,12 +326,14 @@ def thread_record(tid):
     return rec
 
 
-def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0, pin=True):
+def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0,
+                  placement="probe"):
     """device -> proxy -> soft NIC -> completion -> device round trip, one command at a time, on
     the GPU (arch "cuda") or on the HOST arm (arch "host": the same kernel, channel protocol,
     proxy and soft NIC, with an emulated device thread). drain_only: no NIC (the proxy completes
     each command when it has built its WQE); nic_spin_us: the soft NIC engines poll that long
-    after their last work before they yield; pin: place the polling threads (plan_placement)."""
+    after their last work before they yield; placement: "probe" | "spread" (plan_placement) or
+    "none" (the OS places the threads)."""
     import ctypes
 
     from gpunet.device import loader
@@ -256,7 +348,8 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
               file=sys.stderr)
         raise SystemExit(2)
     near = gpu_local_cpus() if arch == "cuda" else None
-    plan, why = plan_placement(near=near["cpus"] if near else None) if pin else (None, "not pinned")
+    plan, why, info = plan_placement(near=near["cpus"] if near else None, mode=placement) \
+        if placement != "none" else (None, "not pinned (--placement none)", {})
     cpus = plan or {}
     a = SoftNic(idle_spin_us=nic_spin_us, cpus=cpus.get("nic_a"))
     b = SoftNic(idle_spin_us=nic_spin_us, cpus=cpus.get("nic_b"))
@@ -298,7 +391,8 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
         rc = f(ctypes.addressof(desc), status_ptr, int(5e9), iters, size, out_ptr)
         threads = {"device": thread_record(device["tid"]),
                    "proxy": thread_record(eng.placement[0]["tid"]),
-                   "nic_a": thread_record(a.placement["tid"]), "nic_b": thread_record(b.placement["tid"])}
+                   "nic_a": thread_record(a.placement["tid"]),
+                   "nic_b": thread_record(b.placement["tid"])}
         if rc != 0:
             raise SystemExit(f"kernel launch failed: error {rc}")
         code = int(status.view(np.uint64)[0])
@@ -306,10 +400,12 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
             raise SystemExit(f"device recorded a failure: Status = {status.view(np.uint32)[:12]}")
         eng.check()
         ns = out.view(np.uint64).astype(np.float64)[iters // 10:]   # drop the warm-up tenth
-        return {"median_us": float(np.median(ns)) / 1e3, "p99_us": float(np.percentile(ns, 99)) / 1e3,
+        return {"median_us": float(np.median(ns)) / 1e3,
+                "p99_us": float(np.percentile(ns, 99)) / 1e3,
                 "min_us": float(ns.min()) / 1e3, "max_us": float(ns.max()) / 1e3,
                 "proxy_spin_us": pspin, "nic_spin_us": nic_spin_us,
-                "placement": {"plan": plan, "why": why, "gpu_local": near, "threads": threads}}
+                "placement": {"plan": plan, "why": why, "gpu_local": near, "threads": threads,
+                              **info}}
     finally:
         os.sched_setaffinity(0, mask)
         eng.close()
@@ -353,7 +449,10 @@ def main(argv=None):
                     help="device -> proxy -> soft NIC round trip: on the GPU (cuda), or on the "
                          "HOST arm's emulated device thread (host: the same code path on the CPU)")
     ap.add_argument("--reps", type=int, default=3, help="independent round-trip runs per row")
-    ap.add_argument("--no-pin", action="store_true", help="leave thread placement to the OS")
+    ap.add_argument("--placement", choices=("probe", "spread", "none"), default="probe",
+                    help="polling threads on distinct physical cores, the proxy and the NIC engine "
+                         "on the closest pair measured (probe) or in core order (spread); none: "
+                         "the OS places them")
     ap.add_argument("--threads", default="1,2", help="proxy thread counts to run, e.g. 1,2")
     ap.add_argument("--producers", type=int, default=2)
     args = ap.parse_args(argv)
@@ -361,12 +460,13 @@ def main(argv=None):
     arch = "cuda" if args.gpu else args.roundtrip
     if arch:
         it = 200 if args.quick else 5000
-        pin = not args.no_pin
+        placement = args.placement
         pre = "gpu-rt " if arch == "cuda" else "host-rt "
-        rows.append(roundtrip_row(pre + "drain-only", args.reps, it, arch, drain_only=True, pin=pin))
-        rows.append(roundtrip_row(pre + "soft NIC", args.reps, it, arch, pin=pin))
+        rows.append(roundtrip_row(pre + "drain-only", args.reps, it, arch, drain_only=True,
+                                  placement=placement))
+        rows.append(roundtrip_row(pre + "soft NIC", args.reps, it, arch, placement=placement))
         rows.append(roundtrip_row(pre + "soft NIC spinning", args.reps, it, arch,
-                                  nic_spin_us=1000.0, pin=pin))
+                                  nic_spin_us=1000.0, placement=placement))
         print(f"{'row':<24}{'arch':>6}{'median us':>10}{'[min, max] of %d runs' % args.reps:>22}"
               f"{'p99 us':>9}{'x floor':>8}")
         for r in rows:

@@ -166,7 +166,8 @@ def stats_us(times):
     t = sorted(times)
     if not t:
         return {}
-    return {"median_us": t[len(t) // 2] * 1e6, "p99_us": t[min(len(t) - 1, int(len(t) * 0.99))] * 1e6,
+    return {"median_us": t[len(t) // 2] * 1e6,
+            "p99_us": t[min(len(t) - 1, int(len(t) * 0.99))] * 1e6,
             "min_us": t[0] * 1e6, "max_us": t[-1] * 1e6, "n": len(t)}
 
 
@@ -266,7 +267,8 @@ def _plot(rows, path):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="gpunet demo", description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="rank processes (>= 2)")
-    p.add_argument("--iters", type=int, default=200, help="ping-pong round trips and put + quiet calls")
+    p.add_argument("--iters", type=int, default=200,
+                   help="ping-pong round trips and put + quiet calls")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--reps", type=int, default=20, help="puts per bandwidth point")
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=SIZES)

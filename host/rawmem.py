@@ -46,8 +46,8 @@ def _as_i64_bits(a, fn, i):
         return a
     if _I64_END <= a < _U64_END:
         return a - _U64_END
-    raise ConfigError("%s: argument %s = %d does not fit a 64-bit field (allowed: -2**63 .. 2**64 - 1)"
-                      % (fn, i, a))
+    raise ConfigError("%s: argument %s = %d does not fit a 64-bit field (allowed: -2**63 .. "
+                      "2**64 - 1)" % (fn, i, a))
 
 
 class _WireDispatcher(CPUDispatcher):
@@ -330,8 +330,8 @@ def pin_current_thread(cpus=None):
     return ``{"tid": its Linux thread id, "cpus": the CPUs it may now run on}``. Linux applies
     sched_setaffinity(0, ...) to the calling thread only, so each engine thread (soft NIC, proxy)
     calls this itself before it enters numba. Pinning the engine, the proxy and the thread that
-    waits on them to distinct cores removes the run-to-run variation of sharing a core (bench/proxy.py
-    places them and records this)."""
+    waits on them to distinct cores removes the run-to-run variation of sharing a core
+    (bench/proxy.py places them and records this)."""
     import os
     import threading
 

@@ -135,6 +135,25 @@ def test_proxy_roundtrip_host_arm_runs_reps_and_records_placement(tmp_path):
             else:       # pinned: each thread may run on its own core only
                 for role, t in p["threads"].items():
                     assert t["cpus_allowed"] == str(p["plan"][role][0]), (role, t, p["plan"])
+                a, b = p["c2c_ns"]["best_pair"]       # the probe's closest pair went to them
+                assert {a, b} == {p["plan"]["proxy"][0], p["plan"]["nic_a"][0]}
+
+
+def test_placement_probe_measures_core_to_core_latency():
+    """bench/proxy.py's placement probe: a cache line bounced between two pinned threads gives a
+    finite positive one-way latency for any pair of allowed CPUs, the caller's affinity is
+    restored, and a two-role plan puts the proxy and the NIC engine on the closest pair."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import proxy as bench_proxy
+    allowed = sorted(os.sched_getaffinity(0))
+    a, b = allowed[0], allowed[-1]
+    ns = bench_proxy.c2c_ns(a, b, rounds=500, warm=50)
+    assert 0 < ns < 1e6 and sorted(os.sched_getaffinity(0)) == allowed
+    if len(allowed) >= 2:
+        plan, why, info = bench_proxy.plan_placement(roles=("proxy", "nic_a"))
+        if plan is not None:
+            assert {plan["proxy"][0], plan["nic_a"][0]} == set(info["c2c_ns"]["best_pair"])
+            assert info["c2c_ns"]["best"] <= info["c2c_ns"]["worst"] and "closest pair" in why
 
 
 def test_proxy_gpu_without_gpu_fails_fast():
