@@ -134,10 +134,11 @@ def poll_cq_collapsed(cq_addr, out):
     cqe = u8_at(cq_addr, mlx5.CQE_SIZE)
     for i in range(mlx5.CQE_SIZE - 4):
         out[i] = cqe[i]
-    # [model-test fix] wqe_counter / op_own come from the one 32-bit load above, not from a second
-    # read of the slot: the NIC may overwrite the slot meanwhile, and a counter newer than op_own
-    # made CompletionQueue report the same CQE twice. Bytes 0..59 may still be torn (the slot is
-    # rewritten in place, as on a real NIC): trust only counter and opcode while CQEs arrive.
+    # wqe_counter and op_own come from the one 32-bit acquire load above, never from a second read
+    # of the slot: the NIC may overwrite the slot between two reads, and a counter newer than its
+    # op_own reports one CQE twice (tests/test_softnic_model.py's collapsed-CQ streams fail on a
+    # CQE for a WQE no longer outstanding). Bytes 0..59 may be torn (the slot is rewritten in
+    # place, as on a real NIC): trust only counter and opcode while CQEs arrive.
     for i in range(4):
         out[60 + i] = (w >> np.uint32(8 * i)) & np.uint32(0xFF)
     return w >> np.uint32(24)

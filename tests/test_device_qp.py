@@ -225,9 +225,9 @@ def test_collapsed_cq_credits_the_newest_cqe_exactly(sched_lib, case):
     """Collapsed CQ, one poll: a CQE naming a published WQE not yet credited is credited (also when
     the ringer has not stored db_head yet: the NIC completes before that store; also with the ring
     exactly full and across the 16-bit counter wrap); a CQE already credited, or naming nothing
-    published, changes nothing. The first case is the collapsed-CQ hang of the hypothesis run
-    (depth 64, db_batch 2, counters ~70,885): the old rule (s < db_head) refused that CQE, and with
-    every poster waiting for space no newer CQE came to replace it."""
+    published, changes nothing. The first case is why the bound is ready_head, not db_head: with
+    every poster waiting for space no newer CQE replaces a refused one (docs/decisions.md,
+    2026-11-30)."""
     qp, cqbuf, slot_nbb = _collapsed_qp(64)
     # (done, ready, db, s named by the CQE, nbb of s, op_own, expected done after the poll)
     D = 70_880

@@ -71,8 +71,9 @@ struct Dim3 {
 #if defined(GPUNET_ARM_CUDA)
 // ================================================================================================
 // CUDA arm (sm_70+; built for sm_90 here). PTX memory-model instructions, system scope where the
-// observer is the CPU or the NIC. Compiled here with nvcc 13 (tests/test_device_arch.py); the
-// fence/acquire/release choices follow DESIGN.md's table. Not yet run on a GPU from this file.
+// observer is the CPU or the NIC. Compiled in CI with nvcc 13 (tests/test_device_arch.py) and
+// run on the H200 by scripts/gpu-check.sh; the fence/acquire/release choices follow DESIGN.md's
+// table.
 // ================================================================================================
 constexpr uint32_t kMaxWarpSize = 32;
 
@@ -460,11 +461,12 @@ GPUNET_DEVICE hd::SyncGroup::Result host_warp_collective(uint64_t value, bool pr
     return hd::SyncGroup::Result{1, pred ? 1u : 0u, pred ? 1u : 0u, lone};
   }
   if (is_barrier && hd::weak_ctx()) hd::handoff_to_block(c);
-  // [qp.cuh engineer, minimal fix] A thread may block here indefinitely (until its lane-mates
-  // arrive); hardware drains a blocked thread's stores meanwhile, but the model popped nothing, so
-  // a lock released with a (buffered) store_release_sys before a shfl/all stayed held forever and
-  // lane-mates spinning on it never arrived: a deadlock real GPUs cannot have. Early visibility is
-  // always legal, so pop the caller's own buffer before a non-barrier collective (barriers keep B1).
+  // P3 (host_simt.h): a non-barrier collective first makes the caller's own buffered stores
+  // visible (barriers keep B1). Reason: the caller may block here until its lane-mates arrive, and
+  // hardware drains a blocked thread's stores; without the drain a lock released by a buffered
+  // store_release_sys before a shfl/all would stay held, and lane-mates spinning on it would never
+  // arrive (a deadlock no GPU has). Early visibility is always legal. Exercised by the weak-mode
+  // warp posts of tests/test_ordering.py and tests/test_device_qp.py.
   if (!is_barrier && hd::weak_ctx()) c->buf.drain(c->rng, c->weak->order);
   return c->warpg->arrive(c->lane, value, pred);
 }

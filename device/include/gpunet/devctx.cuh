@@ -1,7 +1,7 @@
 // gpunet/devctx.cuh — what the verbs and every transport read: the device context (DevCtx), one
 // PeerDesc per PE with its explicit transport kind, and the small address helpers. device/abi.py
 // mirrors DevCtx, PeerDesc and the TRANSPORT_* kinds (tests/test_device_qp.py
-// test_abi_layout_matches_cpp); host/devctx.py fills them.
+// test_abi_layout_matches_cpp); device/descriptors.py fills them.
 #pragma once
 
 #include <stdint.h>

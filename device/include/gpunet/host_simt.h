@@ -79,6 +79,9 @@
 //     P2. Every load_drain_period-th load primitive pops one entry; with
 //         spontaneous_per_mille > 0 each store/load primitive also pops one entry with that
 //         probability. The buffer holds at most `capacity` entries; a full buffer pops one.
+//     P3. A warp collective that is not a barrier (shfl, ballot, any, all) pops every entry of the
+//         caller first: the caller may block there until its lane-mates arrive, and hardware
+//         drains a blocked thread's stores (arch.cuh host_warp_collective says why it matters).
 //   Choice: which eligible entry pops is chosen by WeakConfig::order: Random (a xorshift per
 //   thread seeded from seed + global thread id, so a seed replays the same choices given the
 //   same interleaving), Fifo (program order: TSO-like), Lifo (newest eligible first: the most

@@ -84,7 +84,7 @@ namespace gpunet {
 
 // ------------------------------------------------------------------------------------------------
 // Descriptors (device memory). Plain structs, fixed-width fields, explicit padding: the Python
-// mirror is device/abi.py (ctypes), checked by tests/test_device_qp.py::test_abi_layout_matches.
+// mirror is device/abi.py (ctypes), checked by tests/test_device_qp.py::test_abi_layout_matches_cpp.
 // ------------------------------------------------------------------------------------------------
 
 // A CQ as the device polls it. 32 B.
