@@ -549,6 +549,29 @@ def test_four_ranks_mixed_transports(mixed4, mode):
     _assert_round(mixed4.run("ep_jobs:round_", spec), spec)
 
 
+# ---- over p2p (stores into the peer's mapped heap; tests/test_p2p.py) ------------------------
+@pytest.fixture(scope="module", params=[(2, "p2p", 64), (4, "p2p+proxy", 32)],
+                ids=lambda p: "%dranks-%s-warp%d" % p)
+def p2p_world(request):
+    import p2p_jobs
+    world, kind, warp = request.param
+    r = _pool(world, p2p_jobs.p2p_and_proxy if kind == "p2p+proxy" else kind, warp)
+    yield r
+    _close(r)
+
+
+@pytest.mark.parametrize("mode", [dict(), dict(use_fp8=True, hook=True, zero_copy=True)],
+                         ids=_mode_id)
+def test_dispatch_combine_over_p2p(p2p_world, mode):
+    """2 ranks all p2p (warp 64), and 4 ranks where pairs with an even sum are p2p and the others
+    go through the proxy (warp 32): varying tokens, holes, a hot expert; dispatch exact, combine
+    within bounds."""
+    kinds = {t for i in p2p_world.info for t in i["transports"].values()}
+    assert kinds == ({"p2p"} if p2p_world.world == 2 else {"p2p", "proxy"}), kinds
+    spec = _spec(p2p_world.world, seed=81, vary_tokens=True, hot_expert=1, tagged=not mode, **mode)
+    _assert_round(p2p_world.run("ep_jobs:round_", spec), spec)
+
+
 def test_four_ranks_two_in_flight_mixed(mixed4):
     """Two dispatches in flight over the mixed world."""
     for rank, res in enumerate(mixed4.run("ep_jobs:two_in_flight", _spec(4, seed=72),

@@ -1,0 +1,121 @@
+"""Jobs of tests/test_p2p.py, run on every rank by mp_ranks.py ("p2p_jobs:<name>"). The API jobs
+of mp_jobs.py (init, exchange, atomics, signal_order, close) serve p2p as they serve the NIC
+transports; these add what only p2p needs: a mixed world, warp puts at chosen warp sizes,
+the store-only rule, and the mappings a Context leaves behind."""
+
+
+import gpunet
+import mp_jobs
+from gpunet.device import abi
+from gpunet.device.ops import Launch, run_ops
+
+
+def mixed(a, b):
+    """A transport per pair, symmetric: p2p, ibgda or proxy by (a + b) % 3 (a rank reaches
+    itself by p2p when 2a % 3 == 0, ...): every kind appears in a world of 3 or more ranks."""
+    return ("p2p", "ibgda", "proxy")[(a + b) % 3]
+
+
+def init_mixed(state, heap_bytes=8 << 20, timeout_s=10.0):
+    return mp_jobs.init(state, mixed, heap_bytes, timeout_s)
+
+
+def warp_put(state, warp_size, rows, round_):
+    """Each rank puts, with ONE warp of ``warp_size`` lanes (put_nbi_warp), every row (peer,
+    src_off, dst_off, nbytes) whose peer is (rank + 1) % world into dst slot ``rank`` there;
+    quiet, barrier. Returns the dst bytes that landed here."""
+    ctx = state["ctx"]
+    me, n = ctx.rank, ctx.world_size
+    src, dst = state["src"], state["dst"]
+    src[:] = mp_jobs._pattern(me, round_, mp_jobs.SLOT_ELEMS)
+    dst.zero_()
+    ctx.barrier()
+    peer = (me + 1) % n
+    for s_off, d_off, nbytes in rows:
+        ops = (abi.OpDesc * warp_size)()
+        for o in ops:
+            o.kind, o.pe, o.nbytes = abi.OP_PUT_WARP, peer, nbytes
+            o.src = src.data_ptr() + s_off
+            o.dst = dst.data_ptr() + me * mp_jobs.SLOT_ELEMS + d_off
+        run_ops(ctx._launcher.lib, ctx._dev, ops, 1,
+                Launch(grid=1, block=warp_size, warp_size=warp_size))
+        assert all(o.ok for o in ops), "a lane's put_nbi_warp returned false"
+    gpunet.quiet()
+    ctx.barrier()
+    return dst.clone()
+
+
+def store_only(state):
+    """On a store-only (c500) p2p world, rank 0 tries each refused operation on rank 1 and each
+    allowed one: returns {what: outcome}, and whether rank 1's bytes the refused ones aimed at
+    stayed untouched."""
+    ctx = state["ctx"]
+    me = ctx.rank
+    src, dst, sig, ctr = state["src"], state["dst"], state["sig"], state["ctr"]
+    dst.zero_()
+    src[:] = 7
+    ctr.zero_()
+    ctx.barrier()
+    out = {}
+    if me == 0:
+        out["get"] = mp_jobs._outcome(lambda: (gpunet.get(dst[:64], ctx.remote(1, src)),
+                                               gpunet.quiet()))
+        out["get_untouched"] = bool((dst[:64] == 0).all())
+        out["atomic_add"] = mp_jobs._outcome(lambda: gpunet.atomic_add(ctx.remote(1, ctr), 5))
+        out["signal_add"] = mp_jobs._outcome(
+            lambda: (gpunet.put_signal(ctx.remote(1, dst), src[:64], ctx.remote(1, sig, 0)),
+                     gpunet.quiet()))
+        out["signal_set"] = mp_jobs._outcome(
+            lambda: (gpunet.put_signal(ctx.remote(1, dst, 128), src[:64], ctx.remote(1, sig, 0),
+                                       41, op="set"), gpunet.quiet()))
+        out["put"] = mp_jobs._outcome(lambda: (gpunet.put(ctx.remote(1, dst, 256), src[:32]),
+                                               gpunet.quiet()))
+    out["barrier"] = mp_jobs._outcome(ctx.barrier)
+    if me == 1:
+        out["wait_set"] = mp_jobs._outcome(lambda: gpunet.wait_until(sig, 41, "eq", index=0))
+        out["ctr"] = int(ctr[0])
+        out["dst"] = dst[:512].clone()
+    ctx.barrier()
+    return out
+
+
+def _maps_naming(names):
+    with open("/proc/self/maps") as f:
+        text = f.read()
+    return {n: text.count("/dev/shm/" + n) for n in names}
+
+
+def close_and_count_mappings(state, peer_arenas):
+    """Counts this process's mappings of every other rank's arena file before and after
+    ctx.close() (/proc/self/maps)."""
+    ctx = state["ctx"]
+    others = [a for r, a in enumerate(peer_arenas) if r != ctx.rank]
+    before = _maps_naming(others)
+    heaps = {p: hex(m.base) for p, m in ctx._transports.peer_heaps.items()}
+    ctx.close()
+    state.pop("ctx")
+    return {"before": before, "after": _maps_naming(others), "heaps": heaps}
+
+
+def init_with_unmappable(state, bad_rank):
+    """Every rank asks for p2p; ``bad_rank`` exports a heap in an arena that does not exist (as a
+    peer on another machine, or one that has gone, would look). Returns what init raised."""
+    from gpunet.host import softnic
+
+    real = softnic.SoftNic.export_heap
+
+    def gone(self, addr, nbytes):
+        d = real(self, addr, nbytes)
+        return dict(d, arena=d["arena"] + "-not-here")
+
+    if mp_jobs._my_rank() == bad_rank:
+        softnic.SoftNic.export_heap = gone
+    try:
+        return mp_jobs._outcome(lambda: gpunet.init(transport="p2p", heap_bytes=4 << 20).close())
+    finally:
+        softnic.SoftNic.export_heap = real
+
+
+def p2p_and_proxy(a, b):
+    """Symmetric per pair: p2p when a + b is even (each rank to itself too), else the proxy."""
+    return "proxy" if (a + b) % 2 else "p2p"
