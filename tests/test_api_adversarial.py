@@ -398,20 +398,7 @@ def test_model_helpers_agree_on_a_full_heap():
 
 
 # --- the same on CUDA (skipped without a GPU; the lead runs these on the H200) -------------------------
-@pytest.fixture
-def cuda_platform():
-    from gpunet.host import platform as P
-    old = os.environ.get("GPUNET_PLATFORM")
-    os.environ["GPUNET_PLATFORM"] = "cuda"
-    P.reset_platform()
-    yield
-    if old is None:
-        os.environ.pop("GPUNET_PLATFORM", None)
-    else:
-        os.environ["GPUNET_PLATFORM"] = old
-    P.reset_platform()
-
-
+# cuda_platform: tests/conftest.py
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
 @pytest.mark.parametrize("transport", TRANSPORTS)

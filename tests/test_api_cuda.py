@@ -12,25 +12,12 @@ import torch
 
 import gpunet
 from gpunet.errors import ConfigError, TimeoutError
-from gpunet.host import platform as P
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs an NVIDIA GPU: torch.cuda.is_available() is False"),
+              pytest.mark.usefixtures("cuda_platform_module")]      # tests/conftest.py
 
 TRANSPORTS = ["ibgda", "proxy"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cuda_platform():
-    old = os.environ.get("GPUNET_PLATFORM")
-    os.environ["GPUNET_PLATFORM"] = "cuda"
-    P.reset_platform()
-    yield
-    if old is None:
-        os.environ.pop("GPUNET_PLATFORM", None)
-    else:
-        os.environ["GPUNET_PLATFORM"] = old
-    P.reset_platform()
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
