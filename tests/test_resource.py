@@ -155,12 +155,26 @@ def make_launcher(cleanup):
     return Launcher(nic, False, 32)
 
 
+def make_peer_heap(cleanup):
+    """A PeerHeap: another soft NIC's heap range mapped here (the p2p transport's mapping)."""
+    owner = _soft_nic()
+    cleanup.append(owner.close)
+    buf = owner.alloc(4096, 4096)
+    return _soft_nic_for(cleanup).map_peer_heap(owner.export_heap(buf.ctypes.data, 4096))
+
+
+def _soft_nic_for(cleanup):
+    nic = _soft_nic()
+    cleanup.append(nic.close)
+    return nic
+
+
 FACTORIES = {
     "Context": make_context, "SoftNic": make_soft_nic, "ProxyChannel": make_proxy_channel,
     "ProxyEngine": make_proxy_engine, "Allocation": make_allocation, "Bootstrap": make_bootstrap,
     "LocalBootstrap": make_local_bootstrap, "VerbsNic": make_verbs_nic,
     "DeviceMemory": make_device_memory, "NicMapping": make_nic_mapping,
-    "Transports": make_transports, "Launcher": make_launcher,
+    "Transports": make_transports, "Launcher": make_launcher, "PeerHeap": make_peer_heap,
 }
 ABSTRACT = {"Nic"}              # host/nic.py's interface: its implementations are in FACTORIES
 
