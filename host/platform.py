@@ -204,6 +204,10 @@ class _Api(NamedTuple):
     get_handle_for_range: str    # dma-buf export
     handle_type_dmabuf_fd: int
     driver_sonames: tuple        # where get_handle_for_range lives ('' = the runtime itself)
+    ipc_get_mem_handle: str      # IPC export of a device allocation (a 64-byte handle)
+    ipc_open_mem_handle: str
+    ipc_close_mem_handle: str
+    ipc_lazy_enable_peer_access: int
 
 
 _CUDA_API = _Api(
@@ -223,6 +227,9 @@ _CUDA_API = _Api(
     get_handle_for_range="cuMemGetHandleForAddressRange",
     handle_type_dmabuf_fd=0x1,                                  # CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD
     driver_sonames=("libcuda.so.1", "libcuda.so"),
+    ipc_get_mem_handle="cudaIpcGetMemHandle", ipc_open_mem_handle="cudaIpcOpenMemHandle",
+    ipc_close_mem_handle="cudaIpcCloseMemHandle",
+    ipc_lazy_enable_peer_access=0x1,                            # cudaIpcMemLazyEnablePeerAccess
 )
 
 # *Unverified*: every name and value below is taken from FACTS.md or assumed to mirror CUDA's
@@ -242,6 +249,9 @@ _MACA_API = _Api(
     get_handle_for_range="mcMemGetHandleForAddressRange",       # FACTS; lives in the runtime?
     handle_type_dmabuf_fd=0x1,                                  # mcMemHandleTypePosixFileDescriptor: assumed 1
     driver_sonames=("",),
+    ipc_get_mem_handle="mcIpcGetMemHandle", ipc_open_mem_handle="mcIpcOpenMemHandle",
+    ipc_close_mem_handle="mcIpcCloseMemHandle",
+    ipc_lazy_enable_peer_access=0x1,                            # assumed = CUDA's value
 )
 
 _APIS = {"cuda": _CUDA_API, "maca": _MACA_API}
@@ -296,6 +306,14 @@ def _runtime_candidates(api):
     return out
 
 
+IPC_HANDLE_BYTES = 64            # sizeof(cudaIpcMemHandle_t): CUDA_IPC_HANDLE_SIZE
+
+
+class IpcMemHandle(ctypes.Structure):
+    """cudaIpcMemHandle_t: 64 opaque bytes, passed by value to cudaIpcOpenMemHandle."""
+    _fields_ = [("reserved", ctypes.c_ubyte * IPC_HANDLE_BYTES)]   # c_ubyte: NULs kept
+
+
 class _Runtime:
     """A loaded vendor runtime: typed entry points and error decoding."""
 
@@ -333,6 +351,9 @@ class _Runtime:
         self._sig(api.host_unregister, (vp,))
         self._sig(api.memcpy, (vp, vp, sz, ctypes.c_int))
         self._sig(api.set_device, (ctypes.c_int,))
+        self._sig(api.ipc_get_mem_handle, (ctypes.POINTER(IpcMemHandle), vp))
+        self._sig(api.ipc_open_mem_handle, (pvp, IpcMemHandle, ui))   # the handle by value
+        self._sig(api.ipc_close_mem_handle, (vp,))
         fn = getattr(self.lib, api.get_error_string, None)
         if fn is not None:
             fn.argtypes, fn.restype = (ctypes.c_int,), ctypes.c_char_p
@@ -418,6 +439,22 @@ class Allocation(Resource):
     def __repr__(self):
         return (f"Allocation({self.kind}, {self.nbytes} B, ptr=0x{self.ptr:x}, "
                 f"platform={self.platform.name}{', closed' if self.closed else ''})")
+
+
+class IpcMapping(Resource):
+    """A peer process's device allocation opened here (``Platform.ipc_open``): ``base`` is its
+    first byte's device address in this process, ``nbytes`` its size; ``close()`` unmaps it
+    (cudaIpcCloseMemHandle), idempotently."""
+
+    def __init__(self, platform, base, nbytes):
+        self.platform, self.base, self.nbytes = platform, base, nbytes
+
+    def _release(self):
+        rt = self.platform.runtime()
+        rt.call(rt.api.ipc_close_mem_handle, ctypes.c_void_p(self.base))
+
+    def __repr__(self):
+        return (f"IpcMapping(0x{self.base:x}, {self.nbytes} B{', closed' if self.closed else ''})")
 
 
 class DmaBuf(NamedTuple):
@@ -741,6 +778,45 @@ class Platform:
                      "(CUDA) and device memory; fall back to nvidia-peermem/ibv_reg_mr or the "
                      "proxy.")
         return DmaBuf(fd.value, addr - base, end - base)
+
+
+    # -- IPC: a device allocation shared with another process on this node ------------------
+
+    def ipc_export(self, ptr):
+        """The IPC handle (``IPC_HANDLE_BYTES`` bytes) of the device allocation that starts at
+        ``ptr`` (memory from ``alloc("device")``: the handle names the whole allocation), for a
+        process on this node to pass to :meth:`ipc_open`. CUDA cudaIpcGetMemHandle (MACA
+        mcIpcGetMemHandle, *unverified*). ConfigError on the CPU platform."""
+        if self.name == "cpu":
+            raise ConfigError("IPC handles need a GPU; on the CPU platform a peer maps the soft "
+                              "NIC's arena by name (Nic.export_heap)")
+        rt = self.runtime()
+        h = IpcMemHandle()
+        rt.call(rt.api.ipc_get_mem_handle, ctypes.byref(h), ctypes.c_void_p(int(ptr)),
+                hint=" The address must be the start of a device allocation (cudaMalloc).")
+        return bytes(h.reserved)
+
+    def ipc_open(self, handle, nbytes, device=None):
+        """Open a peer process's ``ipc_export`` handle here (lazily enabling peer access where
+        the allocation is on another GPU): an :class:`IpcMapping` of ``nbytes``. Opening a
+        handle of this same process fails (the driver refuses it): use the pointer itself.
+        CUDA cudaIpcOpenMemHandle (MACA mcIpcOpenMemHandle, *unverified*)."""
+        if self.name == "cpu":
+            raise ConfigError("IPC handles need a GPU; on the CPU platform a peer maps the soft "
+                              "NIC's arena by name (Nic.map_peer_heap)")
+        if not isinstance(handle, (bytes, bytearray)) or len(handle) != IPC_HANDLE_BYTES:
+            raise ConfigError("ipc_open: an IPC handle is %d bytes (from Platform.ipc_export), "
+                              "not %r" % (IPC_HANDLE_BYTES, type(handle).__name__ if not
+                                          isinstance(handle, (bytes, bytearray)) else
+                                          "%d bytes" % len(handle)))
+        rt = self.runtime()
+        self._set_device(rt, device)
+        h = IpcMemHandle.from_buffer_copy(bytes(handle))
+        p = ctypes.c_void_p()
+        rt.call(rt.api.ipc_open_mem_handle, ctypes.byref(p), h, rt.api.ipc_lazy_enable_peer_access,
+                hint=" The exporting process must be alive, on this node, and (several processes "
+                     "on one GPU) running under one MPS daemon or the driver's IPC rules.")
+        return IpcMapping(self, p.value, int(nbytes))
 
 
 _platform = None

@@ -163,6 +163,15 @@ def make_peer_heap(cleanup):
     return _soft_nic_for(cleanup).map_peer_heap(owner.export_heap(buf.ctypes.data, 4096))
 
 
+def make_ipc_mapping(cleanup):
+    """An IpcMapping (a peer's device heap opened by CUDA IPC) over a runtime stand-in that
+    records cudaIpcCloseMemHandle: no GPU here (tests/test_p2p_cuda.py opens real ones)."""
+    from gpunet.host.platform import IpcMapping, _CUDA_API
+    calls = []
+    rt = types.SimpleNamespace(api=_CUDA_API, call=lambda name, *a: calls.append(name))
+    return IpcMapping(types.SimpleNamespace(runtime=lambda: rt), 0x7f0000000000, 4096)
+
+
 def _soft_nic_for(cleanup):
     nic = _soft_nic()
     cleanup.append(nic.close)
@@ -175,6 +184,7 @@ FACTORIES = {
     "LocalBootstrap": make_local_bootstrap, "VerbsNic": make_verbs_nic,
     "DeviceMemory": make_device_memory, "NicMapping": make_nic_mapping,
     "Transports": make_transports, "Launcher": make_launcher, "PeerHeap": make_peer_heap,
+    "IpcMapping": make_ipc_mapping,
 }
 ABSTRACT = {"Nic"}              # host/nic.py's interface: its implementations are in FACTORIES
 
