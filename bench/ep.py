@@ -394,11 +394,9 @@ def _table(rows, cfg, head):
 
 
 def _plot(rows, path, title):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    from gpunet.demo import pyplot, save_figure
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ops = sorted({r["op"] for r in rows if not r["op"].startswith("torch") or "all ranks" in r["op"]})
@@ -424,10 +422,7 @@ def _plot(rows, path, title):
     ax1.set_yscale("log")
     ax2.legend(fontsize=6)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None):

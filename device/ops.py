@@ -25,6 +25,15 @@ def load_ops(arch="host", defines=None):
     return lib
 
 
+def op_list(*specs):
+    """An abi.OpDesc array, one per spec (a dict of OpDesc fields)."""
+    ops = (abi.OpDesc * len(specs))()
+    for o, s in zip(ops, specs):
+        for k, v in s.items():
+            setattr(o, k, v)
+    return ops
+
+
 class Launch:
     """Launch geometry and the HOST weak-memory choices (ignored on GPUs)."""
 

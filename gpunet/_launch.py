@@ -17,19 +17,11 @@ import ctypes
 import torch
 
 from gpunet.device import abi
+from gpunet.device.ops import op_list  # noqa: F401 - the Context builds its op lists with it
 from gpunet.errors import ConfigError, GpunetError
 from gpunet.resource import Resource
 
 OPS_RING = 1024                   # GPU: OpDesc slots for launches in flight (64 KiB, mapped arena)
-
-
-def op_list(*specs):
-    """An abi.OpDesc array, one per spec (a dict of OpDesc fields)."""
-    ops = (abi.OpDesc * len(specs))()
-    for o, s in zip(ops, specs):
-        for k, v in s.items():
-            setattr(o, k, v)
-    return ops
 
 
 class Launcher(Resource):

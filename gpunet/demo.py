@@ -26,13 +26,46 @@ SIZES = [64, 1 << 10, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 TRANSPORTS = ["ibgda", "proxy"]
 
 
-def _progress(msg):
-    """One progress line, rewritten in place on a terminal; one line per step in a log."""
+def progress(msg, job="gpunet demo"):
+    """One progress line of ``job`` on stderr: rewritten in place on a terminal (end ``msg`` with a
+    newline to keep it), one line per call in a log."""
     if sys.stderr.isatty():
-        sys.stderr.write("\r\033[K[gpunet demo] " + msg)
+        sys.stderr.write("\r\033[K[%s] %s" % (job, msg))
     else:
-        sys.stderr.write("[gpunet demo] " + msg.rstrip("\n") + "\n")
+        sys.stderr.write("[%s] %s\n" % (job, msg.rstrip("\n")))
     sys.stderr.flush()
+
+
+def run_ranks_cli(target, world, args, job):
+    """:func:`run_ranks` for a command-line job: a progress line, then rank 0's result; on a
+    gpunet error, ``job failed: <error>`` on stderr and None (the job then exits 1)."""
+    from gpunet.errors import GpunetError
+
+    progress("starting %d ranks (the first run compiles the device code: a minute)\n" % world, job)
+    try:
+        return run_ranks(target, world, args)
+    except GpunetError as e:
+        print("\n%s failed: %s" % (job, e), file=sys.stderr)
+        return None
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only), or None when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig, path):
+    """Lay ``fig`` out, write it to ``path`` (PNG, 100 dpi), close it; returns ``path``."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+    return path
 
 
 def _rank_entry(target, rank, world, port, args, results, env):
@@ -188,7 +221,7 @@ def _rank_main(rank, world, args):
             # ping-pong, then put + quiet
             step += 1
             if rank == 0:
-                _progress("%s: ping-pong, put + quiet (%d/%d)" % (transport, step, steps))
+                progress("%s: ping-pong, put + quiet (%d/%d)" % (transport, step, steps))
             times = ping_pong(ctx, buf, sig, args.iters, args.warmup)
             lat = put_quiet(ctx, buf, args.iters, args.warmup)
             if rank == 0:
@@ -199,7 +232,7 @@ def _rank_main(rank, world, args):
             for size in args.sizes:
                 step += 1
                 if rank == 0:
-                    _progress("%s: put %s x %d (%d/%d)" % (transport, _fmt(size), args.reps,
+                    progress("%s: put %s x %d (%d/%d)" % (transport, _fmt(size), args.reps,
                                                            step, steps))
                     gpunet.put(ctx.remote(1, buf), buf[:size])     # warm-up
                     gpunet.quiet()
@@ -213,7 +246,7 @@ def _rank_main(rank, world, args):
                                  "us_per_put": dt / args.reps * 1e6})
                 gpunet.barrier()
     if rank == 0:
-        _progress("done\n")
+        progress("done\n")
     return rows
 
 
@@ -241,11 +274,8 @@ def _table(rows, world):
 
 
 def _plot(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     for t in TRANSPORTS:
@@ -258,10 +288,7 @@ def _plot(rows, path):
     ax.set_title("gpunet put bandwidth, soft NIC")
     ax.legend()
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None):
@@ -277,13 +304,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.ranks < 2:
         p.error("--ranks must be >= 2")
-    from gpunet.errors import GpunetError
-
-    _progress("starting %d ranks (first run compiles the device code: a minute)" % args.ranks)
-    try:
-        rows = run_ranks(_rank_main, args.ranks, args)
-    except GpunetError as e:
-        print("\ngpunet demo failed: %s" % e, file=sys.stderr)
+    rows = run_ranks_cli(_rank_main, args.ranks, args, "gpunet demo")
+    if rows is None:
         return 1
     print(_table(rows, args.ranks))
     if args.json:

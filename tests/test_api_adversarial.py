@@ -284,6 +284,16 @@ def test_closing_a_second_context_falls_back_to_the_first():
 
 
 # --- a protection error, then recovery ------------------------------------------------------------------
+def _bad_put_raises_and_resets(ctx, src):
+    """A put injected past rank 0's heap, then quiet: a CompletionError with the remote access
+    syndrome whose message says the QP was reset to RTS."""
+    with pytest.raises(CompletionError) as ei:
+        inject_bad_put(ctx, 0, src)
+        ctx.quiet()
+    assert ei.value.syndrome == mlx5.SYNDROME_REMOTE_ACCESS_ERR, str(ei.value)
+    assert "reset to RTS" in str(ei.value), str(ei.value)
+
+
 def test_protection_error_is_raised_then_the_context_recovers(ctx):
     """A put that reaches the NIC outside the peer's heap (injected past the API's checks) raises
     a CompletionError with the remote access syndrome, whose message says the QP was reset; the
@@ -292,11 +302,7 @@ def test_protection_error_is_raised_then_the_context_recovers(ctx):
     dst = ctx.alloc((256,), torch.uint8)
     ctr = ctx.alloc((1,), torch.int64)
     for rnd in range(2):
-        with pytest.raises(CompletionError) as ei:
-            inject_bad_put(ctx, 0, src)
-            ctx.quiet()
-        assert ei.value.syndrome == mlx5.SYNDROME_REMOTE_ACCESS_ERR, str(ei.value)
-        assert "reset to RTS" in str(ei.value), str(ei.value)
+        _bad_put_raises_and_resets(ctx, src)
         src[:] = torch.arange(256, dtype=torch.uint8) ^ rnd
         ctx.put(ctx.remote(0, dst), src)
         ctx.quiet()
@@ -423,11 +429,7 @@ def test_cuda_free_remote_checks_and_recovery(cuda_platform, transport):
                 c.put(other.remote(0, ox), x)
         y = c.alloc((256,), torch.uint8)
         for rnd in range(2):
-            with pytest.raises(CompletionError) as ei:
-                inject_bad_put(c, 0, x)
-                c.quiet()
-            assert ei.value.syndrome == mlx5.SYNDROME_REMOTE_ACCESS_ERR, str(ei.value)
-            assert "reset to RTS" in str(ei.value), str(ei.value)
+            _bad_put_raises_and_resets(c, x)
             x.copy_(torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8) ^ rnd)
             c.put(c.remote(0, y), x)
             c.quiet()

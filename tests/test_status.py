@@ -66,14 +66,6 @@ def lib():
     return dops.load_ops()
 
 
-def _ops(*rows):
-    arr = (abi.OpDesc * len(rows))()
-    for o, r in zip(arr, rows):
-        for k, v in r.items():
-            setattr(o, k, v)
-    return arr
-
-
 def test_wait_until_timeout_names_the_signal_word(lib):
     """A wait_until nobody satisfies times out naming the signal word by heap offset, the
     comparison, expected and last-read values, and no QP, peer or WQEBB (the old message said
@@ -82,7 +74,7 @@ def test_wait_until_timeout_names_the_signal_word(lib):
         lb = L.Loopback(nic, sq_wqebbs=8, timeout_s=0.2, heap_bytes=1 << 16)
         off = lb.sym(64) + 8
         lb.local[off:off + 8] = np.frombuffer((2).to_bytes(8, "big"), np.uint8)   # reads 2
-        arr = _ops(dict(kind=abi.OP_WAIT_UNTIL, pe=0, dst=lb.local_base + off, cmp=abi.CMP_GE,
+        arr = dops.op_list(dict(kind=abi.OP_WAIT_UNTIL, pe=0, dst=lb.local_base + off, cmp=abi.CMP_GE,
                         value=5))
         with pytest.raises(errors.TimeoutError) as ei:
             dops.run_ops(lib, lb, arr, 1, dops.Launch())
@@ -102,11 +94,11 @@ def test_bad_pe_and_missing_transport_are_named(lib):
         lb = L.Loopback(nic, sq_wqebbs=8, heap_bytes=1 << 16)
         b = lb.local_base
         with pytest.raises(errors.ConfigError, match=r"pe 7 is out of range \[0, 2\)"):
-            dops.run_ops(lib, lb, _ops(dict(kind=abi.OP_PUT, pe=7, dst=b, src=b, nbytes=8)), 1,
+            dops.run_ops(lib, lb, dops.op_list(dict(kind=abi.OP_PUT, pe=7, dst=b, src=b, nbytes=8)), 1,
                          dops.Launch())
         lb.clear_status()
         with pytest.raises(errors.ConfigError, match=r"pe 0 has no transport \(PeerDesc.kind 0"):
-            dops.run_ops(lib, lb, _ops(dict(kind=abi.OP_PUT, pe=0, dst=b, src=b, nbytes=8)), 1,
+            dops.run_ops(lib, lb, dops.op_list(dict(kind=abi.OP_PUT, pe=0, dst=b, src=b, nbytes=8)), 1,
                          dops.Launch())
 
 
@@ -154,7 +146,7 @@ def test_proxy_completion_error_names_the_failing_peer(lib, op):
                    if op == "put" else
                    dict(kind=abi.OP_ATOMIC_ADD, pe=1, dst=base + 4096, value=2**64 - 1))
             with pytest.raises(errors.CompletionError) as ei:
-                dops.run_ops(lib, w, _ops(dict(kind=abi.OP_PUT, pe=0, dst=base + 4096,
+                dops.run_ops(lib, w, dops.op_list(dict(kind=abi.OP_PUT, pe=0, dst=base + 4096,
                                                src=base + 8192, nbytes=64), row), 2, dops.Launch())
             with pytest.raises(errors.CompletionError) as hi:
                 w.ch.raise_if_error()

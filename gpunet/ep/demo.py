@@ -15,17 +15,11 @@ times show the stack working end to end, not a network.
 import argparse
 import json
 import statistics
-import sys
 import time
 
 import torch
 
 MOE_ATOL = MOE_RTOL = 6e-2     # vLLM tests/kernels/moe/test_deepep_moe.py's bound for a DeepEP MoE
-
-
-def _progress(msg):
-    sys.stderr.write("[gpunet ep-demo] " + msg + "\n")
-    sys.stderr.flush()
 
 
 def buffer_transport(buf):
@@ -205,14 +199,10 @@ def main(argv=None):
     if a.iters < 1:
         p.error("--iters must be >= 1")
     args = vars(a)
-    from gpunet.demo import run_ranks
-    from gpunet.errors import GpunetError
+    from gpunet.demo import run_ranks_cli
 
-    _progress("starting %d ranks (the first run compiles the device code: a minute)" % a.ranks)
-    try:
-        results = run_ranks(_rank_main, a.ranks, args)
-    except GpunetError as e:
-        print("gpunet ep-demo failed: %s" % e, file=sys.stderr)
+    results = run_ranks_cli(_rank_main, a.ranks, args, "gpunet ep-demo")
+    if results is None:
         return 1
     checks = check(results, args, a.ranks)
     print(table(results, checks, args, a.ranks))
