@@ -3,7 +3,8 @@ decoder of a failure into a gpunet exception.
 
 The C++ definitions are the source of truth: ``device/include/gpunet/status.cuh`` (Status, the
 status codes, the ONE site registry), ``qp.cuh`` (CqDesc, QpDesc), ``devctx.cuh`` (PeerDesc,
-DevCtx, the transport kinds, the comparisons), ``proxy.cuh`` (ProxyChannel) and
+DevCtx, the transport kinds, the comparisons), ``proxy.cuh`` (ProxyChannel; the command format
+and the HostCtrl / DevCtrl layouts as ``PROXY_*``) and
 ``device/kernels/ops.cu`` (OpDesc). Every device-ABI mirror of the shipped code lives here (the
 test kernels' parameter blocks live beside their binders in gpunet.device.testing); the code that
 fills them from NIC and proxy objects is device/descriptors.py.
@@ -100,6 +101,53 @@ MAX_INLINE = 4 * mlx5.WQEBB - 32 - 4        # gpunet::kMaxInline (qp.cuh: kMaxWq
 # --- ops.cu ------------------------------------------------------------------------------------
 OP_NOP, OP_PUT, OP_PUT_INLINE, OP_GET, OP_PUT_SIGNAL, OP_ATOMIC_ADD, OP_QUIET, OP_FENCE, \
     OP_WAIT_UNTIL, OP_PUT_WARP = range(10)
+
+
+# --- proxy.cuh: the proxy channel (namespace gpunet::proxy: proxy::X is PROXY_X here) -----------
+# The command format (host/proxy.py drains it; tests/test_proxy.py checks it against compiled C++).
+PROXY_CMD_BYTES = 16
+PROXY_OP_NOP = 0          # completes when every earlier command of the channel has; moves no data
+PROXY_OP_PUT = 1          # RDMA WRITE  local[loff, +size) -> peer[roff, +size)
+PROXY_OP_GET = 2          # RDMA READ   peer[roff, +size) -> local[loff, +size)
+PROXY_OP_SIGNAL_ADD = 3   # 8-byte fetch-add of a 64-bit value on peer[roff]; the old value is dropped
+PROXY_OP_ATOMIC_FA = 4    # 8-byte fetch-add on peer[roff]; old value -> local[loff]; addend: next slot
+PROXY_OP_SIGNAL_SET = 5   # 8-byte store of a 64-bit value to peer[roff] (an inline RDMA WRITE)
+PROXY_OP_OPERAND = 6      # the 64-bit operand (w1) of the command in the slot before it (ATOMIC_FA)
+PROXY_OP_MAX = 6
+PROXY_OP_NAMES = {PROXY_OP_NOP: "NOP", PROXY_OP_PUT: "PUT", PROXY_OP_GET: "GET",
+                  PROXY_OP_SIGNAL_ADD: "SIGNAL_ADD", PROXY_OP_ATOMIC_FA: "ATOMIC_FA",
+                  PROXY_OP_SIGNAL_SET: "SIGNAL_SET", PROXY_OP_OPERAND: "OPERAND"}
+
+PROXY_VALID_SHIFT = 63
+PROXY_OP_SHIFT = 58
+PROXY_OP_MASK = 0x1F
+PROXY_PEER_SHIFT = 46
+PROXY_PEER_MASK = 0xFFF
+PROXY_LOCAL_HI_SHIFT = 39
+PROXY_REMOTE_HI_SHIFT = 32
+PROXY_HI_MASK = 0x7F
+PROXY_ARG_MASK = 0xFFFFFFFF
+PROXY_OFFSET_BITS = 39
+PROXY_MAX_OFFSET = (1 << PROXY_OFFSET_BITS) - 1
+PROXY_MAX_PEERS = PROXY_PEER_MASK + 1
+PROXY_MAX_SIZE = PROXY_ARG_MASK
+
+# The channel's control blocks
+PROXY_HOST_CTRL_BYTES = 64
+PROXY_HC_TAIL = 0          # u64 word indices into HostCtrl
+PROXY_HC_COMPLETED = 1
+PROXY_HC_ERROR = 2
+PROXY_HC_ERR_SEQ = 3
+PROXY_HC_ERR_PEER = 4      # the failed command's destination rank (written before HC_ERROR)
+PROXY_DEV_CTRL_BYTES = 128
+PROXY_DC_HEAD = 0          # u64 word indices into DevCtrl: head and cached_tail on separate 64 B lines
+PROXY_DC_CACHED_TAIL = 8
+
+# packed error word (HostCtrl.error): code(8) | syndrome(8) | vendor syndrome(8) | wqe_counter(16)
+# | qpn(24). 0 means no error.
+PROXY_ERR_NONE = 0
+PROXY_ERR_CQE = 1          # an error CQE: syndrome, vendor syndrome, qpn and wqe_counter are valid
+PROXY_ERR_BAD_COMMAND = 2  # the proxy could not decode the command (op or peer out of range)
 
 
 class Status(ctypes.Structure):

@@ -2,9 +2,11 @@
 drain them, build mlx5 WQEs into the peer QP's send queue, ring its doorbell, poll its CQ and
 report completions back through counters the device polls.
 
-This module mirrors ``device/include/gpunet/proxy.cuh`` (the command format, the channel's memory
-layout and the completion protocol are defined there first and repeated here; tests/test_proxy.py
-checks both sides against each other). Read the header's top comment for the protocol; in short:
+This module is the CPU side of ``device/include/gpunet/proxy.cuh``: the command format, the
+channel's memory layout and the completion protocol are defined there, the format and the layout
+are mirrored in device/abi.py (``PROXY_*``, imported here under their short names) and
+tests/test_proxy.py checks the mirror against the compiled header. Read the header's top comment
+for the protocol; in short:
 
 Command (two little-endian 64-bit words, 16 bytes, 16-byte aligned in the ring)::
 
@@ -45,6 +47,23 @@ import numpy as np
 
 from gpunet import mlx5
 from gpunet.device import abi
+# The command format and the channel's control blocks (proxy.cuh), as device/abi.py mirrors them
+# (PROXY_*), under the names the drain uses; tests and benchmarks read them here too (P.OP_PUT).
+from gpunet.device.abi import (  # noqa: F401
+    PROXY_CMD_BYTES as CMD_BYTES, PROXY_OP_NOP as OP_NOP, PROXY_OP_PUT as OP_PUT,
+    PROXY_OP_GET as OP_GET, PROXY_OP_SIGNAL_ADD as OP_SIGNAL_ADD,
+    PROXY_OP_ATOMIC_FA as OP_ATOMIC_FA, PROXY_OP_SIGNAL_SET as OP_SIGNAL_SET,
+    PROXY_OP_OPERAND as OP_OPERAND, PROXY_OP_MAX as OP_MAX, PROXY_OP_NAMES as OP_NAMES,
+    PROXY_VALID_SHIFT as VALID_SHIFT, PROXY_OP_SHIFT as OP_SHIFT, PROXY_OP_MASK as OP_MASK,
+    PROXY_PEER_SHIFT as PEER_SHIFT, PROXY_PEER_MASK as PEER_MASK,
+    PROXY_LOCAL_HI_SHIFT as LOCAL_HI_SHIFT, PROXY_REMOTE_HI_SHIFT as REMOTE_HI_SHIFT,
+    PROXY_HI_MASK as HI_MASK, PROXY_ARG_MASK as ARG_MASK, PROXY_OFFSET_BITS as OFFSET_BITS,
+    PROXY_MAX_OFFSET as MAX_OFFSET, PROXY_MAX_PEERS as MAX_PEERS, PROXY_MAX_SIZE as MAX_SIZE,
+    PROXY_HOST_CTRL_BYTES as HOST_CTRL_BYTES, PROXY_HC_TAIL as HC_TAIL,
+    PROXY_HC_COMPLETED as HC_COMPLETED, PROXY_HC_ERROR as HC_ERROR, PROXY_HC_ERR_SEQ as HC_ERR_SEQ,
+    PROXY_HC_ERR_PEER as HC_ERR_PEER, PROXY_DEV_CTRL_BYTES as DEV_CTRL_BYTES,
+    PROXY_DC_HEAD as DC_HEAD, PROXY_DC_CACHED_TAIL as DC_CACHED_TAIL, PROXY_ERR_NONE as ERR_NONE,
+    PROXY_ERR_CQE as ERR_CQE, PROXY_ERR_BAD_COMMAND as ERR_BAD_COMMAND)
 from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import wq
@@ -52,50 +71,6 @@ from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_
                                 engine_thread_start, idle_pause, load_acquire_u64,
                                 store_release_u64, u8_at, wire_njit)
 from gpunet.resource import Resource
-
-# ---- the command format (mirrors proxy.cuh) --------------------------------------------------
-CMD_BYTES = 16
-OP_NOP = 0          # completes when every earlier command of the channel has; moves no data
-OP_PUT = 1          # RDMA WRITE  local[loff, +size) -> peer[roff, +size)
-OP_GET = 2          # RDMA READ   peer[roff, +size) -> local[loff, +size)
-OP_SIGNAL_ADD = 3   # 8-byte fetch-add of a 64-bit value on peer[roff]; the fetched value is dropped
-OP_ATOMIC_FA = 4    # 8-byte fetch-add on peer[roff]; old value -> local[loff]; addend: next slot
-OP_SIGNAL_SET = 5   # 8-byte store of a 64-bit value to peer[roff] (an inline RDMA WRITE)
-OP_OPERAND = 6      # the 64-bit operand (w1) of the command in the slot before it (ATOMIC_FA)
-OP_MAX = 6
-OP_NAMES = {OP_NOP: "NOP", OP_PUT: "PUT", OP_GET: "GET", OP_SIGNAL_ADD: "SIGNAL_ADD",
-            OP_ATOMIC_FA: "ATOMIC_FA", OP_SIGNAL_SET: "SIGNAL_SET", OP_OPERAND: "OPERAND"}
-
-VALID_SHIFT = 63
-OP_SHIFT = 58
-OP_MASK = 0x1F
-PEER_SHIFT = 46
-PEER_MASK = 0xFFF
-LOCAL_HI_SHIFT = 39
-REMOTE_HI_SHIFT = 32
-HI_MASK = 0x7F
-ARG_MASK = 0xFFFFFFFF
-OFFSET_BITS = 39
-MAX_OFFSET = (1 << OFFSET_BITS) - 1
-MAX_PEERS = PEER_MASK + 1
-MAX_SIZE = ARG_MASK
-
-# ---- the channel's control blocks (mirrors proxy.cuh) ----------------------------------------
-HOST_CTRL_BYTES = 64
-HC_TAIL = 0          # u64 word indices into HostCtrl
-HC_COMPLETED = 1
-HC_ERROR = 2
-HC_ERR_SEQ = 3
-HC_ERR_PEER = 4      # the failed command's destination rank (written before HC_ERROR)
-DEV_CTRL_BYTES = 128
-DC_HEAD = 0          # u64 word indices into DevCtrl: head and cached_tail on separate 64 B lines
-DC_CACHED_TAIL = 8
-
-# packed error word (HostCtrl.error): code(8) | syndrome(8) | vendor syndrome(8) | wqe_counter(16)
-# | qpn(24). 0 means no error.
-ERR_NONE = 0
-ERR_CQE = 1          # an error CQE: syndrome, vendor syndrome, qpn and wqe_counter are valid
-ERR_BAD_COMMAND = 2  # the proxy could not decode the command (op or peer out of range)
 
 # ---- engine tuning (named, with the reason) --------------------------------------------------
 # ConnectX-5/6/7 report max_msg_sz = 1 GiB: a larger PUT/GET is split into WQEs of this size.

@@ -147,13 +147,20 @@ def kernels():
 
 
 def test_header_layout_matches_python(kernels):
-    """proxy.cuh's struct layout and limits are the ones host/proxy.py uses."""
+    """proxy.cuh's struct layout and limits are device/abi.py's PROXY_* mirror, and host/proxy.py
+    drains with exactly those values."""
+    from gpunet.device import abi
     out = np.zeros(16, dtype=np.uint64)
     kernels.proxy_layout(out.ctypes.data_as(__import__("ctypes").c_void_p))
     assert list(map(int, out)) == [
-        P.CMD_BYTES, P.HOST_CTRL_BYTES, 8 * P.HC_TAIL, 8 * P.HC_COMPLETED, 8 * P.HC_ERROR,
-        8 * P.HC_ERR_SEQ, P.DEV_CTRL_BYTES, 8 * P.DC_HEAD, 8 * P.DC_CACHED_TAIL, 32, 24, P.OP_MAX,
-        P.MAX_OFFSET, P.MAX_PEERS, 16, 17]
+        abi.PROXY_CMD_BYTES, abi.PROXY_HOST_CTRL_BYTES, 8 * abi.PROXY_HC_TAIL,
+        8 * abi.PROXY_HC_COMPLETED, 8 * abi.PROXY_HC_ERROR, 8 * abi.PROXY_HC_ERR_SEQ,
+        abi.PROXY_DEV_CTRL_BYTES, 8 * abi.PROXY_DC_HEAD, 8 * abi.PROXY_DC_CACHED_TAIL, 32, 24,
+        abi.PROXY_OP_MAX, abi.PROXY_MAX_OFFSET, abi.PROXY_MAX_PEERS, 16, 17]
+    mirrored = [n for n in dir(abi) if n.startswith("PROXY_")]
+    assert len(mirrored) >= 30
+    for n in mirrored:
+        assert getattr(P, n[len("PROXY_"):]) == getattr(abi, n), n
 
 
 @settings(max_examples=_max_examples(20))

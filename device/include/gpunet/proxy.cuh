@@ -3,8 +3,9 @@
 // transport/proxy.cuh (the verbs for peers whose doorbell cannot be mapped into the GPU, DESIGN.md
 // "Transports under one device API"); failures use status.cuh's vocabulary.
 //
-// The command format, the channel's memory layout and the completion protocol are defined here and
-// mirrored in host/proxy.py (tests/test_proxy.py checks the two against each other).
+// The command format, the channel's memory layout and the completion protocol are defined here;
+// device/abi.py mirrors the format and the layout (PROXY_*) and host/proxy.py drains by them
+// (tests/test_proxy.py checks the mirror against this header compiled).
 //
 // ------------------------------------------------------------------------------------------------
 // Command: two 64-bit words, little-endian, 16-byte aligned slot.
@@ -88,6 +89,9 @@
 // backoff; HostCtrl.error != 0 fails the quiet and is copied into the Status block (first failure
 // wins; STATUS_COMPLETION_ERROR with syndrome / qpn / wqe_counter, the failed command's peer, the
 // channel and the command's sequence). An error is sticky: every later quiet on the channel fails.
+// HostCtrl.error is the authoritative record of a channel's failure (the host raises it with
+// ProxyChannel.raise_if_error whether or not a kernel quieted); the Status holds a copy of it, made
+// by the first quiet that saw it (tests/test_status.py checks that both name the same peer).
 // ------------------------------------------------------------------------------------------------
 #pragma once
 
@@ -99,7 +103,7 @@
 namespace gpunet {
 namespace proxy {
 
-// ---- command format (host/proxy.py mirrors every value) -----------------------------------------
+// ---- command format (device/abi.py mirrors every value as PROXY_*) ------------------------------
 enum : uint32_t {
   OP_NOP = 0,         // completes when every earlier command of the channel has
   OP_PUT = 1,         // RDMA WRITE local[loff, +size) -> peer[roff, +size)
@@ -137,8 +141,8 @@ struct HostCtrl {          // host-mapped; written by the proxy thread only
   uint64_t err_peer;       // @32 destination rank of the failed command (written before error)
   uint64_t reserved[3];
 };
-static_assert(sizeof(HostCtrl) == 64, "HostCtrl layout is mirrored in host/proxy.py");
-static_assert(__builtin_offsetof(HostCtrl, err_peer) == 32, "HC_ERR_PEER in host/proxy.py");
+static_assert(sizeof(HostCtrl) == 64, "HostCtrl layout is mirrored in device/abi.py");
+static_assert(__builtin_offsetof(HostCtrl, err_peer) == 32, "PROXY_HC_ERR_PEER in device/abi.py");
 
 struct DevCtrl {           // device memory; producers only
   uint64_t head;           // @0  slots reserved
@@ -146,16 +150,16 @@ struct DevCtrl {           // device memory; producers only
   uint64_t cached_tail;    // @64 max tail seen by any producer (own line: read by every push)
   uint64_t pad1[7];
 };
-static_assert(sizeof(DevCtrl) == 128, "DevCtrl layout is mirrored in host/proxy.py");
+static_assert(sizeof(DevCtrl) == 128, "DevCtrl layout is mirrored in device/abi.py");
 
-struct ProxyChannel {      // the descriptor device code gets (ProxyChannel.descriptor() in Python)
+struct ProxyChannel {      // the descriptor device code gets (descriptors.proxy_channel_desc fills it)
   uint64_t fifo;           // Command[depth], host-mapped (the GPU's address of it)
   uint64_t host;           // HostCtrl*, host-mapped
   uint64_t dev;            // DevCtrl*, device memory
   uint32_t depth;          // power of two
   uint32_t id;             // channel index in its engine (for Status)
 };
-static_assert(sizeof(ProxyChannel) == 32, "ProxyChannel layout is mirrored in host/proxy.py");
+static_assert(sizeof(ProxyChannel) == 32, "ProxyChannel layout is mirrored in device/abi.py");
 
 // Backoff of a producer that found the FIFO full: spin_pause() 1, 2, 4, ... kMaxBackoff times
 // between two reads of the host tail (CUDA: __nanosleep(64) each, so at most ~4 us between PCIe
