@@ -25,6 +25,11 @@ Platforms (host/platform.py decides; GPUNET_PLATFORM=cpu forces the CPU):
   these tensors, but every access crosses PCIe (slow; copy into ordinary CUDA memory for heavy
   compute). gpunet needs the registered arena's device pointer to equal its host address (UVA,
   x86-64 Linux) because the NIC and the GPU use the same heap addresses; otherwise ConfigError.
+  With ``transport="p2p"`` (then for every peer: all ranks on this node) the heap is ordinary
+  DEVICE memory instead (cudaMalloc): heap tensors are fast for the user's kernels, the ranks
+  open each other's heaps by CUDA IPC handles exchanged over the bootstrap, and the kernels
+  store into them directly; the soft NIC is still opened (descriptors, op lists) but carries no
+  heap traffic. Several ranks on one GPU need an MPS daemon to run side by side (FACTS.md).
   Descriptors (DevCtx, PeerDesc, QpDesc, Status) are in device memory (device/descriptors.py); the op
   lists of in-flight launches are in the mapped arena.
 
@@ -34,7 +39,8 @@ where the NIC's doorbell can be mapped into the device, and logs which and why.
 
 What the Context owns, in the order it makes them (and closes them in reverse: gpunet.resource):
 the bootstrap, the NIC (host/nic.py open_nic), on CUDA the NIC's GPU mapping and the device
-memory of the descriptors, the transports (QPs, proxy channels and engine), the launcher
+memory of the descriptors (and with p2p the device heap), the transports (QPs, proxy channels
+and engine, p2p peers' heap mappings: closed before the heap is freed), the launcher
 (gpunet/_launch.py: on CUDA closing it first waits for the stream). The symmetric heap's
 allocator is gpunet/heap.py.
 
@@ -52,12 +58,12 @@ from gpunet import _launch
 from gpunet.device import abi
 from gpunet.device.descriptors import DeviceContext
 from gpunet.errors import ClosedError, ConfigError, GpunetError
-from gpunet.heap import ALIGN, RESERVED_BYTES, SymmetricHeap
+from gpunet.heap import ALIGN, RESERVED_BYTES, SymmetricHeap, _cuda_view
 from gpunet.host.bootstrap import Bootstrap
 from gpunet.host.nic import KINDS as NICS, open_nic
 from gpunet.host.platform import get_platform
 from gpunet.resource import Resource
-from gpunet.transports import Transports, check_transport
+from gpunet.transports import Transports, check_transport, peer_transport
 
 
 __all__ = ["Context", "Remote", "DeviceHandle", "current", "read_signal", "ALIGN", "RESERVED_BYTES"]
@@ -252,6 +258,7 @@ class Context(Resource):
                               % (MAX_RANKS, self.world_size))
         self.platform = get_platform()
         self._gpu = self.platform.name == "cuda"
+        self._device_heap = self._gpu and self._p2p_everywhere(transport)
         if self.platform.name not in ("cpu", "cuda"):
             raise ConfigError("gpunet.init on %s: the Python API runs on the CPU and CUDA platforms "
                               "in this release (the MACA arm is unverified); set GPUNET_PLATFORM=cpu "
@@ -265,15 +272,22 @@ class Context(Resource):
                               % (warp_size, self.platform.name, self.platform.warp_size))
         self.nic = self._adopt(open_nic(nic, profile=self.platform.profile,
                                         retry_timeout_s=min(timeout_s / 2, 2.0),
-                                        arena_bytes=heap_bytes + NIC_EXTRA_BYTES,
+                                        arena_bytes=(0 if self._device_heap else heap_bytes)
+                                        + NIC_EXTRA_BYTES,
                                         name="rank%d" % self.rank), "NIC")
         self._mem = self._mapping = None     # descriptors: HOST arm = the host structs themselves
         if self._gpu:
             self._setup_gpu_memory()
         self.heap_bytes, self.timeout_s = heap_bytes, timeout_s
-        buf = self.nic.alloc(heap_bytes, 4096)
-        self._mr = self.nic.reg_mr(buf, kind=self.platform.policy("payload_dst").kind)
-        self.heap_base = buf.ctypes.data
+        if self._device_heap:
+            buf = None
+            self.heap_base = self._setup_device_heap(heap_bytes)
+            self._lkey = self._rkey = 0          # no NIC carries heap traffic
+        else:
+            buf = self.nic.alloc(heap_bytes, 4096)
+            mr = self.nic.reg_mr(buf, kind=self.platform.policy("payload_dst").kind)
+            self._lkey, self._rkey = mr.lkey, mr.rkey
+            self.heap_base = buf.ctypes.data
         self._heap = SymmetricHeap(buf, self.heap_base, heap_bytes,
                                    "cuda" if self._gpu else "cpu", self)
         self.warp_size = warp_size or self.platform.warp_size
@@ -286,18 +300,41 @@ class Context(Resource):
         # adopted last: closed first, so on CUDA no kernel still runs when the rest is freed
         self._launcher = self._adopt(_launch.Launcher(self.nic, self._gpu, self.warp_size),
                                      "launcher")
-        return dict(self._transports.info(), heap=self.heap_base, rkey=self._mr.rkey,
+        return dict(self._transports.info(), heap=self.heap_base, rkey=self._rkey,
                     heap_bytes=heap_bytes)
 
     def _setup_connect(self, everyone):
         """Step 2 on this rank: connect the QPs to the peers', build the device context."""
         scratch = self.heap_base + 4096
-        self._dev = DeviceContext(self.heap_base, self.heap_bytes, self._mr.lkey, self.world_size,
+        self._dev = DeviceContext(self.heap_base, self.heap_bytes, self._lkey, self.world_size,
                                   self.rank, scratch, SCRATCH_SLOTS, scratch + SCRATCH_SLOTS * 8,
                                   self.timeout_s, mem=self._mem)
-        self._transports.connect(everyone, self._dev, (self.heap_base, self._mr.lkey),
+        self._transports.connect(everyone, self._dev, (self.heap_base, self._lkey),
                                  mem=self._mem, mapping=self._mapping)
         self._launcher.dev = self._dev
+
+    def _p2p_everywhere(self, transport):
+        """CUDA: True when ``transport`` makes every peer (this rank too) p2p: the heap then lives
+        in device memory (ordinary cudaMalloc, shared with the peers by CUDA IPC), which no NIC
+        path reaches yet (the soft NIC moves bytes with memmove), so p2p to some peers and a NIC
+        transport to others raises ConfigError here. tests/test_p2p_cuda.py."""
+        kinds = [peer_transport(transport, self.rank, p) for p in range(self.world_size)]
+        if "p2p" not in kinds:
+            return False
+        if any(k != "p2p" for k in kinds):
+            raise ConfigError("gpunet.init on cuda: transport='p2p' puts the heap in device memory, "
+                              "which the NIC transports cannot reach yet, so every peer (this rank "
+                              "too) must be p2p; rank %d got %s" % (self.rank, kinds))
+        return True
+
+    def _setup_device_heap(self, heap_bytes):
+        """CUDA p2p: the heap in device memory (a child: freed when the Context closes, after the
+        transports closed the peers' mappings of theirs), zeroed before any peer can store into
+        it (the barrier slots and scratch of the head start at 0). Returns its address."""
+        mem = self._adopt(self.platform.alloc("device", heap_bytes), "device heap")
+        _cuda_view(mem.ptr, heap_bytes, self).zero_()
+        torch.cuda.current_stream().synchronize()
+        return mem.ptr
 
     def _setup_gpu_memory(self):
         """CUDA: register what the NIC says the GPU must reach (its rings, CQs, DBRs, doorbell
@@ -415,6 +452,15 @@ class Context(Resource):
         return DeviceHandle(self._dev.addr, "cuda" if self._gpu else "host", self.warp_size,
                             int(self._launcher.stream()), self.rank, self.world_size,
                             self.heap_base)
+
+    def device_context_image(self):
+        """A copy of this Context's ``gpunet::DevCtx`` in host memory (a ``gpunet.device.abi.DevCtx``):
+        the heap, the peers and the Status block the device API reads, for code that builds its
+        own device contexts from it (gpunet.ep.Buffer gives each peer its own Status block and
+        timeout). Changing the copy changes nothing in the Context; :meth:`device_context` is the
+        pointer a kernel takes."""
+        self._check_open()
+        return abi.DevCtx.from_buffer_copy(self._dev.ctx)
 
     def check(self, what="user kernel"):
         """Raise what a kernel recorded in this Context's Status block (a gpunet error: a

@@ -34,9 +34,11 @@ class Alloc:
 class SymmetricHeap:
     """The allocator and the live allocations of one heap.
 
-    ``buf``: the heap's bytes (np.uint8[heap_bytes], NIC-registered); ``base``: its address;
-    ``device``: "cpu" or "cuda", the kind of tensor :meth:`tensor` makes (CUDA: a view of the
-    host-mapped bytes, which needs device pointer == host address). Attributes ``top`` (everything
+    ``buf``: the heap's bytes (np.uint8[heap_bytes], NIC-registered), or None for a heap in GPU
+    device memory (CUDA with transport='p2p': no CPU view, zeroed by a stream-ordered fill);
+    ``base``: its address; ``device``: "cpu" or "cuda", the kind of tensor :meth:`make` makes
+    (CUDA: a view of the host-mapped bytes, which needs device pointer == host address, or of the
+    device memory). Attributes ``top`` (everything
     at or above it is free), ``free`` (sorted, coalesced (offset, size) ranges below ``top``),
     ``allocs`` (offset -> Alloc).
     """
@@ -97,9 +99,12 @@ class SymmetricHeap:
         size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         off = self.take(size)
         try:
-            self.buf[off:off + size] = 0
+            if self.buf is not None:
+                self.buf[off:off + size] = 0
             if self.device == "cuda":
                 whole = _cuda_view(self.base + off, size, self._owner)
+                if self.buf is None:
+                    whole.zero_()          # device heap: on the current stream, as alloc syncs it
             else:
                 whole = torch.frombuffer(memoryview(self.buf[off:off + size]), dtype=torch.uint8)
             t = whole[:nbytes].view(dtype).reshape(dims)
@@ -165,7 +170,7 @@ class SymmetricHeap:
 
 
 class _MappedBytes:
-    """``nbytes`` of host-mapped memory at ``addr`` as a CUDA array (``__cuda_array_interface__``);
+    """``nbytes`` of host-mapped (or device) memory at ``addr`` as a CUDA array (``__cuda_array_interface__``);
     holds ``owner`` (the Context) so the heap's Python objects outlive the tensor's storage."""
 
     def __init__(self, addr, nbytes, owner):
@@ -175,7 +180,8 @@ class _MappedBytes:
 
 
 def _cuda_view(addr, nbytes, owner):
-    """A torch uint8 CUDA tensor over the host-mapped heap bytes [addr, addr + nbytes)."""
+    """A torch uint8 CUDA tensor over the heap bytes [addr, addr + nbytes) (host-mapped or
+    device memory)."""
     if nbytes == 0:
         return torch.empty(0, dtype=torch.uint8, device="cuda")
     t = torch.as_tensor(_MappedBytes(addr, nbytes, owner), device="cuda")

@@ -6,8 +6,10 @@ descriptors of ibgda peers, and the proxy channels and engine of proxy peers (DE
   (device/descriptors.py QpDescriptor).
 - ``proxy``: the kernel pushes 16-byte commands into a channel's host-mapped FIFO and a CPU proxy
   thread posts them (host/proxy.py). One channel per proxied peer.
-- ``p2p``: this rank maps the peer's heap into its own address space (``Nic.map_peer_heap``: on
-  the CPU the peer soft NIC's arena by name) and the kernel stores into it directly
+- ``p2p``: this rank maps the peer's heap into its own address space (on the CPU the peer soft
+  NIC's arena by name, ``Nic.map_peer_heap``; on CUDA the peer's device-memory heap by its IPC
+  handle, ``Platform.ipc_open``, and then every peer must be p2p: gpunet/context.py) and the
+  kernel stores into it directly
   (transport/p2p.cuh). Only on request (a kind, or per peer): a peer that cannot be mapped raises
   ConfigError. On the ``c500`` profile p2p peers are store-only (get, atomics and ADD signals to
   them fail with a ConfigError; SET signals work).
@@ -154,7 +156,10 @@ class Transports(Resource):
         if any(k == "p2p" for p, k in self.kinds.items() if p != self.rank):
             if self._heap is None:
                 raise ConfigError("transport='p2p' needs this rank's heap to export")
-            p2p = self.nic.export_heap(*self._heap)
+            # GPU: the heap is a device allocation, shared by its CUDA IPC handle; CPU: the
+            # soft NIC's arena range, by name
+            p2p = (self.platform.ipc_export(self._heap[0]) if self._gpu
+                   else self.nic.export_heap(*self._heap))
         return {"qps": {k: q.info() for k, q in self._qps.items()},
                 "transports": dict(self.kinds), "p2p": p2p}
 
@@ -187,20 +192,22 @@ class Transports(Resource):
             self._setup_proxy(proxied, everyone, dev, local_heap)
 
     def _setup_p2p(self, p, everyone, dev, local_heap):
-        """Map peer ``p``'s heap (this rank itself: its own heap) and make it a p2p peer; the
-        mapping is a child, so it is unmapped when the transports close, also after a failed
-        set-up. Store-only on the c500 profile (transport/p2p.cuh)."""
+        """Map peer ``p``'s heap (this rank itself: its own heap) and make it a p2p peer: on the
+        CPU the peer soft NIC's arena range (Nic.map_peer_heap), on a GPU the peer's device heap
+        by its IPC handle (Platform.ipc_open). The mapping is a child, so it is unmapped when the
+        transports close, also after a failed set-up. Store-only on the c500 profile
+        (transport/p2p.cuh)."""
         store_only = self.platform.profile == "c500"
         if p == self.rank:
             dev.set_peer_p2p(p, local_heap[0], store_only)
             return
-        if self._gpu:
-            raise ConfigError("transport='p2p' to peer %d: on %s the heap is the soft NIC's "
-                              "host-mapped arena, which p2p does not map into the GPU; use "
-                              "transport='ibgda' or 'proxy'" % (p, self.platform.name))
+        from gpunet.host.platform import VendorRuntimeError
         try:
-            m = self.nic.map_peer_heap(everyone[p]["p2p"])
-        except ConfigError as e:
+            if self._gpu:
+                m = self.platform.ipc_open(everyone[p]["p2p"], everyone[p]["heap_bytes"])
+            else:
+                m = self.nic.map_peer_heap(everyone[p]["p2p"])
+        except (ConfigError, VendorRuntimeError) as e:
             raise ConfigError("transport='p2p' to peer %d: cannot map its heap here (%s); p2p "
                               "needs the peer on this machine, alive; use transport='ibgda' or "
                               "'proxy' for it" % (p, e)) from e

@@ -1,0 +1,215 @@
+"""p2p on an NVIDIA GPU: ``gpunet.init(transport="p2p")`` puts the heap in device memory (cudaMalloc),
+the ranks open each other's heaps by CUDA IPC handles, and the kernels store into them directly
+(gpunet/context.py, gpunet/transports.py, host/platform.py ipc_export / ipc_open).
+
+One rank in this process (p2p to itself), then two rank processes on ONE GPU under a private MPS
+daemon the module starts and stops (FACTS.md: without MPS the processes' kernels are time-sliced,
+4.5 ms a round trip; a daemon that cannot start fails the test, it does not skip). The GPU tests
+are skipped with the reason where torch.cuda is not available (scripts/gpu-check.sh runs them on
+the H200, where a skip counts as a failure); the mixed-world error runs everywhere.
+"""
+import os
+import shutil
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+import gpunet
+from gpunet.ep import Buffer
+from mp_jobs import _pattern
+from mp_ranks import Ranks
+from p2p_cuda_jobs import MEMORY_TYPE_DEVICE, SLOT, memory_type
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
+SIZES = [1, 40, 4096, 100001]
+
+
+# --- one rank: p2p to itself ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ctx(cuda_platform_module):                                   # tests/conftest.py
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU: torch.cuda.is_available() is False")
+    c = gpunet.init(transport="p2p", nic="soft", heap_bytes=8 << 20, timeout_s=10.0)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@needs_gpu
+def test_alloc_is_device_memory_outside_the_nic(ctx):
+    """With transport='p2p' the heap is a device allocation (cudaPointerGetAttributes: device
+    memory), not inside any range the soft NIC maps, and alloc returns zeroed CUDA tensors on it
+    that the GPU computes on."""
+    assert ctx.transports == {0: "p2p"}
+    assert memory_type(ctx.heap_base) == MEMORY_TYPE_DEVICE
+    assert not any(b <= ctx.heap_base < b + n for b, n in ctx.nic.mapped_ranges())
+    x = ctx.alloc((1000,), torch.float32)
+    assert x.device.type == "cuda" and ctx.heap_base <= x.data_ptr() < ctx.heap_base + ctx.heap_bytes
+    assert int(torch.count_nonzero(x)) == 0
+    x += 2.5
+    assert float(x.sum()) == 2500.0
+    ctx.free(x)
+    y = ctx.alloc((1000,), torch.float32)       # the same range again: zeroed once more
+    assert int(torch.count_nonzero(y)) == 0
+    ctx.free(y)
+
+
+@needs_gpu
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_self_put_get_put_signal_wait_until_barrier_land(ctx, nbytes):
+    """put / get to this rank over p2p copy exactly the bytes asked (nothing past them);
+    put_signal ADD and SET leave the signal values wait_until and read_signal see, with the
+    payload in place; atomic_add returns the old value; barriers pass."""
+    src = ctx.alloc((nbytes + 64,), torch.uint8)
+    dst = ctx.alloc((nbytes + 64,), torch.uint8)
+    back = ctx.alloc((nbytes + 64,), torch.uint8)
+    sig = ctx.alloc((2,), torch.int64)
+    try:
+        pat = _pattern(0, nbytes, nbytes + 64).cuda()
+        src.copy_(pat)
+        ctx.put(ctx.remote(0, dst), src[:nbytes])
+        ctx.quiet()
+        assert torch.equal(dst[:nbytes], pat[:nbytes]) and int(torch.count_nonzero(dst[nbytes:])) == 0
+        ctx.get(back[:nbytes], ctx.remote(0, dst))
+        ctx.quiet()
+        assert torch.equal(back[:nbytes], pat[:nbytes]) and int(torch.count_nonzero(back[nbytes:])) == 0
+        dst.zero_()
+        ctx.put_signal(ctx.remote(0, dst), src[:nbytes], ctx.remote(0, sig), value=3)
+        ctx.wait_until(sig, 3, "ge")
+        assert torch.equal(dst[:nbytes], pat[:nbytes]) and gpunet.read_signal(sig) == 3
+        ctx.put_signal(ctx.remote(0, dst), src[:nbytes], ctx.remote(0, sig, 1), value=77, op="set")
+        ctx.wait_until(sig, 77, "eq", index=1)
+        assert gpunet.read_signal(sig, 1) == 77
+        assert ctx.atomic_add(ctx.remote(0, sig), 5) == 3 and gpunet.read_signal(sig) == 8
+        ctx.barrier()
+        ctx.barrier()
+    finally:
+        for t in (src, dst, back, sig):
+            ctx.free(t)
+
+
+# --- two rank processes on one GPU, under a private MPS daemon ----------------------------------
+def _mps_control(env, text=None, *args):
+    return subprocess.run(["nvidia-cuda-mps-control", *args], input=text, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def mps():
+    """A private MPS daemon: fresh pipe and log directories, exported to the daemon and (by the
+    caller) to every rank process; stopped with 'quit' at the end. A daemon that cannot start
+    fails the test with nvidia-cuda-mps-control's words."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU: torch.cuda.is_available() is False")
+    dirs = {"CUDA_MPS_PIPE_DIRECTORY": tempfile.mkdtemp(prefix="gpunet-mps-pipe-"),
+            "CUDA_MPS_LOG_DIRECTORY": tempfile.mkdtemp(prefix="gpunet-mps-log-")}
+    env = dict(os.environ, **dirs)
+    try:
+        try:
+            started = _mps_control(env, None, "-d")
+        except (OSError, subprocess.SubprocessError) as e:
+            pytest.fail("the MPS daemon did not start: nvidia-cuda-mps-control -d: %s" % e)
+        if started.returncode != 0:
+            pytest.fail("the MPS daemon did not start: nvidia-cuda-mps-control -d exited %d: %s %s"
+                        % (started.returncode, started.stdout, started.stderr))
+        up = _mps_control(env, "get_server_list\n")
+        if up.returncode != 0:
+            pytest.fail("the MPS daemon does not answer (get_server_list exited %d: %s %s)"
+                        % (up.returncode, up.stdout, up.stderr))
+        yield dirs
+    finally:
+        try:
+            _mps_control(env, "quit\n")
+        finally:
+            for d in dirs.values():
+                shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def pair(mps):
+    r = Ranks(2, env=dict(mps, GPUNET_PLATFORM="cuda"))
+    try:
+        r.info = r.run("p2p_cuda_jobs:init", timeout=300)
+        yield r
+        r.run("p2p_cuda_jobs:close", timeout=120)
+    finally:
+        r.close()
+
+
+@needs_gpu
+def test_two_ranks_open_each_others_device_heap(pair):
+    """Each rank's heap and allocations are device memory, every peer is p2p, and each rank
+    opened the other's heap by its IPC handle (a device-memory mapping)."""
+    for rank, i in enumerate(pair.info):
+        assert i["rank"] == rank and set(i["transports"].values()) == {"p2p"}, i
+        assert i["heap_type"] == MEMORY_TYPE_DEVICE and i["alloc_type"] == MEMORY_TYPE_DEVICE, i
+        assert i["mapped_peers"] == [1 - rank], i
+        assert i["peer_types"] == {1 - rank: MEMORY_TYPE_DEVICE}, i
+    assert pair.info[0]["pid"] != pair.info[1]["pid"]
+
+
+@needs_gpu
+@pytest.mark.parametrize("nbytes", SIZES)
+def test_two_ranks_put_put_signal_wait_until_get_barrier(pair, nbytes):
+    """Two rounds per size: each rank's put and put_signal payload land whole in the peer's slot
+    before the peer's wait_until on the ADD signal returns; the ADD word counts the rounds, the
+    SET word holds the last value set; get reads the peer's source exactly."""
+    for k in (1, 2):
+        rnd = 1000 * nbytes + k
+        pair.adds = getattr(pair, "adds", 0) + 1          # ADD signals per rank so far
+        out = pair.run("p2p_cuda_jobs:verbs", nbytes, rnd, pair.adds, timeout=300)
+        for rank, o in enumerate(out):
+            peer = 1 - rank
+            want = _pattern(peer, rnd, SLOT)
+            assert torch.equal(o["after_signal"], want[:2 * nbytes]), (rank, nbytes, k)
+            assert torch.equal(o["got"], want[:nbytes]), (rank, nbytes, k)
+            assert o["set"] == 10 * rnd, (rank, o["set"])
+        assert all(o["add"] == pair.adds for o in out), ([o["add"] for o in out], pair.adds)
+
+
+@needs_gpu
+def test_two_ranks_device_atomics_are_exact(pair):
+    """Both ranks add 1 to rank 0's word 40 times each by device atomics on the mapped heap:
+    every old value is seen once and the final value is 80."""
+    out = pair.run("p2p_cuda_jobs:atomics", 40, timeout=300)
+    olds = sorted(o for r in out for o in r["olds"])
+    assert olds == list(range(80)) and out[0]["final"] == 80, out
+
+
+@needs_gpu
+def test_two_ranks_ep_dispatch_and_combine_over_p2p_match_the_reference(mps):
+    """gpunet.ep low_latency_dispatch + combine between two rank processes over p2p (device
+    heaps, IPC-mapped): BF16 tagged rows and an FP8 round with hooks; every rank's dispatch is
+    gpunet.ep.reference's and combine is within DeepEP's bounds."""
+    r = Ranks(2, env=dict(mps, GPUNET_PLATFORM="cuda"))
+    try:
+        nbytes = Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8)
+        info = r.run("ep_jobs:init", "p2p", nbytes, 60.0, False, None, timeout=300)
+        assert all(set(i["transports"].values()) == {"p2p"} for i in info), info
+        for spec in (dict(seed=3, t_max=8, hidden=256, topk=4, num_experts=8, holes=2, tagged=True),
+                     dict(seed=4, t_max=8, hidden=256, topk=4, num_experts=8, use_fp8=True, hook=True)):
+            for rank, o in enumerate(r.run("ep_jobs:round_", spec, timeout=300)):
+                assert o["raised"] is None and o["bad"] == [], (rank, o)
+                assert o["calc_diff"] < (9e-4 if spec.get("use_fp8") else 1e-5), (rank, o["calc_diff"])
+        r.run("ep_jobs:close", timeout=120)
+    finally:
+        r.close()
+
+
+# --- everywhere: p2p on CUDA is all or nothing ----------------------------------------------------
+def test_cuda_p2p_to_some_peers_only_raises_on_every_rank():
+    """On the cuda platform, p2p for a rank itself but the proxy to the other (a device-memory
+    heap the NIC transports cannot reach yet) raises ConfigError on both ranks, naming the rule,
+    before any GPU resource is made (so it runs without a GPU too)."""
+    r = Ranks(2, env={"GPUNET_PLATFORM": "cuda"})
+    try:
+        out = r.run("p2p_cuda_jobs:init_expecting_error", "p2p_only_to_self", timeout=300)
+    finally:
+        r.close()
+    for rank, o in enumerate(out):
+        assert o["raised"] == "ConfigError", (rank, o)
+        assert "every peer" in o["msg"] and "p2p" in o["msg"], (rank, o["msg"])
