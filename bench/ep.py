@@ -29,7 +29,8 @@ CPU (default): rank processes on the soft NIC, HOST-arm kernels, perf_counter, s
 figures show the machinery, not a network. GPU (--gpu): ranks share the GPUs round robin (2 and 4
 ranks on one GPU need MPS: bench/ep_gpu.sh starts a private daemon), CUDA events.
 
-Usage: python bench/ep.py [--gpu] [--ranks 2,4] [--sweep 16,32,64,128] [--json PATH] [--plot PATH]
+Usage: python bench/ep.py [--gpu] [--ranks 2,4] [--sweep 16,32,64,128] [--transport p2p]
+                         [--json PATH] [--plot PATH]
 """
 import argparse
 import datetime
@@ -438,7 +439,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--holes", type=int, default=10, help="-1 entries per rank (DeepEP: 10)")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--transport", default="auto", help="auto | ibgda | proxy")
+    ap.add_argument("--transport", default="auto", choices=("auto", "ibgda", "proxy", "p2p"),
+                    help="gpunet.init's transport (p2p: every rank on this node; on a GPU the heap "
+                         "is then device memory, opened by CUDA IPC)")
     ap.add_argument("--timeout-s", type=float, default=100.0, help="Buffer's device wait bound")
     ap.add_argument("--no-nccl", action="store_true", help="skip the NCCL rows")
     ap.add_argument("--json", help="default bench/results/<date>/ep_<cpu|gpu>.json")
@@ -497,6 +500,9 @@ def main(argv=None):
                args.hidden, args.topk, args.experts, args.holes, args.iters, args.warmup,
                "; ".join("%d ranks: %s" % (r["ranks"], r.get("align", "failed")) for r in runs)))
     print(_table(rows, cfg, head))
+    if args.transport != "auto":        # one gate row set per transport: names must not collide
+        for g in gate:
+            g["name"] += " [%s]" % args.transport
     for g in gate:
         print("%-6s %-7s %s  %s" % (g["kind"], g["result"], g["name"], g["figure"]))
     path = Path(args.json) if args.json else (ROOT / "bench" / "results" / datetime.date.today()

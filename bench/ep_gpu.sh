@@ -41,6 +41,12 @@ echo "=== EP bench: 2 and 4 ranks on GPU 0, $MPS ==="
 CUDA_VISIBLE_DEVICES=0 python3 bench/ep.py --gpu --ranks 2,4 $EXTRA \
     --json "$OUT/ep_gpu_1gpu.json" --plot "$OUT/ep_gpu_1gpu.png" 2>&1 | tee "$OUT/ep_gpu_1gpu.log"
 rc=$(( rc | ${PIPESTATUS[0]} ))
+# the same over p2p: device-memory heaps opened by CUDA IPC, the kernels store into the peers'
+echo "=== EP bench: 2 and 4 ranks on GPU 0 over p2p, $MPS ==="
+CUDA_VISIBLE_DEVICES=0 python3 bench/ep.py --gpu --ranks 2,4 --transport p2p $EXTRA \
+    --json "$OUT/ep_gpu_1gpu_p2p.json" --plot "$OUT/ep_gpu_1gpu_p2p.png" 2>&1 \
+    | tee "$OUT/ep_gpu_1gpu_p2p.log"
+rc=$(( rc | ${PIPESTATUS[0]} ))
 stop_mps
 CUDA_MPS_PIPE_DIRECTORY= ; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 
@@ -50,6 +56,11 @@ if [ "$NGPU" -ge 2 ]; then
   python3 bench/ep.py --gpu --ranks "$NGPU" $EXTRA \
       --json "$OUT/ep_gpu_${NGPU}gpu.json" --plot "$OUT/ep_gpu_${NGPU}gpu.png" 2>&1 \
       | tee "$OUT/ep_gpu_${NGPU}gpu.log"
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+  echo "=== EP bench: $NGPU ranks, one per GPU, over p2p (CUDA IPC, peer access) ==="
+  python3 bench/ep.py --gpu --ranks "$NGPU" --transport p2p $EXTRA \
+      --json "$OUT/ep_gpu_${NGPU}gpu_p2p.json" --plot "$OUT/ep_gpu_${NGPU}gpu_p2p.png" 2>&1 \
+      | tee "$OUT/ep_gpu_${NGPU}gpu_p2p.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
 
