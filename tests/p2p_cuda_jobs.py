@@ -15,7 +15,8 @@ MEMORY_TYPE_DEVICE = 2            # cudaMemoryTypeDevice (cudaPointerAttributes.
 
 class _PointerAttributes(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("device", ctypes.c_int),
-                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p)]
+                ("devicePointer", ctypes.c_void_p), ("hostPointer", ctypes.c_void_p),
+                ("reserved", ctypes.c_long * 8)]     # room for fields a newer runtime adds
 
 
 def memory_type(ptr):
