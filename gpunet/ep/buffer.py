@@ -284,7 +284,11 @@ class Buffer:
         self._ctl_off, ctl_bytes = lay.ctl_layout(r)
         self._ctl = ctx.alloc((ctl_bytes,), torch.uint8)
         base = self._ctl_base = int(self._ctl.data_ptr())
-        self._ctl_np = np.frombuffer((ctypes.c_uint8 * ctl_bytes).from_address(base), dtype=np.uint8)
+        # a device-memory heap (CUDA p2p) is not CPU-addressable: the numpy views then read a
+        # host mirror that _ctl_refresh copies in (tests/test_p2p_cuda.py's EP round)
+        self._ctl_mirror = bool(getattr(ctx, "_device_heap", False))
+        self._ctl_np = (np.zeros(ctl_bytes, dtype=np.uint8) if self._ctl_mirror else
+                        np.frombuffer((ctypes.c_uint8 * ctl_bytes).from_address(base), dtype=np.uint8))
         # two views of the per-peer state: numpy (the host reads it at once, without a device
         # sync) and a heap tensor (writes stream-ordered after the kernels queued before them)
         i32 = lambda name: self._ctl_np[self._ctl_off[name]:self._ctl_off[name] + 4 * r].view(np.int32)
@@ -526,8 +530,16 @@ class Buffer:
             raise ConfigError("%s must be a rank in [0, %d), not %r" % (what, self.group_size, r))
         return r
 
+    def _ctl_refresh(self):
+        """Device-memory heap: copy the control allocation into the host mirror the numpy views
+        read (stream-ordered, after the launches queued so far; not while a CUDA graph is being
+        captured, where no copy may run). A host-mapped heap needs nothing."""
+        if self._ctl_mirror and not torch.cuda.is_current_stream_capturing():
+            self._ctl_np[:] = self._ctl.cpu().numpy()
+
     def masked_ranks(self):
         """(gpunet) The ranks masked now, as a sorted list."""
+        self._ctl_refresh()
         return [p for p in range(self.group_size) if self._mask_np[p]]
 
     def report(self):
@@ -628,7 +640,9 @@ class Buffer:
     def _check(self, what, phase):
         """Raise what the kernels recorded: an EP-level failure (then the workspace is reset), or,
         without enable_shrink, the peers that failed (EPTimeout). CPU: the launch just finished;
-        CUDA: whatever launches have completed so far (host-mapped state, no device sync)."""
+        CUDA: whatever launches have completed so far (host-mapped state, no device sync; a
+        device-memory heap: a stream-ordered copy of it)."""
+        self._ctl_refresh()
         if self._status_flag[0]:
             # the failure path may wait: the failed launch and what follows it finish, the
             # workspace is reset, and the reset is done before the next call reads the flag
