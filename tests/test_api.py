@@ -185,6 +185,21 @@ def test_single_rank_put_get_atomic(ctx):
     gpunet.barrier()
 
 
+def test_device_context_image_is_a_copy_of_the_kernels_devctx(ctx):
+    """ctx.device_context_image() holds the same bytes as the DevCtx a kernel gets
+    (device_context().ptr: host memory on the CPU) and is a copy: changing it changes nothing."""
+    import ctypes
+
+    from gpunet.device import abi
+    h = ctx.device_context()
+    img = ctx.device_context_image()
+    assert isinstance(img, abi.DevCtx)
+    assert bytes(img) == ctypes.string_at(h.ptr, ctypes.sizeof(abi.DevCtx))
+    assert (img.local_base, img.npes, img.my_pe) == (h.heap_base, h.world_size, h.rank)
+    img.timeout_ns += 1
+    assert ctx.device_context_image().timeout_ns == img.timeout_ns - 1
+
+
 def test_use_after_close_raises():
     c = gpunet.init(heap_bytes=1 << 20)
     x = c.alloc((4,), torch.float32)

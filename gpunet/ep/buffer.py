@@ -472,7 +472,7 @@ class Buffer:
         """The per-peer device contexts: the Context's DevCtx, each with its own Status block and
         this Buffer's timeout (a failure on one peer never makes operations to others fail fast)."""
         r = self.group_size
-        base = self._ctx._dev.ctx          # the Context's device context (host copy)
+        base = self._ctx.device_context_image()
         arr = (abi.DevCtx * r)()
         for p in range(r):
             ctypes.memmove(ctypes.addressof(arr[p]), ctypes.addressof(base), ctypes.sizeof(abi.DevCtx))
