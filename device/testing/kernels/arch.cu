@@ -105,6 +105,19 @@ GPUNET_DEVICE void mp_write(uint32_t mode, uint32_t* data, uint32_t* flag) {
     arch::store_relaxed(flag, 1u);
 }
 
+// The writer's side of the doorbell litmus tests: a WQE word, the DBR (release-stored or relaxed),
+// an optional fence, then the doorbell, in program order.
+GPUNET_DEVICE void post_and_ring(uint32_t fence_before_db, uint32_t release_dbr, uint64_t* wqe,
+                                 uint32_t* dbr, uint64_t* db) {
+  arch::store_relaxed(wqe, uint64_t(0x1122334455667788ull));
+  if (release_dbr)
+    arch::store_release_sys(dbr, arch::bswap32(1u));
+  else
+    arch::store_relaxed(dbr, arch::bswap32(1u));
+  if (fence_before_db) arch::fence_sys();
+  arch::doorbell_store64(db, uint64_t(0xabcdull));
+}
+
 #if defined(GPUNET_ARM_HOST)
 // Test harness channel outside the memory model, so the observer looks exactly once, at the
 // moment the writer has made one pending store visible (host::weak_drain_partial).
@@ -131,13 +144,7 @@ GPUNET_GLOBAL void k_doorbell_step(uint32_t fence_before_db, uint32_t release_db
                                    uint32_t* dbr, uint64_t* db, uint32_t* seen) {
   constexpr uint32_t kDone = 0xffffffffu;
   if (arch::block_idx().x == 0) {
-    arch::store_relaxed(wqe, uint64_t(0x1122334455667788ull));
-    if (release_dbr)
-      arch::store_release_sys(dbr, arch::bswap32(1u));
-    else
-      arch::store_relaxed(dbr, arch::bswap32(1u));
-    if (fence_before_db) arch::fence_sys();
-    arch::doorbell_store64(db, uint64_t(0xabcdull));
+    post_and_ring(fence_before_db, release_dbr, wqe, dbr, db);
     uint32_t step = 0;
     for (;;) {
       const bool last = gpunet::host::weak_pending() == 0;
@@ -202,13 +209,7 @@ GPUNET_GLOBAL void k_doorbell(uint32_t fence_before_db, uint32_t release_dbr, ui
   const uint64_t deadline = arch::now_ns() + 2000000000ull;
   rendezvous(seen + 4, deadline);
   if (arch::block_idx().x == 0) {
-    arch::store_relaxed(wqe, uint64_t(0x1122334455667788ull));
-    if (release_dbr)
-      arch::store_release_sys(dbr, arch::bswap32(1u));
-    else
-      arch::store_relaxed(dbr, arch::bswap32(1u));
-    if (fence_before_db) arch::fence_sys();
-    arch::doorbell_store64(db, uint64_t(0xabcdull));
+    post_and_ring(fence_before_db, release_dbr, wqe, dbr, db);
     while (!arch::load_acquire_sys(reinterpret_cast<const uint32_t*>(seen + 3)) && arch::now_ns() < deadline)
       arch::spin_pause();
   } else {
