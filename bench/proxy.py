@@ -16,7 +16,7 @@ host-memory FIFOs of 1024 slots; the proxy drains them. Rows:
 commands/s = commands / (time from the producers' start until the last command is `completed`).
 
 Round-trip mode (``--gpu`` = ``--roundtrip cuda``, for the H200; ``--roundtrip host`` runs the
-same code path on the CPU): ONE device thread (device/kernels/proxy_kernels.cu, k_roundtrip)
+same code path on the CPU): ONE device thread (gpunet.device.testing's kernels/proxy.cu, k_roundtrip)
 pushes one PUT into the FIFO (host-mapped on the GPU: cudaHostAlloc, Mapped) and waits until the
 proxy reports it completed; the soft NIC executes it. ``--reps`` independent runs per row (fresh
 NICs, channel and proxy each); a row reports the median and [min, max] of the runs' medians and
@@ -336,10 +336,10 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
     "none" (the OS places the threads)."""
     import ctypes
 
-    from gpunet.device import loader
+    from gpunet.device import loader, testing
     from gpunet.host.platform import get_platform
     from gpunet.host.softnic import SoftNic
-    lib = loader.build([loader.kernels_dir() / "proxy_kernels.cu"], arch=arch)  # nvcc for cuda
+    lib = loader.build([testing.kernels_dir() / "proxy.cu"], arch=arch)  # nvcc for cuda
     plat = get_platform()
     if arch == "cuda" and plat.name != "cuda":
         print(f"--gpu needs an NVIDIA GPU with the CUDA runtime; this machine's platform is "

@@ -24,7 +24,7 @@ EXAMPLES = ROOT / "examples"
 
 # Kernels that use a layer below the verbs on purpose, and why.
 BELOW_ON_PURPOSE = {
-    KERNELS / "proxy_kernels.cu": "tests and measures proxy.cuh's FIFO protocol (push, push_warp, quiet)",
+    TEST_KERNELS / "proxy.cu": "tests and measures proxy.cuh's FIFO protocol (push, push_warp, quiet)",
     TEST_KERNELS / "post_rate.cu": "measures qp.cuh's posting protocol (post_warp / post_warp_k) itself",
     TEST_KERNELS / "arch.cu": "tests arch.cuh's primitives and the weak-memory model",
 }

@@ -1,7 +1,7 @@
 """The CPU-proxy transport: command format, FIFO protocol, completion protocol, failures.
 
 Producers are numba threads running ``proxy.cpu_push`` (the same steps as proxy.cuh's proxy_push)
-and, where g++ is available, real device code (device/kernels/proxy_kernels.cu on the HOST arm,
+and, where g++ is available, real device code (device/testing/kernels/proxy.cu on the HOST arm,
 warps of 32 and 64). Commands go through ``ProxyEngine`` into soft-NIC QPs between two soft NICs
 (``a``: ours, ``b``: the peers'), and the tests check what arrives in the peers' memory.
 """
@@ -140,8 +140,9 @@ def test_valid_bit_is_inverted_lap_parity():
 @pytest.fixture(scope="module")
 def kernels():
     loader = pytest.importorskip("gpunet.device.loader")
+    from gpunet.device import testing
     try:
-        return loader.build([loader.kernels_dir() / "proxy_kernels.cu"], arch="host")
+        return loader.build([testing.kernels_dir() / "proxy.cu"], arch="host")
     except gpunet.ToolchainError as e:
         pytest.skip(f"no HOST-arm toolchain: {e}")
 

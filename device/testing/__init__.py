@@ -10,7 +10,8 @@ imports it from the installed package (never through tests/ on sys.path).
 - :mod:`.ordering_ref`: the schedule's sequential reference and the checks of its invariants.
 - ``kernels/``: ``arch.cu`` (arch.cuh's primitives and the weak-memory model,
   tests/test_device_arch.py), ``post_rate.cu`` (qp.cuh's posting rate, bench/device_post.py),
-  ``schedule.cu``.
+  ``proxy.cu`` (proxy.cuh's producers, round-trip probe and layout reference: tests/test_proxy.py,
+  bench/proxy.py), ``schedule.cu``.
 """
 from pathlib import Path
 
