@@ -108,7 +108,7 @@ PID_CHECK_NS = 2_000_000             # heartbeat age (> the 200 us idle sleep) a
                                      # cross-process peer's pid is checked with kill(pid, 0)
 # The engine stores its heartbeat at most every HEARTBEAT_NS, not on every pass: a peer engine
 # reads this header line for every WQE it executes towards this NIC (_peer_dead), and a line
-# rewritten on every pass (a spinning engine: every ~100 ns) made each of those reads a cache-line
+# rewritten on every pass (a spinning engine: every ~100 ns) makes each of those reads a cache-line
 # transfer from this engine's core, on the proxy round trip's critical path (bench/proxy.py). Far
 # below what the heartbeat is compared with (PID_CHECK_NS, retry_timeout_s).
 HEARTBEAT_NS = 100_000
