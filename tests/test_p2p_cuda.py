@@ -213,3 +213,45 @@ def test_cuda_p2p_to_some_peers_only_raises_on_every_rank():
     for rank, o in enumerate(out):
         assert o["raised"] == "ConfigError", (rank, o)
         assert "every peer" in o["msg"] and "p2p" in o["msg"], (rank, o["msg"])
+
+
+def test_ipc_mappings_opened_before_a_failed_open_are_closed_with_the_transports():
+    """Transports on a cuda-named platform stand-in (no GPU needed): rank 0 of 3 opens peer 1's
+    heap by its IPC handle, peer 2's open fails; the set-up raises ConfigError naming peer 2 and
+    the runtime's error, and closing the transports (what the Context does after a failed init)
+    closes peer 1's mapping with cudaIpcCloseMemHandle, once."""
+    import types
+
+    from gpunet.device.descriptors import DeviceContext
+    from gpunet.errors import ConfigError
+    from gpunet.host.platform import _CUDA_API, IpcMapping, VendorRuntimeError
+    from gpunet.host.softnic import SoftNic
+    from gpunet.transports import Transports
+
+    closed = []
+    rt = types.SimpleNamespace(api=_CUDA_API, call=lambda name, *a: closed.append((name, a[0].value)))
+    plat = types.SimpleNamespace(name="cuda", profile="nvidia")
+    plat.runtime = lambda: rt
+
+    def ipc_open(handle, nbytes):
+        if handle == b"\2" * 64:
+            raise VendorRuntimeError("cudaIpcOpenMemHandle failed with error 201", call="x", code=201)
+        return IpcMapping(plat, 0x7f0000100000, nbytes)
+
+    plat.ipc_open = ipc_open
+    plat.ipc_export = lambda ptr: b"\0" * 64
+    nic = SoftNic(arena_bytes=8 << 20)
+    try:
+        t = Transports(nic, plat, 0, 3, "p2p", None, heap=(0x7f0000000000, 1 << 20))
+        assert t.kinds == {0: "p2p", 1: "p2p", 2: "p2p"}
+        everyone = [dict(qps={}, p2p=bytes([r]) * 64, heap_bytes=1 << 20) for r in range(3)]
+        dev = DeviceContext(0x7f0000000000, 1 << 20, 0, 3, 0, 0x7f0000001000, 16, 0x7f0000002000, 1.0)
+        with pytest.raises(ConfigError, match="peer 2.*error 201"):
+            t.connect(everyone, dev, (0x7f0000000000, 0))
+        assert list(t.peer_heaps) == [1] and closed == []
+        t.close()
+        assert closed == [("cudaIpcCloseMemHandle", 0x7f0000100000)]
+        t.close()
+        assert len(closed) == 1
+    finally:
+        nic.close()
