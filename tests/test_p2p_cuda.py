@@ -6,7 +6,8 @@ One rank in this process (p2p to itself), then two rank processes on ONE GPU und
 daemon the module starts and stops (FACTS.md: without MPS the processes' kernels are time-sliced,
 4.5 ms a round trip; a daemon that cannot start fails the test, it does not skip). The GPU tests
 are skipped with the reason where torch.cuda is not available (scripts/gpu-check.sh runs them on
-the H200, where a skip counts as a failure); the mixed-world error runs everywhere.
+the H200, where a skip counts as a failure); the mixed-world error and the close of IPC
+mappings after a failed set-up (a platform stand-in) run everywhere.
 """
 import os
 import shutil
