@@ -13,7 +13,7 @@ import torch
 from gpunet.ep import Buffer
 from gpunet.ep import reference as ref
 from mp_ranks import Ranks
-from test_api_cuda import cuda_platform  # noqa: F401 - the fixture that selects platform "cuda"
+
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
@@ -24,7 +24,7 @@ MODES = [dict(), dict(use_fp8=True), dict(use_fp8=True, round_scale=True, use_ue
 
 
 @pytest.fixture(scope="module")
-def buf(cuda_platform):  # noqa: F811
+def buf(cuda_platform_module):              # tests/conftest.py selects platform "cuda"
     b = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T_MAX, HIDDEN, 1, EXPERTS),
                low_latency_mode=True, explicitly_destroy=True, timeout_s=20.0)
     assert b.runtime.platform.name == "cuda"
@@ -111,7 +111,7 @@ def test_a_cuda_graph_replays_dispatch_and_combine_on_new_inputs(buf):
         assert ref.calc_diff(out.cpu(), (new["x"].float() * ws).to(torch.bfloat16)) < 1e-5
 
 
-def test_two_ranks_share_the_gpu(cuda_platform):  # noqa: F811
+def test_two_ranks_share_the_gpu(cuda_platform):
     """Two rank processes on one GPU (time-sliced without MPS: slow, still bounded), over ibgda:
     tagged BF16 rows and an FP8 round with hooks; every rank's dispatch is the reference's and
     combine is within DeepEP's bounds."""
