@@ -310,3 +310,28 @@ def scribble(state, byte):
     t = buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
     t.fill_(byte)
     return t.numel()
+
+
+# --- driver (runs in the test process, not in the ranks) -----------------------------------------
+TWO_RANK_ROUNDS = (dict(seed=3, t_max=8, hidden=256, topk=4, num_experts=8, holes=2, tagged=True),
+                   dict(seed=4, t_max=8, hidden=256, topk=4, num_experts=8, use_fp8=True, hook=True))
+
+
+def two_rank_rounds(transport, env):
+    """Two rank processes (tests/mp_ranks.py) with ``env``: a Buffer over ``transport``, then a
+    tagged BF16 round with -1 holes and an FP8 round with hooks; every rank's dispatch equals
+    gpunet.ep.reference's and combine is within DeepEP's calc_diff bounds. Returns the init info."""
+    from mp_ranks import Ranks
+
+    r = Ranks(2, env=env)
+    try:
+        nbytes = Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8)
+        info = r.run("ep_jobs:init", transport, nbytes, 60.0, False, None, timeout=300)
+        for spec in TWO_RANK_ROUNDS:
+            for rank, o in enumerate(r.run("ep_jobs:round_", spec, timeout=300)):
+                assert o["raised"] is None and o["bad"] == [], (rank, o)
+                assert o["calc_diff"] < (9e-4 if spec.get("use_fp8") else 1e-5), (rank, o["calc_diff"])
+        r.run("ep_jobs:close", timeout=120)
+    finally:
+        r.close()
+    return info

@@ -12,7 +12,7 @@ import torch
 
 from gpunet.ep import Buffer
 from gpunet.ep import reference as ref
-from mp_ranks import Ranks
+import ep_jobs
 
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -115,15 +115,4 @@ def test_two_ranks_share_the_gpu(cuda_platform):
     """Two rank processes on one GPU (time-sliced without MPS: slow, still bounded), over ibgda:
     tagged BF16 rows and an FP8 round with hooks; every rank's dispatch is the reference's and
     combine is within DeepEP's bounds."""
-    r = Ranks(2, env={"GPUNET_PLATFORM": "cuda"})
-    try:
-        nbytes = Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8)
-        r.run("ep_jobs:init", "ibgda", nbytes, 60.0, False, None, timeout=300)
-        for spec in (dict(seed=3, t_max=8, hidden=256, topk=4, num_experts=8, holes=2, tagged=True),
-                     dict(seed=4, t_max=8, hidden=256, topk=4, num_experts=8, use_fp8=True, hook=True)):
-            for rank, o in enumerate(r.run("ep_jobs:round_", spec, timeout=300)):
-                assert o["raised"] is None and o["bad"] == [], (rank, o)
-                assert o["calc_diff"] < (9e-4 if spec.get("use_fp8") else 1e-5), (rank, o["calc_diff"])
-        r.run("ep_jobs:close", timeout=120)
-    finally:
-        r.close()
+    ep_jobs.two_rank_rounds("ibgda", {"GPUNET_PLATFORM": "cuda"})
