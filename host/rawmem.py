@@ -289,11 +289,12 @@ def _i64ptr(typingctx, addr):
 # costs ~10 us of Python, a CPU ping-pong hop ~50 us), and inside the yield window the engine sees
 # it within one pass (a 20..200 us sleep back-off reached after 32 yields was most of a CPU put's
 # ~120 us: bench/cpu_put.py). A yielding thread gives its core to any runnable thread, but it is
-# always runnable and so still takes a fair share of a busy core: the window is short, and the
-# short sleeps after it cost one wake-up per 20+ us. Engine threads run with a 1 us timer slack
+# always runnable and so still takes a fair share of a busy core: the window is short (a 200 us
+# window made tests/test_api.py 8-20% slower on the 2-core CI machine), and the short sleeps after
+# it cost one wake-up per 20+ us. Engine threads run with a 1 us timer slack
 # (engine_thread_start), so a 20 us sleep ends after ~20 us, not after Linux's default 50 us slack.
 # tests/test_proxy.py::test_idle_engines_answer_a_doorbell_in_time guards the policy.
-IDLE_YIELD_NS = 200_000
+IDLE_YIELD_NS = 50_000
 IDLE_SLEEP_MIN_US = 20
 IDLE_SLEEP_MAX_US = 200
 
