@@ -44,7 +44,9 @@ import numpy as np
 from numba import njit
 
 from gpunet.device.descriptors import proxy_channel_desc
+from gpunet import mlx5
 from gpunet.host import proxy as P
+from gpunet.host import wq
 from gpunet.host.rawmem import clock_ns, load_acquire_u64, pin_current_thread, store_release_u64
 from machine import machine  # bench/machine.py (the script's folder is on sys.path)
 
@@ -417,6 +419,67 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
         b.close()
 
 
+@njit(nogil=True, cache=True)
+def _nic_leg(sq, nbb, qpn, dbrec, db, cq, cqe_cnt, cq_dbrec, raddr, rkey, laddr, lkey, n, out,
+             scratch, timeout_ns):
+    """The proxy's half of the soft-NIC path without the proxy: post one signalled 64-B WRITE
+    (host/wq.py, as the proxy does), ring, poll the CQ until its CQE; out[i] = ns per WQE.
+    Returns 0, or -1 if a CQE did not come within timeout_ns."""
+    ci = 0
+    for i in range(n):
+        t0 = clock_ns()
+        wq.post_rdma(sq, nbb, i, qpn, mlx5.OPCODE_RDMA_WRITE, mlx5.WQE_CTRL_CQ_UPDATE, raddr,
+                     rkey, laddr, lkey, 64, 0)
+        wq.ring_doorbell(sq, nbb, dbrec, db, i + 1, i)
+        while wq.poll_cq(cq, cqe_cnt, cq_dbrec, ci, scratch, 1) == 0:
+            if clock_ns() - t0 > timeout_ns:
+                return -1
+        ci += 1
+        out[i] = clock_ns() - t0
+    return 0
+
+
+def nic_leg_row(reps, iters, nic_spin_us=0.0, placement="probe"):
+    """Diagnostic: doorbell -> CQE through the soft NIC alone (no device, no proxy), the caller
+    on the core the round trip gives the proxy and the engine on the NIC engine's core. The round
+    trip through the soft NIC minus drain-only is this leg plus the proxy's own handling of it."""
+    from gpunet.host.softnic import SoftNic
+
+    runs = []
+    for _ in range(reps):
+        plan, why, info = plan_placement(mode=placement) if placement != "none" else (None, "", {})
+        cpus = plan or {}
+        a = SoftNic(idle_spin_us=nic_spin_us, cpus=cpus.get("nic_a"))
+        b = SoftNic(idle_spin_us=nic_spin_us, cpus=cpus.get("nic_b"))
+        mask = os.sched_getaffinity(0)
+        try:
+            cq = a.create_cq(256)
+            qa = a.create_qp(cq, sq_wqebbs=256)
+            qb = b.create_qp(b.create_cq(256), sq_wqebbs=256)
+            a.connect(qa, qb.info())
+            b.connect(qb, qa.info())
+            lh, rh = a.alloc(1 << 16), b.alloc(1 << 16)
+            lmr, rmr = a.reg_mr(lh), b.reg_mr(rh)
+            pin_current_thread(cpus.get("proxy"))
+            out = np.zeros(iters, np.int64)
+            if _nic_leg(qa.sq_addr, qa.sq_wqebbs, qa.qpn, qa.dbrec_addr, qa.db_addr, cq.buf_addr,
+                        cq.cqe_cnt, cq.dbrec_addr, rmr.addr, rmr.rkey, lmr.addr, lmr.lkey, iters,
+                        out, np.zeros(64, np.uint8), int(5e9)) != 0:
+                raise SystemExit("nic leg: a CQE did not come within 5 s")
+            ns = np.sort(out[iters // 10:]) / 1e3
+            runs.append({"median_us": float(np.median(ns)),
+                         "p99_us": float(np.percentile(ns, 99)), "why": why})
+        finally:
+            os.sched_setaffinity(0, mask)
+            a.close()
+            b.close()
+    meds = sorted(r["median_us"] for r in runs)
+    return {"mode": "nic leg: doorbell -> CQE" + (" (engine spinning)" if nic_spin_us else ""),
+            "reps": reps, "iters": iters, "run_medians_us": [r["median_us"] for r in runs],
+            "median_us": meds[len(meds) // 2], "min_median_us": meds[0], "max_median_us": meds[-1],
+            "p99_us": sorted(r["p99_us"] for r in runs)[len(runs) // 2], "why": runs[0]["why"]}
+
+
 def roundtrip_row(mode, reps, iters, arch, **kw):
     """One row: a short warm-up run, then ``reps`` independent round-trip runs (fresh NICs,
     channel, proxy and placement each); the median and spread of their medians, the median of
@@ -456,7 +519,7 @@ def main(argv=None):
     ap.add_argument("--threads", default="1,2", help="proxy thread counts to run, e.g. 1,2")
     ap.add_argument("--producers", type=int, default=2)
     args = ap.parse_args(argv)
-    rows = []
+    rows, diagnostics = [], []
     arch = "cuda" if args.gpu else args.roundtrip
     if arch:
         it = 200 if args.quick else 5000
@@ -474,6 +537,12 @@ def main(argv=None):
             print(f"{r['mode']:<24}{r['arch']:>6}{r['median_us']:>10.2f}"
                   f"{'[%.2f, %.2f]' % (r['min_median_us'], r['max_median_us']):>22}"
                   f"{r['p99_us']:>9.2f}{ratio}")
+        diagnostics = [nic_leg_row(args.reps, it, 0.0, placement),
+                       nic_leg_row(args.reps, it, 1000.0, placement)]
+        for r in diagnostics:
+            print(f"{r['mode']:<34}{r['median_us']:>8.2f}"
+                  f"{'[%.2f, %.2f]' % (r['min_median_us'], r['max_median_us']):>22}"
+                  f"{r['p99_us']:>9.2f}   (diagnostic: no device, no proxy)")
         print("placement: " + rows[-1]["placement"][-1]["why"] + "; " + ", ".join(
             "%s cpus %s (last ran on %s, %s involuntary switches)" % (
                 k, v.get("cpus_allowed"), v.get("last_cpu"), v.get("involuntary_switches"))
@@ -505,7 +574,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"bench": "proxy", "machine": machine(gpu=arch == "cuda"), "argv": sys.argv[1:],
-                   "rows": rows}, f, indent=2)
+                   "rows": rows, "diagnostics": diagnostics}, f, indent=2)
     print(f"wrote {args.json}")
 
 

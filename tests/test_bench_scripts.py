@@ -111,16 +111,20 @@ def test_proxy_roundtrip_host_arm_runs_reps_and_records_placement(tmp_path):
     """bench/proxy.py --roundtrip host: the GPU round trip's code path (k_roundtrip, channel,
     proxy, two soft NICs) on the HOST arm; every row has --reps independent run medians, their
     median and spread, a p99, and per run the placement plan (or why none) and what each of the 4
-    polling threads got; the rows the GPU gate reads have the fields it reads."""
+    polling threads got; the rows the GPU gate reads have the fields it reads; the diagnostics
+    (the NIC leg alone, yielding and spinning engine) have --reps run medians each."""
     out = tmp_path / "rt.json"
     r = subprocess.run([sys.executable, str(PROXY_SCRIPT), "--roundtrip", "host", "--quick",
                         "--reps", "3", "--json", str(out)], capture_output=True, text=True,
                        timeout=600, cwd=str(ROOT))
     assert r.returncode == 0, r.stdout + r.stderr
     import json
-    rows = json.loads(out.read_text())["rows"]
+    d = json.loads(out.read_text())
+    rows = d["rows"]
     assert [row["mode"] for row in rows] == ["host-rt drain-only", "host-rt soft NIC",
                                              "host-rt soft NIC spinning"]
+    assert [len(x["run_medians_us"]) for x in d["diagnostics"]] == [3, 3]   # the NIC leg alone
+    assert all(0 < x["min_median_us"] <= x["median_us"] for x in d["diagnostics"])
     for row in rows:
         meds = row["run_medians_us"]
         assert len(meds) == 3 and all(m > 0 for m in meds)
