@@ -139,6 +139,7 @@ PROXY_HC_COMPLETED = 1
 PROXY_HC_ERROR = 2
 PROXY_HC_ERR_SEQ = 3
 PROXY_HC_ERR_PEER = 4      # the failed command's destination rank (written before HC_ERROR)
+PROXY_COMPLETED_ERROR = 1 << 63   # HostCtrl.completed's top bit: HostCtrl.error holds a failure
 PROXY_DEV_CTRL_BYTES = 128
 PROXY_DC_HEAD = 0          # u64 word indices into DevCtrl: head and cached_tail on separate 64 B lines
 PROXY_DC_CACHED_TAIL = 8

@@ -32,8 +32,9 @@ is 32 bits anyway (the proxy splits a PUT/GET above ``MAX_WQE_BYTES`` into sever
 
 Host-mapped control block of a channel (``HostCtrl``, 64 bytes, written only by its proxy thread):
 ``tail`` (slots consumed), ``completed`` (every command with sequence < completed has completed at
-the NIC), ``error`` (0, or the first failure, packed: see ``pack_error``), ``err_seq`` (the sequence
-of the command that failed). Device control block (``DevCtrl``, device memory, written only by
+the NIC; its top bit, COMPLETED_ERROR, is set in every value published once ``error`` holds a
+failure, so a device quiet reads one word per poll), ``error`` (0, or the first failure, packed:
+see ``pack_error``), ``err_seq`` (the sequence of the command that failed). Device control block (``DevCtrl``, device memory, written only by
 producers): ``head`` (slots reserved) at byte 0, ``cached_tail`` at byte 64.
 
 Threads: ``ProxyEngine(threads=n)`` runs n threads, each running one numba loop without the GIL
@@ -61,7 +62,8 @@ from gpunet.device.abi import (  # noqa: F401
     PROXY_MAX_OFFSET as MAX_OFFSET, PROXY_MAX_PEERS as MAX_PEERS, PROXY_MAX_SIZE as MAX_SIZE,
     PROXY_HOST_CTRL_BYTES as HOST_CTRL_BYTES, PROXY_HC_TAIL as HC_TAIL,
     PROXY_HC_COMPLETED as HC_COMPLETED, PROXY_HC_ERROR as HC_ERROR, PROXY_HC_ERR_SEQ as HC_ERR_SEQ,
-    PROXY_HC_ERR_PEER as HC_ERR_PEER, PROXY_DEV_CTRL_BYTES as DEV_CTRL_BYTES,
+    PROXY_HC_ERR_PEER as HC_ERR_PEER, PROXY_COMPLETED_ERROR as COMPLETED_ERROR,
+    PROXY_DEV_CTRL_BYTES as DEV_CTRL_BYTES,
     PROXY_DC_HEAD as DC_HEAD, PROXY_DC_CACHED_TAIL as DC_CACHED_TAIL, PROXY_ERR_NONE as ERR_NONE,
     PROXY_ERR_CQE as ERR_CQE, PROXY_ERR_BAD_COMMAND as ERR_BAD_COMMAND)
 from gpunet.errors import ClosedError, ConfigError, GpunetError
@@ -273,10 +275,11 @@ def cpu_wait_completed(hctrl, issued, timeout_ns):
     -1 on timeout (proxy_quiet's CPU twin)."""
     t0 = clock_ns()
     while True:
-        err = load_acquire_u64(hctrl + 8 * HC_ERROR)
-        if err != 0:
+        done = load_acquire_u64(hctrl + 8 * HC_COMPLETED)     # one word, as proxy_quiet reads it
+        if (done & np.uint64(COMPLETED_ERROR)) != 0:
+            err = load_acquire_u64(hctrl + 8 * HC_ERROR)
             return np.int64(err & np.uint64(0x7FFFFFFFFFFFFFFF))
-        if np.int64(load_acquire_u64(hctrl + 8 * HC_COMPLETED)) >= issued:
+        if np.int64(done) >= issued:
             return 0
         if clock_ns() - t0 > timeout_ns:
             return -1
@@ -285,12 +288,25 @@ def cpu_wait_completed(hctrl, issued, timeout_ns):
 # ---- the drain step ----------------------------------------------------------------------------
 @wire_njit(cache=True, inline="always")
 def _record_error(ch, c, word, seq, peer):
+    """The channel's first failure: err_seq, err_peer, error, then COMPLETED_ERROR in the published
+    completed (this one and every later one: _published), which is what proxy_quiet polls."""
     if ch[c, CH_ERR] == 0:                       # first failure wins
         ch[c, CH_ERR] = 1
         h = ch[c, CH_HCTRL]
         store_release_u64(h + 8 * HC_ERR_SEQ, np.uint64(seq))
         store_release_u64(h + 8 * HC_ERR_PEER, np.uint64(peer))
         store_release_u64(h + 8 * HC_ERROR, word)
+        store_release_u64(h + 8 * HC_COMPLETED, _published(ch, c, ch[c, CH_PUB_COMPLETED]))
+
+
+@wire_njit(cache=True, inline="always")
+def _published(ch, c, comp):
+    """The HostCtrl.completed word for ``comp`` completed commands: with COMPLETED_ERROR once the
+    channel recorded a failure (proxy.cuh: quiet reads this one word per poll)."""
+    v = np.uint64(comp)
+    if ch[c, CH_ERR] != 0:
+        v |= np.uint64(COMPLETED_ERROR)
+    return v
 
 
 @wire_njit(cache=True, inline="always")
@@ -448,7 +464,7 @@ def _advance_completed(ch, done, c):
         comp += 1
     ch[c, CH_COMPLETED] = comp
     if comp != ch[c, CH_PUB_COMPLETED]:
-        store_release_u64(ch[c, CH_HCTRL] + 8 * HC_COMPLETED, comp)
+        store_release_u64(ch[c, CH_HCTRL] + 8 * HC_COMPLETED, _published(ch, c, comp))
         ch[c, CH_PUB_COMPLETED] = comp
 
 
@@ -622,8 +638,9 @@ class ProxyChannel(Resource):
 
     @property
     def completed(self):
-        """Every command with a sequence below this has completed at the NIC."""
-        return self._hword(HC_COMPLETED)
+        """Every command with a sequence below this has completed at the NIC (HostCtrl.completed
+        without its COMPLETED_ERROR bit)."""
+        return self._hword(HC_COMPLETED) & ~COMPLETED_ERROR
 
     @property
     def head(self):
@@ -661,6 +678,7 @@ class ProxyChannel(Resource):
         h[HC_ERR_SEQ] = 0
         h[HC_ERR_PEER] = 0
         h[HC_ERROR] = 0
+        h[HC_COMPLETED] = int(h[HC_COMPLETED]) & ~COMPLETED_ERROR
 
     def push(self, commands, timeout_s=1.0):
         """CPU producer (tests): push ``commands`` [(w0, w1), ...] with one reservation; returns

@@ -409,6 +409,33 @@ def test_bad_rkey_error_recorded_and_raised(nics, heaps):
             eng.check()
 
 
+def test_error_is_flagged_in_the_completed_word():
+    """The one word a device quiet polls: HostCtrl.completed carries COMPLETED_ERROR once the
+    channel recorded a failure (and keeps it as completed advances), so a quiet that reads only it
+    fails (cpu_wait_completed reads it the same way: the packed error comes back even for a count
+    already reached); ch.completed is the count without the bit; clear_error removes it. A clean
+    channel never shows the bit."""
+    ch = P.ProxyChannel(8)
+    heap = np.zeros(64, np.uint8)
+    with P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], drain_only=True) as eng:
+        eng.quiet(ch, ch.push([P.encode(P.OP_NOP, 0, 0, 0, 0)] * 3))
+        raw = lambda: int(ch._hctrl.view(np.uint64)[P.HC_COMPLETED])      # noqa: E731
+        assert raw() == 3 == ch.completed                                 # no failure: no bit
+        ch.push([P.encode(P.OP_PUT, 7, 8, 0, 0)])                         # peer 7: no such QP
+        with pytest.raises(gpunet.GpunetError, match="rejected"):
+            eng.quiet(ch, 4)
+        assert raw() == P.COMPLETED_ERROR | 4 and ch.completed == 4
+        assert P.cpu_wait_completed(ch.hctrl_addr, 1, int(1e9)) == ch.error()["word"]
+        ch.push([P.encode(P.OP_NOP, 0, 0, 0, 0)])
+        deadline = time.monotonic() + 10
+        while ch.completed < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert raw() == P.COMPLETED_ERROR | 5                             # kept as it advances
+    ch.clear_error()
+    assert raw() == 5 and ch.error() is None
+    assert P.cpu_wait_completed(ch.hctrl_addr, 5, int(1e9)) == 0
+
+
 def test_malformed_command_recorded():
     """An op the proxy does not know (or a peer it has no QP for) is recorded as a bad command and
     completes, so quiet raises instead of hanging."""
