@@ -7,7 +7,8 @@ layers, bottom up:
 0. floor: gpunet.errors, gpunet.config, gpunet._floor (addresses, aligned buffers, deadlines),
    gpunet.resource (the lifecycle base). errors, config and _floor import nothing from gpunet;
    resource imports errors only.
-1. wire: gpunet.host.rawmem (raw-address numba access), gpunet.mlx5 (the wire format).
+1. wire: gpunet.host.rawmem (raw-address numba access), gpunet.mlx5 (the wire format),
+   gpunet.host.prm (the PRM command layouts).
 2. device: the rest of device/ (the device-ABI mirrors, the descriptors filled from NIC objects
    through their attributes, the loader, the kernel bindings).
 3. host: the rest of host/ (NICs, proxy, platform, bootstrap): CPU agents that serve device code
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TREES = {"gpunet": "gpunet", "host": "gpunet.host", "device": "gpunet.device"}
 FLOOR = {"gpunet.errors", "gpunet.config", "gpunet._floor", "gpunet.resource"}
 BARE_FLOOR = {"gpunet.errors", "gpunet.config", "gpunet._floor"}     # import nothing from gpunet
-WIRE = {"gpunet.host.rawmem", "gpunet.mlx5"}
+WIRE = {"gpunet.host.rawmem", "gpunet.mlx5", "gpunet.host.prm"}
 NIC_IMPLEMENTATIONS = {"gpunet.host.softnic", "gpunet.host.verbs"}
 NIC_FACTORY = "gpunet.host.nic"
 TESTING = "gpunet.device.testing"
