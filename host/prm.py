@@ -337,6 +337,13 @@ FIELDS = {
     ('roce_cap', 'roce_address_table_size'):             (0x00f0, 0x10),
 }
 
+# Fields host/devx.py (the DevX NIC) reads besides the above, kept apart so its author's additions
+# are easy to find; same source (mlx5_ifc.h), same oracle check as every entry.
+FIELDS.update({
+    ('cmd_hca_cap', 'log_max_ra_req_qp'):                (0x014a, 0x6),
+    ('cmd_hca_cap', 'log_max_ra_res_qp'):                (0x015a, 0x6),
+})
+
 SIZES = {
     'cqc': 0x200,
     'create_cq_in': 0x880,
