@@ -30,7 +30,7 @@ import pytest
 from gpunet.host import prm
 
 PRELUDE = Path(__file__).parent / "oracle" / "prm_oracle_prelude.h"
-HEADER_GLOB = "/usr/src/linux-headers-*-common/include/linux/mlx5/mlx5_ifc.h"
+HEADER_GLOB = "/usr/src/linux-headers-*/include/linux/mlx5/mlx5_ifc.h"   # Debian: *-common
 HEADER_PACKAGE_HINT = ("the Debian package linux-headers-<version>-common (pick one with "
                        "apt-cache search --names-only '^linux-headers-.*-common$', e.g. "
                        "linux-headers-6.12.117+deb12-common; scripts/install.sh installs it)")
