@@ -1,5 +1,5 @@
-"""gpunet's command line: ``python -m gpunet demo`` (the main job), ``ep-demo``, ``selftest`` or
-``config``."""
+"""gpunet's command line: ``python -m gpunet demo`` (the main job), ``ep-demo``, ``selftest``,
+``config`` or ``doctor``."""
 import argparse
 import sys
 
@@ -13,6 +13,9 @@ def main(argv=None):
                    add_help=False)
     sub.add_parser("ep-demo", help="a small MoE layer over N ranks: EP dispatch -> expert MLPs "
                                    "-> combine, checked against one-process torch", add_help=False)
+    sub.add_parser("doctor", help="can the stack work on this machine, and why not: platform, "
+                                  "toolchains, NICs, loopback checks, measured coherence; a table "
+                                  "and JSON", add_help=False)
     args, rest = p.parse_known_args(argv)
     if args.cmd == "demo":
         from gpunet.demo import main as demo_main
@@ -20,6 +23,9 @@ def main(argv=None):
     if args.cmd == "ep-demo":
         from gpunet.ep.demo import main as ep_demo_main
         return ep_demo_main(rest)
+    if args.cmd == "doctor":
+        from gpunet.doctor import main as doctor_main
+        return doctor_main(rest)
     if rest:
         p.error("unrecognized arguments: %s" % " ".join(rest))
     if args.cmd == "config":

@@ -1,0 +1,778 @@
+"""``python -m gpunet doctor``: can gpunet work on this machine, and if not, why not — in one run.
+
+It prints a table (section, check, result, detail) and writes the same as JSON (``--json``):
+
+- platform / gpu / toolchain: what host/platform.py detects, the GPUs torch sees, the compilers
+  device/loader.py would use (g++ for the HOST arm, nvcc, MACA's mxcc).
+- nic: the RDMA devices the kernel lists (/sys/class/infiniband: ports, link layers, GIDs), what
+  ``open_nic("verbs")`` says, the NIC the checks use, DevX / UMEM / atomic endianness as that NIC
+  reports them (``getattr``: a NIC that does not report one says so), the doorbell's mapping into
+  the device (``Nic.map_doorbell``), dma-buf export and registration of GPU memory.
+- transport: what ``transports.choose_transport`` gives a peer on this node and on another node.
+- loopback: a one-rank Context per NIC transport (ibgda, proxy): a device-posted RDMA write (put),
+  read (get) and fetch-add (atomic_add) to itself, each checked byte for byte; every device wait
+  is bounded by ``--timeout``.
+- coherence: measured, per memory kind (device / finegrained / host) and direction, with and
+  without the fences the coherence policy uses, through device/kernels/doctor.cu (its top comment
+  is the protocol): the NIC RDMA-WRITEs a pattern and a kernel that read the buffer earlier
+  re-reads it within PROBE_VISIBLE_S; a kernel stores a pattern and the NIC RDMA-READs it back
+  within the same bound. No eviction, no remote SM load, every wait bounded, each probe on fresh
+  buffers deregistered after. On the CPU the soft NIC's coherence model answers: the ``c500``
+  profile's ``device`` memory reads stale in both directions (its HBM image syncs only at
+  ``SoftNic.evict``), everything else fresh (tests/test_doctor.py).
+- policy: every NIC-touched role of host/platform.py's COHERENCE_POLICY checked against the
+  measurement of the kind it is placed in.
+
+Results: ``ok`` / ``FAIL`` (a check that must pass), ``yes`` / ``no`` (a capability),
+``coherent`` / ``INCOHERENT`` (a measurement), ``skip`` (not measurable here, the detail says
+why), ``info``. Exit status: 0 when no row is FAIL (the stack can work here), 1 when one is (the
+table says which and why), 2 for bad arguments.
+
+What has run where: the CPU platform with the soft NIC (CI). The CUDA branches (GPU rows, dma-buf
+export, probes of ``host`` memory through the NIC's GPU mapping, loopback on a GPU) are written for
+the H200 gate (scripts/gpu-check.sh step ``doctor``); the real-NIC branches (a NIC in sysfs, GPU
+memory registered with a DevX NIC) have never run: no machine here has an RDMA device.
+"""
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+from gpunet import config
+from gpunet.errors import GpunetError
+
+SCHEMA = "gpunet-doctor/1"
+SECTIONS = ("platform", "gpu", "toolchain", "nic", "transport", "loopback", "coherence", "policy")
+RESULTS = ("ok", "FAIL", "yes", "no", "coherent", "INCOHERENT", "skip", "info")
+KINDS = ("device", "finegrained", "host")
+DIRECTIONS = ("nic_write_sm_read", "sm_write_nic_read")
+
+# A probe's visibility bound: a pattern not seen within it counts as not visible. Far above what
+# a coherent path needs (the write has completed, or the store been released, before the other
+# side looks: one cache miss, or one NIC read round trip) and small enough that the two
+# INCOHERENT rows a C500 is expected to show cost little.
+PROBE_VISIBLE_S = 0.02
+PROBE_WORDS = 512                 # 4 KiB: 32 lines of 128 B (the c500 model's L2 line)
+PROBE_OLD = 0x0DD0_0DD0_0DD0_0DD0
+PROBE_PATTERN = 0x5A5A_0000_0000_0000   # + the probe's number: no probe sees another's bytes
+LOOPBACK_BYTES = 4096
+LOOPBACK_HEAP = 1 << 20
+
+# ProbeCtl (device/kernels/doctor.cu) word indices; the kernel's size is checked at load.
+CTL_READY, CTL_GO, CTL_DONE, CTL_MATCHED, CTL_FIRST_BAD, CTL_WAITED_NS, CTL_CODE, CTL_WARM_OLD = \
+    range(8)
+CTL_BYTES = 64
+MODE_SM_TO_NIC, MODE_FENCE = 1, 2
+
+# Which directions each role's memory must be coherent in (the roles the NIC touches; the UAR is
+# MMIO, not allocated; status, compute and the proxy FIFO are never touched by the NIC).
+ROLE_DIRECTIONS = {
+    "sq": ("sm_write_nic_read",), "dbrec": ("sm_write_nic_read",),
+    "cq": ("nic_write_sm_read",), "signal": DIRECTIONS,
+    "payload_src": ("sm_write_nic_read",), "payload_dst": ("nic_write_sm_read",),
+}
+
+# What the doctor reads from a NIC where it reports it (host/nic.py's Nic does not require them):
+# (attribute, check name). A NIC without the attribute gets a row saying it does not report it.
+NIC_REPORTS = (("devx", "DevX available"),
+               ("umem_in_gpu_memory", "UMEM in GPU memory accepted"),
+               ("atomic_endianness", "atomic endianness mode"))
+
+
+class Report:
+    """The rows of one doctor run; ``add`` prints a progress line to ``log``."""
+
+    def __init__(self, log=None):
+        self.rows, self.coherence, self.log = [], [], log
+
+    def add(self, section, check, result, detail="", **data):
+        assert section in SECTIONS and result in RESULTS, (section, result)
+        row = {"section": section, "check": check, "result": result, "detail": str(detail)}
+        if data:
+            row["data"] = data
+        self.rows.append(row)
+        if self.log is not None:
+            print("[gpunet doctor] %-10s %-40s %s" % (section, check, result), file=self.log,
+                  flush=True)
+        return row
+
+    def failed(self):
+        return [r for r in self.rows if r["result"] == "FAIL"]
+
+    def table(self):
+        heads = ("section", "check", "result", "detail")
+        w = [max([len(h)] + [len(r[h]) for r in self.rows]) for h in heads[:3]]
+        out = ["  ".join(h.ljust(x) for h, x in zip(heads[:3], w)) + "  detail",
+               "  ".join("-" * x for x in w) + "  " + "-" * 6]
+        for r in self.rows:
+            out.append("  ".join(r[h].ljust(x) for h, x in zip(heads[:3], w)) + "  " + r["detail"])
+        return "\n".join(out)
+
+
+def _err(e):
+    return "%s: %s" % (type(e).__name__, e)
+
+
+@contextlib.contextmanager
+def _forced(platform, profile):
+    """``--platform`` / ``--profile`` for this run: they are the GPUNET_PLATFORM / GPUNET_PROFILE
+    knobs (host/platform.py reads them when it detects), set while the doctor runs and restored
+    after, with the cached platform forgotten on both edges."""
+    from gpunet.host.platform import reset_platform
+
+    want = {"GPUNET_PLATFORM": platform, "GPUNET_PROFILE": profile}
+    saved = {k: os.environ.get(k) for k in want}
+    for k, v in want.items():
+        if v is not None:
+            os.environ[k] = v
+    reset_platform()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        reset_platform()
+
+
+# --- platform, GPUs, toolchains -------------------------------------------------------------------
+
+def _platform_rows(rep):
+    from gpunet.host.platform import get_platform
+
+    try:
+        plat = get_platform()
+    except GpunetError as e:
+        rep.add("platform", "platform", "FAIL", _err(e))
+        return None
+    rep.add("platform", "platform", "info", "%s (profile %s, warp %d), because %s"
+            % (plat.name, plat.profile, plat.warp_size, plat.detected_by),
+            name=plat.name, profile=plat.profile, warp_size=plat.warp_size)
+    return plat
+
+
+def _gpu_rows(rep, plat):
+    try:
+        import torch
+    except ImportError as e:
+        rep.add("gpu", "torch", "FAIL", _err(e))
+        return
+    rep.add("gpu", "torch", "info", "torch %s (CUDA %s)" % (torch.__version__, torch.version.cuda))
+    if not plat.is_gpu:
+        seen = torch.cuda.is_available()
+        rep.add("gpu", "GPUs", "info", "none used: the CPU platform (the HOST arm runs device code "
+                "on CPU threads)%s" % ("; torch sees %d GPU(s), GPUNET_PLATFORM=cpu set"
+                                      % torch.cuda.device_count() if seen else ""), count=0)
+        return
+    try:
+        n = torch.cuda.device_count()
+        names = []
+        for i in range(n):
+            p = torch.cuda.get_device_properties(i)
+            names.append("%d: %s, %.0f GiB, sm %d.%d" % (i, p.name, p.total_memory / 2**30,
+                                                        p.major, p.minor))
+        rep.add("gpu", "GPUs", "ok" if n else "FAIL", "; ".join(names) or "torch sees no GPU",
+                count=n)
+    except Exception as e:  # noqa: BLE001 - a driver problem is the finding
+        rep.add("gpu", "GPUs", "FAIL", _err(e))
+
+
+def _toolchain_rows(rep, plat):
+    from gpunet.device import loader
+    from gpunet.errors import ToolchainError
+
+    need = {"cpu": "host", "cuda": "cuda", "maca": "maca"}[plat.name]
+    for arm, what in (("host", "g++ (HOST arm)"), ("cuda", "nvcc (CUDA arm)"),
+                      ("maca", "mxcc (MACA arm)")):
+        try:
+            path = loader._find_compiler(arm)
+            first = next((ln for ln in loader._compiler_version(path).splitlines()
+                          if ln.strip()), "")
+            rep.add("toolchain", what, "yes", "%s: %s" % (path, first.strip()), path=path)
+        except ToolchainError as e:
+            rep.add("toolchain", what, "FAIL" if arm == need else "no",
+                    ("the %s platform needs it: %s" % (plat.name, e)) if arm == need else str(e))
+
+
+# --- NICs ---------------------------------------------------------------------------------------
+
+SYSFS_IB = "/sys/class/infiniband"
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def sysfs_nics(root=SYSFS_IB):
+    """The RDMA devices the kernel lists: [{name, ports: [{port, state, link_layer, rate,
+    gids: [(index, gid, type)]}]}] (non-zero GIDs only). [] when there is none."""
+    out = []
+    try:
+        devs = sorted(os.listdir(root))
+    except OSError:
+        return out
+    for d in devs:
+        ports = []
+        pdir = os.path.join(root, d, "ports")
+        for p in sorted(os.listdir(pdir), key=lambda s: int(s) if s.isdigit() else 0) \
+                if os.path.isdir(pdir) else []:
+            base = os.path.join(pdir, p)
+            gids = []
+            gdir = os.path.join(base, "gids")
+            for g in sorted(os.listdir(gdir), key=lambda s: int(s) if s.isdigit() else 0) \
+                    if os.path.isdir(gdir) else []:
+                gid = _read(os.path.join(gdir, g))
+                if gid and gid.replace(":", "").strip("0"):
+                    gids.append((int(g), gid, _read(os.path.join(base, "gid_attrs", "types", g))))
+            ports.append({"port": int(p) if p.isdigit() else p,
+                          "state": _read(os.path.join(base, "state")),
+                          "link_layer": _read(os.path.join(base, "link_layer")),
+                          "rate": _read(os.path.join(base, "rate")), "gids": gids})
+        out.append({"name": d, "ports": ports})
+    return out
+
+
+def _nic_rows(rep, plat, nic_kind):
+    """NIC detection rows; opens the NIC the checks use. Returns (nic or None, "soft" | "verbs")."""
+    from gpunet.host.nic import open_nic
+
+    devs = sysfs_nics()
+    if not devs:
+        rep.add("nic", "RDMA devices (sysfs)", "no", "no NIC (soft NIC used): %s lists none"
+                % SYSFS_IB, devices=[])
+    for d in devs:
+        rep.add("nic", "RDMA device %s" % d["name"], "yes", "%d port(s)" % len(d["ports"]),
+                device=d)
+        for p in d["ports"]:
+            g = ", ".join("%d %s %s" % gi for gi in p["gids"][:4]) or "no GID"
+            rep.add("nic", "%s port %s" % (d["name"], p["port"]),
+                    "ok" if (p["state"] or "").endswith("ACTIVE") else "no",
+                    "%s, %s, %s; GIDs: %s" % (p["state"], p["link_layer"], p["rate"], g))
+    # the real-NIC path, as open_nic("verbs") sees it (pyverbs present? a device? drivable?)
+    real = None
+    try:
+        real = open_nic("verbs", profile=plat.profile)
+        rep.add("nic", "open_nic('verbs')", "yes", repr(real))
+    except GpunetError as e:
+        rep.add("nic", "open_nic('verbs')", "FAIL" if nic_kind == "verbs" else "no", _err(e))
+    if real is not None and nic_kind in ("auto", "verbs"):
+        nic, used = real, "verbs"
+    else:
+        if real is not None:
+            real.close()
+        if nic_kind == "verbs":
+            return None, "verbs"
+        try:
+            nic, used = open_nic("soft", profile=plat.profile, name="doctor"), "soft"
+        except GpunetError as e:
+            rep.add("nic", "NIC used by the checks", "FAIL", _err(e))
+            return None, "soft"
+    rep.add("nic", "NIC used by the checks", "ok", "%s nic (asked: %s): %r" % (used, nic_kind, nic),
+            kind=used)
+    for attr, what in NIC_REPORTS:
+        v = getattr(nic, attr, None)
+        if v is not None:
+            rep.add("nic", what, "info" if isinstance(v, str) else ("yes" if v else "no"),
+                    "%s (nic.%s)" % (v, attr), value=v)
+        elif used == "soft":
+            rep.add("nic", what, "skip", "no NIC (soft NIC used)")
+        else:
+            rep.add("nic", what, "skip", "%s does not report nic.%s" % (type(nic).__name__, attr))
+    return nic, used
+
+
+def _doorbell(rep, plat, nic):
+    """Map the NIC's doorbell into the device once (Nic.map_doorbell); returns a probe for
+    choose_transport that replays the outcome (a real UAR is registered once)."""
+    from gpunet.host.platform import VendorRuntimeError
+
+    try:
+        how = nic.map_doorbell(plat)
+        rep.add("nic", "doorbell (UAR) mappable into the GPU", "yes", how)
+        return lambda: how
+    except GpunetError as e:
+        if isinstance(e, VendorRuntimeError):      # the driver refused: auto picks the proxy
+            rep.add("nic", "doorbell (UAR) mappable into the GPU", "no",
+                    "%s; transport 'auto' uses the CPU proxy" % e)
+        else:
+            rep.add("nic", "doorbell (UAR) mappable into the GPU", "FAIL", _err(e))
+        err = e
+
+        def refused():
+            raise err
+        return refused
+
+
+def _dmabuf_rows(rep, plat, nic, used):
+    if not plat.is_gpu:
+        rep.add("nic", "dma-buf export of GPU memory", "skip", "no GPU (CPU platform)")
+        return
+    from gpunet.host.platform import VendorRuntimeError
+
+    nbytes = 2 << 20
+    try:
+        mem = plat.alloc("device", nbytes)
+    except GpunetError as e:
+        rep.add("nic", "dma-buf export of GPU memory", "FAIL", "device allocation: %s" % _err(e))
+        return
+    try:
+        try:
+            db = plat.dmabuf_fd(mem.ptr, nbytes)
+            os.close(db.fd)
+            rep.add("nic", "dma-buf export of GPU memory", "yes",
+                    "%d bytes at 0x%x exported (offset %d)" % (db.length, mem.ptr, db.offset))
+        except (VendorRuntimeError, GpunetError) as e:
+            rep.add("nic", "dma-buf export of GPU memory", "no", _err(e))
+        if used == "soft":
+            rep.add("nic", "GPU memory registered with the NIC", "skip",
+                    "no NIC (soft NIC used): the soft NIC is a CPU thread and registers host "
+                    "memory only")
+            return
+        try:
+            mr = nic.reg_mr(mem.ptr, nbytes, kind="device")
+            nic.dereg_mr(mr)
+            rep.add("nic", "GPU memory registered with the NIC", "yes", repr(mr))
+        except Exception as e:  # noqa: BLE001 - the refusal is the finding
+            rep.add("nic", "GPU memory registered with the NIC", "no", _err(e))
+    finally:
+        mem.close()
+
+
+def _transport_rows(rep, plat, nic, probe):
+    from gpunet.errors import ConfigError
+    from gpunet.transports import choose_transport
+
+    for peer in ("same node", "other node"):
+        kind, why = choose_transport("auto", probe)
+        rep.add("transport", "peer on the %s: auto" % peer, "info", "%s (%s)" % (kind, why),
+                kind=kind)
+    if plat.is_gpu:
+        p2p = ("yes", "on request: the heap in device memory, opened by the peers' CUDA IPC handles"
+               if plat.name == "cuda" else "unverified (MACA IPC has never run)")
+    else:
+        try:
+            buf = nic.alloc(4096)
+            nic.export_heap(buf.ctypes.data, 4096)
+            p2p = ("yes", "on request: peers map this NIC's memory by name (Nic.export_heap)")
+        except ConfigError as e:
+            p2p = ("no", str(e))
+    rep.add("transport", "peer on the same node: p2p", p2p[0],
+            p2p[1] + "; 'auto' never picks p2p (no dead-peer detection)")
+    rep.add("transport", "peer on the other node: p2p", "no", "p2p needs a shared machine")
+
+
+# --- loopback: the whole stack, one rank, through each NIC transport ----------------------------
+
+def _loopback_rows(rep, transport, nic_kind, timeout_s, refused):
+    check = "%s: " % transport
+    if refused is not None:
+        rep.add("loopback", check + "write, read, atomic", "skip",
+                "the doorbell cannot be mapped into the device (%s): ibgda cannot work here, "
+                "'auto' uses the proxy" % refused)
+        return
+    import torch
+    import gpunet
+
+    t0 = time.perf_counter()
+    try:
+        ctx = gpunet.init(transport=transport, nic=nic_kind, heap_bytes=LOOPBACK_HEAP,
+                          timeout_s=timeout_s)
+    except Exception as e:  # noqa: BLE001 - every failure becomes a FAIL row
+        rep.add("loopback", check + "init", "FAIL", _err(e))
+        return
+    try:
+        rep.add("loopback", check + "init", "ok", "one rank, %s (%.1f s)"
+                % (ctx.reasons[0], time.perf_counter() - t0))
+        n = LOOPBACK_BYTES // 8
+        src, dst, word = (ctx.alloc((n,), torch.int64), ctx.alloc((n,), torch.int64),
+                          ctx.alloc((1,), torch.int64))
+        me = ctx.rank
+        gen = torch.Generator().manual_seed(12)
+        pattern = torch.randint(-2**62, 2**62, (n,), generator=gen, dtype=torch.int64)
+
+        def write():
+            src.copy_(pattern.to(src.device))
+            gpunet.put(ctx.remote(me, dst), src)
+            gpunet.quiet()
+            if not torch.equal(dst.cpu(), pattern):
+                raise GpunetError("the destination differs from the source after quiet")
+            return "%d B RDMA WRITE, bytes checked" % LOOPBACK_BYTES
+
+        def read():
+            src.zero_()
+            gpunet.get(src, ctx.remote(me, dst))
+            gpunet.quiet()
+            if not torch.equal(src.cpu(), pattern):
+                raise GpunetError("the bytes read differ from the remote's")
+            return "%d B RDMA READ, bytes checked" % LOOPBACK_BYTES
+
+        def atomic():
+            olds = [gpunet.atomic_add(ctx.remote(me, word), v) for v in (5, 7, 0)]
+            if olds != [0, 5, 12]:
+                raise GpunetError("fetch-add returned %s, expected [0, 5, 12]" % olds)
+            return "3 fetch-adds returned %s" % olds
+
+        for name, fn in (("write", write), ("read", read), ("atomic", atomic)):
+            t = time.perf_counter()
+            try:
+                detail = fn()
+                rep.add("loopback", check + name, "ok", "%s (%.0f us)"
+                        % (detail, (time.perf_counter() - t) * 1e6))
+            except Exception as e:  # noqa: BLE001
+                rep.add("loopback", check + name, "FAIL", _err(e))
+    finally:
+        try:
+            ctx.close()
+        except Exception as e:  # noqa: BLE001
+            rep.add("loopback", check + "close", "FAIL", _err(e))
+
+
+# --- coherence probes -----------------------------------------------------------------------------
+
+def load_probe(arch):
+    """Build (cached) and bind device/kernels/doctor.cu for ``arch``; checks ProbeCtl's size."""
+    from gpunet.device import loader
+    from gpunet.errors import ToolchainError
+
+    lib = loader.build([loader.kernels_dir() / "doctor.cu"], arch=arch)
+    if not getattr(lib, "_gpunet_bound", False):
+        u32, u64, vp = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+        lib.gpunet_doctor_ctl_size.argtypes, lib.gpunet_doctor_ctl_size.restype = [], u32
+        lib.gpunet_doctor_probe.argtypes = [vp, vp, u32, u64, u64, u32, u64, u64]
+        lib.gpunet_doctor_probe.restype = ctypes.c_int
+        if lib.gpunet_doctor_ctl_size() != CTL_BYTES:
+            raise ToolchainError("doctor.cu was built with sizeof(ProbeCtl) = %d, gpunet/doctor.py "
+                                 "expects %d" % (lib.gpunet_doctor_ctl_size(), CTL_BYTES))
+        lib._gpunet_bound = True
+    return lib
+
+
+class Prober:
+    """The coherence probes on one NIC: a connected QP pair on it (the NIC writes and reads with
+    host-posted WQEs, host/wq.py), a staging buffer in host memory, and the probe kernel.
+
+    ``g`` translates NIC-memory addresses for the kernel (identity on the CPU; on a GPU the
+    NicMapping of the NIC's memory). ``timeout_s`` bounds every wait of the handshake."""
+
+    def __init__(self, plat, nic, used, lib, g, timeout_s):
+        from gpunet.host.nic import Access
+        from gpunet.host.wq import CompletionQueue, SendQueue
+
+        self.plat, self.nic, self.used, self.lib, self.g = plat, nic, used, lib, g
+        self.timeout_s = timeout_s
+        self.nbytes = PROBE_WORDS * 8
+        cq_a, cq_b = nic.create_cq(64), nic.create_cq(64)
+        self.qa = nic.create_qp(cq_a, sq_wqebbs=64)
+        qb = nic.create_qp(cq_b, sq_wqebbs=64)
+        nic.connect(self.qa, qb.info())
+        nic.connect(qb, self.qa.info())
+        self.sq, self.cq = SendQueue(self.qa), CompletionQueue(cq_a)
+        self.stage = nic.alloc(self.nbytes, 4096)
+        self.stage_mr = nic.reg_mr(self.stage, access=Access.ALL, kind="host")
+        self.count = 0
+
+    def _buffer(self, kind, old):
+        """(NIC address, kernel address, MR, release) of a fresh ``kind`` buffer holding ``old``
+        in every word, or raise _Skip with why it cannot be measured here."""
+        words = np.full(PROBE_WORDS, old, dtype=np.uint64)
+        if not self.plat.is_gpu or kind == "host":
+            buf = self.nic.alloc(self.nbytes, 4096)
+            buf.view(np.uint64)[:] = words           # before reg_mr: both c500 images hold it
+            mr = self.nic.reg_mr(buf, kind=kind)
+            addr = buf.ctypes.data
+            return addr, self.g(addr), mr, lambda: self.nic.dereg_mr(mr)
+        if self.used == "soft":
+            raise _Skip("no NIC (soft NIC used): the soft NIC is a CPU thread and cannot reach "
+                        "%s memory of the GPU; a real NIC registers it by dma-buf" % kind)
+        mem = self.plat.alloc(kind, self.nbytes)     # NOT YET RUN: a real NIC on a GPU
+        try:
+            self.plat.memcpy(mem.ptr, words.ctypes.data, self.nbytes)
+            mr = self.nic.reg_mr(mem.ptr, self.nbytes, kind=kind)
+        except Exception as e:  # noqa: BLE001 - a refused registration is the finding
+            mem.close()
+            raise _Skip("the NIC did not register %s memory: %s" % (kind, _err(e)))
+
+        def release():
+            self.nic.dereg_mr(mr)
+            mem.close()
+        return mem.ptr, mem.ptr, mr, release
+
+    def _wait(self, ctl, word, what):
+        load_acquire_u64 = _ctl_access()[0]
+        deadline = time.monotonic() + self.timeout_s
+        addr = ctl.ctypes.data + 8 * word
+        while load_acquire_u64(addr) == 0:
+            if time.monotonic() > deadline:
+                raise GpunetError("the probe kernel did not %s within %.1f s" % (what, self.timeout_s))
+            time.sleep(20e-6)
+
+    def _completion(self, what):
+        c = self.cq.wait(1, timeout=self.timeout_s)[0]
+        if c.error:
+            raise GpunetError("the NIC's %s completed with %s (syndrome 0x%x)"
+                              % (what, c.status, c.syndrome))
+
+    def probe(self, kind, direction, fence):
+        """One measurement: a dict (kind, direction, fence, coherent, ...); ``coherent`` None
+        with ``skip`` when it cannot be measured here."""
+        store_release_u64 = _ctl_access()[1]
+        self.count += 1
+        pattern = PROBE_PATTERN + self.count
+        res = {"kind": kind, "direction": direction, "fence": fence, "coherent": None,
+               "words": PROBE_WORDS}
+        try:
+            naddr, kaddr, mr, release = self._buffer(kind, PROBE_OLD)
+        except _Skip as s:
+            res["skip"] = str(s)
+            return res
+        ctl = self.nic.alloc(CTL_BYTES, 64).view(np.uint64)
+        to_nic = direction == "sm_write_nic_read"
+        mode = (MODE_SM_TO_NIC if to_nic else 0) | (MODE_FENCE if fence else 0)
+        rc = []
+        kernel = threading.Thread(
+            target=lambda: rc.append(self.lib.gpunet_doctor_probe(
+                self.g(ctl.ctypes.data), kaddr, PROBE_WORDS, PROBE_OLD, pattern, mode,
+                int(self.timeout_s * 1e9), int(PROBE_VISIBLE_S * 1e9))),
+            name="gpunet-doctor-probe", daemon=True)
+        kernel.start()
+        try:
+            self._wait(ctl, CTL_READY, "start")
+            if to_nic:
+                self.stage.view(np.uint64)[:] = 0
+                t0, reads, fresh = time.monotonic(), 0, False
+                while True:
+                    self.sq.post_read(self.stage_mr.addr, self.stage_mr.lkey, naddr, mr.rkey,
+                                      self.nbytes, signaled=True)
+                    self._completion("RDMA READ")
+                    reads += 1
+                    got = self.stage.view(np.uint64)
+                    fresh = bool((got == pattern).all())
+                    if fresh or time.monotonic() - t0 > PROBE_VISIBLE_S:
+                        break
+                res.update(coherent=fresh, nic_reads=reads,
+                           matched=int((got == pattern).sum()),
+                           first_bad=None if fresh else "0x%x" % int(got[got != pattern][0]))
+            else:
+                self.stage.view(np.uint64)[:] = pattern
+                self.sq.post_write(self.stage_mr.addr, self.stage_mr.lkey, naddr, mr.rkey,
+                                   self.nbytes, signaled=True)
+                self._completion("RDMA WRITE")
+            store_release_u64(ctl.ctypes.data + 8 * CTL_GO, 1)
+            kernel.join(self.timeout_s + PROBE_VISIBLE_S + 5.0)
+            if kernel.is_alive():
+                raise GpunetError("the probe kernel did not finish within %.1f s"
+                                  % (self.timeout_s + PROBE_VISIBLE_S + 5.0))
+            if rc != [0]:
+                raise GpunetError("the probe kernel's launch failed (%s)" % rc)
+            if int(ctl[CTL_CODE]) != 0:
+                raise GpunetError("the probe kernel timed out waiting for the host")
+            if not to_nic:
+                matched = int(ctl[CTL_MATCHED])
+                res.update(coherent=matched == PROBE_WORDS, matched=matched,
+                           warm_old=int(ctl[CTL_WARM_OLD]), waited_ns=int(ctl[CTL_WAITED_NS]),
+                           first_bad=None if matched == PROBE_WORDS
+                           else "0x%x" % int(ctl[CTL_FIRST_BAD]))
+        except GpunetError as e:
+            res["error"] = _err(e)
+            store_release_u64(ctl.ctypes.data + 8 * CTL_GO, 1)     # let a waiting kernel go
+            kernel.join(self.timeout_s + PROBE_VISIBLE_S + 5.0)
+        finally:
+            if not kernel.is_alive():
+                release()
+            else:                  # never free memory a kernel may still touch
+                res.setdefault("error", "the probe kernel is still running; its buffer is kept")
+        return res
+
+
+class _Skip(Exception):
+    pass
+
+
+_ctl_fns = []
+
+
+def _ctl_access():
+    """(load_acquire(addr), store_release(addr, v)) on a ProbeCtl word, callable from Python
+    (rawmem's intrinsics inside njit): the host's half of the handshake orders like the kernel's."""
+    if not _ctl_fns:
+        from gpunet.host.rawmem import load_acquire_u64, store_release_u64, wire_njit
+
+        @wire_njit
+        def load(addr):
+            return load_acquire_u64(addr)
+
+        @wire_njit
+        def store(addr, v):
+            store_release_u64(addr, v)
+        _ctl_fns.extend((load, store))
+    return _ctl_fns
+
+
+def _coherence_rows(rep, plat, nic, used, timeout_s):
+    arch = {"cpu": "host", "cuda": "cuda", "maca": "maca"}[plat.name]
+    try:
+        lib = load_probe(arch)
+    except GpunetError as e:
+        rep.add("coherence", "probe kernel (device/kernels/doctor.cu)", "FAIL", _err(e))
+        return
+    mapping = None
+    try:
+        if plat.is_gpu:
+            from gpunet.device.descriptors import NicMapping
+            mapping = NicMapping(plat, nic)
+            g = mapping.g
+        else:
+            g = int
+        pr = Prober(plat, nic, used, lib, g, timeout_s)
+        for kind in KINDS:
+            for direction in DIRECTIONS:
+                for fence in (False, True):
+                    res = pr.probe(kind, direction, fence)
+                    rep.coherence.append(res)
+                    what = "%s: %s, %s" % (kind, "NIC write -> SM read"
+                                           if direction == "nic_write_sm_read"
+                                           else "SM write -> NIC read",
+                                           "policy fences" if fence else "no fence")
+                    if "error" in res:
+                        rep.add("coherence", what, "FAIL", res["error"], probe=res)
+                    elif res["coherent"] is None:
+                        rep.add("coherence", what, "skip", res["skip"], probe=res)
+                    else:
+                        rep.add("coherence", what, "coherent" if res["coherent"] else "INCOHERENT",
+                                _probe_detail(res), probe=res)
+    except GpunetError as e:
+        rep.add("coherence", "probes", "FAIL", _err(e))
+    finally:
+        if mapping is not None:
+            mapping.close()
+
+
+def _probe_detail(res):
+    if res["direction"] == "sm_write_nic_read":
+        if res["coherent"]:
+            return "the NIC read the kernel's stores (%d READ(s))" % res["nic_reads"]
+        return ("the NIC read stale bytes for %.0f ms (%d READs, %d/%d words fresh, first stale "
+                "%s)" % (PROBE_VISIBLE_S * 1e3, res["nic_reads"], res["matched"], res["words"],
+                         res["first_bad"]))
+    if res["coherent"]:
+        return "the kernel saw the NIC's write after %.1f us" % (res["waited_ns"] / 1e3)
+    return ("the kernel read stale bytes for %.0f ms (%d/%d words fresh, first stale %s)"
+            % (PROBE_VISIBLE_S * 1e3, res["matched"], res["words"], res["first_bad"]))
+
+
+def _policy_rows(rep, plat):
+    """Each NIC-touched role of the policy against the measurement of its kind (with fences)."""
+    from gpunet.host.platform import policy
+
+    measured = {(c["kind"], c["direction"]): c["coherent"] for c in rep.coherence
+                if c["fence"] and "error" not in c}
+    for role, dirs in ROLE_DIRECTIONS.items():
+        kind = policy(role, plat.profile).kind
+        got = [measured.get((kind, d)) for d in dirs]
+        what = "%s in %s memory" % (role, kind)
+        if any(g is False for g in got):
+            bad = [d for d, g in zip(dirs, got) if g is False]
+            rep.add("policy", what, "FAIL", "measured INCOHERENT (%s) with the policy's fences, "
+                    "but the %s policy places %s there" % (", ".join(bad), plat.profile, role))
+        elif all(g is True for g in got):
+            rep.add("policy", what, "ok", "measured coherent (%s)" % ", ".join(dirs))
+        else:
+            rep.add("policy", what, "skip", "%s memory not measured here" % kind)
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+def run(profile=None, nic="auto", platform=None, timeout_s=10.0, log=None):
+    """One doctor run; returns the report as a dict (the JSON's content: schema, rows,
+    coherence, summary, exit_code). ``profile`` / ``platform`` force GPUNET_PROFILE /
+    GPUNET_PLATFORM for the run; ``nic``: "auto" | "soft" | "verbs"; ``log``: a stream for
+    progress lines."""
+    t0 = time.perf_counter()
+    rep = Report(log)
+    with _forced(platform, profile):
+        plat = _platform_rows(rep)
+        if plat is not None:
+            _gpu_rows(rep, plat)
+            _toolchain_rows(rep, plat)
+            dev_nic, used = _nic_rows(rep, plat, nic)
+            refused = None
+            if dev_nic is not None:
+                try:
+                    probe = _doorbell(rep, plat, dev_nic)
+                    try:
+                        probe()
+                    except GpunetError as e:
+                        refused = str(e)
+                    _dmabuf_rows(rep, plat, dev_nic, used)
+                    _transport_rows(rep, plat, dev_nic, probe)
+                    _coherence_rows(rep, plat, dev_nic, used, timeout_s)
+                    _policy_rows(rep, plat)
+                finally:
+                    dev_nic.close()
+                for t in ("ibgda", "proxy"):
+                    _loopback_rows(rep, t, used, timeout_s, refused if t == "ibgda" else None)
+    failed = rep.failed()
+    counts = {r: sum(1 for x in rep.rows if x["result"] == r) for r in RESULTS}
+    return {
+        "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": socket.gethostname(),
+        "args": {"profile": profile, "nic": nic, "platform": platform, "timeout_s": timeout_s},
+        "platform": None if plat is None else {"name": plat.name, "profile": plat.profile,
+                                               "warp_size": plat.warp_size,
+                                               "detected_by": plat.detected_by},
+        "rows": rep.rows, "coherence": rep.coherence,
+        "summary": {"counts": counts, "failed": ["%s: %s" % (r["section"], r["check"])
+                                                 for r in failed],
+                    "verdict": "the stack can work here" if not failed else
+                    "%d check(s) failed" % len(failed)},
+        "exit_code": 1 if failed else 0,
+        "elapsed_s": round(time.perf_counter() - t0, 2),
+        "table": rep.table(),
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="gpunet doctor", description="Can gpunet work on this "
+                                "machine, and why not: a table, JSON, exit status 0 (no check "
+                                "failed) or 1.")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    p.add_argument("--profile", choices=("nvidia", "c500"), default=None,
+                   help="coherence profile (GPUNET_PROFILE; default: the platform's)")
+    p.add_argument("--nic", choices=("auto", "soft", "verbs"), default="auto",
+                   help="the NIC the checks use (default auto: a real one if open_nic finds it)")
+    p.add_argument("--platform", choices=("cpu", "cuda", "maca"), default=None,
+                   help="skip platform detection (GPUNET_PLATFORM)")
+    p.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                   help="bound on every device wait and handshake step (default 10 s)")
+    a = p.parse_args(argv)
+    if not 0 < a.timeout <= 3600:
+        p.error("--timeout must be in (0, 3600] seconds")
+    for knob in ("GPUNET_PLATFORM", "GPUNET_PROFILE"):
+        try:
+            config.get(knob)
+        except ValueError as e:
+            p.error(str(e))
+    report = run(profile=a.profile, nic=a.nic, platform=a.platform, timeout_s=a.timeout,
+                 log=sys.stderr)
+    print(report["table"])
+    print("\n%s (%d ok, %d failed; %.1f s)" % (report["summary"]["verdict"],
+                                               report["summary"]["counts"]["ok"],
+                                               len(report["summary"]["failed"]),
+                                               report["elapsed_s"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return report["exit_code"]
