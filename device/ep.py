@@ -15,6 +15,10 @@ OP_DISPATCH, OP_COMBINE, OP_CLEAN = 0, 1, 2
 PH_SEND, PH_RECV = 1, 2
 F_FP8, F_ROUND_SCALE, F_UE8M0, F_ZERO_COPY, F_SHRINK, F_WAIT_STATS_2D = 1, 2, 4, 8, 16, 32
 SYNC_WORDS, SYNC_STRIDE = 8, 8
+# LlParams::prof: per block, now_ns() at these points (ll.cuh ST_*); bench/ep_profile.py
+ST_NAMES = ("begin", "send_plan", "send_loop", "send_hdr", "recv_ready", "recv_table", "recv_loop",
+            "end")
+STAMPS = len(ST_NAMES)
 
 EP_OK, EP_ERR_GRID_WAIT, EP_ERR_BAD_MESSAGE, EP_ERR_LAYOUT, EP_ERR_MISMATCH = range(5)
 EP_ERR_NAMES = {
@@ -29,7 +33,9 @@ EP_ERR_NAMES = {
 }
 EP_SITE_NAMES = {1: "the dispatch / combine plan flag", 2: "the receive controller's flag",
                  3: "the combine slot-table barrier", 4: "a received message", 5: "a peer's header",
-                 6: "the combine layout check", 7: "this rank's own data (self counter)"}
+                 6: "the combine layout check", 7: "this rank's own data (self counter)",
+                 8: "a peer's high-throughput header", 9: "the high-throughput notify flag",
+                 10: "the num_worst_tokens check"}
 
 
 class LlParams(ctypes.Structure):
@@ -48,7 +54,7 @@ class LlParams(ctypes.Structure):
                 ("mask", u64), ("failed", u64), ("got", u64), ("nrecv", u64),
                 ("status_flag", u64), ("status", u64),
                 ("expected", u64), ("sync", u64), ("bits", u64), ("hist", u64), ("plan", u64),
-                ("tab", u64), ("table", u64)]
+                ("tab", u64), ("table", u64), ("host_flags", u64), ("prof", u64)]
 
 
 class EpStatus(ctypes.Structure):
@@ -57,7 +63,7 @@ class EpStatus(ctypes.Structure):
                 ("pad", u64)]
 
 
-SIZES = {"LlParams": 368, "EpStatus": 64, "DevCtx": 128}
+SIZES = {"LlParams": 384, "EpStatus": 64, "DevCtx": 128}
 
 
 def load_ep(arch="host", defines=None):
@@ -84,4 +90,53 @@ def load_ep(arch="host", defines=None):
             raise ToolchainError("ep_ll.cu was built with sizeof(%s) = %d, device/ep.py expects %d"
                                  % (name, got, want))
     lib._gpunet_ep_bound = True
+    return lib
+
+
+# ---- ht.cuh (the high-throughput mode) ---------------------------------------------------------
+HT_MAX_CHANNELS = 64
+HT_HDR_HEAD = 8
+OP_HT_DISPATCH, OP_HT_COMBINE = 3, 4
+PH_NOTIFY, PH_DATA = 1, 2
+F_HT_TOPK, F_HT_WEIGHTS, F_HT_BUMP, F_HT_WORST = 64, 128, 256, 512
+HT_WS_WORDS = 8
+EP_ERR_WORST = 5
+EP_ERR_NAMES[EP_ERR_WORST] = ("more tokens arrived than num_worst_tokens rows (pass a larger "
+                              "num_worst_tokens, or 0 to size recv_x exactly)")
+
+
+class HtParams(ctypes.Structure):
+    _fields_ = [("base", LlParams),
+                ("nchannels", u32), ("ring", u32), ("chunk", u32), ("num_recv_max", u32),
+                ("alignment", u32), ("nbias", u32), ("pad0", u32), ("pad1", u32),
+                ("epoch", u64), ("sig", u64), ("self_sig", u64), ("send_ring", u64),
+                ("recv_ring", u64), ("shdr", u64), ("rhdr", u64),
+                ("x", u64), ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64),
+                ("in_rank", u64), ("ntpe", u64), ("out_x", u64), ("out_scales", u64),
+                ("out_topk_idx", u64), ("out_weights", u64), ("out_src_idx", u64),
+                ("send_pos", u64), ("send_cnt", u64), ("chan_prefix", u64), ("recv_info", u64),
+                ("bias0", u64), ("bias1", u64), ("ws", u64)]
+
+
+HT_SIZES = {"HtParams": 616, "EpStatus": 64, "DevCtx": 128}
+
+
+def load_ep_ht(arch="host", defines=None):
+    """Build (cached) and bind device/kernels/ep_ht.cu for ``arch``; checks the struct sizes."""
+    from gpunet.device import loader
+    from gpunet.errors import ToolchainError
+
+    lib = loader.build([loader.kernels_dir() / "ep_ht.cu"], arch=arch, defines=defines or {})
+    if getattr(lib, "_gpunet_ep_ht_bound", False):
+        return lib
+    vp = ctypes.c_void_p
+    lib.gpunet_ep_ht_abi_size.argtypes, lib.gpunet_ep_ht_abi_size.restype = [u32], u32
+    lib.gpunet_ep_ht_launch.argtypes = [vp, u32, u32, u32, vp, u32]
+    lib.gpunet_ep_ht_launch.restype = ctypes.c_int
+    for i, (name, want) in enumerate(HT_SIZES.items()):
+        got = lib.gpunet_ep_ht_abi_size(i)
+        if got != want or (name in ("HtParams", "EpStatus") and ctypes.sizeof(globals()[name]) != want):
+            raise ToolchainError("ep_ht.cu was built with sizeof(%s) = %d, device/ep.py expects %d"
+                                 % (name, got, want))
+    lib._gpunet_ep_ht_bound = True
     return lib

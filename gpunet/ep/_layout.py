@@ -134,3 +134,54 @@ def ctl_layout(num_ranks):
         out[k] = off
         off += align(n)
     return out, align(off, 4096)
+
+
+# ---- the high-throughput mode's region (device/include/gpunet/ep/ht.cuh) ----------------------
+# Its own symmetric allocation (num_nvl_bytes; with num_nvl_bytes = 0 and low_latency_mode=False
+# the num_rdma_bytes allocation). Fixed offsets first, so nothing a peer signals moves when a later
+# call uses another Config or shape (a word left from an earlier call is epoch-stamped, ht.cuh):
+#   sig    u64 tail[2 kinds][64 channels][R], head[2][64][R], hdr[R]
+#   shdr   R headers of HT_HDR_STRIDE bytes (send staging), rhdr R headers (one per source)
+#   then the rest in two halves, dispatch then combine, each: a send (staging) ring and a receive
+#   ring of [nc][R][ring] messages (msg_stride of bf16 rows: the larger kind).
+HT_HDR_STRIDE = 4096
+
+
+def ht_fixed_bytes(num_ranks):
+    sig = 8 * (4 * dep.HT_MAX_CHANNELS * num_ranks + num_ranks)
+    return align(sig, 4096) + 2 * num_ranks * HT_HDR_STRIDE
+
+
+def ht_area_bytes(hidden, num_ranks, nchannels, ring):
+    """Bytes of one kind's rings (send + receive) for this shape and Config."""
+    return 2 * nchannels * num_ranks * ring * msg_stride(hidden, False)[0]
+
+
+def ht_size_hint(hidden, num_ranks, nchannels, ring):
+    """Bytes the HT region needs: the fixed part and two halves of one kind's rings each."""
+    return ht_fixed_bytes(num_ranks) + 2 * align(ht_area_bytes(hidden, num_ranks, nchannels, ring))
+
+
+class HtLayout:
+    """Offsets inside the HT region of ``region_bytes`` for one call's (hidden, ranks, channels,
+    ring). ``sig, shdr, rhdr`` and per kind (0 dispatch, 1 combine) ``send[k], recv[k]``. Raises
+    ConfigError when the rings do not fit in their half (with the bytes the hint asks for)."""
+
+    def __init__(self, region_bytes, hidden, num_ranks, nchannels, ring, what="dispatch"):
+        r = num_ranks
+        need = ht_size_hint(hidden, r, nchannels, ring)
+        if need > region_bytes:
+            raise ConfigError(
+                "%s: the high-throughput buffer holds %d bytes; hidden %d, %d ranks, %d channels "
+                "(Config.num_sms / 2), %d-token rings need %d (Config.get_nvl_buffer_size_hint("
+                "hidden * 2, num_ranks); pass it as num_nvl_bytes) or use a Config with smaller "
+                "rings" % (what, region_bytes, hidden, r, nchannels, ring, need))
+        self.sig = 0
+        self.shdr = align(8 * (4 * dep.HT_MAX_CHANNELS * r + r), 4096)
+        self.rhdr = self.shdr + r * HT_HDR_STRIDE
+        start = ht_fixed_bytes(r)
+        half = (region_bytes - start) // 2 // ALIGN * ALIGN
+        per = ht_area_bytes(hidden, r, nchannels, ring) // 2
+        self.send = [start, start + half]
+        self.recv = [start + per, start + half + per]
+        self.msg_stride = msg_stride(hidden, False)[0]

@@ -1,0 +1,670 @@
+// gpunet/ep/ht.cuh — MoE expert-parallel HIGH-THROUGHPUT dispatch and combine (DeepEP V1's
+// "normal" mode: training and prefill), on the user device API alone: it includes
+// <gpunet/gpunet.cuh> (through ll.cuh, whose helpers it reuses: Geo, the per-peer contexts, the
+// mask / failed words, EpStatus, the grid sync words) and moves data only with its verbs
+// (put_nbi, put_signal_nbi with SIGNAL_SET, wait_until, signal_read, quiet_pe, fence).
+//
+// The host side is gpunet/ep/buffer.py (addresses, sizes, the Config); device/ep.py mirrors
+// HtParams; tests/test_ep_ht.py checks it against gpunet/ep/reference.py (ht_dispatch_ref /
+// ht_combine_ref) on 2 and 4 ranks, warps of 32 and 64, over ibgda, proxy, p2p and mixed worlds.
+//
+// ------------------------------------------------------------------------------------------------
+// Channels. The grid is 2 * nc blocks (nc = Config.num_sms / 2, so a launch never uses more
+// blocks than the Config's SM count): block 2c SENDS channel c, block 2c+1 RECEIVES it. Channel c
+// of a rank's T tokens is the contiguous range [T*c/nc, T*(c+1)/nc). Per (channel, peer pair)
+// there is a RING of `ring` message slots in the receiver's heap (Config's
+// num_max_nvl_chunked_recv_tokens) and a staging ring of the same size in the sender's heap; the
+// whole buffer is a few rings, far smaller than the data (docs/EP.md gives the formula).
+//
+// Dispatch
+//   NOTIFY (block 0): per (channel c, destination d) a warp scans is_token_in_rank with ballots:
+//          send_pos[t][d] = the token's index among channel c's tokens going to d (-1: not sent),
+//          send_cnt[c][d] = how many. One header per destination (counts per channel and per
+//          local expert, plus hidden / nc / msg_stride / experts, checked by the receiver) is put
+//          with a SET signal. Then block 0 waits (bounded, per source) for every live source's
+//          header and writes chan_prefix[j][c] (where source j's channel-c rows start in recv_x:
+//          sources in rank order, channels in order, tokens in order: DeepEP's rank_prefix
+//          layout) and recv_info (rank prefix, aligned per-expert counts, total).
+//   DATA   sender block c: round robin over its destinations (a warp per destination, never
+//          blocking on one: a full ring only skips that destination for this round, so no cycle
+//          of waits can form across ranks), each step stages up to `chunk` messages (the row —
+//          bf16, or fp8 + scales — then the meta: source token, local expert ids (-1 elsewhere),
+//          weights (0 elsewhere)) into consecutive staging slots and puts them (one put, two when
+//          the ring wraps) with a SET of the tail word tail[c][me] on d to (epoch << 32 | sent).
+//          It goes on while the receiver's credit (head[c][d] on this rank, SET by d) leaves room.
+//          receiver block c: polls every live source's tail, copies whatever arrived to its rows
+//          (chan_prefix[j][c] + index), SETs its credit back every `chunk` messages and at the end.
+//          A sender finishes once every destination has CONSUMED all of its messages (its final
+//          credit), so when a call returns the rings hold nothing of it: the next call may write.
+// Combine (the reverse direction; expert side sends, token side reduces)
+//   DATA   sender block c (expert side): for each source rank j, the rows
+//          [chan_prefix[j][c], chan_prefix[j][c+1]) of x go back in order, with their weights.
+//          receiver block c (token side): warps take channel c's tokens in rounds of one token
+//          per warp; token t's row from d sits at ring slot send_pos[t][d] (its dispatch index),
+//          so each warp waits (bounded) for exactly that row: out[t] = bf16(bias0 + bias1 +
+//          sum over d ascending of row_d) in float32 (deterministic: same inputs, same bits), and
+//          combined weights = sum of the rows' weights. Credits after each round.
+//          A round needs at most nwarps slots past the last credit: the host checks
+//          ring >= 2 * chunk + 32 so a sender waiting for room never waits on a row the receiver
+//          needs first.
+//
+// Signals: every word has ONE writer and is SET (never added) to (epoch << 32 | count): the store
+// form every transport has (c500 p2p peers take no ADD). The epoch is a device word, the same on
+// every rank (each HT op bumps it by one at its end), so a word left over from an earlier call is
+// always below what this call waits for, and nothing needs resetting between calls. A rank's own
+// messages go straight into its own receive ring (plain stores) with device-memory tail / head
+// words instead of signals.
+//
+// Failures: as the LL kernels (ll.cuh): per-peer device contexts, a peer that fails or stays
+// silent for timeout_ns (no credit, no tail progress, no header) is marked failed (masked with
+// F_SHRINK) and skipped from then on, never waited for again; the host raises EPTimeout or masks.
+// Grid-internal waits are bounded and recorded in EpStatus. Nothing traps; every block leaves.
+#pragma once
+
+#include <stdint.h>
+
+#include <gpunet/ep/ll.cuh>
+
+namespace gpunet {
+namespace ep {
+
+constexpr uint32_t kHtMaxChannels = 64;    // signal words are laid out for this many channels
+constexpr uint32_t kHtMetaBytes = 16 + 8 * kMaxTopk;  // t, K, 0, 0; K local ids; K weights
+constexpr uint32_t kHtHdrHead = 8;         // magic, hidden, nc, msg_stride, experts, total, K, 0
+constexpr int32_t kHtMagic = 0x48544550;   // "PETH": a header of this mode
+enum : uint32_t { OP_HT_DISPATCH = 3, OP_HT_COMBINE = 4 };
+enum : uint32_t { PH_NOTIFY = 1, PH_DATA = 2 };
+enum : uint32_t {
+  F_HT_TOPK = 64,       // topk_idx / topk_weights are present
+  F_HT_WEIGHTS = 128,   // topk_weights present (combine: weights travel back)
+  F_HT_BUMP = 256,      // this launch ends the op: the last block bumps the epoch
+  F_HT_WORST = 512,     // num_worst_tokens: recv rows are fixed (num_recv_max); check, no host sync
+};
+enum : uint32_t { HT_KIND_DISPATCH = 0, HT_KIND_COMBINE = 1 };
+// grid sync words (HtParams::base.sync)
+enum : uint32_t { HT_SYNC_NOTIFY = 0, HT_SYNC_END = 1 };
+// EpStatus codes and sites of this mode (device/ep.py: EP_ERR_WORST, EP_SITE_HT_*)
+enum : uint32_t { EP_ERR_WORST = 5 };
+enum : uint32_t { EP_SITE_HT_HEADER = 8, EP_SITE_HT_NOTIFY = 9, EP_SITE_HT_WORST = 10 };
+// per-(channel, peer) state words in HtParams::ws (device memory, set up at every launch)
+enum : uint32_t { WS_SENT = 0, WS_CURSOR = 1, WS_TLAST = 2, WS_CREDIT = 3, WS_DONE = 4, WS_TOTAL = 5,
+                  WS_AVAIL = 6, WS_MAXP = 7, WS_WORDS = 8 };
+
+// One launch's arguments, by value. `base` carries what ll.cuh's helpers read (op, flags, rank,
+// nranks, experts, hidden, topk, num_tokens, msg_stride, payload_bytes, hdr_stride, ctxs,
+// timeout_ns, mask, failed, got, nrecv, status_flag, status, sync). device/ep.py: HtParams.
+struct HtParams {
+  LlParams base;
+  uint32_t nchannels, ring, chunk, num_recv_max;  // num_recv_max: rows of the receive tensors
+  uint32_t alignment, nbias, pad0, pad1;
+  uint64_t epoch;        // u64 device word: the op counter (same on every rank)
+  uint64_t sig;          // heap: tail[2 kinds][kHtMaxChannels][R], head[2][kHtMaxChannels][R], hdr[R]
+  uint64_t self_sig;     // device: u64 [2 kinds][2 (tail, head)][kHtMaxChannels]
+  uint64_t send_ring;    // heap: [nc][R][ring] messages of msg_stride bytes (this op's kind)
+  uint64_t recv_ring;    // heap: [nc][R][ring]
+  uint64_t shdr, rhdr;   // heap: [R] headers of hdr_stride bytes (dispatch)
+  uint64_t x;            // dispatch: bf16 [T, H] or fp8 [T, H]; combine: bf16 [N_recv, H]
+  uint64_t x_scales;     // dispatch fp8: float [T, H/128]
+  uint64_t topk_idx;     // dispatch: int64 [T, K] (or 0)
+  uint64_t topk_weights; // dispatch: float [T, K]; combine: float [N_recv, K] (or 0)
+  uint64_t in_rank;      // dispatch notify: bool [T, R]
+  uint64_t ntpe;         // dispatch notify: int32 [E] num_tokens_per_expert (or 0)
+  uint64_t out_x;        // dispatch: [num_recv_max, H] bf16 | fp8; combine: bf16 [T, H]
+  uint64_t out_scales;   // dispatch fp8: float [num_recv_max, H/128]
+  uint64_t out_topk_idx; // dispatch: int64 [num_recv_max, K]
+  uint64_t out_weights;  // dispatch: float [num_recv_max, K]; combine: float [T, K] (or 0)
+  uint64_t out_src_idx;  // dispatch: int32 [num_recv_max]
+  uint64_t send_pos;     // int32 [T, R]
+  uint64_t send_cnt;     // int32 [nc, R]
+  uint64_t chan_prefix;  // int32 [R, nc + 1]
+  uint64_t recv_info;    // int32 [R + 1 + E_loc]: rank prefix (R + 1 entries), aligned expert counts
+  uint64_t bias0, bias1; // combine: bf16 [T, H] (or 0)
+  uint64_t ws;           // device: u64 [2 (send, recv)][nc][R][WS_WORDS], then int32 [R]
+};
+static_assert(sizeof(HtParams) == 616, "HtParams layout is mirrored in device/ep.py");
+
+// ---- small helpers ------------------------------------------------------------------------------
+
+GPUNET_HOST_DEVICE uint32_t ctz64(uint64_t x) { return popc64((x & (~x + 1)) - 1); }
+
+// The count a SET word holds for this op's epoch: 0 when the word is from an earlier op.
+GPUNET_DEVICE uint64_t count_of(uint64_t v, uint64_t epoch) {
+  const uint64_t e = v >> 32;
+  if (e == epoch) return v & 0xffffffffull;
+  return e > epoch ? 0xffffffffull : 0;
+}
+GPUNET_DEVICE uint64_t* ht_tail(const HtParams& P, uint32_t kind, uint32_t c, uint32_t j) {
+  return ptr<uint64_t>(P.sig) + ((uint64_t(kind) * kHtMaxChannels + c) * P.base.nranks + j);
+}
+GPUNET_DEVICE uint64_t* ht_head(const HtParams& P, uint32_t kind, uint32_t c, uint32_t d) {
+  return ptr<uint64_t>(P.sig) + ((uint64_t(2 + kind) * kHtMaxChannels + c) * P.base.nranks + d);
+}
+GPUNET_DEVICE uint64_t* ht_hdr_sig(const HtParams& P, uint32_t j) {
+  return ptr<uint64_t>(P.sig) + (uint64_t(4) * kHtMaxChannels * P.base.nranks + j);
+}
+GPUNET_DEVICE uint64_t* ht_self(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c) {
+  return ptr<uint64_t>(P.self_sig) + ((uint64_t(kind) * 2 + head) * kHtMaxChannels + c);
+}
+GPUNET_DEVICE uint64_t* ws_word(const HtParams& P, uint32_t recv, uint32_t c, uint32_t p, uint32_t w) {
+  return ptr<uint64_t>(P.ws) +
+         (((uint64_t(recv) * P.nchannels + c) * P.base.nranks + p) * WS_WORDS + w);
+}
+// Notify's per-source scratch (int32 [R]) after the per-(channel, peer) state words.
+GPUNET_DEVICE int32_t* notify_scratch(const HtParams& P) {
+  return ptr<int32_t>(P.ws + uint64_t(2) * P.nchannels * P.base.nranks * WS_WORDS * 8);
+}
+GPUNET_DEVICE uint64_t chan_begin(uint64_t T, uint32_t nc, uint32_t c) { return T * c / nc; }
+GPUNET_DEVICE uint64_t slot_addr(const HtParams& P, uint64_t ring, uint32_t c, uint32_t p, uint64_t i) {
+  return ring + ((uint64_t(c) * P.base.nranks + p) * P.ring + i % P.ring) * P.base.msg_stride;
+}
+
+// The count peer p's SET word (or this rank's own device word) holds for this op: the
+// receiver's credit (head) or the sender's progress (tail). Acquire.
+GPUNET_DEVICE uint64_t read_count(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c,
+                                  uint32_t p, uint64_t epoch) {
+  if (p == P.base.rank) {
+    const uint64_t v = arch::atomic_load(ht_self(P, kind, head, c));
+    arch::fence_sys();
+    return count_of(v, epoch);
+  }
+  const uint64_t* w = head ? ht_head(P, kind, c, p) : ht_tail(P, kind, c, p);
+  return count_of(signal_read(peer_ctx(P.base, p), w), epoch);
+}
+
+// SET peer p's word (tail of channel c for this rank as source, or head as destination) to
+// (epoch << 32 | n), after the payload put before it (same QP / channel: in order). The caller
+// fenced its stores. false: the verb failed (the caller marks the peer).
+GPUNET_DEVICE bool write_count(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c,
+                               uint32_t p, uint64_t epoch, uint64_t n) {
+  const uint64_t v = (epoch << 32) | n;
+  if (p == P.base.rank) {
+    arch::fence_sys();
+    arch::atomic_store(ht_self(P, kind, head, c), v);
+    return true;
+  }
+  uint64_t* w = head ? ht_head(P, kind, c, P.base.rank) : ht_tail(P, kind, c, P.base.rank);
+  const DevCtx& cx = peer_ctx(P.base, p);
+  return fence(cx) && put_signal_nbi(cx, w, w, 0, w, v, int(p), SIGNAL_SET);
+}
+
+// ---- notify (dispatch, block 0) ---------------------------------------------------------------
+
+GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks, nc = P.nchannels, EL = B.e_loc;
+  const uint64_t T = B.num_tokens;
+  const uint8_t* in_rank = ptr<const uint8_t>(P.in_rank);
+  int32_t* send_pos = ptr<int32_t>(P.send_pos);
+  int32_t* send_cnt = ptr<int32_t>(P.send_cnt);
+  const uint64_t below = g.lane == 0 ? 0 : (~uint64_t(0) >> (64 - g.lane));
+  // send_pos / send_cnt: a warp per (channel, destination), ws tokens per ballot
+  for (uint32_t it = g.wid; it < nc * R; it += g.nwarps) {
+    const uint32_t c = it / R, d = it % R;
+    const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
+    uint32_t run = 0;
+    for (uint64_t t0 = cb; t0 < ce; t0 += g.ws) {
+      const uint64_t t = t0 + g.lane;
+      const bool in = t < ce && in_rank[t * R + d] != 0;
+      const uint64_t bits = arch::ballot(in);
+      if (t < ce) send_pos[t * R + d] = in ? int32_t(run + popc64(bits & below)) : -1;
+      run += popc64(bits);
+    }
+    if (g.lane == 0) send_cnt[uint64_t(c) * R + d] = int32_t(run);
+  }
+  arch::syncthreads();
+  // one header per destination
+  const uint32_t hdr_words = kHtHdrHead + nc + EL;
+  for (uint32_t d = g.tid; d < R; d += g.bdim) {
+    if (peer_out(B, d)) continue;
+    const bool self = d == B.rank;
+    int32_t* h = ptr<int32_t>(self ? P.rhdr + uint64_t(B.rank) * B.hdr_stride
+                                   : P.shdr + uint64_t(d) * B.hdr_stride);
+    int64_t total = 0;
+    for (uint32_t c = 0; c < nc; ++c) {
+      h[kHtHdrHead + c] = send_cnt[uint64_t(c) * R + d];
+      total += send_cnt[uint64_t(c) * R + d];
+    }
+    for (uint32_t le = 0; le < EL; ++le)
+      h[kHtHdrHead + nc + le] = P.ntpe ? ptr<const int32_t>(P.ntpe)[uint64_t(d) * EL + le] : 0;
+    h[0] = kHtMagic;
+    h[1] = int32_t(B.hidden);
+    h[2] = int32_t(nc);
+    h[3] = int32_t(B.msg_stride);
+    h[4] = int32_t(B.num_experts);
+    h[5] = int32_t(total);
+    h[6] = int32_t(B.topk);
+    h[7] = 0;
+    if (self) continue;
+    const DevCtx& cx = peer_ctx(B, d);
+    const uint64_t rh = P.rhdr + uint64_t(B.rank) * B.hdr_stride;
+    if (!(fence(cx) && put_signal_nbi(cx, ptr<void>(rh), h, uint64_t(hdr_words) * 4,
+                                       ht_hdr_sig(P, B.rank), (epoch << 32) | 1, int(d), SIGNAL_SET)))
+      peer_fail(B, d);
+  }
+  arch::syncthreads();  // this rank's own header (stored above) is complete
+  // every live source's header (bounded per source: headers go out unconditionally first)
+  int32_t* info = ptr<int32_t>(P.recv_info);
+  int32_t* pre = ptr<int32_t>(P.chan_prefix);
+  int32_t* nrecv = ptr<int32_t>(B.nrecv);
+  int32_t* got = ptr<int32_t>(B.got);
+  for (uint32_t j = g.tid; j < R; j += g.bdim) {
+    bool ok = !peer_out(B, j);
+    if (ok && j != B.rank) {
+      ok = wait_until(peer_ctx(B, j), ht_hdr_sig(P, j), CMP_GE, (epoch << 32) | 1);
+      if (!ok) peer_fail(B, j);
+    }
+    const int32_t* h = ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride);
+    if (ok && (h[0] != kHtMagic || uint32_t(h[1]) != B.hidden || uint32_t(h[2]) != nc ||
+               uint32_t(h[3]) != B.msg_stride || uint32_t(h[4]) != B.num_experts)) {
+      ep_fail(B, EP_ERR_MISMATCH, EP_SITE_HT_HEADER, j, (uint64_t(nc) << 32) | B.hidden,
+              (uint64_t(uint32_t(h[2])) << 32) | uint32_t(h[1]), 0);
+      ok = false;
+    }
+    int64_t sum = 0;
+    for (uint32_t c = 0; ok && c < nc; ++c) {
+      if (h[kHtHdrHead + c] < 0) ok = false;
+      sum += h[kHtHdrHead + c];
+    }
+    if (ok && sum != h[5]) {
+      ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_HEADER, j, uint64_t(h[5]), uint64_t(sum), 0);
+      ok = false;
+    }
+    got[j] = ok ? 1 : 0;
+    nrecv[j] = ok ? h[5] : 0;
+    notify_scratch(P)[j] = ok ? 1 : 0;
+  }
+  arch::syncthreads();
+  if (g.tid == 0) {
+    int64_t run = 0;
+    for (uint32_t j = 0; j < R; ++j) {
+      const bool ok = notify_scratch(P)[j] != 0;
+      const int32_t* h = ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride);
+      info[j] = int32_t(run);
+      for (uint32_t c = 0; c < nc; ++c) {
+        pre[uint64_t(j) * (nc + 1) + c] = int32_t(run);
+        if (ok) run += h[kHtHdrHead + c];
+      }
+      pre[uint64_t(j) * (nc + 1) + nc] = int32_t(run);
+    }
+    info[R] = int32_t(run);
+    if ((B.flags & F_HT_WORST) && run > int64_t(P.num_recv_max))
+      ep_fail(B, EP_ERR_WORST, EP_SITE_HT_WORST, B.rank, P.num_recv_max, uint64_t(run), 0);
+  }
+  for (uint32_t le = g.tid; le < EL; le += g.bdim) {
+    int64_t n = 0;
+    for (uint32_t j = 0; j < R; ++j)
+      if (notify_scratch(P)[j])
+        n += ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride)[kHtHdrHead + nc + le];
+    const int64_t a = P.alignment ? int64_t(P.alignment) : 1;
+    info[R + 1 + le] = int32_t((n + a - 1) / a * a);
+  }
+  arch::syncthreads();
+}
+
+// ---- the sender (block 2c): dispatch tokens or combine rows to every destination ------------------
+
+// Stage message `idx` (token or row `src`) for destination d into `msg`.
+GPUNET_DEVICE void ht_stage(const HtParams& P, const Geo& g, uint64_t msg, uint64_t src, uint32_t d,
+                            bool combine) {
+  const LlParams& B = P.base;
+  const uint32_t H = B.hidden, K = B.topk;
+  const bool fp8 = !combine && (B.flags & F_FP8);
+  if (fp8) {
+    warp_copy(g, msg, P.x + src * H, H);
+    const uint32_t G = H / kGroup;
+    for (uint32_t q = g.lane; q < G; q += g.ws)
+      ptr<float>(msg + H)[q] = ptr<const float>(P.x_scales)[src * G + q];
+  } else {
+    warp_copy(g, msg, P.x + src * H * 2, uint64_t(H) * 2);
+  }
+  int32_t* meta = ptr<int32_t>(msg + B.payload_bytes);
+  if (g.lane == 0) {
+    meta[0] = int32_t(src);
+    meta[1] = int32_t(K);
+    meta[2] = 0;
+    meta[3] = 0;
+  }
+  if (g.lane < K) {
+    float w = 0.0f;
+    int32_t le = -1;
+    if (!combine && (B.flags & F_HT_TOPK)) {
+      const int64_t e = ptr<const int64_t>(P.topk_idx)[src * K + g.lane];
+      const int64_t lo = int64_t(d) * B.e_loc;
+      if (e >= lo && e < lo + int64_t(B.e_loc)) {
+        le = int32_t(e - lo);
+        if (B.flags & F_HT_WEIGHTS) w = ptr<const float>(P.topk_weights)[src * K + g.lane];
+      }
+    } else if (combine && (B.flags & F_HT_WEIGHTS)) {
+      w = ptr<const float>(P.topk_weights)[src * K + g.lane];
+    }
+    meta[4 + g.lane] = le;
+    ptr<float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane] = w;
+  }
+}
+
+GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks, nc = P.nchannels;
+  const bool combine = B.op == OP_HT_COMBINE;
+  const uint32_t kind = combine ? HT_KIND_COMBINE : HT_KIND_DISPATCH;
+  const uint64_t T = B.num_tokens;
+  const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
+  const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
+  const int32_t* pre = ptr<const int32_t>(P.chan_prefix);
+  const uint64_t t_start = arch::now_ns();
+  // a destination's state is read and written by lane 0 of the warp that owns it (d % nwarps)
+  // and broadcast, so every lane takes the same branches (the ballots and shuffles need that)
+  if (g.lane == 0) {
+    for (uint32_t d = g.wid; d < R; d += g.nwarps) {
+      const uint64_t total = combine ? uint64_t(pre[uint64_t(d) * (nc + 1) + c + 1] - pre[uint64_t(d) * (nc + 1) + c])
+                                     : uint64_t(ptr<const int32_t>(P.send_cnt)[uint64_t(c) * R + d]);
+      *ws_word(P, 0, c, d, WS_SENT) = 0;
+      *ws_word(P, 0, c, d, WS_CURSOR) = combine ? uint64_t(pre[uint64_t(d) * (nc + 1) + c]) : cb;
+      *ws_word(P, 0, c, d, WS_TLAST) = t_start;
+      *ws_word(P, 0, c, d, WS_TOTAL) = total;
+      *ws_word(P, 0, c, d, WS_DONE) = 0;
+    }
+  }
+  arch::syncwarp();
+  for (;;) {
+    bool left = false;  // lane 0: one of this warp's destinations is not done
+    for (uint32_t d = g.wid; d < R; d += g.nwarps) {  // warp-uniform
+      // 0: done, 1: wait for credit, 2: send n
+      uint32_t act = 0;
+      uint64_t sent = 0, n = 0, cur = 0;
+      if (g.lane == 0 && !*ws_word(P, 0, c, d, WS_DONE)) {
+        if (out[d]) {
+          *ws_word(P, 0, c, d, WS_DONE) = 1;
+        } else {
+          const uint64_t total = *ws_word(P, 0, c, d, WS_TOTAL);
+          sent = *ws_word(P, 0, c, d, WS_SENT);
+          cur = *ws_word(P, 0, c, d, WS_CURSOR);
+          const uint64_t consumed = read_count(P, kind, 1, c, d, epoch);
+          n = total - sent < P.chunk ? total - sent : P.chunk;
+          if (sent == total && consumed >= total) {
+            *ws_word(P, 0, c, d, WS_DONE) = 1;
+            if (d != B.rank && !quiet_pe(peer_ctx(B, d), int(d))) peer_fail_view(B, out, d);
+          } else if (sent == total || sent - consumed + n > P.ring) {
+            act = 1;
+            if (arch::now_ns() - *ws_word(P, 0, c, d, WS_TLAST) > B.timeout_ns) {
+              peer_fail_view(B, out, d);  // no credit for timeout_ns: the peer is silent
+              *ws_word(P, 0, c, d, WS_DONE) = 1;
+            }
+          } else {
+            act = 2;
+          }
+        }
+        left = left || !*ws_word(P, 0, c, d, WS_DONE);
+      }
+      act = arch::shfl(act, 0);
+      if (act != 2) continue;
+      sent = arch::shfl(sent, 0);
+      n = arch::shfl(n, 0);
+      cur = arch::shfl(cur, 0);
+      // stage n messages, in order, into consecutive slots (to itself: straight into its ring)
+      const bool self = d == B.rank;
+      const uint64_t area = self ? P.recv_ring : P.send_ring;
+      const uint32_t pslot = self ? B.rank : d;
+      if (combine) {
+        for (uint64_t i = 0; i < n; ++i)
+          ht_stage(P, g, slot_addr(P, area, c, pslot, sent + i), cur + i, d, true);
+        cur += n;
+      } else {
+        uint64_t taken = 0;
+        while (taken < n) {  // warp-uniform: a ballot over ws tokens from the cursor
+          const uint64_t t = cur + g.lane;
+          uint64_t bits = arch::ballot(t < ce && send_pos[t * R + d] >= 0);
+          const uint64_t cnt = popc64(bits);
+          const uint64_t take = cnt < n - taken ? cnt : n - taken;
+          uint64_t last = 0;
+          for (uint64_t q = 0; q < take; ++q) {
+            last = ctz64(bits);
+            bits &= bits - 1;
+            ht_stage(P, g, slot_addr(P, area, c, pslot, sent + taken + q), cur + last, d, false);
+          }
+          cur = take < cnt ? cur + last + 1 : cur + g.ws;
+          taken += take;
+        }
+      }
+      arch::syncwarp();  // every lane's staging stores before lane 0's fence and put
+      if (g.lane == 0) {
+        *ws_word(P, 0, c, d, WS_CURSOR) = cur;
+        *ws_word(P, 0, c, d, WS_SENT) = sent + n;
+        *ws_word(P, 0, c, d, WS_TLAST) = arch::now_ns();
+        bool ok = true;
+        if (!self) {
+          // the slots [sent, sent + n) of the ring: one put, two when they wrap
+          const uint64_t s0 = sent % P.ring;
+          const uint64_t n1 = P.ring - s0 < n ? P.ring - s0 : n;
+          const DevCtx& cx = peer_ctx(B, d);
+          const uint64_t msz = B.msg_stride;
+          ok = fence(cx) &&
+               put_nbi(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, sent)),
+                       ptr<const void>(slot_addr(P, P.send_ring, c, d, sent)), n1 * msz, int(d));
+          if (ok && n1 < n)
+            ok = put_nbi(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, 0)),
+                         ptr<const void>(slot_addr(P, P.send_ring, c, d, 0)), (n - n1) * msz, int(d));
+        }
+        ok = ok && write_count(P, kind, 0, c, d, epoch, sent + n);
+        if (!ok) {
+          peer_fail_view(B, out, d);
+          *ws_word(P, 0, c, d, WS_DONE) = 1;
+        }
+      }
+      arch::syncwarp();
+    }
+    if (!arch::block_any(left)) break;
+    arch::spin_pause();
+  }
+}
+
+// ---- the receiver (block 2c+1) --------------------------------------------------------------------
+
+// Dispatch: copy whatever arrived from every source into its rows; credit back every chunk.
+GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+                                    uint8_t* out) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks, nc = P.nchannels, H = B.hidden, K = B.topk;
+  const int32_t* pre = ptr<const int32_t>(P.chan_prefix);
+  const bool fp8 = (B.flags & F_FP8) != 0;
+  const uint64_t row_bytes = fp8 ? uint64_t(H) : uint64_t(H) * 2;
+  const uint32_t G = H / kGroup;
+  const uint64_t t_start = arch::now_ns();
+  for (uint32_t j = g.tid; j < R; j += g.bdim) {
+    const uint64_t total = uint64_t(pre[uint64_t(j) * (nc + 1) + c + 1] - pre[uint64_t(j) * (nc + 1) + c]);
+    *ws_word(P, 1, c, j, WS_SENT) = 0;       // consumed
+    *ws_word(P, 1, c, j, WS_CREDIT) = 0;
+    *ws_word(P, 1, c, j, WS_TOTAL) = total;
+    *ws_word(P, 1, c, j, WS_TLAST) = t_start;
+    *ws_word(P, 1, c, j, WS_AVAIL) = 0;
+    *ws_word(P, 1, c, j, WS_DONE) = total == 0 ? 1 : 0;
+  }
+  arch::syncthreads();
+  for (;;) {
+    for (uint32_t j = g.tid; j < R; j += g.bdim) {
+      uint64_t avail = 0;
+      if (!*ws_word(P, 1, c, j, WS_DONE)) {
+        if (out[j]) {
+          *ws_word(P, 1, c, j, WS_DONE) = 1;
+        } else {
+          const uint64_t done = *ws_word(P, 1, c, j, WS_SENT);
+          uint64_t tail = read_count(P, HT_KIND_DISPATCH, 0, c, j, epoch);
+          const uint64_t total = *ws_word(P, 1, c, j, WS_TOTAL);
+          if (tail > total) tail = total;
+          avail = tail > done ? tail - done : 0;
+          if (avail == 0 && arch::now_ns() - *ws_word(P, 1, c, j, WS_TLAST) > B.timeout_ns) {
+            peer_fail_view(B, out, j);
+            *ws_word(P, 1, c, j, WS_DONE) = 1;
+          }
+        }
+      }
+      *ws_word(P, 1, c, j, WS_AVAIL) = avail;
+    }
+    arch::syncthreads();
+    uint64_t items = 0;
+    for (uint32_t j = 0; j < R; ++j) items += *ws_word(P, 1, c, j, WS_AVAIL);
+    for (uint64_t it = g.wid; it < items; it += g.nwarps) {
+      uint32_t j = 0;
+      uint64_t m = it;
+      while (m >= *ws_word(P, 1, c, j, WS_AVAIL)) m -= *ws_word(P, 1, c, j, WS_AVAIL), ++j;
+      const uint64_t idx = *ws_word(P, 1, c, j, WS_SENT) + m;
+      const uint64_t msg = slot_addr(P, P.recv_ring, c, j, idx);
+      const uint64_t pos = uint64_t(pre[uint64_t(j) * (nc + 1) + c]) + idx;
+      warp_copy(g, P.out_x + pos * row_bytes, msg, row_bytes);
+      if (fp8)
+        for (uint32_t q = g.lane; q < G; q += g.ws)
+          ptr<float>(P.out_scales)[pos * G + q] = ptr<const float>(msg + H)[q];
+      const int32_t* meta = ptr<const int32_t>(msg + B.payload_bytes);
+      if (g.lane == 0) ptr<int32_t>(P.out_src_idx)[pos] = meta[0];
+      if ((B.flags & F_HT_TOPK) && g.lane < K) {
+        ptr<int64_t>(P.out_topk_idx)[pos * K + g.lane] = int64_t(meta[4 + g.lane]);
+        if (P.out_weights)
+          ptr<float>(P.out_weights)[pos * K + g.lane] =
+              ptr<const float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane];
+      }
+    }
+    arch::syncthreads();  // every copy out of the ring is done before the credit frees its slots
+    bool left = false;
+    for (uint32_t j = g.tid; j < R; j += g.bdim) {
+      const uint64_t avail = *ws_word(P, 1, c, j, WS_AVAIL);
+      if (avail) {
+        const uint64_t done = *ws_word(P, 1, c, j, WS_SENT) + avail;
+        *ws_word(P, 1, c, j, WS_SENT) = done;
+        *ws_word(P, 1, c, j, WS_TLAST) = arch::now_ns();
+        const uint64_t total = *ws_word(P, 1, c, j, WS_TOTAL);
+        if (done == total || done - *ws_word(P, 1, c, j, WS_CREDIT) >= P.chunk) {
+          if (!write_count(P, HT_KIND_DISPATCH, 1, c, j, epoch, done)) {
+            peer_fail_view(B, out, j);
+            *ws_word(P, 1, c, j, WS_DONE) = 1;
+          }
+          *ws_word(P, 1, c, j, WS_CREDIT) = done;
+        }
+        if (done == total) *ws_word(P, 1, c, j, WS_DONE) = 1;
+      }
+      left = left || !*ws_word(P, 1, c, j, WS_DONE);
+    }
+    if (!arch::block_any(left)) break;
+    arch::spin_pause();
+  }
+}
+
+// Combine, token side: rounds of one token per warp, each waiting for exactly its rows.
+GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+                                   uint8_t* out) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks, nc = P.nchannels, H = B.hidden, K = B.topk;
+  const uint64_t T = B.num_tokens;
+  const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
+  const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
+  const int32_t* send_cnt = ptr<const int32_t>(P.send_cnt);
+  for (uint32_t d = g.tid; d < R; d += g.bdim) {
+    *ws_word(P, 1, c, d, WS_CREDIT) = 0;
+    *ws_word(P, 1, c, d, WS_MAXP) = 0;
+  }
+  arch::syncthreads();
+  for (uint64_t base = cb; base < ce; base += g.nwarps) {
+    const uint64_t t = base + g.wid;
+    if (t < ce) {
+      float wsum = 0.0f;       // lane k < K: the combined weight of slot k
+      uint64_t have = 0;       // bit d (d < 64): d's row is here (the sum below reads those only)
+      // wait for each row this token gets (d ascending)
+      for (uint32_t d = 0; d < R; ++d) {
+        const int32_t p = send_pos[t * R + d];
+        if (p < 0) continue;
+        bool ok = !out[d];
+        if (ok && g.lane == 0) {
+          const uint64_t t0 = arch::now_ns();
+          uint32_t n = 0;
+          while (read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) <= uint64_t(p)) {
+            if ((n++ & 7) == 0 && (out[d] || arch::now_ns() - t0 > B.timeout_ns)) {
+              ok = false;
+              break;
+            }
+            arch::spin_pause();
+          }
+          if (!ok && !out[d]) peer_fail_view(B, out, d);
+        }
+        ok = arch::shfl(ok ? 1u : 0u, 0) != 0;
+        if (!ok) continue;
+        if (d < 64) have |= uint64_t(1) << d;
+        const uint64_t msg = slot_addr(P, P.recv_ring, c, d, uint64_t(p));
+        if (g.lane < K && (B.flags & F_HT_WEIGHTS))
+          wsum += ptr<const float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane];
+        if (g.lane == 0) {
+          uint64_t* mp = ws_word(P, 1, c, d, WS_MAXP);
+          uint64_t old = arch::atomic_load(mp);
+          while (old < uint64_t(p) + 1) {
+            const uint64_t seen = arch::atomic_cas(mp, old, uint64_t(p) + 1);
+            if (seen == old) break;
+            old = seen;
+          }
+        }
+      }
+      // out[t] = bias0 + bias1 + sum_d row_d: a second pass over the rows (they are all here now)
+      for (uint32_t c0 = g.lane * 8; c0 < H; c0 += g.ws * 8) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        const uint64_t bias[2] = {P.bias0, P.bias1};
+        for (uint32_t b = 0; b < P.nbias; ++b) {
+          const V16 v = *ptr<const V16>(bias[b] + (t * H + c0) * 2);
+          for (uint32_t q = 0; q < 8; ++q) acc[q] += bf16_at(v, q);
+        }
+        for (uint32_t d = 0; d < R; ++d) {
+          const int32_t p = send_pos[t * R + d];
+          if (p < 0 || (d < 64 ? !((have >> d) & 1) : out[d] != 0)) continue;
+          const V16 v = *ptr<const V16>(slot_addr(P, P.recv_ring, c, d, uint64_t(p)) + uint64_t(c0) * 2);
+          for (uint32_t q = 0; q < 8; ++q) acc[q] += bf16_at(v, q);
+        }
+        V16 o = {0, 0};
+        for (uint32_t q = 0; q < 8; ++q)
+          (q < 4 ? o.a : o.b) |= uint64_t(f32_to_bf16(acc[q])) << (16 * (q & 3));
+        *ptr<V16>(P.out_x + (t * H + c0) * 2) = o;
+      }
+      if (P.out_weights && g.lane < K) ptr<float>(P.out_weights)[t * K + g.lane] = wsum;
+    }
+    arch::syncthreads();  // the round's rows are read: credit them
+    for (uint32_t d = g.tid; d < R; d += g.bdim) {
+      if (out[d]) continue;
+      const uint64_t m = arch::atomic_load(ws_word(P, 1, c, d, WS_MAXP));
+      const uint64_t cr = *ws_word(P, 1, c, d, WS_CREDIT);
+      const uint64_t total = uint64_t(send_cnt[uint64_t(c) * R + d]);
+      if (m > cr && (m == total || m - cr >= P.chunk)) {
+        if (!write_count(P, HT_KIND_COMBINE, 1, c, d, epoch, m)) peer_fail_view(B, out, d);
+        *ws_word(P, 1, c, d, WS_CREDIT) = m;
+      }
+    }
+    arch::syncthreads();
+  }
+}
+
+// ---- the kernel ------------------------------------------------------------------------------------
+
+GPUNET_DEVICE void run_ht(const HtParams& P) {
+  const Geo g = geo();
+  const LlParams& B = P.base;
+  const uint64_t epoch = arch::atomic_load(ptr<const uint64_t>(P.epoch));
+  bool ok = true;
+  if ((B.phases & PH_NOTIFY) && g.bid == 0) ht_notify(P, g, epoch);
+  if ((B.phases & PH_NOTIFY) && (B.phases & PH_DATA)) {
+    if (g.bid == 0) block_publish(B, g, HT_SYNC_NOTIFY);
+    else ok = block_wait(B, g, HT_SYNC_NOTIFY, 1, EP_SITE_HT_NOTIFY);
+  }
+  if (ok && (B.phases & PH_DATA) && !ep_failed(B)) {
+    uint8_t* out = load_peer_view(B, g);
+    const uint32_t c = g.bid / 2;
+    if (c < P.nchannels) {
+      if (g.bid % 2 == 0) ht_send(P, g, c, epoch, out);
+      else if (B.op == OP_HT_COMBINE) ht_recv_combine(P, g, c, epoch, out);
+      else ht_recv_dispatch(P, g, c, epoch, out);
+    }
+  }
+  if (last_block(B, g, HT_SYNC_END)) {
+    if (g.tid == 0 && (B.flags & F_HT_BUMP)) {
+      arch::atomic_store(ptr<uint64_t>(P.epoch), epoch + 1);
+      arch::fence_sys();
+    }
+    reset_sync(B, g, HT_SYNC_NOTIFY, HT_SYNC_END);
+  }
+}
+
+}  // namespace ep
+}  // namespace gpunet

@@ -1,0 +1,39 @@
+// Kernels of gpunet.ep's high-throughput mode: one kernel runs an HtParams (dispatch notify and /
+// or data, or combine) written in <gpunet/ep/ht.cuh>; device/ep.py binds the extern "C" launcher.
+// One source for every arm: g++ -x c++ (HOST) and nvcc (CUDA).
+#include <gpunet/ep/ht.cuh>
+
+namespace {
+
+GPUNET_GLOBAL void k_ep_ht(const gpunet::ep::HtParams P) { gpunet::ep::run_ht(P); }
+
+}  // namespace
+
+extern "C" {
+
+// Sizes of the mirrored structs (device/ep.py checks them at load).
+uint32_t gpunet_ep_ht_abi_size(uint32_t which) {
+  switch (which) {
+    case 0: return sizeof(gpunet::ep::HtParams);
+    case 1: return sizeof(gpunet::ep::EpStatus);
+    case 2: return sizeof(gpunet::DevCtx);
+    default: return 0;
+  }
+}
+
+// Launch k_ep_ht on grid x block threads with the HtParams at `params` (host memory, passed by
+// value). ws: the HOST arm's warp size. stream: a cudaStream_t (HOST: ignored, synchronous).
+int gpunet_ep_ht_launch(const void* params, uint32_t grid, uint32_t block, uint32_t ws, void* stream,
+                        uint32_t sync) {
+  const gpunet::ep::HtParams& P = *static_cast<const gpunet::ep::HtParams*>(params);
+  gpunet::LaunchSpec s;
+  s.grid = grid;
+  s.block = block;
+  s.warp_size = ws;
+  s.shared_bytes = (P.base.nranks + 15) / 16 * 16;  // the blocks' copies of the peer mask (ll.cuh)
+  s.stream = stream;
+  s.sync = sync != 0;
+  return gpunet::launch_kernel(s, k_ep_ht, P);
+}
+
+}  // extern "C"
