@@ -127,6 +127,22 @@ def ep(out_dir):
         add("test", "EP bench", "FAIL", "no ep_*.json with gate rows in %s" % out_dir)
 
 
+def doctor(path):
+    """`python -m gpunet doctor --json`: one test row, PASS when it finished with no FAIL row."""
+    d = _load(path)
+    if "_error" in d:
+        add("test", "doctor", "FAIL", d["_error"])
+        return
+    s = d.get("summary", {})
+    inco = ["%s %s%s" % (c["kind"], c["direction"], " +fence" if c["fence"] else "")
+            for c in d.get("coherence", []) if c.get("coherent") is False]
+    add("test", "doctor", "PASS" if d.get("exit_code") == 0 else "FAIL",
+        "%s; %.0f s; failed: %s; INCOHERENT: %s" % (s.get("verdict"), d.get("elapsed_s", 0),
+                                                    ", ".join(s.get("failed", [])) or "none",
+                                                    ", ".join(inco) or "none"),
+        "no FAIL row")
+
+
 def table():
     rows = []
     if os.path.exists(ROWS):

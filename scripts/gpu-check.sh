@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 export GATE_ROWS="$OUT/gate_rows.jsonl" PYTHONUNBUFFERED=1
 : > "$GATE_ROWS"
 step() { echo; echo "=== $* ===  ($(date +%T))"; }
-# GATE_STEPS="tests proxy post order ep" (default: all) picks steps, to split the gate across calls
+# GATE_STEPS="tests proxy post order ep doctor" (default: all) picks steps, to split the gate across calls
 # of at most 10 minutes; the table then covers the steps run.
 want() { [ -z "${GATE_STEPS:-}" ] || [[ " $GATE_STEPS " == *" $1 "* ]]; }
 gate() { python3 scripts/gate.py "$@"; }
@@ -67,6 +67,12 @@ if want ep && [ -f bench/ep_gpu.sh ]; then
   step "MoE EP low-latency dispatch / combine (2 and 4 ranks on one GPU under MPS)"
   OUT="$OUT" timeout 540 bash bench/ep_gpu.sh 2>&1 | tail -30
   gate ep "$OUT"
+fi
+
+if want doctor; then
+step "doctor: python -m gpunet doctor (the table a machine's owner sees; JSON in doctor.json)"
+timeout 300 python3 -m gpunet doctor --json "$OUT/doctor.json" 2> "$OUT/doctor.log"
+gate doctor "$OUT/doctor.json"
 fi
 
 step "summary"
