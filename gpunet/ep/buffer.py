@@ -31,9 +31,6 @@ from gpunet.ep import _layout as lay
 log = logging.getLogger("gpunet.ep")
 
 topk_idx_t = torch.int64
-_HT = "the high-throughput (normal) mode of gpunet.ep.Buffer is not implemented yet (MoE EP part 2); " \
-      "use the low-latency mode: Buffer(..., low_latency_mode=True) and low_latency_dispatch / " \
-      "low_latency_combine"
 
 
 class _CpuEvent:
@@ -129,23 +126,23 @@ class Config:
         return self.num_sms // 2
 
     def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
-        """Bytes of an intranode buffer for this config: per channel and rank, the receive ring
-        of tokens (hidden bytes + 128 B of routing metadata each) plus 4 KiB of counters."""
+        """Bytes of the high-throughput buffer (``num_nvl_bytes``) for this config: signal words
+        and R headers, then for dispatch and for combine a staging ring and a receive ring of
+        num_max_nvl_chunked_recv_tokens messages per (channel, rank), channels = num_sms / 2,
+        a message being a bf16 row of hidden_bytes / 2 columns (rounded up to a multiple of 128)
+        plus 144 B of metadata. Independent of the token count (the rings are reused in chunks).
+        Exactly what dispatch / combine check (gpunet/ep/_layout.py HtLayout)."""
         _check_pos(hidden_bytes, "hidden_bytes")
         _check_pos(num_ranks, "num_ranks")
-        per_token = hidden_bytes + 128
-        n = self._channels() * num_ranks * (self.num_max_nvl_chunked_recv_tokens * per_token + 4096)
-        return lay.align(n, 128)
+        hidden = -(-hidden_bytes // 2 // dep.GROUP) * dep.GROUP or dep.GROUP
+        nc = max(1, min(self._channels(), dep.HT_MAX_CHANNELS))
+        return lay.ht_size_hint(hidden, num_ranks, nc, self.num_max_nvl_chunked_recv_tokens)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
-        """Bytes of an internode buffer for this config: per channel, a send and a receive ring
-        per node (8 ranks a node) of tokens (hidden bytes + 128 B metadata)."""
-        _check_pos(hidden_bytes, "hidden_bytes")
-        _check_pos(num_ranks, "num_ranks")
-        nodes = max(1, num_ranks // 8)
-        per_token = hidden_bytes + 128
-        n = self._channels() * nodes * 2 * (self.num_max_rdma_chunked_recv_tokens * per_token + 4096)
-        return lay.align(n, 128)
+        """gpunet's HT mode has one flat group of ranks (no separate RDMA stage): the same bytes as
+        get_nvl_buffer_size_hint, usable as num_rdma_bytes of a Buffer with low_latency_mode=False
+        and num_nvl_bytes=0."""
+        return self.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
 
     def __repr__(self):
         return ("Config(num_sms=%d, nvl_send=%d, nvl_recv=%d, rdma_send=%d, rdma_recv=%d)" % (
@@ -175,6 +172,12 @@ HOST_WARPS_PER_BLOCK = 2
 # CUDA: one block per two SMs, 8 warps each: room for another process's blocks on the same SMs
 # (ranks sharing a GPU under MPS must all be resident at once: the blocks wait for each other).
 CUDA_WARPS_PER_BLOCK = 8
+# High-throughput mode: 2 blocks per channel (send, receive). HOST: at most 2 channels of 2 warps
+# (OS threads on 2 cores); CUDA: 8 warps a block (a sender's warps each own destinations, a
+# receiver's warps take one token each per round).
+HOST_HT_MAX_CHANNELS = 2
+HOST_HT_WARPS = 2
+CUDA_HT_WARPS = 8
 
 
 class Buffer:
@@ -236,7 +239,7 @@ class Buffer:
         self.diagnostics = diagnostics
         self.num_qps_per_rank = num_qps_per_rank
         ctx = Context(group=group, transport=transport,
-                      heap_bytes=self._heap_bytes(num_rdma_bytes, group),
+                      heap_bytes=self._heap_bytes(num_rdma_bytes, group, num_nvl_bytes),
                       timeout_s=float(timeout_s), warp_size=warp_size)
         self._ctx = ctx
         self.runtime = ctx
@@ -250,12 +253,13 @@ class Buffer:
             self._finalizer = weakref.finalize(self, Buffer._finalize, ctx)
 
     @staticmethod
-    def _heap_bytes(num_rdma_bytes, group):
+    def _heap_bytes(num_rdma_bytes, group, num_nvl_bytes=0):
         import torch.distributed as dist
         r = group.size() if group is not None else (dist.get_world_size() if dist.is_initialized() else 1)
         _, ctl = lay.ctl_layout(r)
         from gpunet.context import RESERVED_BYTES
-        return RESERVED_BYTES + lay.align(num_rdma_bytes, 4096) + ctl + (64 << 10)
+        return RESERVED_BYTES + lay.align(num_rdma_bytes, 4096) + lay.align(num_nvl_bytes, 4096) + \
+            ctl + (64 << 10)
 
     def _setup(self, num_blocks, block_threads, timeout_s):
         ctx = self._ctx
@@ -310,7 +314,16 @@ class Buffer:
         self._ctxs_buf = None
         self.set_timeout(timeout_s)
         self._ll_idx = 0
-        self._nvl = None
+        # the high-throughput region (symmetric heap): num_nvl_bytes, or without it in normal mode
+        # the num_rdma_bytes allocation; and its device-memory workspace (ht.cuh)
+        self._nvl = ctx.alloc((self.num_nvl_bytes,), torch.uint8) if self.num_nvl_bytes else None
+        self._ht = self._nvl if self._nvl is not None else (None if self.low_latency_mode else self._ll)
+        self._ht_epoch = torch.ones(1, dtype=torch.int64, device=self._device)
+        self._ht_self = torch.zeros(4 * dep.HT_MAX_CHANNELS, dtype=torch.int64, device=self._device)
+        self._ht_sync = torch.zeros(dep.SYNC_WORDS * dep.SYNC_STRIDE, dtype=torch.int64, device=self._device)
+        self._ht_ws = torch.zeros(2 * dep.HT_MAX_CHANNELS * r * dep.HT_WS_WORDS + r, dtype=torch.int64,
+                                  device=self._device)
+        self._ht_lib = None
         self._stats = {"dispatch": torch.zeros(r, r, dtype=torch.int64, device=self._device),
                        "combine": torch.zeros(r, r, dtype=torch.int64, device=self._device)}
         self._warned_masked = set()
@@ -403,16 +416,14 @@ class Buffer:
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         """The raw buffer as a tensor of ``dtype`` from byte ``offset`` (``size``: a torch.Size,
         the first size.numel() elements viewed with that shape). ``use_rdma_buffer``: the RDMA
-        (low-latency) buffer in the symmetric heap; else the NVL buffer (num_nvl_bytes of device
-        memory, made on first use). Callers may use the RDMA buffer as scratch between LL phases,
+        (low-latency) buffer in the symmetric heap; else the NVL buffer (num_nvl_bytes in the
+        symmetric heap: the high-throughput mode's rings). Callers may use the RDMA buffer as scratch between LL phases,
         then call ``clean_low_latency_buffer`` on every rank before the next LL call."""
         self._alive()
         if use_rdma_buffer:
             raw = self._ll if self._ll is not None else torch.empty(0, dtype=torch.uint8, device=self._device)
         else:
-            if self._nvl is None:
-                self._nvl = torch.zeros(self.num_nvl_bytes, dtype=torch.uint8, device=self._device)
-            raw = self._nvl
+            raw = self._nvl if self._nvl is not None else torch.empty(0, dtype=torch.uint8, device=self._device)
         es = torch.empty((), dtype=dtype).element_size()
         if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= raw.numel():
             raise ConfigError("get_local_buffer_tensor: offset %r outside [0, %d] bytes"
@@ -427,27 +438,360 @@ class Buffer:
                               % (tuple(size), size.numel(), t.numel()))
         return t[:size.numel()].view(size)
 
-    # ---- high-throughput mode: part 2 -------------------------------------------------------
-    def get_dispatch_layout(self, *args, **kwargs):
-        raise NotImplementedError("get_dispatch_layout: " + _HT)
+    # ---- high-throughput mode (device/include/gpunet/ep/ht.cuh) ------------------------------
+    def _ht_geometry(self, config):
+        """(channels, ring, chunk, block threads) for a Config: channels = num_sms / 2 (the grid is
+        2 blocks per channel, so never more blocks than num_sms); the HOST arm caps the channels
+        at HOST_HT_MAX_CHANNELS (every device thread is an OS thread there)."""
+        nc = config.num_sms // 2
+        if self._gpu:
+            block = CUDA_HT_WARPS * 32
+        else:
+            nc = min(nc, HOST_HT_MAX_CHANNELS)
+            block = HOST_HT_WARPS * self._ws
+        nc = max(1, min(nc, dep.HT_MAX_CHANNELS))
+        ring = config.num_max_nvl_chunked_recv_tokens
+        chunk = config.num_max_nvl_chunked_send_tokens
+        if ring < 2 * chunk + 32:
+            raise ConfigError("Config %r: the receive ring (num_max_nvl_chunked_recv_tokens=%d) must "
+                              "hold at least 2 * send chunk + 32 = %d tokens (the combine receiver "
+                              "works on up to 32 tokens past the last credit)" % (config, ring, 2 * chunk + 32))
+        return nc, ring, chunk, block
 
-    def dispatch(self, *args, **kwargs):
-        raise NotImplementedError("dispatch: " + _HT)
+    def _ht_region(self, hidden, nc, ring, what):
+        if self._ht is None:
+            raise ConfigError("%s: this Buffer has no high-throughput buffer: pass num_nvl_bytes="
+                              "Config.get_nvl_buffer_size_hint(hidden * 2, num_ranks) (or, with "
+                              "low_latency_mode=False, num_rdma_bytes)" % what)
+        return lay.HtLayout(int(self._ht.numel()), hidden, self.group_size, nc, ring, what)
 
-    def combine(self, *args, **kwargs):
-        raise NotImplementedError("combine: " + _HT)
+    def _ht_params(self, op, phases, flags, layout, hidden, num_tokens, topk, nc, ring, chunk):
+        r = self.group_size
+        P = dep.HtParams()
+        B = P.base
+        B.op, B.phases, B.flags, B.rank, B.nranks = op, phases, flags, self.rank, r
+        B.hidden, B.topk, B.num_tokens = hidden, topk, num_tokens
+        B.msg_stride, B.payload_bytes = lay.msg_stride(hidden, bool(flags & dep.F_FP8))
+        B.hdr_stride = lay.HT_HDR_STRIDE
+        B.ctxs = self._ctxs_addr
+        B.timeout_ns = int((2 * self._timeout_s + 1.0) * 1e9)
+        for k in ("mask", "failed", "got", "nrecv", "status_flag"):
+            setattr(B, k, self._ctl_base + self._ctl_off[k])
+        B.status, B.sync = _addr(self._ep_status), _addr(self._ht_sync)
+        if self.enable_shrink:
+            B.flags |= dep.F_SHRINK
+        P.nchannels, P.ring, P.chunk = nc, ring, chunk
+        P.epoch, P.self_sig, P.ws = _addr(self._ht_epoch), _addr(self._ht_self), _addr(self._ht_ws)
+        base = int(self._ht.data_ptr())
+        kind = 1 if op == dep.OP_HT_COMBINE else 0
+        P.sig, P.shdr, P.rhdr = base + layout.sig, base + layout.shdr, base + layout.rhdr
+        P.send_ring, P.recv_ring = base + layout.send[kind], base + layout.recv[kind]
+        return P
+
+    def _ht_launch(self, P, grid, block, what):
+        if self._ht_lib is None:
+            self._ht_lib = dep.load_ep_ht("cuda" if self._gpu else "host")
+        stream = torch.cuda.current_stream().cuda_stream if self._gpu else None
+        rc = self._ht_lib.gpunet_ep_ht_launch(ctypes.addressof(P), grid, block, self._ws, stream, 0)
+        if rc != 0:
+            raise GpunetError("%s: EP kernel launch failed (error %d)" % (what, rc))
+
+    @staticmethod
+    def _wait_previous(previous_event):
+        if previous_event is not None:
+            if not isinstance(previous_event, EventOverlap):
+                raise ConfigError("previous_event must be an EventOverlap (Buffer.capture()), not %r"
+                                  % (previous_event,))
+            if previous_event.event is not None:
+                previous_event.current_stream_wait()
+
+    @staticmethod
+    def _event(async_finish, keep):
+        return EventOverlap(EventHandle(), keep) if async_finish else EventOverlap(None)
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        """Where each token goes, from its top-k experts (plain torch ops on the current stream).
+
+        Arguments: ``topk_idx`` int64 [T, K] (-1 = no expert), ``num_experts`` (a multiple of the
+        rank count; expert e lives on rank e // (E / R)); ``previous_event`` an EventOverlap to
+        wait for first; ``async_finish`` return an event; ``allocate_on_comm_stream`` accepted.
+
+        Returns ``(num_tokens_per_rank int32 [R], None (num_tokens_per_rdma_rank: intranode),
+        num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R], event)``: a token counts
+        once per rank and once per expert however many of its slots name them."""
+        self._alive()
+        r = self.group_size
+        if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1 or \
+                num_experts % r:
+            raise ConfigError("get_dispatch_layout: num_experts must be a positive multiple of the %d "
+                              "ranks, not %r" % (r, num_experts))
+        topk_idx = self._tensor(topk_idx, "topk_idx", topk_idx_t, ndim=2)
+        self._wait_previous(previous_event)
+        t = topk_idx.shape[0]
+        e_loc = num_experts // r
+        valid = (topk_idx >= 0) & (topk_idx < num_experts)
+        # a -1 (or out-of-range) slot goes to an extra column, dropped after the scatter
+        col = torch.where(valid, topk_idx, torch.full_like(topk_idx, num_experts))
+        per_expert = torch.zeros((t, num_experts + 1), dtype=torch.bool, device=self._device)
+        per_expert.scatter_(1, col, True)
+        rank_col = torch.where(valid, topk_idx // e_loc, torch.full_like(topk_idx, r))
+        in_rank = torch.zeros((t, r + 1), dtype=torch.bool, device=self._device)
+        in_rank.scatter_(1, rank_col, True)
+        is_token_in_rank = in_rank[:, :r].contiguous()
+        num_tokens_per_expert = per_expert[:, :num_experts].sum(0, dtype=torch.int32)
+        num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int32)
+        keep = (topk_idx, is_token_in_rank, num_tokens_per_expert, num_tokens_per_rank)
+        return (num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank,
+                self._event(async_finish, keep))
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None,
+                 async_finish=False, allocate_on_comm_stream=False):
+        """High-throughput dispatch: each token goes once to every rank in its is_token_in_rank row.
+
+        Arguments: ``x`` bf16 [T, H], or FP8 ``(x_e4m3 [T, H] float8_e4m3fn, scales float32
+        [T, H/128])`` (H any multiple of 128); ``handle`` a previous dispatch's handle (cached
+        layout: the same tokens go to the same ranks; topk_idx / topk_weights must be None); else
+        ``is_token_in_rank`` bool [T, R] and ``num_tokens_per_expert`` int32 [E] (from
+        get_dispatch_layout; ``num_tokens_per_rank`` is accepted and not needed),
+        ``topk_idx`` int64 [T, K] and ``topk_weights`` float32 [T, K] (both or neither, K <= 16);
+        ``expert_alignment`` rounds each expert count up to a multiple; ``num_worst_tokens`` > 0:
+        recv tensors have exactly that many rows, no host sync (rows past the received ones have
+        recv_topk_idx -1; recv_x there is unspecified), the count list is empty; ``config`` a
+        Config (default get_dispatch_config(R)); ``previous_event`` wait for it first;
+        ``async_finish`` return an event. ``num_tokens_per_rdma_rank`` must be None (intranode).
+
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event)``: recv_x like x with N rows (bf16 [N, H], or (fp8 [N, H], float32
+        [N, H/128])), rows from source rank 0 first, then 1, ..., each source's tokens in order;
+        recv_topk_idx int64 [N, K] with LOCAL expert ids (global - rank * E/R) and -1 for experts
+        elsewhere; recv_topk_weights float32 [N, K] (0 where -1); the per-local-expert counts as a
+        python list (aligned); handle (opaque: pass it to combine or a cached dispatch). With a
+        handle: ``(recv_x, None, None, None, None, event)``."""
+        self._alive()
+        what = "dispatch"
+        r = self.group_size
+        if num_tokens_per_rdma_rank is not None:
+            raise ConfigError("dispatch: num_tokens_per_rdma_rank must be None (gpunet's HT mode is "
+                              "one flat group of ranks; get_dispatch_layout returns None for it)")
+        fp8 = isinstance(x, (tuple, list))
+        if fp8:
+            if len(x) != 2:
+                raise ConfigError("dispatch: FP8 x is the pair (x_e4m3 [T, H], scales [T, H/128])")
+            xq = self._tensor(x[0], "x[0]", torch.float8_e4m3fn, ndim=2)
+            num_tokens, hidden = xq.shape
+            xs = self._tensor(x[1], "x[1] (scales)", torch.float32, shape=(num_tokens, hidden // dep.GROUP))
+            xs = xs.contiguous()
+        else:
+            xq = self._tensor(x, "x", torch.bfloat16, ndim=2)
+            xs = None
+            num_tokens, hidden = xq.shape
+        if hidden % dep.GROUP or hidden == 0:
+            raise ConfigError("dispatch: hidden %d is not a positive multiple of %d" % (hidden, dep.GROUP))
+        if isinstance(num_worst_tokens, bool) or not isinstance(num_worst_tokens, int) or num_worst_tokens < 0:
+            raise ConfigError("dispatch: num_worst_tokens must be an int >= 0, not %r" % (num_worst_tokens,))
+        if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 1:
+            raise ConfigError("dispatch: expert_alignment must be an int >= 1, not %r" % (expert_alignment,))
+        config = config if config is not None else self.get_dispatch_config(r)
+        if not isinstance(config, Config):
+            raise ConfigError("dispatch: config must be a gpunet.ep.Config, not %r" % (config,))
+        self._wait_previous(previous_event)
+        dev = self._device
+        flags = dep.F_FP8 if fp8 else 0
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ConfigError("dispatch(handle=...): a cached dispatch takes no topk_idx / "
+                                  "topk_weights (as DeepEP's)")
+            h = self._ht_handle(handle, what)
+            if h["num_tokens"] != num_tokens or h["hidden"] != hidden:
+                raise ConfigError("dispatch(handle=...): the handle is for %d tokens of hidden %d, x is "
+                                  "[%d, %d]" % (h["num_tokens"], h["hidden"], num_tokens, hidden))
+            nc, ring, chunk, block = self._ht_geometry(config)
+            nc = h["nc"]
+            layout = self._ht_region(hidden, nc, ring, what)
+            rows = h["rows"]
+            recv_x, recv_s = self._ht_recv_x(fp8, rows, hidden)
+            src = torch.empty(rows, dtype=torch.int32, device=dev)
+            P = self._ht_params(dep.OP_HT_DISPATCH, dep.PH_DATA, flags | dep.F_HT_BUMP, layout, hidden,
+                                num_tokens, 0, nc, ring, chunk)
+            P.x, P.x_scales = _addr(xq), _addr(xs)
+            P.out_x, P.out_scales, P.out_src_idx = _addr(recv_x), _addr(recv_s), _addr(src)
+            P.send_pos, P.send_cnt = _addr(h["send_pos"]), _addr(h["send_cnt"])
+            P.chan_prefix = _addr(h["chan_prefix"])
+            P.num_recv_max = rows
+            keep = (xq, xs, recv_x, recv_s, src) + tuple(handle)
+            self._ht_launch(P, 2 * nc, block, what)
+            self._check(what, "dispatch")
+            out_x = (recv_x, recv_s) if fp8 else recv_x
+            return out_x, None, None, None, None, self._event(async_finish, keep)
+        if is_token_in_rank is None:
+            raise ConfigError("dispatch: is_token_in_rank (from get_dispatch_layout) is required "
+                              "without a handle")
+        in_rank = self._tensor(is_token_in_rank, "is_token_in_rank", torch.bool, shape=(num_tokens, r))
+        if (topk_idx is None) != (topk_weights is None):
+            raise ConfigError("dispatch: pass topk_idx and topk_weights together (or neither)")
+        k = 0
+        if topk_idx is not None:
+            topk_idx = self._tensor(topk_idx, "topk_idx", topk_idx_t, ndim=2)
+            k = topk_idx.shape[1]
+            if topk_idx.shape[0] != num_tokens or not 1 <= k <= dep.MAX_TOPK:
+                raise ConfigError("dispatch: topk_idx must be [%d, K] with 1 <= K <= %d, not %s"
+                                  % (num_tokens, dep.MAX_TOPK, tuple(topk_idx.shape)))
+            topk_weights = self._tensor(topk_weights, "topk_weights", torch.float32, shape=(num_tokens, k))
+            flags |= dep.F_HT_TOPK | dep.F_HT_WEIGHTS
+        if num_tokens_per_expert is not None:
+            ntpe = self._tensor(num_tokens_per_expert, "num_tokens_per_expert", torch.int32, ndim=1)
+            num_experts = ntpe.numel()
+        elif topk_idx is not None:
+            raise ConfigError("dispatch: num_tokens_per_expert (from get_dispatch_layout) is required "
+                              "with topk_idx")
+        else:
+            ntpe, num_experts = None, r
+        if num_experts % r or num_experts < 1:
+            raise ConfigError("dispatch: %d experts is not a positive multiple of the %d ranks"
+                              % (num_experts, r))
+        e_loc = num_experts // r
+        if lay.HT_HDR_STRIDE // 4 < dep.HT_HDR_HEAD + dep.HT_MAX_CHANNELS + e_loc:
+            raise ConfigError("dispatch: %d local experts per rank do not fit the %d-byte header"
+                              % (e_loc, lay.HT_HDR_STRIDE))
+        nc, ring, chunk, block = self._ht_geometry(config)
+        layout = self._ht_region(hidden, nc, ring, what)
+        send_pos = torch.empty((num_tokens, r), dtype=torch.int32, device=dev)
+        send_cnt = torch.empty((nc, r), dtype=torch.int32, device=dev)
+        chan_prefix = torch.empty((r, nc + 1), dtype=torch.int32, device=dev)
+        info = torch.zeros(r + 1 + e_loc, dtype=torch.int32, device=dev)
+        P = self._ht_params(dep.OP_HT_DISPATCH, dep.PH_NOTIFY, flags, layout, hidden, num_tokens, k,
+                            nc, ring, chunk)
+        P.base.num_experts, P.base.e_loc = num_experts, e_loc
+        P.alignment = expert_alignment
+        P.x, P.x_scales = _addr(xq), _addr(xs)
+        P.topk_idx, P.topk_weights = _addr(topk_idx), _addr(topk_weights)
+        P.in_rank, P.ntpe = _addr(in_rank), _addr(ntpe)
+        P.send_pos, P.send_cnt, P.chan_prefix, P.recv_info = (_addr(send_pos), _addr(send_cnt),
+                                                             _addr(chan_prefix), _addr(info))
+        worst = num_worst_tokens > 0
+        if worst:
+            rows = num_worst_tokens
+        else:
+            self._ht_launch(P, 1, block, what + " (notify)")
+            self._check(what, "dispatch")
+            host = info.cpu()                       # the one host sync of a dispatch
+            rows = int(host[r])
+        recv_x, recv_s = self._ht_recv_x(fp8, rows, hidden)
+        src = torch.empty(rows, dtype=torch.int32, device=dev)
+        if k:
+            recv_topk = torch.full((rows, k), -1, dtype=topk_idx_t, device=dev)
+            recv_w = torch.zeros((rows, k), dtype=torch.float32, device=dev)
+        else:
+            recv_topk = recv_w = None
+        P.base.phases = (dep.PH_NOTIFY | dep.PH_DATA) if worst else dep.PH_DATA
+        P.base.flags |= dep.F_HT_BUMP | (dep.F_HT_WORST if worst else 0)
+        P.num_recv_max = rows
+        P.out_x, P.out_scales, P.out_src_idx = _addr(recv_x), _addr(recv_s), _addr(src)
+        P.out_topk_idx, P.out_weights = _addr(recv_topk), _addr(recv_w)
+        self._ht_launch(P, 2 * nc, block, what)
+        self._check(what, "dispatch")
+        counts = [] if worst else [int(v) for v in host[r + 1:].tolist()]
+        handle = (info[:r + 1], chan_prefix, src, in_rank, send_pos, send_cnt,
+                  {"nc": nc, "rows": rows, "num_tokens": num_tokens, "hidden": hidden, "topk": k,
+                   "num_recv": None if worst else rows})
+        keep = (xq, xs, topk_idx, topk_weights, in_rank, ntpe, recv_x, recv_s, recv_topk, recv_w) + handle[:6]
+        out_x = (recv_x, recv_s) if fp8 else recv_x
+        return out_x, recv_topk, recv_w, counts, handle, self._event(async_finish, keep)
+
+    def _ht_recv_x(self, fp8, rows, hidden):
+        dev = self._device
+        if fp8:
+            return (torch.empty((rows, hidden), dtype=torch.float8_e4m3fn, device=dev),
+                    torch.empty((rows, hidden // dep.GROUP), dtype=torch.float32, device=dev))
+        return torch.empty((rows, hidden), dtype=torch.bfloat16, device=dev), None
+
+    def _ht_handle(self, handle, what):
+        if not isinstance(handle, tuple) or len(handle) != 7 or not isinstance(handle[6], dict):
+            raise ConfigError("%s: handle must be the one a high-throughput dispatch returned" % what)
+        rank_prefix, chan_prefix, src, in_rank, send_pos, send_cnt, meta = handle
+        out = dict(meta)
+        out.update(rank_prefix=rank_prefix, chan_prefix=chan_prefix, src=src, in_rank=in_rank,
+                   send_pos=send_pos, send_cnt=send_cnt)
+        r = self.group_size
+        if tuple(chan_prefix.shape) != (r, out["nc"] + 1) or tuple(send_pos.shape) != (out["num_tokens"], r):
+            raise ConfigError("%s: the handle is from a Buffer with another rank count" % what)
+        return out
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish=False, allocate_on_comm_stream=False):
+        """High-throughput combine: every received row goes back to its source rank, which SUMS
+        (no weights) the rows of each of its tokens, in float32, rounded to bf16 once.
+
+        Arguments: ``x`` bf16 [N, H] (N: the rows dispatch returned, in its order); ``handle``
+        the dispatch's; ``topk_weights`` float32 [N, K] or None (summed the same way into
+        combined_topk_weights); ``bias`` None, a bf16 [T, H] tensor or a tuple of up to two
+        (added once per token); ``config`` (default get_combine_config(R); its rings and chunk,
+        the channels are the dispatch's); ``previous_event``, ``async_finish`` as dispatch's.
+
+        Returns ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None, event)``:
+        combined_x[t] = bias0[t] + bias1[t] + sum over the ranks d the token went to (ascending)
+        of x_d[row of t on d]; rows of masked ranks are left out."""
+        self._alive()
+        what = "combine"
+        r = self.group_size
+        h = self._ht_handle(handle, what)
+        rows, hidden, num_tokens, k = h["rows"], h["hidden"], h["num_tokens"], h["topk"]
+        x = self._tensor(x, "x", torch.bfloat16, shape=(rows, hidden))
+        flags = 0
+        if topk_weights is not None:
+            if not k:
+                raise ConfigError("combine: topk_weights given, but the dispatch had no top-k")
+            topk_weights = self._tensor(topk_weights, "topk_weights", torch.float32, shape=(rows, k))
+            flags |= dep.F_HT_WEIGHTS
+        if bias is None:
+            biases = ()
+        elif isinstance(bias, torch.Tensor):
+            biases = (bias,)
+        elif isinstance(bias, (tuple, list)) and len(bias) <= 2:
+            biases = tuple(b for b in bias if b is not None)
+        else:
+            raise ConfigError("combine: bias is None, a tensor or a tuple of up to two tensors")
+        biases = tuple(self._tensor(b, "bias", torch.bfloat16, shape=(num_tokens, hidden)) for b in biases)
+        config = config if config is not None else self.get_combine_config(r)
+        if not isinstance(config, Config):
+            raise ConfigError("combine: config must be a gpunet.ep.Config, not %r" % (config,))
+        _, ring, chunk, block = self._ht_geometry(config)
+        nc = h["nc"]
+        layout = self._ht_region(hidden, nc, ring, what)
+        self._wait_previous(previous_event)
+        out = torch.empty((num_tokens, hidden), dtype=torch.bfloat16, device=self._device)
+        out_w = torch.empty((num_tokens, k), dtype=torch.float32, device=self._device) \
+            if topk_weights is not None else None
+        P = self._ht_params(dep.OP_HT_COMBINE, dep.PH_DATA, flags | dep.F_HT_BUMP, layout, hidden,
+                            num_tokens, k, nc, ring, chunk)
+        P.x, P.topk_weights = _addr(x), _addr(topk_weights)
+        P.out_x, P.out_weights = _addr(out), _addr(out_w)
+        P.send_pos, P.send_cnt, P.chan_prefix = _addr(h["send_pos"]), _addr(h["send_cnt"]), _addr(h["chan_prefix"])
+        P.nbias = len(biases)
+        P.bias0 = _addr(biases[0]) if biases else 0
+        P.bias1 = _addr(biases[1]) if len(biases) > 1 else 0
+        P.num_recv_max = rows
+        self._ht_launch(P, 2 * nc, block, what)
+        self._check(what, "combine")
+        keep = (x, topk_weights, out, out_w) + biases + tuple(handle[:6])
+        return out, out_w, self._event(async_finish, keep)
 
     def internode_dispatch(self, *args, **kwargs):
-        raise NotImplementedError("internode_dispatch: " + _HT)
+        raise NotImplementedError("internode_dispatch: gpunet's high-throughput mode is one flat "
+                                  "group of ranks; call dispatch()")
 
     def internode_combine(self, *args, **kwargs):
-        raise NotImplementedError("internode_combine: " + _HT)
+        raise NotImplementedError("internode_combine: gpunet's high-throughput mode is one flat "
+                                  "group of ranks; call combine()")
 
     def intranode_dispatch(self, *args, **kwargs):
-        raise NotImplementedError("intranode_dispatch: " + _HT)
+        raise NotImplementedError("intranode_dispatch: call dispatch() (DeepEP's public method)")
 
     def intranode_combine(self, *args, **kwargs):
-        raise NotImplementedError("intranode_combine: " + _HT)
+        raise NotImplementedError("intranode_combine: call combine() (DeepEP's public method)")
 
     # ---- timeout, masks, stats ----------------------------------------------------------------
     @property
@@ -581,6 +925,7 @@ class Buffer:
         """After a launch that failed half way: grid words, bitmaps and slot tables back to their
         between-launch values (stream-ordered on GPUs)."""
         self._sync.zero_()
+        self._ht_sync.zero_()
         for ws in self._shape_ws.values():
             ws["bits"].zero_()
             ws["table"].fill_(-1)

@@ -379,3 +379,134 @@ def ll_expected_counts(topks, num_experts: int, rank: int, masked_ranks=()) -> t
 def unpack_layout_range(layout_range: torch.Tensor):
     """layout_range int64 [E_loc, R] -> (begin, count), both int64 [E_loc, R]."""
     return layout_range >> 32, layout_range & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------------------------------------
+# high-throughput ("normal") dispatch / combine
+#
+# The HT layout (DeepEP V1's intranode one, pinned in docs/EP.md): rank `rank` receives every token
+# of every live source j that has at least one expert on `rank` (expert e lives on rank
+# e // E_loc), ONCE however many of its experts live there; rows from source 0 first, then 1, ...,
+# each source's tokens in increasing token order. recv_topk_idx holds LOCAL expert ids
+# (e - rank * E_loc) for the token's experts on `rank` and -1 for the others (and for -1 slots);
+# recv_topk_weights the token's weight where recv_topk_idx != -1, else 0. The per-expert count of
+# local expert le is the number of received tokens naming it (once per token), rounded up to a
+# multiple of expert_alignment. combine sends each row back and sums (no weights) per token.
+
+def ht_layout_ref(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """What get_dispatch_layout must return, computed token by token in python.
+
+    topk_idx: int64 [T, K] (-1 = no expert). Returns (num_tokens_per_rank int32 [R],
+    num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R]): a token counts once per rank
+    and once per expert however many of its slots name them."""
+    if num_experts % num_ranks:
+        raise ConfigError("num_experts %d is not a multiple of %d ranks" % (num_experts, num_ranks))
+    e_loc = num_experts // num_ranks
+    t = topk_idx.shape[0]
+    per_rank = [0] * num_ranks
+    per_expert = [0] * num_experts
+    in_rank = torch.zeros(t, num_ranks, dtype=torch.bool)
+    for i, row in enumerate(topk_idx.cpu().tolist()):
+        experts = sorted(set(e for e in row if 0 <= e < num_experts))
+        for e in experts:
+            per_expert[e] += 1
+        for r in sorted(set(e // e_loc for e in experts)):
+            per_rank[r] += 1
+            in_rank[i, r] = True
+    return (torch.tensor(per_rank, dtype=torch.int32), torch.tensor(per_expert, dtype=torch.int32),
+            in_rank)
+
+
+def ht_dispatch_ref(xs, topks, weights, num_experts: int, rank: int, masked_ranks=(),
+                    expert_alignment: int = 1):
+    """What rank `rank` must receive from a high-throughput dispatch (layout above).
+
+    xs[j]: bf16 [T_j, H], or the FP8 pair (float8_e4m3fn [T_j, H], float32 scales [T_j, H/128]),
+    for every rank j; topks[j]: int64 [T_j, K]; weights[j]: float32 [T_j, K] (or None).
+    Returns dict: recv_x (bf16 [N, H] or the FP8 pair [N, H], [N, H/128]), recv_topk_idx int64
+    [N, K], recv_topk_weights float32 [N, K] (None without weights), counts (list of E_loc ints,
+    aligned), src_idx int32 [N] (the source token of each row), rank_prefix int32 [R + 1] (rows of
+    source j are [rank_prefix[j], rank_prefix[j + 1]))."""
+    r = len(topks)
+    e_loc = num_experts // r
+    masked = set(int(m) for m in masked_ranks)
+    fp8 = isinstance(xs[0], (tuple, list))
+    rows, srow, tk_rows, w_rows, src, prefix = [], [], [], [], [], [0]
+    counts = [0] * e_loc
+    lo, hi = rank * e_loc, (rank + 1) * e_loc
+    for j in range(r):
+        if j in masked:
+            prefix.append(prefix[-1])
+            continue
+        tk = topks[j].cpu()
+        n = 0
+        for t, row in enumerate(tk.tolist()):
+            local = [e - lo if lo <= e < hi else -1 for e in row]
+            if all(v < 0 for v in local):
+                continue
+            n += 1
+            for le in sorted(set(v for v in local if v >= 0)):
+                counts[le] += 1
+            if fp8:
+                rows.append(xs[j][0][t].cpu())
+                srow.append(xs[j][1][t].cpu())
+            else:
+                rows.append(xs[j][t].cpu())
+            tk_rows.append(torch.tensor(local, dtype=torch.int64))
+            if weights is not None and weights[j] is not None:
+                w = weights[j][t].cpu().float()
+                w_rows.append(torch.where(torch.tensor(local) >= 0, w, torch.zeros_like(w)))
+            src.append(t)
+        prefix.append(prefix[-1] + n)
+    h = (xs[0][0] if fp8 else xs[0]).shape[1]
+    k = topks[0].shape[1] if topks else 0
+    if rows:
+        recv = torch.stack(rows)
+        recv_s = torch.stack(srow) if fp8 else None
+    else:
+        recv = torch.empty(0, h, dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        recv_s = torch.empty(0, h // FP8_GROUP, dtype=torch.float32) if fp8 else None
+    a = int(expert_alignment)
+    return {
+        "recv_x": (recv, recv_s) if fp8 else recv,
+        "recv_topk_idx": torch.stack(tk_rows) if tk_rows else torch.empty(0, k, dtype=torch.int64),
+        "recv_topk_weights": (torch.stack(w_rows) if w_rows else torch.empty(0, k)) if weights is not None else None,
+        "counts": [(c + a - 1) // a * a for c in counts],
+        "src_idx": torch.tensor(src, dtype=torch.int32),
+        "rank_prefix": torch.tensor(prefix, dtype=torch.int32),
+    }
+
+
+def ht_combine_ref(ys, refs, is_token_in_rank: torch.Tensor, rank: int, masked_ranks=(), biases=(),
+                   ys_weights=None):
+    """What combine must return on rank `rank`.
+
+    ys[d]: bf16 [N_d, H], the x rank d passes to combine (one row per row it received);
+    refs[d]: ht_dispatch_ref(...) of rank d (its src_idx and rank_prefix locate rank `rank`'s rows);
+    is_token_in_rank: bool [T, R] of rank `rank`; biases: up to two bf16 [T, H]; ys_weights[d]:
+    float32 [N_d, K] or None. Returns (combined bf16 [T, H], combined weights float32 [T, K] or
+    None): per token, float32 0 + bias0 + bias1 + the rows of the ranks d it went to (not masked),
+    d ascending, rounded to bf16 once."""
+    t, r = is_token_in_rank.shape
+    h = ys[0].shape[1] if ys else 0
+    masked = set(int(m) for m in masked_ranks)
+    acc = torch.zeros(t, h, dtype=torch.float32)
+    for b in biases:
+        acc += b.cpu().float()
+    k = ys_weights[0].shape[1] if ys_weights is not None else 0
+    wacc = torch.zeros(t, k, dtype=torch.float32) if ys_weights is not None else None
+    for d in range(r):
+        if d in masked:
+            continue
+        toks = is_token_in_rank[:, d].cpu().nonzero().view(-1)
+        b0 = int(refs[d]["rank_prefix"][rank])
+        n = int(refs[d]["rank_prefix"][rank + 1]) - b0
+        if n != toks.numel():
+            raise ConfigError("rank %d's reference holds %d rows of rank %d, is_token_in_rank says %d"
+                              % (d, n, rank, toks.numel()))
+        if not torch.equal(refs[d]["src_idx"][b0:b0 + n].to(torch.int64), toks):
+            raise ConfigError("rank %d's reference rows of rank %d are not its tokens in order" % (d, rank))
+        acc[toks] += ys[d][b0:b0 + n].cpu().float()
+        if wacc is not None:
+            wacc[toks] += ys_weights[d][b0:b0 + n].cpu().float()
+    return acc.to(torch.bfloat16), wacc
