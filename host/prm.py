@@ -45,6 +45,7 @@ FIELDS = {
     ('cqc', 'oi'):                                       (0x000e, 0x1),
     ('cqc', 'cq_period_mode'):                           (0x000f, 0x2),
     ('cqc', 'st'):                                       (0x0014, 0x4),
+    ('cqc', 'dbr_umem_id'):                              (0x0020, 0x20),  # rdma-core; kernel: reserved_at_20
     ('cqc', 'page_offset'):                              (0x0054, 0x6),
     ('cqc', 'log_cq_size'):                              (0x0063, 0x5),
     ('cqc', 'uar_page'):                                 (0x0068, 0x18),
@@ -57,15 +58,14 @@ FIELDS = {
     ('cqc', 'consumer_counter'):                         (0x0148, 0x18),
     ('cqc', 'producer_counter'):                         (0x0168, 0x18),
     ('cqc', 'dbr_addr'):                                 (0x01c0, 0x40),
-    ('cqc', 'dbr_umem_id'):                              (0x0020, 0x20),  # rdma-core; kernel: reserved_at_20
     # create_cq_in (0x880 bits)
     ('create_cq_in', 'opcode'):                          (0x0000, 0x10),
     ('create_cq_in', 'uid'):                             (0x0010, 0x10),
     ('create_cq_in', 'op_mod'):                          (0x0030, 0x10),
     ('create_cq_in', 'cq_context'):                      (0x0080, 0x200),
-    ('create_cq_in', 'cq_umem_valid'):                   (0x02e0, 0x1),
     ('create_cq_in', 'cq_umem_offset'):                  (0x0280, 0x40),  # rdma-core; kernel: reserved_at_280
     ('create_cq_in', 'cq_umem_id'):                      (0x02c0, 0x20),  # rdma-core; kernel: reserved_at_280
+    ('create_cq_in', 'cq_umem_valid'):                   (0x02e0, 0x1),
     # create_cq_out (0x80 bits)
     ('create_cq_out', 'status'):                         (0x0000, 0x8),
     ('create_cq_out', 'syndrome'):                       (0x0020, 0x20),
@@ -293,6 +293,8 @@ FIELDS = {
     ('cmd_hca_cap', 'log_max_cq_sz'):                    (0x00c8, 0x8),
     ('cmd_hca_cap', 'log_max_cq'):                       (0x00db, 0x5),
     ('cmd_hca_cap', 'log_max_eq'):                       (0x00fc, 0x4),
+    ('cmd_hca_cap', 'log_max_ra_req_qp'):                (0x014a, 0x6),
+    ('cmd_hca_cap', 'log_max_ra_res_qp'):                (0x015a, 0x6),
     ('cmd_hca_cap', 'end_pad'):                          (0x0160, 0x1),
     ('cmd_hca_cap', 'ib_virt'):                          (0x01a2, 0x1),
     ('cmd_hca_cap', 'port_type'):                        (0x01b6, 0x2),
@@ -336,13 +338,6 @@ FIELDS = {
     ('roce_cap', 'r_roce_min_src_udp_port'):             (0x00d0, 0x10),
     ('roce_cap', 'roce_address_table_size'):             (0x00f0, 0x10),
 }
-
-# Fields host/devx.py (the DevX NIC) reads besides the above, kept apart so its author's additions
-# are easy to find; same source (mlx5_ifc.h), same oracle check as every entry.
-FIELDS.update({
-    ('cmd_hca_cap', 'log_max_ra_req_qp'):                (0x014a, 0x6),
-    ('cmd_hca_cap', 'log_max_ra_res_qp'):                (0x015a, 0x6),
-})
 
 SIZES = {
     'cqc': 0x200,
@@ -464,6 +459,10 @@ MLX5_ATOMIC_MODE_8B = 3
 # driver.h: atomic_caps.atomic_operations bits.
 MLX5_ATOMIC_OPS_CMP_SWAP = 1 << 0
 MLX5_ATOMIC_OPS_FETCH_ADD = 1 << 1
+MLX5_ATOMIC_OPS_EXTENDED_CMP_SWAP = 1 << 2
+MLX5_ATOMIC_OPS_EXTENDED_FETCH_ADD = 1 << 3
+# mlx5_ifc.h: atomic_caps.atomic_size_qp bits.
+MLX5_ATOMIC_CAPS_ATOMIC_SIZE_QP_8_BYTES = 0x8
 # qp.h: qpc.rq_type (a QP with no receive queue).
 MLX5_ZERO_LEN_RQ = 0x3
 # atomic_caps.atomic_req_8B_endianness_mode: 0 big-endian (the IB wire order), 1 host endianness.
@@ -476,10 +475,12 @@ ATOMIC_REQ_8B_ENDIANNESS_HOST = 1
 CONSTANT_HEADERS = {
     "mlx5_ifc.h": [n for n in list(globals()) if n.startswith(("MLX5_CMD_OP_", "MLX5_SET_HCA_CAP_",
                                                               "MLX5_QPC_", "MLX5_CQC_",
-                                                              "MLX5_TIMESTAMP_FORMAT_"))],
+                                                              "MLX5_TIMESTAMP_FORMAT_",
+                                                              "MLX5_ATOMIC_CAPS_"))],
     "device.h": ["HCA_CAP_OPMOD_GET_MAX", "HCA_CAP_OPMOD_GET_CUR", "MLX5_CMD_STAT_OK"],
     "driver.h": ["MLX5_ATOMIC_MODE_IB_COMP", "MLX5_ATOMIC_MODE_CX", "MLX5_ATOMIC_MODE_8B",
-                 "MLX5_ATOMIC_OPS_CMP_SWAP", "MLX5_ATOMIC_OPS_FETCH_ADD"],
+                 "MLX5_ATOMIC_OPS_CMP_SWAP", "MLX5_ATOMIC_OPS_FETCH_ADD",
+                 "MLX5_ATOMIC_OPS_EXTENDED_CMP_SWAP", "MLX5_ATOMIC_OPS_EXTENDED_FETCH_ADD"],
     "qp.h": ["MLX5_ZERO_LEN_RQ"],
 }
 
