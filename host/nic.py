@@ -3,9 +3,8 @@ implementation.
 
 Code above this module (gpunet/context.py, gpunet/transports.py, the proxy engine, the device
 descriptors) works with any :class:`Nic`; only :func:`open_nic` knows the soft NIC
-(host/softnic.py) and the verbs NIC (host/verbs.py). tests/test_layers.py checks that no module
-of gpunet/ above host/ imports an implementation. A second implementation (a DevX mlx5 NIC)
-subclasses :class:`Nic`, provides the objects below, and is added to ``open_nic``.
+(host/softnic.py) and the DevX mlx5 NIC (host/devx.py, with detection in host/verbs.py).
+tests/test_layers.py checks that no module of gpunet/ above host/ imports an implementation.
 
 Objects a Nic hands out (the attributes device descriptors and the proxy read; mlx5 PRM names):
 
@@ -20,6 +19,7 @@ Objects a Nic hands out (the attributes device descriptors and the proxy read; m
 """
 import abc
 import enum
+import logging
 
 from gpunet.errors import ConfigError
 from gpunet.resource import Resource
@@ -115,17 +115,29 @@ def open_nic(kind="auto", *, profile="nvidia", arena_bytes=64 << 20, retry_timeo
              name=None):
     """Open a NIC of ``kind``: "soft" (host/softnic.py: the software mlx5 NIC, shared-memory arena
     of ``arena_bytes``, coherence ``profile``, peers dead after ``retry_timeout_s``), "verbs" (a
-    real mlx5 NIC: detected, not yet drivable; ConfigError says so) or "auto" (verbs where pyverbs
-    sees an RDMA device, else soft). ``name`` tags the soft NIC's arena file. Returns a Nic.
+    real mlx5 NIC through DevX, host/devx.py's DevxNic; never run on a NIC: NoRdmaDeviceError,
+    ToolchainError or NoDevxError say why it cannot open) or "auto" (DevxNic where pyverbs sees
+    an RDMA device DevX can open, else soft, logged). ``name`` tags the soft NIC's arena file.
+    Returns a Nic.
     """
     from gpunet.host import verbs
 
     if not isinstance(kind, str) or kind not in KINDS:
         raise ConfigError("nic must be one of %s, not %r" % (KINDS, kind))
-    if kind == "verbs" or (kind == "auto" and verbs.have_pyverbs() and verbs.available_devices()):
-        with verbs.VerbsNic():       # raises NoRdmaDeviceError with what to do when there is none
-            raise ConfigError("nic='verbs': the real-NIC path is not wired into the Python API "
-                              "yet; use nic='soft'")
+    if kind in ("verbs", "auto"):
+        from gpunet.errors import ToolchainError
+        from gpunet.host import devx
+        try:
+            return devx.DevxNic(profile=profile, retry_timeout_s=retry_timeout_s,
+                                arena_bytes=arena_bytes, name=name, backend=devx.BACKEND())
+        except (verbs.NoRdmaDeviceError, ToolchainError, devx.NoDevxError) as e:
+            if kind == "verbs":
+                raise
+            # auto: no pyverbs or no device is the common case (quiet); a device DevX cannot
+            # open (not mlx5, no permission) is worth a warning. tests/test_devx.py
+            say = logging.getLogger("gpunet").warning if isinstance(e, devx.NoDevxError) else \
+                logging.getLogger("gpunet").debug
+            say("nic='auto': using the soft NIC (%s)", e)
     from gpunet.host.softnic import SoftNic
 
     try:

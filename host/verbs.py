@@ -1,16 +1,13 @@
-"""The real NIC: rdma-core's pyverbs (imported lazily) and, later, mlx5 DevX QPs on gpunet's rings.
-
-What exists so far, and what has run:
+"""The real NIC's detection: rdma-core's pyverbs (imported lazily) and the RDMA devices it sees.
+host/devx.py (DevxNic) drives an mlx5 NIC with DevX on top of this.
 
 - ``import_pyverbs()``: imports pyverbs, falling back to Debian's ``python3-pyverbs`` (installed in
   /usr/lib/python3/dist-packages, outside a pyenv/venv Python's path) when its extension modules
   match this interpreter. Run here (Debian bookworm, rdma-core 44, Python 3.11).
 - ``available_devices()``: RDMA device names; ``[]`` when there is no NIC (pyverbs raises
-  PyverbsRDMAError then — FACTS.md). Run here, where there is no NIC.
-- ``VerbsNic``: opens a device, or raises ``NoRdmaDeviceError`` ("use nic='soft'"). The no-device
-  path has run here; the device-present path (open a DevX context, a PD, query the port) has
-  **not yet run on a NIC**. QP/CQ creation with DevX on our own rings is not written yet: it is
-  the next step and must be written with a NIC to run it on (see FACTS.md, pyverbs section).
+  PyverbsRDMAError then: FACTS.md). Run here, where there is no NIC.
+- ``NoRdmaDeviceError``: what a real NIC asked for on a host without one raises ("use
+  nic='soft'"; tests/test_verbs.py).
 """
 import importlib.machinery
 import importlib.util
@@ -18,7 +15,6 @@ import os
 import sys
 
 from gpunet.errors import ConfigError, ToolchainError
-from gpunet.resource import Resource
 
 # Where Debian/Ubuntu put python3-pyverbs (built for the system Python, matched to the system
 # rdma-core; PyPI's pyverbs needs rdma-core >= 59 and fails to import on bookworm — FACTS.md).
@@ -109,47 +105,3 @@ def available_devices():
 
 class NoRdmaDeviceError(ConfigError):
     """A real NIC was asked for and this host has none (or not the one named)."""
-
-
-class VerbsNic(Resource):
-    """The real mlx5 NIC, through pyverbs (detection and opening only: it does not implement
-    host/nic.py's Nic yet). A gpunet.resource.Resource: ``close()`` releases the PD, then the
-    device context (children first), idempotently.
-
-    Args:
-        device: RDMA device name (e.g. "mlx5_0"), or None for the first one found.
-        port: the port number to use (1-based, as verbs counts).
-
-    Raises NoRdmaDeviceError when the host has no RDMA device (or not ``device``), and
-    ToolchainError when pyverbs is missing.
-    """
-
-    def __init__(self, device=None, port=1):
-        self._ctx = self._pd = None
-        devices = available_devices()
-        if not devices:
-            raise NoRdmaDeviceError("no RDMA device found; use nic='soft'")
-        if device is None:
-            device = devices[0]
-        elif device not in devices:
-            raise NoRdmaDeviceError(f"RDMA device {device!r} not found (this host has "
-                                    f"{', '.join(devices)}); pick one of those or use nic='soft'")
-        self.name, self.port = device, port
-        # ---- NOT YET RUN ON A NIC: written from pyverbs' API, untested until a NIC is here. ----
-        from pyverbs.pyverbs_error import PyverbsError
-        try:
-            from pyverbs.providers.mlx5.mlx5dv import (Mlx5Context, Mlx5DVContextAttr)
-            from pyverbs.providers.mlx5 import mlx5_enums as e
-            from pyverbs.pd import PD
-            self._ctx = Mlx5Context(Mlx5DVContextAttr(flags=e.MLX5DV_CONTEXT_FLAGS_DEVX),
-                                    name=device)
-            self._adopt(self._ctx.close, "mlx5 context")
-            self._pd = PD(self._ctx)
-            self._adopt(self._pd.close, "PD")       # adopted later: closed first
-            self.port_attr = self._ctx.query_port(port)
-        except PyverbsError as err:
-            self.close()
-            raise ToolchainError(f"opening {device} with mlx5 DevX failed: {err}. gpunet needs an "
-                                 f"mlx5 NIC with DevX (and the permission to use it); use "
-                                 f"nic='soft' otherwise.") from err
-        # ---- end of the not-yet-run section ----

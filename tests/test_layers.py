@@ -17,7 +17,7 @@ layers, bottom up:
 
 A module imports only modules of its own layer or of lower ones: device/ never imports host/.
 Besides: only host/nic.py (the factory ``open_nic``) names a NIC implementation (host/softnic.py,
-host/verbs.py), nothing outside gpunet.device.testing (test and benchmark support) imports it,
+host/devx.py with host/verbs.py), nothing outside gpunet.device.testing (test and benchmark support) imports it,
 and the module-level imports form no cycle (a cycle there makes import order matter).
 """
 import ast
@@ -30,7 +30,7 @@ TREES = {"gpunet": "gpunet", "host": "gpunet.host", "device": "gpunet.device"}
 FLOOR = {"gpunet.errors", "gpunet.config", "gpunet._floor", "gpunet.resource"}
 BARE_FLOOR = {"gpunet.errors", "gpunet.config", "gpunet._floor"}     # import nothing from gpunet
 WIRE = {"gpunet.host.rawmem", "gpunet.mlx5", "gpunet.host.prm"}
-NIC_IMPLEMENTATIONS = {"gpunet.host.softnic", "gpunet.host.verbs"}
+NIC_IMPLEMENTATIONS = {"gpunet.host.softnic", "gpunet.host.verbs", "gpunet.host.devx"}
 NIC_FACTORY = "gpunet.host.nic"
 TESTING = "gpunet.device.testing"
 RANK = {"floor": 0, "wire": 1, "device": 2, "host": 3, "top": 4}

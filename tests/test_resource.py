@@ -1,7 +1,7 @@
 """One lifecycle contract (gpunet/resource.py), checked once for every Resource subclass.
 
 For each resource owner of gpunet (the Context, the soft NIC, the proxy engine and channel, a
-platform allocation, the bootstraps, the verbs NIC, device-memory copies, the NIC's GPU mapping,
+platform allocation, the bootstraps, the DevX NIC, device-memory copies, the NIC's GPU mapping,
 the transports, the launcher), made for real on the CPU platform:
 - it uses the base's close / __enter__ / __exit__ (one meaning of close everywhere);
 - close is idempotent, and ``with`` closes it, also when the block raises (the block's exception
@@ -12,7 +12,6 @@ A last test finds every Resource subclass in the package, so a new resource owne
 table below.
 """
 import importlib
-import sys
 import types
 
 import numpy as np
@@ -78,51 +77,13 @@ def make_local_bootstrap(cleanup):
     return LocalBootstrap()
 
 
-class _FakeVerbsObject:
-    """Stands in for a pyverbs object (no RDMA device here): records its close in ``log``."""
-
-    def __init__(self, log, name, *args, **kw):
-        self.log, self.name = log, name
-
-    def close(self):
-        self.log.append(self.name)
-
-    def query_port(self, port):
-        return {"port": port}
-
-
-def make_verbs_nic(cleanup, monkeypatch=None):
-    """VerbsNic.__init__ run for real against stand-ins for pyverbs and one fake device (the
-    host has no RDMA NIC); ``nic.verbs_log`` records what its close released, in order."""
-    from gpunet.host import verbs
-
-    log = []
-    mods = {
-        "pyverbs": types.ModuleType("pyverbs"),
-        "pyverbs.pyverbs_error": types.SimpleNamespace(PyverbsError=RuntimeError),
-        "pyverbs.providers": types.ModuleType("pyverbs.providers"),
-        "pyverbs.providers.mlx5": types.ModuleType("pyverbs.providers.mlx5"),
-        "pyverbs.providers.mlx5.mlx5dv": types.SimpleNamespace(
-            Mlx5Context=lambda attr, name: _FakeVerbsObject(log, "context"),
-            Mlx5DVContextAttr=lambda flags: None),
-        "pyverbs.providers.mlx5.mlx5_enums": types.SimpleNamespace(MLX5DV_CONTEXT_FLAGS_DEVX=1),
-        "pyverbs.pd": types.SimpleNamespace(PD=lambda ctx: _FakeVerbsObject(log, "PD")),
-    }
-    mods["pyverbs.providers.mlx5"].mlx5_enums = mods["pyverbs.providers.mlx5.mlx5_enums"]
-    saved = {k: sys.modules.get(k) for k in mods}
-    saved_devices = verbs.available_devices
-    sys.modules.update(mods)
-    verbs.available_devices = lambda: ["mlx5_fake"]
-    try:
-        nic = verbs.VerbsNic()
-    finally:
-        verbs.available_devices = saved_devices
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
-    nic.verbs_log = log
+def make_devx_nic(cleanup):
+    """The DevX NIC (host/devx.py) over tests/fake_devx.py's recording stand-in for rdma-core (no
+    RDMA device here): ``nic.fake.closed`` records what its close released, in order."""
+    from fake_devx import fake_nic
+    nic, fake = fake_nic(arena_bytes=1 << 20)
+    nic.create_qp(nic.create_cq(16))
+    nic.fake = fake
     return nic
 
 
@@ -181,7 +142,7 @@ def _soft_nic_for(cleanup):
 FACTORIES = {
     "Context": make_context, "SoftNic": make_soft_nic, "ProxyChannel": make_proxy_channel,
     "ProxyEngine": make_proxy_engine, "Allocation": make_allocation, "Bootstrap": make_bootstrap,
-    "LocalBootstrap": make_local_bootstrap, "VerbsNic": make_verbs_nic,
+    "LocalBootstrap": make_local_bootstrap, "DevxNic": make_devx_nic,
     "DeviceMemory": make_device_memory, "NicMapping": make_nic_mapping,
     "Transports": make_transports, "Launcher": make_launcher, "PeerHeap": make_peer_heap,
     "IpcMapping": make_ipc_mapping,
@@ -271,11 +232,13 @@ def test_the_context_closes_its_children_in_the_stated_order():
     assert engine.alive_threads() == []
 
 
-def test_verbs_nic_releases_the_pd_before_the_device_context():
-    """VerbsNic (against pyverbs stand-ins): the PD, made second, is released first."""
-    nic = make_verbs_nic([])
+def test_devx_nic_releases_queues_before_memory_and_the_context_last():
+    """DevxNic (over the rdma-core stand-in): the QP before its CQ, UMEMs after both, the PD and
+    the device context last (tests/test_devx.py checks the whole order)."""
+    nic = make_devx_nic([])
     nic.close()
-    assert nic.verbs_log == ["PD", "context"]
+    kinds = [k for k, _ in nic.fake.closed]
+    assert kinds[:2] == ["qp", "cq"] and kinds[-2:] == ["pd", "ctx"], kinds
 
 
 def test_every_resource_subclass_is_checked():

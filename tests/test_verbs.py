@@ -1,5 +1,6 @@
 """The real-NIC side on a host without a NIC: pyverbs loads (or says why not), no devices, and
-VerbsNic refuses clearly. Tests needing a NIC skip with the reason."""
+the DevX NIC (host/devx.py, through its real pyverbs layer) refuses clearly. Tests needing a NIC
+skip with the reason."""
 import pytest
 
 from gpunet.errors import GpunetError, ToolchainError
@@ -10,14 +11,16 @@ needs_pyverbs = pytest.mark.skipif(not verbs.have_pyverbs(),
 
 
 @needs_pyverbs
-def test_no_nic_means_no_devices_and_verbsnic_refuses():
-    """Without an RDMA device available_devices() is [] and VerbsNic raises 'use nic=soft'."""
+def test_no_nic_means_no_devices_and_the_devx_nic_refuses():
+    """Without an RDMA device available_devices() is [] and DevxNic (pyverbs underneath) raises
+    'use nic=soft', for the first device as for a named one."""
+    from gpunet.host.devx import DevxNic
     if verbs.available_devices():
         pytest.skip("this host has an RDMA device")
     with pytest.raises(GpunetError, match="no RDMA device found; use nic='soft'"):
-        verbs.VerbsNic()
+        DevxNic()
     with pytest.raises(verbs.NoRdmaDeviceError):
-        verbs.VerbsNic("mlx5_0")
+        DevxNic("mlx5_0")
 
 
 def test_missing_pyverbs_is_a_toolchain_error(monkeypatch):
