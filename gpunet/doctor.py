@@ -695,11 +695,11 @@ def _policy_rows(rep, plat):
 
 # --- the run --------------------------------------------------------------------------------------
 
-def run(profile=None, nic="auto", platform=None, timeout_s=10.0, log=None):
+def run(profile=None, nic="auto", platform=None, timeout_s=10.0, loopback=True, log=None):
     """One doctor run; returns the report as a dict (the JSON's content: schema, rows,
     coherence, summary, exit_code). ``profile`` / ``platform`` force GPUNET_PROFILE /
-    GPUNET_PLATFORM for the run; ``nic``: "auto" | "soft" | "verbs"; ``log``: a stream for
-    progress lines."""
+    GPUNET_PLATFORM for the run; ``nic``: "auto" | "soft" | "verbs"; ``loopback``: False leaves
+    out the loopback section (no Context is made); ``log``: a stream for progress lines."""
     t0 = time.perf_counter()
     rep = Report(log)
     with _forced(platform, profile):
@@ -722,14 +722,15 @@ def run(profile=None, nic="auto", platform=None, timeout_s=10.0, log=None):
                     _policy_rows(rep, plat)
                 finally:
                     dev_nic.close()
-                for t in ("ibgda", "proxy"):
+                for t in ("ibgda", "proxy") if loopback else ():
                     _loopback_rows(rep, t, used, timeout_s, refused if t == "ibgda" else None)
     failed = rep.failed()
     counts = {r: sum(1 for x in rep.rows if x["result"] == r) for r in RESULTS}
     return {
         "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": socket.gethostname(),
-        "args": {"profile": profile, "nic": nic, "platform": platform, "timeout_s": timeout_s},
+        "args": {"profile": profile, "nic": nic, "platform": platform, "timeout_s": timeout_s,
+                 "loopback": loopback},
         "platform": None if plat is None else {"name": plat.name, "profile": plat.profile,
                                                "warp_size": plat.warp_size,
                                                "detected_by": plat.detected_by},
@@ -757,6 +758,8 @@ def main(argv=None):
                    help="skip platform detection (GPUNET_PLATFORM)")
     p.add_argument("--timeout", type=float, default=10.0, metavar="S",
                    help="bound on every device wait and handshake step (default 10 s)")
+    p.add_argument("--no-loopback", action="store_true",
+                   help="leave out the loopback checks (they build and run the ops kernel)")
     a = p.parse_args(argv)
     if not 0 < a.timeout <= 3600:
         p.error("--timeout must be in (0, 3600] seconds")
@@ -766,7 +769,7 @@ def main(argv=None):
         except ValueError as e:
             p.error(str(e))
     report = run(profile=a.profile, nic=a.nic, platform=a.platform, timeout_s=a.timeout,
-                 log=sys.stderr)
+                 loopback=not a.no_loopback, log=sys.stderr)
     print(report["table"])
     print("\n%s (%d ok, %d failed; %.1f s)" % (report["summary"]["verdict"],
                                                report["summary"]["counts"]["ok"],

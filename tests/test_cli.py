@@ -33,3 +33,11 @@ def test_demo_prints_a_row_per_transport_and_size(tmp_path):
 def test_unknown_command_is_an_error():
     r = _run(["frobnicate"])
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+def test_doctor_is_a_command_with_its_options():
+    """``doctor`` is a subcommand and takes its own options (tests/test_doctor.py runs it)."""
+    r = _run(["doctor", "--help"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    for opt in ("--json", "--profile", "--nic", "--platform", "--timeout", "--no-loopback"):
+        assert opt in r.stdout, opt

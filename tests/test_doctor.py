@@ -1,0 +1,155 @@
+"""``python -m gpunet doctor`` end to end on the CPU with the soft NIC (gpunet/doctor.py).
+
+The coherence rows are measurements through the soft NIC's coherence model (device/kernels/
+doctor.cu reads and writes, the NIC RDMA-writes and reads): on the ``c500`` profile ``device``
+memory must come out INCOHERENT in both directions, with and without the policy's fences, and
+``finegrained`` / ``host`` coherent; on the ``nvidia`` profile every kind coherent. The JSON's
+schema, the exit status's meaning and the time bound are checked on the same runs.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gpunet import doctor
+
+# The whole run, loopback included, on a loaded 2-core CI machine whose compile caches may be
+# cold (ops.cu, doctor.cu, the soft NIC's and proxy's numba code): the issue's "under a minute"
+# is the warm figure (README); this bound catches a probe or handshake that waits its timeouts.
+DOCTOR_BOUND_S = 180
+
+
+def _doctor(tmp_path, *args, name="doctor.json"):
+    path = tmp_path / name
+    r = subprocess.run([sys.executable, "-m", "gpunet", "doctor", "--platform", "cpu",
+                        "--json", str(path), *args], capture_output=True, text=True,
+                       timeout=DOCTOR_BOUND_S + 60)
+    report = json.loads(path.read_text()) if path.exists() else None
+    return r, report
+
+
+@pytest.fixture(scope="module")
+def c500(tmp_path_factory):
+    return _doctor(tmp_path_factory.mktemp("c500"), "--profile", "c500", "--nic", "soft")
+
+
+@pytest.fixture(scope="module")
+def nvidia(tmp_path_factory):
+    return _doctor(tmp_path_factory.mktemp("nvidia"), "--profile", "nvidia", "--nic", "soft")
+
+
+def _coherence(report):
+    """{(kind, direction, fence): coherent} of a report."""
+    return {(c["kind"], c["direction"], c["fence"]): c["coherent"] for c in report["coherence"]}
+
+
+def test_c500_device_memory_is_measured_incoherent_and_finegrained_host_coherent(c500):
+    """c500 profile: every probe of `device` memory (NIC write -> SM read and SM write -> NIC
+    read, with and without fences) reads stale bytes; every probe of `finegrained` and `host`
+    memory reads fresh ones; the policy (which keeps NIC-touched roles out of `device`) agrees,
+    so the run passes."""
+    r, rep = c500
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = _coherence(rep)
+    assert len(got) == len(doctor.KINDS) * len(doctor.DIRECTIONS) * 2
+    for (kind, direction, fence), coherent in got.items():
+        assert coherent is (kind != "device"), (kind, direction, fence, rep["coherence"])
+    stale = [c for c in rep["coherence"] if c["kind"] == "device"]
+    assert all(c["matched"] < c["words"] and c["first_bad"] for c in stale), stale
+    policy = [row for row in rep["rows"] if row["section"] == "policy"]
+    assert policy and all(row["result"] == "ok" for row in policy), policy
+    assert any("INCOHERENT" in line and line.startswith("coherence  device")
+               for line in r.stdout.splitlines()), r.stdout
+
+
+def test_nvidia_profile_is_measured_coherent_for_every_kind(nvidia):
+    """nvidia profile: all 12 probes (3 kinds x 2 directions x with / without fences) coherent."""
+    r, rep = nvidia
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = _coherence(rep)
+    assert len(got) == 12 and all(v is True for v in got.values()), rep["coherence"]
+
+
+@pytest.mark.parametrize("which", ["c500", "nvidia"])
+def test_loopback_write_read_atomic_pass_over_ibgda_and_proxy(which, request):
+    """The device-posted write, read and atomic pass through both NIC transports (HOST arm)."""
+    r, rep = request.getfixturevalue(which)
+    rows = {row["check"]: row for row in rep["rows"] if row["section"] == "loopback"}
+    for t in ("ibgda", "proxy"):
+        for op in ("init", "write", "read", "atomic"):
+            assert rows["%s: %s" % (t, op)]["result"] == "ok", rows
+
+
+def test_json_schema_and_table_agree(c500):
+    """The JSON has the schema's keys and types; every row's section and result is from the
+    documented sets; the summary counts the rows; the printed table has a line per row; no NIC
+    here makes the NIC rows say so honestly."""
+    r, rep = c500
+    assert rep["schema"] == doctor.SCHEMA
+    for key in ("created", "host", "args", "platform", "rows", "coherence", "summary",
+                "exit_code", "elapsed_s", "table"):
+        assert key in rep, key
+    assert rep["platform"]["name"] == "cpu" and rep["platform"]["profile"] == "c500"
+    for row in rep["rows"]:
+        assert set(row) <= {"section", "check", "result", "detail", "data"}, row
+        assert row["section"] in doctor.SECTIONS and row["result"] in doctor.RESULTS, row
+        assert isinstance(row["check"], str) and isinstance(row["detail"], str)
+    assert sum(rep["summary"]["counts"].values()) == len(rep["rows"])
+    assert rep["summary"]["failed"] == [] and rep["exit_code"] == 0
+    for c in rep["coherence"]:
+        assert c["kind"] in doctor.KINDS and c["direction"] in doctor.DIRECTIONS
+        assert isinstance(c["fence"], bool) and c["coherent"] in (True, False)
+    table = r.stdout.splitlines()
+    for row in rep["rows"]:
+        assert any(line.startswith(row["section"]) and row["check"] in line for line in table), row
+    if not doctor.sysfs_nics():
+        nic = {row["check"]: row for row in rep["rows"] if row["section"] == "nic"}
+        assert "no NIC (soft NIC used)" in nic["RDMA devices (sysfs)"]["detail"]
+        assert nic["DevX available"]["detail"] == "no NIC (soft NIC used)"
+
+
+@pytest.mark.parametrize("which", ["c500", "nvidia"])
+def test_the_run_finishes_within_its_bound(which, request):
+    """The doctor finishes (table printed, JSON written) within DOCTOR_BOUND_S."""
+    r, rep = request.getfixturevalue(which)
+    assert rep is not None and 0 < rep["elapsed_s"] < DOCTOR_BOUND_S, rep and rep["elapsed_s"]
+    assert "the stack can work here" in r.stdout
+
+
+def test_exit_status_1_names_the_failed_check_when_the_stack_cannot_work(tmp_path):
+    """Asking for a real NIC on a machine without one: exit status 1, the failed row is the
+    NIC's, and the checks that need a NIC are not run (no coherence rows)."""
+    if doctor.sysfs_nics():
+        pytest.skip("this machine has an RDMA device: --nic verbs may work here")
+    r, rep = _doctor(tmp_path, "--nic", "verbs")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert rep["exit_code"] == 1 and "nic: open_nic('verbs')" in rep["summary"]["failed"], rep
+    assert rep["coherence"] == [] and "failed" in r.stdout
+
+
+def test_exit_status_2_for_bad_arguments(tmp_path):
+    """A bad option value is a usage error (2), not a finding about the machine."""
+    r, rep = _doctor(tmp_path, "--profile", "amd")
+    assert r.returncode == 2 and "invalid choice" in r.stderr and rep is None
+
+
+def test_a_policy_that_places_nic_memory_in_incoherent_memory_fails(monkeypatch):
+    """The policy rows compare the policy with the measurement, not with a list: a c500 policy
+    that put payload_dst in `device` memory (measured INCOHERENT) makes that row FAIL and the run
+    exit 1 (the real policy passes on the same measurement: test_c500_device_memory_is_...)."""
+    from gpunet.host import platform as P
+
+    patched = dict(P.COHERENCE_POLICY["c500"])
+    patched["payload_dst"] = P.Placement("device", "a deliberately wrong row (test)")
+    monkeypatch.setitem(P.COHERENCE_POLICY, "c500", patched)
+    before = {k: os.environ.get(k) for k in ("GPUNET_PROFILE", "GPUNET_PLATFORM")}
+    rep = doctor.run(profile="c500", nic="soft", platform="cpu", loopback=False)
+    rows = {row["check"]: row for row in rep["rows"] if row["section"] == "policy"}
+    assert rows["payload_dst in device memory"]["result"] == "FAIL", rows
+    assert "INCOHERENT" in rows["payload_dst in device memory"]["detail"]
+    assert rows["payload_src in finegrained memory"]["result"] == "ok"
+    assert rep["exit_code"] == 1
+    # --profile / --platform last for the run only
+    assert {k: os.environ.get(k) for k in before} == before
