@@ -1025,6 +1025,20 @@ class DevxNic(Nic):
         _, page, dptr = self._uar_mapping
         return [(page, PAGE, dptr)]
 
+    devx = True                          # what gpunet doctor reports as "DevX available"
+
+    @property
+    def umem_in_gpu_memory(self):
+        """Whether DevX accepts UMEM in GPU ``device`` memory here (probed once, on first read:
+        ``probe_gpu_umem``); None on the CPU platform (no GPU memory to ask about)."""
+        if self.platform.name == "cpu":
+            return None
+        if getattr(self, "_umem_gpu", None) is None:
+            ok, detail = self.probe_gpu_umem("device")
+            log.info("DevX NIC %s: UMEM in GPU memory %s", self.device, detail)
+            self._umem_gpu = ok
+        return self._umem_gpu
+
     def probe_gpu_umem(self, kind="device"):
         """Does DevX accept UMEM in GPU memory of ``kind`` here? (bool, detail); frees what it
         made. For the doctor; never run on a NIC."""

@@ -620,3 +620,20 @@ def test_wqes_posted_by_the_host_land_in_the_devx_ring_as_in_the_soft_nics():
         mlx5.build_rdma(ref, 0, 5, qp.qpn, mlx5.OPCODE_RDMA_WRITE, mlx5.WQE_CTRL_CQ_UPDATE,
                         0x1000, 7, 0x2000, 9, 64, 0)
         assert (qp.sq[5 * 64:6 * 64] == ref).all()
+
+
+def test_gpu_umem_probe_reports_what_devx_says():
+    """umem_in_gpu_memory (what gpunet doctor shows): None on the CPU platform; on CUDA a probe
+    that registers 4 KiB of device memory as UMEM once and frees it: True where accepted, False
+    where refused."""
+    nic, _ = fake_nic()
+    with nic:
+        assert nic.devx is True and nic.umem_in_gpu_memory is None
+    for refuse in (False, True):
+        plat = FakeCudaPlatform()
+        nic, fake = fake_nic(platform=plat, fake_refuse_gpu_umem=refuse)
+        with nic:
+            assert nic.umem_in_gpu_memory is (not refuse)
+            assert nic.umem_in_gpu_memory is (not refuse)          # probed once
+            assert len([c for c in fake.calls if c[0] == "umem_reg" and c[1] in plat.mem]) == 1
+            assert set(plat.freed) == set(plat.mem)
