@@ -79,13 +79,6 @@ ROLE_DIRECTIONS = {
     "payload_src": ("sm_write_nic_read",), "payload_dst": ("nic_write_sm_read",),
 }
 
-# What the doctor reads from a NIC where it reports it (host/nic.py's Nic does not require them):
-# (attribute, check name). A NIC without the attribute gets a row saying it does not report it.
-NIC_REPORTS = (("devx", "DevX available"),
-               ("umem_in_gpu_memory", "UMEM in GPU memory accepted"),
-               ("atomic_endianness", "atomic endianness mode"))
-
-
 class Report:
     """The rows of one doctor run; ``add`` prints a progress line to ``log``."""
 
@@ -262,11 +255,12 @@ def _nic_rows(rep, plat, nic_kind):
                     "ok" if (p["state"] or "").endswith("ACTIVE") else "no",
                     "%s, %s, %s; GIDs: %s" % (p["state"], p["link_layer"], p["rate"], g))
     # the real-NIC path, as open_nic("verbs") sees it (pyverbs present? a device? drivable?)
-    real = None
+    real = verbs_error = None
     try:
         real = open_nic("verbs", profile=plat.profile)
         rep.add("nic", "open_nic('verbs')", "yes", repr(real))
     except GpunetError as e:
+        verbs_error = e
         rep.add("nic", "open_nic('verbs')", "FAIL" if nic_kind == "verbs" else "no", _err(e))
     if real is not None and nic_kind in ("auto", "verbs"):
         nic, used = real, "verbs"
@@ -282,16 +276,47 @@ def _nic_rows(rep, plat, nic_kind):
             return None, "soft"
     rep.add("nic", "NIC used by the checks", "ok", "%s nic (asked: %s): %r" % (used, nic_kind, nic),
             kind=used)
-    for attr, what in NIC_REPORTS:
-        v = getattr(nic, attr, None)
-        if v is not None:
-            rep.add("nic", what, "info" if isinstance(v, str) else ("yes" if v else "no"),
-                    "%s (nic.%s)" % (v, attr), value=v)
-        elif used == "soft":
-            rep.add("nic", what, "skip", "no NIC (soft NIC used)")
-        else:
-            rep.add("nic", what, "skip", "%s does not report nic.%s" % (type(nic).__name__, attr))
+    _nic_capability_rows(rep, nic, used, devs, verbs_error)
     return nic, used
+
+
+def _nic_capability_rows(rep, nic, used, devs, verbs_error):
+    """DevX, port, ring (UMEM) placement and atomic endianness, as the NIC reports them. Read
+    with getattr: host/nic.py's Nic does not require these attributes (host/devx.py's DevxNic has
+    them), and a NIC without one gets a row saying so."""
+    no_nic = "no NIC (soft NIC used)"
+    if used == "verbs":
+        rep.add("nic", "DevX available", "yes", "DevX context open, HCA capabilities queried "
+                "(UAR: %s)" % getattr(nic, "uar_type", "?"))
+    elif devs:
+        rep.add("nic", "DevX available", "no", "the RDMA device is there but the DevX NIC did "
+                "not open: %s" % (_err(verbs_error) if verbs_error else "not asked"))
+    else:
+        rep.add("nic", "DevX available", "skip", no_nic)
+    if used == "verbs":
+        port = {a: getattr(nic, a, None) for a in ("device", "port", "link_layer", "lid",
+                                                    "gid_index", "active_mtu")}
+        gid = getattr(nic, "gid", None)
+        port["gid"] = gid.hex(":") if isinstance(gid, (bytes, bytearray)) else gid
+        rep.add("nic", "port used", "info", ", ".join("%s %s" % kv for kv in port.items()),
+                **{k: v for k, v in port.items() if v is not None})
+    placement = getattr(nic, "ring_placement", None)
+    if placement:
+        gpu = sorted(r for r, (k, _) in placement.items() if k != "host")
+        rep.add("nic", "UMEM in GPU memory accepted", "yes" if gpu else "info",
+                "; ".join("%s: %s (%s)" % (r, k, why) for r, (k, why) in sorted(placement.items())))
+    else:
+        rep.add("nic", "UMEM in GPU memory accepted", "skip",
+                no_nic if used == "soft" else "%s does not report ring_placement"
+                % type(nic).__name__)
+    endian = getattr(nic, "atomic_endianness", None)
+    if endian is None:
+        rep.add("nic", "atomic endianness mode", "skip", "%s does not report atomic_endianness"
+                % type(nic).__name__)
+    else:
+        rep.add("nic", "atomic endianness mode", "info", "%s%s" % (
+            endian, " (the soft NIC's setting; %s)" % no_nic if used == "soft" else
+            " (HCA atomic_req_8B_endianness_mode)"), value=endian)
 
 
 def _doorbell(rep, plat, nic):
