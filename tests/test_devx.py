@@ -14,6 +14,7 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from fake_devx import GPU_BASE, MAC, ROCE_GIDS, FakeCudaPlatform, FakeDevx, fake_nic
 from gpunet import mlx5
@@ -637,3 +638,47 @@ def test_gpu_umem_probe_reports_what_devx_says():
             assert nic.umem_in_gpu_memory is (not refuse)          # probed once
             assert len([c for c in fake.calls if c[0] == "umem_reg" and c[1] in plat.mem]) == 1
             assert set(plat.freed) == set(plat.mem)
+
+
+_peer = st.fixed_dictionaries({
+    "qpn": st.integers(1, (1 << 24) - 1), "psn": st.integers(0, (1 << 24) - 1),
+    "lid": st.integers(1, 0xBFFF), "mtu": st.integers(1, 5),
+    "gid": st.binary(min_size=16, max_size=16).map(bytes.hex),
+    "mac": st.binary(min_size=6, max_size=6).map(bytes.hex)})
+
+
+@pytest.mark.parametrize("link", ["IB", "Ethernet"])
+def test_init2rtr_and_rtr2rts_carry_any_peer_exactly(link):
+    """Generated: peers with any 24-bit QPN and PSN, any unicast LID, MTU code, GID and MAC, and
+    retry timeouts 1 ms .. 100 s. Invariant: the INIT2RTR / RTR2RTS commands decode (prm.get) to
+    exactly the peer's QPN, PSN, MTU (min with ours), LID (IB) or GID + MAC (RoCE), our PSN and
+    the ACK timeout ack_timeout_for gives; the fake QP ends in RTS."""
+    nic, fake = fake_nic(fake_link_layer=link, arena_bytes=16 << 20)
+    cq = nic.create_cq(16)
+
+    @settings(max_examples=max(10, settings().max_examples // 2))
+    @given(peer=_peer, retry=st.floats(1e-3, 100.0))
+    def check(peer, retry):
+        nic.retry_timeout_s = retry
+        qp = nic.create_qp(cq, sq_wqebbs=8)
+        nic.connect(qp, dict(peer, link_layer=link))
+        i2r = fake.sent(prm.MLX5_CMD_OP_INIT2RTR_QP)[-1]
+        r2r = fake.sent(prm.MLX5_CMD_OP_RTR2RTS_QP)[-1]
+        s = "init2rtr_qp_in"
+        assert prm.get(i2r, s, "qpn") == prm.get(r2r, "rtr2rts_qp_in", "qpn") == qp.qpn
+        assert qpc(i2r, s, "remote_qpn") == peer["qpn"]
+        assert qpc(i2r, s, "next_rcv_psn") == peer["psn"]
+        assert qpc(i2r, s, "mtu") == min(peer["mtu"], nic.active_mtu)
+        if link == "IB":
+            assert path(i2r, s, "rlid") == peer["lid"] and path(i2r, s, "grh") == 0
+        else:
+            assert prm.get_bytes(i2r, s, "qpc.primary_address_path.rgid_rip").hex() == peer["gid"]
+            mac = int(peer["mac"], 16)
+            assert (path(i2r, s, "rmac_47_32") << 32 | path(i2r, s, "rmac_31_0")) == mac
+            assert path(i2r, s, "rlid") == 0 and path(i2r, s, "grh") == 1
+        assert qpc(r2r, "rtr2rts_qp_in", "next_send_psn") == qp.psn
+        assert path(r2r, "rtr2rts_qp_in", "ack_timeout") == devx.ack_timeout_for(retry)
+        assert nic.qp_state(qp) == "RTS"
+
+    with nic:
+        check()
