@@ -209,9 +209,11 @@ def _read(path):
         return None
 
 
-def sysfs_nics(root=SYSFS_IB):
-    """The RDMA devices the kernel lists: [{name, ports: [{port, state, link_layer, rate,
-    gids: [(index, gid, type)]}]}] (non-zero GIDs only). [] when there is none."""
+def sysfs_nics(root=None):
+    """The RDMA devices the kernel lists under ``root`` (default SYSFS_IB): [{name, ports:
+    [{port, state, link_layer, rate, gids: [(index, gid, type)]}]}] (non-zero GIDs only). []
+    when there is none."""
+    root = SYSFS_IB if root is None else root
     out = []
     try:
         devs = sorted(os.listdir(root))
@@ -285,7 +287,7 @@ def _nic_capability_rows(rep, nic, used, devs, verbs_error):
     with getattr: host/nic.py's Nic does not require these attributes (host/devx.py's DevxNic has
     them), and a NIC without one gets a row saying so."""
     no_nic = "no NIC (soft NIC used)"
-    if used == "verbs":
+    if getattr(nic, "devx", False):
         rep.add("nic", "DevX available", "yes", "DevX context open, HCA capabilities queried "
                 "(UAR: %s)" % getattr(nic, "uar_type", "?"))
     elif devs:
@@ -300,15 +302,27 @@ def _nic_capability_rows(rep, nic, used, devs, verbs_error):
         port["gid"] = gid.hex(":") if isinstance(gid, (bytes, bytearray)) else gid
         rep.add("nic", "port used", "info", ", ".join("%s %s" % kv for kv in port.items()),
                 **{k: v for k, v in port.items() if v is not None})
-    placement = getattr(nic, "ring_placement", None)
-    if placement:
-        gpu = sorted(r for r, (k, _) in placement.items() if k != "host")
-        rep.add("nic", "UMEM in GPU memory accepted", "yes" if gpu else "info",
-                "; ".join("%s: %s (%s)" % (r, k, why) for r, (k, why) in sorted(placement.items())))
-    else:
+    placement = getattr(nic, "ring_placement", None) or {}
+    rings = "; rings: " + "; ".join("%s in %s (%s)" % (r, k, why)
+                                    for r, (k, why) in sorted(placement.items()))
+    missing = object()
+    try:
+        umem = getattr(nic, "umem_in_gpu_memory", missing)     # DevxNic probes it on first read
+    except Exception as e:  # noqa: BLE001 - a failed probe is the finding
+        umem = e
+    if umem is missing:
         rep.add("nic", "UMEM in GPU memory accepted", "skip",
-                no_nic if used == "soft" else "%s does not report ring_placement"
+                no_nic if used == "soft" else "%s does not report umem_in_gpu_memory"
                 % type(nic).__name__)
+    elif umem is None:
+        rep.add("nic", "UMEM in GPU memory accepted", "skip",
+                "no GPU memory to ask about (CPU platform)" + (rings if placement else ""))
+    elif isinstance(umem, Exception):
+        rep.add("nic", "UMEM in GPU memory accepted", "no", "the probe failed: %s" % _err(umem))
+    else:
+        rep.add("nic", "UMEM in GPU memory accepted", "yes" if umem else "no",
+                "DevX UMEM registration of a GPU page %s%s"
+                % ("accepted" if umem else "refused", rings if placement else ""))
     endian = getattr(nic, "atomic_endianness", None)
     if endian is None:
         rep.add("nic", "atomic endianness mode", "skip", "%s does not report atomic_endianness"

@@ -153,3 +153,67 @@ def test_a_policy_that_places_nic_memory_in_incoherent_memory_fails(monkeypatch)
     assert rep["exit_code"] == 1
     # --profile / --platform last for the run only
     assert {k: os.environ.get(k) for k in before} == before
+
+
+def _fake_sysfs(root):
+    """A /sys/class/infiniband tree with one RoCE device: port 1 ACTIVE, Ethernet, a zero GID 0
+    (left out) and a RoCE v2 GID 1."""
+    port = root / "mlx5_0" / "ports" / "1"
+    (port / "gids").mkdir(parents=True)
+    (port / "gid_attrs" / "types").mkdir(parents=True)
+    (port / "state").write_text("4: ACTIVE\n")
+    (port / "link_layer").write_text("Ethernet\n")
+    (port / "rate").write_text("400 Gb/sec (4X NDR)\n")
+    (port / "gids" / "0").write_text("0000:0000:0000:0000:0000:0000:0000:0000\n")
+    (port / "gids" / "1").write_text("0000:0000:0000:0000:0000:ffff:0a00:0001\n")
+    (port / "gid_attrs" / "types" / "1").write_text("RoCE v2\n")
+
+
+def test_nic_rows_read_sysfs_and_a_devx_nic_through_the_fake_layer(tmp_path, monkeypatch):
+    """With a NIC in sysfs (a fake tree) and DevxNic opened on tests/fake_devx.py (a TEST DOUBLE:
+    nothing here ran on a NIC), the NIC rows list the port, its link layer and non-zero GIDs,
+    say DevX is available, name the port DevxNic uses and the HCA's atomic endianness."""
+    from fake_devx import FakeDevx
+    from gpunet.host import devx
+    from gpunet.host.platform import Platform
+
+    _fake_sysfs(tmp_path)
+    monkeypatch.setattr(doctor, "SYSFS_IB", str(tmp_path))
+    monkeypatch.setattr(devx, "BACKEND", lambda: FakeDevx(link_layer="IB", lid=7))
+    rep = doctor.Report()
+    nic, used = doctor._nic_rows(rep, Platform("cpu", profile="c500"), "auto")
+    try:
+        assert used == "verbs" and isinstance(nic, devx.DevxNic)
+        rows = {r["check"]: r for r in rep.rows}
+        assert rows["mlx5_0 port 1"]["result"] == "ok"
+        d = rows["mlx5_0 port 1"]["detail"]
+        assert "Ethernet" in d and "1 0000:0000:0000:0000:0000:ffff:0a00:0001 RoCE v2" in d
+        assert "0 0000:" not in d                       # the zero GID is not listed
+        assert rows["open_nic('verbs')"]["result"] == "yes"
+        assert rows["DevX available"]["result"] == "yes"
+        assert "lid 7" in rows["port used"]["detail"] and "IB" in rows["port used"]["detail"]
+        assert rows["atomic endianness mode"]["detail"].startswith("host (HCA")
+        assert rows["UMEM in GPU memory accepted"]["result"] == "skip"   # CPU: no GPU memory
+    finally:
+        nic.close()
+
+
+def test_a_device_devx_cannot_open_says_why_and_the_soft_nic_is_used(tmp_path, monkeypatch):
+    """A device in sysfs that DevX cannot open (fake layer refusing DevX): 'DevX available' is
+    'no' with the reason, and with --nic auto the checks run on the soft NIC."""
+    from fake_devx import FakeDevx
+    from gpunet.host import devx
+    from gpunet.host.platform import Platform
+
+    _fake_sysfs(tmp_path)
+    monkeypatch.setattr(doctor, "SYSFS_IB", str(tmp_path))
+    monkeypatch.setattr(devx, "BACKEND", lambda: FakeDevx(devx=False))
+    rep = doctor.Report()
+    nic, used = doctor._nic_rows(rep, Platform("cpu", profile="nvidia"), "auto")
+    try:
+        rows = {r["check"]: r for r in rep.rows}
+        assert used == "soft" and rows["DevX available"]["result"] == "no"
+        assert "NoDevxError" in rows["DevX available"]["detail"]
+        assert not rep.failed()
+    finally:
+        nic.close()
