@@ -1,0 +1,286 @@
+"""Jobs the high-throughput EP tests run on every rank (tests/mp_ranks.py runs "ep_ht_jobs:<name>"):
+build a gpunet.ep.Buffer with an HT buffer, run get_dispatch_layout / dispatch / combine on inputs
+every rank regenerates from one seed, and check them DeepEP's way (EP-ANCHORS.md §B) and against
+gpunet.ep.reference's plain-torch HT references. Each job takes the rank's ``state`` first and
+returns its findings (an empty ``bad`` list: everything held).
+
+A round's ``spec`` (a dict): seed, tokens, hidden, topk, num_experts; routing knobs holes,
+hot_expert, hot_fraction, empty_experts, vary_tokens, tagged; modes fp8, no_topk (dispatch without
+top-k), alignment, biases (0-2), worst (extra rows of num_worst_tokens past the exact count, or
+None), cached, async_finish, prev_event, config (Config arguments); failures: masked, die =
+(rank, "dispatch" | "combine").
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+from gpunet.ep import Buffer, Config, EPTimeout
+from gpunet.ep import reference as ref
+
+BF16_BOUND = 5e-6       # DeepEP's intranode test: combined / fan-out vs x (tagged or random BF16)
+FP8_BOUND = 5e-4        # with random FP8 rows
+WEIGHT_BOUND = 1e-9     # the reduced top-k weights vs the originals
+
+
+def init(state, transport, num_nvl_bytes, timeout_s=20.0, shrink=False, warp_size=32,
+         num_rdma_bytes=0, low_latency_mode=False):
+    """Make this rank's Buffer with an HT buffer of num_nvl_bytes (and an LL buffer of
+    num_rdma_bytes when low_latency_mode). ``transport`` as ep_jobs.init's (incl. "mixed")."""
+    if transport == "mixed":
+        transport = lambda a, b: "proxy" if (a + b) % 2 else "ibgda"  # noqa: E731 - symmetric per pair
+    elif transport == "p2p+proxy":
+        import p2p_jobs
+        transport = p2p_jobs.p2p_and_proxy
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                 low_latency_mode=low_latency_mode, explicitly_destroy=True, enable_shrink=shrink,
+                 transport=transport, timeout_s=timeout_s, warp_size=warp_size)
+    state["ep_buf"] = buf
+    return {"rank": buf.rank, "transports": dict(buf.runtime.transports), "pid": os.getpid()}
+
+
+def close(state):
+    buf = state.pop("ep_buf", None)
+    if buf is not None:
+        buf.destroy()
+    return "closed"
+
+
+def _inputs(spec, world):
+    inp = ref.make_rank_inputs(world, spec["tokens"], spec["hidden"], spec["topk"],
+                               spec["num_experts"], spec["seed"], holes=spec.get("holes", 0),
+                               hot_expert=spec.get("hot_expert"),
+                               empty_experts=spec.get("empty_experts", ()),
+                               vary_tokens=spec.get("vary_tokens", False),
+                               tagged=spec.get("tagged", False))
+    if spec.get("hot_fraction") is not None:
+        # a heavier skew than make_rank_inputs' default (EP-ANCHORS.md §B.10): most tokens of
+        # every rank pick the hot expert, whose rank then receives nearly everything
+        for j, d in enumerate(inp):
+            d["topk_idx"] = ref.random_routing(d["topk_idx"].shape[0], spec["topk"], spec["num_experts"],
+                                               spec["seed"] * 7919 + j, holes=spec.get("holes", 0),
+                                               hot_expert=spec["hot_expert"],
+                                               hot_fraction=spec["hot_fraction"])
+    if spec.get("fp8"):
+        for d in inp:
+            d["x_fp8"] = ref.per_token_cast_to_fp8(d["x"])
+    return inp
+
+
+def _x(spec, d):
+    return d["x_fp8"] if spec.get("fp8") else d["x"]
+
+
+def _bias(spec, rank, t, h):
+    gen = torch.Generator().manual_seed(spec["seed"] * 31 + rank)
+    return tuple(torch.randn(t, h, generator=gen).to(torch.bfloat16) for _ in range(spec.get("biases", 0)))
+
+
+def _same(a, b):
+    if isinstance(a, tuple):
+        return all(_same(x, y) for x, y in zip(a, b))
+    if a.dtype == torch.float8_e4m3fn:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def _dispatch_ref(spec, inputs, rank, masked):
+    no_topk = spec.get("no_topk", False)
+    return ref.ht_dispatch_ref([_x(spec, d) for d in inputs], [d["topk_idx"] for d in inputs],
+                               None if no_topk else [d["topk_weights"] for d in inputs],
+                               spec["num_experts"], rank, masked_ranks=masked,
+                               expert_alignment=spec.get("alignment", 1))
+
+
+def _expert_out(spec, recv_x):
+    """The expert side's output: the received rows themselves (FP8 cast back to bf16)."""
+    if spec.get("fp8"):
+        q, s = recv_x
+        return ref.per_token_cast_back(q, s).to(torch.bfloat16) if q.shape[0] else \
+            torch.empty(0, q.shape[1], dtype=torch.bfloat16)
+    return recv_x
+
+
+def round_(state, spec):
+    """Layout, dispatch (and the cached / worst-case variants the spec asks for), combine, all
+    checked on this rank. Returns {bad, calc_diff, weights_diff, n_recv, hashes, masked, raised}."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    masked = tuple(spec.get("masked", ()))
+    victim, stage = spec.get("die", (None, None))
+    masked_d = masked + ((victim,) if stage == "dispatch" else ())
+    masked_c = masked + ((victim,) if stage is not None else ())
+    inputs = _inputs(spec, world)
+    mine = inputs[rank]
+    e = spec["num_experts"]
+    cfg = Config(*spec["config"]) if spec.get("config") else None
+    out = {"bad": [], "calc_diff": None, "weights_diff": None, "raised": None, "hashes": {}}
+    bad = out["bad"]
+    if rank == victim and stage == "dispatch":
+        os._exit(0)
+    try:
+        prev = Buffer.capture() if spec.get("prev_event") else None
+        ntr, ntrr, ntpe, in_rank, ev = buf.get_dispatch_layout(mine["topk_idx"], e, previous_event=prev,
+                                                                async_finish=spec.get("async_finish", False))
+        if spec.get("async_finish"):
+            ev.current_stream_wait()
+        want = ref.ht_layout_ref(mine["topk_idx"], e, world)
+        if ntrr is not None or not torch.equal(ntr, want[0]) or not torch.equal(ntpe, want[1]) or \
+                not torch.equal(in_rank, want[2]):
+            bad.append("get_dispatch_layout differs from the token-by-token reference")
+        # the counts against the all-reduced layout (DeepEP's check, independent of the reference)
+        all_ntr, all_ntpe = ntr.clone(), ntpe.clone()
+        if not masked_d:
+            dist.all_reduce(all_ntr)
+            dist.all_reduce(all_ntpe)
+        topk = None if spec.get("no_topk") else mine["topk_idx"]
+        weights = None if spec.get("no_topk") else mine["topk_weights"]
+        r_ = _dispatch_ref(spec, inputs, rank, masked_d)
+        kw = dict(is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=topk,
+                  topk_weights=weights, expert_alignment=spec.get("alignment", 1), config=cfg,
+                  previous_event=Buffer.capture() if spec.get("prev_event") else None,
+                  async_finish=spec.get("async_finish", False))
+        worst = spec.get("worst")
+        n_exact = r_["src_idx"].numel()
+        if worst is not None:
+            kw["num_worst_tokens"] = n_exact + worst if worst >= 0 else max(1, n_exact + worst)
+        rx, rtk, rw, counts, handle, ev = buf.dispatch(_x(spec, mine), **kw)
+        if spec.get("async_finish"):
+            if ev.event is None:
+                bad.append("async_finish=True returned no event")
+            ev.current_stream_wait()
+        n = n_exact
+        if worst is not None:
+            rows = kw["num_worst_tokens"]
+            got_rows = (rx[0] if spec.get("fp8") else rx).shape[0]
+            if got_rows != rows or counts != []:
+                bad.append("num_worst_tokens: %d rows (want %d), count list %r (want [])"
+                           % (got_rows, rows, counts))
+            if rtk is not None and not bool((rtk[n:] == -1).all()):
+                bad.append("num_worst_tokens: the tail of recv_topk_idx is not all -1")
+            cut = lambda t: None if t is None else (tuple(a[:n] for a in t) if isinstance(t, tuple) else t[:n])  # noqa: E731
+            rx, rtk, rw = cut(rx), cut(rtk), cut(rw)
+        else:
+            if counts != r_["counts"]:
+                bad.append("counts %r != reference %r" % (counts, r_["counts"]))
+            if not masked_d:
+                el = e // world
+                a = spec.get("alignment", 1)
+                want_c = [(int(v) + a - 1) // a * a for v in all_ntpe[rank * el:(rank + 1) * el]]
+                if counts != want_c:
+                    bad.append("counts %r != all-reduced num_tokens_per_expert %r" % (counts, want_c))
+                if n != int(all_ntr[rank]):
+                    bad.append("received %d rows, the all-reduced num_tokens_per_rank says %d"
+                               % (n, int(all_ntr[rank])))
+        if not _same(rx, r_["recv_x"]):
+            bad.append("recv_x differs from the reference")
+        if spec.get("no_topk"):
+            if rtk is not None or rw is not None:
+                bad.append("dispatch without top-k returned recv_topk_idx / weights")
+        else:
+            if not torch.equal(rtk, r_["recv_topk_idx"]):
+                bad.append("recv_topk_idx differs from the reference")
+            if not torch.equal(rw, r_["recv_topk_weights"]):
+                bad.append("recv_topk_weights differs from the reference")
+            el = e // world
+            if rtk.numel() and (int(rtk.min()) < -1 or int(rtk.max()) >= el):
+                bad.append("recv_topk_idx outside [-1, E_loc)")
+        if spec.get("tagged") and not spec.get("fp8"):
+            # rows tagged with their source rank arrive in rank order, tokens in order
+            src = (rx[:, 0].float() + ref.TAG_OFFSET).to(torch.int64)
+            if src.numel() and not bool((src[1:] >= src[:-1]).all()):
+                bad.append("rows are not in source-rank order")
+            pre = r_["rank_prefix"]
+            for j in range(world):
+                b0, b1 = int(pre[j]), int(pre[j + 1])
+                if b1 > b0 and not bool((src[b0:b1] == j).all()):
+                    bad.append("rows [%d, %d) do not all carry source rank %d" % (b0, b1, j))
+                tok = rx[b0:b1, -128].float()
+                if b1 - b0 > 1 and not bool((tok[1:] > tok[:-1]).all()):
+                    bad.append("source %d's rows are not in token order" % j)
+        if spec.get("cached"):
+            rx2, *rest = buf.dispatch(_x(spec, mine), handle=handle, config=cfg)
+            if any(v is not None for v in rest[:4]):
+                bad.append("a cached dispatch returned top-k / counts / handle")
+            rx2 = tuple(a[:n] for a in rx2) if isinstance(rx2, tuple) else rx2[:n]
+            if not _same(rx2, r_["recv_x"]):
+                bad.append("the cached dispatch's recv_x differs")
+        if rank == victim and stage == "combine":
+            os._exit(0)
+        # combine the received rows (the expert output is the row itself), with weights and biases
+        y = _expert_out(spec, rx)
+        rows = handle[6]["rows"]
+        if y.shape[0] < rows:
+            y = torch.cat([y, torch.zeros(rows - y.shape[0], y.shape[1], dtype=y.dtype)])
+        yw = None
+        if not spec.get("no_topk"):
+            yw = torch.zeros(rows, spec["topk"])
+            yw[:n] = rw
+        t, h = mine["x"].shape
+        biases = _bias(spec, rank, t, h)
+        comb, comb_w, ev = buf.combine(y, handle, topk_weights=yw, bias=biases or None,
+                                       config=Config(*(spec.get("combine_config") or spec["config"])) if spec.get("config") else None,
+                                       async_finish=spec.get("async_finish", False),
+                                       previous_event=Buffer.capture() if spec.get("prev_event") else None)
+        if spec.get("async_finish"):
+            ev.current_stream_wait()
+    except EPTimeout as ex:
+        out["raised"] = {"phase": ex.phase, "peers_silent": ex.peers_silent,
+                         "counts_seen": ex.counts_seen, "msg": str(ex)[:400]}
+        return out
+    # the exact reference: every rank's dispatch reference gives its expert outputs
+    refs = [_dispatch_ref(spec, inputs, d, masked_d) for d in range(world)]
+    ys = [_expert_out(spec, rr["recv_x"]) for rr in refs]
+    yws = None if spec.get("no_topk") else [rr["recv_topk_weights"] for rr in refs]
+    want_c, want_w = ref.ht_combine_ref(ys, refs, in_rank, rank, masked_ranks=masked_c, biases=biases,
+                                        ys_weights=yws)
+    if not torch.equal(comb, want_c):
+        bad.append("combined_x differs from the reference (max |diff| %g)"
+                   % float((comb.float() - want_c.float()).abs().max()))
+    # DeepEP's check: (combined - biases) / fan-out == x
+    live = [d for d in range(world) if d not in masked_c]
+    fan = in_rank[:, live].sum(1, keepdim=True).clamp(min=1).float()
+    x_ref = mine["x"].float() if not spec.get("fp8") else ref.per_token_cast_back(*mine["x_fp8"])
+    reached = in_rank[:, live].any(1)
+    core = comb.float() - sum((b.float() for b in biases), torch.zeros_like(comb.float()))
+    if bool(reached.any()):
+        out["calc_diff"] = ref.calc_diff(core[reached] / fan[reached], x_ref[reached])
+    else:
+        out["calc_diff"] = 0.0
+    if comb_w is not None:
+        w0 = torch.where(mine["topk_idx"] >= 0, mine["topk_weights"], torch.zeros_like(mine["topk_weights"]))
+        if masked_c:
+            el = e // world
+            dead = torch.zeros_like(w0, dtype=torch.bool)
+            for m in masked_c:
+                dead |= (mine["topk_idx"] >= m * el) & (mine["topk_idx"] < (m + 1) * el)
+            w0 = torch.where(dead, torch.zeros_like(w0), w0)
+        out["weights_diff"] = float((comb_w - w0).abs().max()) if w0.numel() else 0.0
+        if not torch.equal(comb_w, want_w):
+            bad.append("combined_topk_weights differ from the reference")
+    out["nan"] = bool(torch.isnan(comb.float()).any())
+    out["n_recv"] = n
+    out["hashes"] = {"recv_x": ref.hash_tensor(rx[0] if isinstance(rx, tuple) else rx),
+                     "combined": ref.hash_tensor(comb)}
+    out["masked"] = buf.masked_ranks() if buf.enable_shrink else []
+    return out
+
+
+def ll_round(state, spec):
+    """An LL round (tests/ep_jobs.py) on this Buffer, after clean_low_latency_buffer."""
+    import ep_jobs
+    buf = state["ep_buf"]
+    buf.clean_low_latency_buffer(spec["t_max"], spec["hidden"], spec["num_experts"])
+    return ep_jobs.round_(state, spec)
+
+
+def too_small(state, hidden):
+    """A dispatch whose Config needs more than the HT buffer holds: the ConfigError's text."""
+    buf = state["ep_buf"]
+    x = torch.zeros(4, hidden, dtype=torch.bfloat16)
+    in_rank = torch.ones(4, buf.group_size, dtype=torch.bool)
+    try:
+        buf.dispatch(x, is_token_in_rank=in_rank, config=Config(4, 6, 4096))
+    except Exception as e:  # noqa: BLE001 - the test checks the type and text
+        return "%s: %s" % (type(e).__name__, e)
+    return None

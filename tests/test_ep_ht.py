@@ -1,0 +1,340 @@
+"""gpunet.ep high-throughput dispatch / combine across rank processes (HOST arm, soft NIC), checked
+DeepEP's way (EP-ANCHORS.md §B) and against gpunet.ep.reference's HT references: the layout against
+a token-by-token computation, rows exactly where the reference puts them (source-rank order, token
+order, local expert ids, weights), counts against the all-reduced layout, combine / fan-out == x
+within DeepEP's bounds and bit-equal to the float32 reference, cached handles, num_worst_tokens,
+async and previous-event variants, generated shapes and skewed routings, HT then LL on one Buffer,
+a too-small buffer refused, killed ranks (masked or raised).
+
+Worlds (tests/mp_ranks.py pools running "ep_ht_jobs:*"): 2 ranks ibgda warp 32, 2 ranks proxy
+warp 64, 2 ranks p2p warp 64, 4 ranks mixed (ibgda and proxy pairs) warp 32, 4 ranks ibgda warp 64,
+and 3-rank worlds that lose a rank.
+"""
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+import torch
+
+from gpunet.ep import Buffer, Config
+from gpunet.ep import reference as ref
+from gpunet.errors import ConfigError
+from mp_ranks import Ranks
+
+BASE = dict(tokens=24, hidden=256, topk=4, holes=3)
+EXPERTS_PER_RANK = 4
+BF16_BOUND, FP8_BOUND, WEIGHT_BOUND = 5e-6, 5e-4, 1e-9
+# Small rings (16 slots, chunks of 4 ... a few tokens) so every round wraps its rings many times.
+SMALL = (4, 4, 48)
+HIDDEN_MAX = 384
+
+
+def _nbytes(world, config=SMALL, hidden=HIDDEN_MAX):
+    return Config(*config).get_nvl_buffer_size_hint(hidden * 2, world)
+
+
+def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, **kw):
+    r = Ranks(world)
+    try:
+        info = r.run("ep_ht_jobs:init", transport, kw.pop("num_nvl_bytes", _nbytes(world)), timeout_s,
+                     shrink, warp_size, *kw.values(), timeout=180)
+    except BaseException:
+        r.close()
+        raise
+    r.world, r.info = world, info
+    return r
+
+
+def _close(r):
+    try:
+        r.run("ep_ht_jobs:close", timeout=60)
+    finally:
+        r.close()
+
+
+def _spec(world, seed, **kw):
+    s = dict(BASE, seed=seed, num_experts=EXPERTS_PER_RANK * world, config=SMALL)
+    s.update(kw)
+    return s
+
+
+def _assert_round(out, spec):
+    bound = FP8_BOUND if spec.get("fp8") else BF16_BOUND
+    for rank, o in enumerate(out):
+        assert o["raised"] is None, "rank %d raised %r (spec %r)" % (rank, o["raised"], spec)
+        assert o["bad"] == [], "rank %d: %s (spec %r)" % (rank, o["bad"], spec)
+        assert not o["nan"], "rank %d: NaN in combined_x" % rank
+        assert o["calc_diff"] < bound, "rank %d: combine / fan-out vs x calc_diff %.3g >= %.1g (spec %r)" % (
+            rank, o["calc_diff"], bound, spec)
+        if o["weights_diff"] is not None:
+            assert o["weights_diff"] < WEIGHT_BOUND, (rank, o["weights_diff"])
+
+
+@pytest.fixture(scope="module")
+def ibgda2():
+    r = _pool(2, "ibgda", 32)
+    yield r
+    _close(r)
+
+
+@pytest.fixture(scope="module")
+def proxy2():
+    r = _pool(2, "proxy", 64, shrink=True)
+    yield r
+    _close(r)
+
+
+@pytest.fixture(scope="module")
+def mixed4():
+    r = _pool(4, "mixed", 32)
+    yield r
+    _close(r)
+
+
+# ---- without ranks ---------------------------------------------------------------------------------
+def test_size_hint_is_the_layout_and_independent_of_the_token_count():
+    """Config.get_nvl_buffer_size_hint is exactly the HT layout's size (signals, headers, two
+    kinds of send + receive rings of num_max_nvl_chunked_recv_tokens messages per channel and
+    rank), grows with ranks, channels, ring and hidden, and does not depend on tokens: with 4
+    channels of 48-slot rings, DeepEP's 4096 x 7168 BF16 benchmark on 2 ranks moves more than
+    twice the buffer's bytes per rank (and 8x as many tokens, 16x)."""
+    from gpunet.ep import _layout as lay
+    c = Config(20, 6, 256)
+    h = c.get_nvl_buffer_size_hint(7168 * 2, 2)
+    assert h == lay.ht_size_hint(7168, 2, 10, 256)
+    msg = lay.msg_stride(7168, False)[0]
+    assert h == lay.ht_fixed_bytes(2) + 2 * lay.align(2 * 10 * 2 * 256 * msg)
+    assert h < c.get_nvl_buffer_size_hint(7168 * 2, 4) and h < Config(40, 6, 256).get_nvl_buffer_size_hint(7168 * 2, 2)
+    assert h < Config(20, 6, 512).get_nvl_buffer_size_hint(7168 * 2, 2) < Config(20, 6, 512).get_nvl_buffer_size_hint(8192 * 2, 2)
+    assert c.get_rdma_buffer_size_hint(7168 * 2, 2) == h
+    small = Config(8, 8, 48).get_nvl_buffer_size_hint(7168 * 2, 2)
+    assert small == lay.ht_size_hint(7168, 2, 4, 48) and 2 * small < 4096 * 7168 * 2
+
+
+def test_one_rank_round_trip_without_topk_and_a_too_small_buffer():
+    """A world of one: a dispatch without top-k (is_token_in_rank only) returns no top-k tensors and
+    the rows in order; combine of them is the rows again (fan-out 1). A Config whose rings do not
+    fit the buffer, a ring smaller than 2 * chunk + 32, num_tokens_per_rdma_rank, a handle together
+    with topk_idx, and bad dtypes raise ConfigError naming the problem."""
+    cfg = Config(2, 4, 48)
+    b = Buffer(None, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(256 * 2, 1), explicitly_destroy=True,
+               timeout_s=10.0)
+    try:
+        x = torch.randn(9, 256).to(torch.bfloat16)
+        in_rank = torch.tensor([[True]] * 7 + [[False]] * 2)
+        rx, tk, w, counts, handle, ev = b.dispatch(x, is_token_in_rank=in_rank, config=cfg)
+        assert tk is None and w is None and ev.event is None and torch.equal(rx, x[:7])
+        out, ow, _ = b.combine(rx, handle, config=cfg)
+        assert ow is None and torch.equal(out[:7], x[:7]) and bool((out[7:] == 0).all())
+        cases = [
+            (lambda: b.dispatch(x, is_token_in_rank=in_rank, config=Config(2, 4, 4096)), "get_nvl_buffer_size_hint"),
+            (lambda: b.dispatch(x, is_token_in_rank=in_rank, config=Config(2, 16, 40)), "2 \\* send chunk"),
+            (lambda: b.dispatch(x, is_token_in_rank=in_rank, num_tokens_per_rdma_rank=in_rank.int()), "rdma"),
+            (lambda: b.dispatch(x, handle=handle, topk_idx=torch.zeros(9, 1, dtype=torch.int64)), "cached"),
+            (lambda: b.dispatch(x.float(), is_token_in_rank=in_rank), "bfloat16"),
+            (lambda: b.dispatch(x, is_token_in_rank=in_rank.int()), "bool"),
+            (lambda: b.combine(rx[:3], handle), "shape"),
+            (lambda: b.get_dispatch_layout(torch.zeros(3, 2, dtype=torch.int64), 0), "num_experts"),
+        ]
+        for fn, words in cases:
+            with pytest.raises(ConfigError, match=words):
+                fn()
+    finally:
+        b.destroy()
+    nb = Buffer(None, num_rdma_bytes=1 << 20, low_latency_mode=True, explicitly_destroy=True)
+    try:
+        with pytest.raises(ConfigError, match="num_nvl_bytes"):
+            nb.dispatch(x, is_token_in_rank=in_rank)
+    finally:
+        nb.destroy()
+
+
+def test_set_num_sms_bounds_the_channels():
+    """The kernels use no more blocks than the Config's num_sms (2 per channel), Buffer.num_sms
+    (set_num_sms) feeds the default Configs, and the HOST arm caps the channels at 2."""
+    b = Buffer(None, num_nvl_bytes=Config(8, 4, 48).get_nvl_buffer_size_hint(512, 1), explicitly_destroy=True)
+    old = Buffer.num_sms
+    try:
+        Buffer.set_num_sms(2)
+        assert Buffer.get_dispatch_config(2).num_sms == 2 and Buffer.get_combine_config(8).num_sms == 2
+        assert b._ht_geometry(Config(2, 4, 48))[0] == 1
+        assert b._ht_geometry(Config(8, 4, 48))[0] == 2
+        x = torch.randn(5, 256).to(torch.bfloat16)
+        _, _, _, _, handle, _ = b.dispatch(x, is_token_in_rank=torch.ones(5, 1, dtype=torch.bool),
+                                           config=Config(2, 4, 48))
+        assert handle[6]["nc"] == 1 and tuple(handle[5].shape) == (1, 1)
+    finally:
+        Buffer.num_sms = old
+        b.destroy()
+
+
+# ---- 2 ranks, ibgda, warps of 32 ----------------------------------------------------------------
+@pytest.mark.parametrize("mode", [dict(tagged=True), dict(fp8=True), dict(no_topk=True, tagged=True),
+                                  dict(alignment=4, biases=2, cached=True),
+                                  dict(async_finish=True, prev_event=True, fp8=True, cached=True)],
+                         ids=["tagged-bf16", "fp8", "no-topk", "align-bias-cached", "async-prev-fp8"])
+def test_mode_matrix_over_ibgda(ibgda2, mode):
+    """DeepEP's HT mode matrix: tagged / random BF16, FP8, with and without top-k, expert
+    alignment, two biases, a cached-handle dispatch, async_finish and previous_event: the layout
+    equals the token-by-token reference, the rows, local expert ids, weights and aligned counts
+    equal the reference (counts also the all-reduced layout's), tagged rows come in source-rank and
+    token order, combine equals the float32 reference bit for bit and (combined - biases) /
+    fan-out is within DeepEP's bound of x; the reduced weights equal the originals."""
+    spec = _spec(2, seed=11, **mode)
+    _assert_round(ibgda2.run("ep_ht_jobs:round_", spec), spec)
+
+
+def test_num_worst_tokens_prefix_equals_the_exact_run_and_tail_is_minus_one(ibgda2):
+    """num_worst_tokens (no host sync): the receive tensors have exactly that many rows, their
+    prefix equals the exact dispatch, the tail of recv_topk_idx is -1, the count list is empty;
+    combine from the padded rows matches too. Too few rows raise a clear error on that rank."""
+    for fp8 in (False, True):
+        spec = _spec(2, seed=13, worst=7, fp8=fp8, cached=True)
+        _assert_round(ibgda2.run("ep_ht_jobs:round_", spec), spec)
+    spec = _spec(2, seed=14, worst=0, hot_expert=1)
+    _assert_round(ibgda2.run("ep_ht_jobs:round_", spec), spec)
+
+
+def test_same_seed_reruns_hash_identically(ibgda2):
+    """Same inputs, bit-identical recv_x and combined_x on every rerun; another seed differs."""
+    spec = _spec(2, seed=5, hot_expert=2)
+    first = [o["hashes"] for o in ibgda2.run("ep_ht_jobs:round_", spec)]
+    for _ in range(2):
+        assert [o["hashes"] for o in ibgda2.run("ep_ht_jobs:round_", spec)] == first
+    assert [o["hashes"] for o in ibgda2.run("ep_ht_jobs:round_", dict(spec, seed=6))] != first
+
+
+@settings(max_examples=max(3, settings().max_examples // 10), deadline=None,
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(data=st.data())
+def test_generated_shapes_and_skewed_routings(ibgda2, data):
+    """Generated: tokens per rank (0..40, varying by rank, so some rank may send nothing), hidden
+    (128..384), experts per rank (1..8), top-k (1..min(16, E)), -1 holes, a hot expert with a
+    skew up to every token of every rank (EP-ANCHORS.md §B.10: the skew that broke DeepEP's
+    counts), BF16 or FP8, a Config with 1 or 2 channels and rings of 40..64 slots in chunks of
+    1..4. Invariant: every check of the round holds on every rank."""
+    world = 2
+    epr = data.draw(st.integers(1, 8), "experts per rank")
+    e = epr * world
+    k = data.draw(st.integers(1, min(16, e)), "topk")
+    hot = data.draw(st.one_of(st.none(), st.integers(0, e - 1)), "hot")
+    chunk = data.draw(st.integers(1, 4), "chunk")
+    spec = dict(seed=data.draw(st.integers(0, 2 ** 20), "seed"),
+                tokens=data.draw(st.integers(0, 40), "tokens"),
+                hidden=128 * data.draw(st.integers(1, HIDDEN_MAX // 128), "hidden/128"),
+                topk=k, num_experts=e, holes=data.draw(st.integers(0, 8), "holes"),
+                vary_tokens=data.draw(st.booleans(), "vary"),
+                fp8=data.draw(st.booleans(), "fp8"),
+                config=(data.draw(st.sampled_from([2, 4]), "num_sms"), chunk,
+                        data.draw(st.integers(2 * chunk + 32, 48), "ring")))
+    if hot is not None and e - 1 >= k:
+        spec.update(hot_expert=hot, hot_fraction=data.draw(st.sampled_from([0.5, 0.9, 1.0]), "skew"))
+    _assert_round(ibgda2.run("ep_ht_jobs:round_", spec), spec)
+
+
+# ---- 2 ranks, proxy (warps of 64) and p2p ---------------------------------------------------------
+@pytest.mark.parametrize("mode", [dict(tagged=True, vary_tokens=True), dict(fp8=True, worst=3, biases=1)],
+                         ids=["tagged-vary", "fp8-worst-bias"])
+def test_over_the_proxy_with_warps_of_64(proxy2, mode):
+    """The round through the CPU proxy with 64-lane warps (ballots over 64 tokens)."""
+    spec = _spec(2, seed=21, hot_expert=3, **mode)
+    _assert_round(proxy2.run("ep_ht_jobs:round_", spec), spec)
+
+
+def test_ht_then_ll_with_a_clean_between():
+    """One Buffer with both buffers (SGLang's normal -> low-latency switch): an HT round, then
+    clean_low_latency_buffer and an LL round (tests/ep_jobs.py's checks), then HT again."""
+    ll_bytes = Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8)
+    r = _pool(2, "p2p", 64, num_nvl_bytes=_nbytes(2), num_rdma_bytes=ll_bytes, low_latency_mode=True)
+    try:
+        assert {t for i in r.info for t in i["transports"].values()} == {"p2p"}
+        spec = _spec(2, seed=31, tagged=True)
+        _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
+        ll = dict(seed=32, t_max=8, hidden=256, topk=4, num_experts=8, holes=2, use_fp8=True)
+        for rank, o in enumerate(r.run("ep_ht_jobs:ll_round", ll)):
+            assert o["raised"] is None and o["bad"] == [] and o["calc_diff"] < 9e-4, (rank, o)
+        spec = _spec(2, seed=33, fp8=True)
+        _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
+    finally:
+        _close(r)
+
+
+# ---- 4 ranks ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", [dict(tagged=True), dict(fp8=True, cached=True, biases=2)],
+                         ids=["tagged", "fp8-cached-bias"])
+def test_four_ranks_mixed_transports(mixed4, mode):
+    """4 ranks, pairs with an odd sum through the proxy, the others by ibgda: varying tokens (some
+    rank may send none), holes, a hot expert; every check of the round holds on every rank."""
+    assert {t for i in mixed4.info for t in i["transports"].values()} == {"ibgda", "proxy"}
+    spec = _spec(4, seed=41, vary_tokens=True, hot_expert=5, **mode)
+    _assert_round(mixed4.run("ep_ht_jobs:round_", spec), spec)
+
+
+def test_four_ranks_ibgda_warps_of_64_and_a_too_small_buffer():
+    """4 ranks over ibgda with 64-lane warps, top-6, two channels; and a Config whose rings do
+    not fit the buffer is refused on every rank with a ConfigError naming the size hint."""
+    r = _pool(4, "ibgda", 64)
+    try:
+        spec = _spec(4, seed=51, topk=6, vary_tokens=True, empty_experts=(1, 2), fp8=True)
+        _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
+        for msg in r.run("ep_ht_jobs:too_small", 256):
+            assert msg is not None and msg.startswith("ConfigError") and "get_nvl_buffer_size_hint" in msg, msg
+    finally:
+        _close(r)
+
+
+# ---- a rank that dies ---------------------------------------------------------------------------
+VICTIM = 2
+
+
+def _kill_round(transport, shrink, stage):
+    r = _pool(3, transport, 32, shrink=shrink, timeout_s=3.0)
+    spec = _spec(3, seed=61, die=(VICTIM, stage))
+    for q in r.inboxes:
+        q.put(("ep_ht_jobs:round_", (spec,)))
+    outs = [r.outboxes[i].get(timeout=120) for i in (0, 1)]
+    r.procs[VICTIM].join(timeout=30)
+    r.inboxes, r.outboxes = r.inboxes[:VICTIM], r.outboxes[:VICTIM]
+    return outs, r, spec
+
+
+def _close_survivors(r):
+    try:
+        r.run("ep_ht_jobs:close", timeout=60)
+    finally:
+        victim = r.procs[VICTIM]
+        if victim.is_alive():
+            victim.kill()
+        r.procs = r.procs[:VICTIM]
+        r.close()
+
+
+@pytest.mark.parametrize("transport,stage", [("ibgda", "dispatch"), ("proxy", "combine")])
+def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
+    """enable_shrink: rank 2 exits at the start of dispatch (or combine). The survivors finish the
+    round within the timeout with rank 2 masked (nothing received from it; combine leaves its rows
+    out) and match the reference with rank 2 masked; the next round among the survivors too."""
+    outs, r, spec = _kill_round(transport, True, stage)
+    try:
+        for status, o in outs:
+            assert status == "ok", o
+        _assert_round([o for _, o in outs], spec)
+        assert all(o["masked"] == [VICTIM] for _, o in outs), outs
+        nxt = _spec(3, seed=62, masked=(VICTIM,), fp8=True)
+        _assert_round(r.run("ep_ht_jobs:round_", nxt), nxt)
+    finally:
+        _close_survivors(r)
+
+
+@pytest.mark.parametrize("transport,stage", [("mixed", "dispatch"), ("ibgda", "combine")])
+def test_a_dead_rank_raises_ep_timeout_without_shrink(transport, stage):
+    """Without enable_shrink every survivor raises gpunet.EPTimeout from that call naming rank 2
+    as silent and the phase, within a bounded time (never a hang)."""
+    outs, r, spec = _kill_round(transport, False, stage)
+    try:
+        for status, o in outs:
+            assert status == "ok", o
+            assert o["raised"] is not None, "no EPTimeout: %r" % (o,)
+            assert o["raised"]["phase"] == stage and o["raised"]["peers_silent"] == [VICTIM], o["raised"]
+    finally:
+        _close_survivors(r)
