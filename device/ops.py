@@ -1,5 +1,6 @@
-"""The kernels of device/kernels/ops.cu, bound for Python: the op-list kernel behind the host
-wrappers (gpunet/_launch.py); tests drive it directly through :func:`run_ops`."""
+"""The kernels of device/kernels/ops.cu, bound for Python: the op-list kernel and the bulk put
+behind the host wrappers (gpunet/_launch.py); tests drive them directly through :func:`run_ops`
+and :func:`run_put_bulk`."""
 import ctypes
 
 from gpunet.device import abi
@@ -16,6 +17,8 @@ def load_ops(arch="host", defines=None):
     lib.gpunet_ops_abi_size.argtypes, lib.gpunet_ops_abi_size.restype = [u32], u32
     lib.gpunet_ops_launch.argtypes = [u32, u32, u32, u32, u64, u32, u32, vp, vp, u32]
     lib.gpunet_ops_launch.restype = ctypes.c_int
+    lib.gpunet_put_bulk_launch.argtypes = [u32, u32, u32, u32, u64, u32, u32, vp, vp, u32, u64, vp, u32]
+    lib.gpunet_put_bulk_launch.restype = ctypes.c_int
     for i, name in enumerate(["Status", "CqDesc", "QpDesc", "PeerDesc", "DevCtx", "OpDesc"]):
         got = lib.gpunet_ops_abi_size(i)
         if got != abi.SIZES[name]:
@@ -56,3 +59,24 @@ def run_ops(lib, lb, ops, per_thread, launch, check=True):
         raise GpunetError("ops kernel launch failed (%d)" % rc)
     if check:
         abi.raise_for_status(lb.status, "ops kernel")
+
+
+def run_put_bulk(lib, lb, ops, chunk, launch, check=True):
+    """Run ops.cu's bulk put (k_put_bulk) on ``ops`` (an abi.OpDesc array of OP_PUT, shared by
+    the whole grid; each ``ok`` is set to 1 first and cleared by the block that fails it), cut in
+    ``chunk``-byte pieces, with ``launch``'s geometry and weak-memory choices, on ``lb`` (as
+    :func:`run_ops`); raise the Status if ``check``."""
+    from gpunet.errors import ConfigError, GpunetError
+
+    if chunk <= 0:
+        raise ConfigError("run_put_bulk: chunk must be > 0 bytes, not %r" % (chunk,))
+    for o in ops:
+        if o.kind != abi.OP_PUT:
+            raise ConfigError("run_put_bulk: every op must be OP_PUT, not kind %d" % o.kind)
+        o.ok = 1
+    rc = lib.gpunet_put_bulk_launch(*launch.args(), ctypes.addressof(lb.ctx), ctypes.addressof(ops),
+                                    len(ops), chunk, None, 1)
+    if rc != 0:
+        raise GpunetError("bulk put kernel launch failed (%d)" % rc)
+    if check:
+        abi.raise_for_status(lb.status, "bulk put kernel")

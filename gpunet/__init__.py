@@ -18,8 +18,8 @@ def __getattr__(name):
     raise AttributeError("module 'gpunet' has no attribute %r" % name)
 
 
-_API = ("init", "put", "get", "put_signal", "atomic_add", "wait_until", "quiet", "barrier",
-        "Context", "Remote", "read_signal", "DeviceHandle", "build_extension")
+_API = ("init", "put", "put_batch", "get", "put_signal", "atomic_add", "wait_until", "quiet",
+        "barrier", "Context", "Remote", "read_signal", "DeviceHandle", "build_extension")
 
 __all__ = ["GpunetError", "ConfigError", "ToolchainError", "TimeoutError", "CompletionError",
            "CoherenceViolation", "ClosedError", "CloseError", "__version__", *_API]

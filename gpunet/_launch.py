@@ -1,5 +1,6 @@
 """How a Context runs device code for its host wrappers: one thread of device/kernels/ops.cu's
-op-list kernel per call, and (CUDA) the ring of OpDesc slots for launches in flight.
+op-list kernel per call, or its bulk put with blocks sized to the bytes (p2p puts: the threads
+copy, see bulk_geometry), and (CUDA) the ring of OpDesc slots for launches in flight.
 
 - CPU platform: the HOST arm runs the kernel synchronously on the calling thread; the Status
   block is read right after it.
@@ -23,6 +24,38 @@ from gpunet.resource import Resource
 
 OPS_RING = 1024                   # GPU: OpDesc slots for launches in flight (64 KiB, mapped arena)
 
+# Bulk puts (ops.cu k_put_bulk: the grid shares a list of puts, each block moving chunks with
+# put_nbi_block). A p2p put is a copy by the threads that run it, so one thread would copy a large
+# tensor at one thread's speed: bulk_geometry gives it blocks for its size. NIC peers keep the
+# one-thread op list (one WQE moves any size; the NIC's DMA engine is the bulk copier).
+BULK_BLOCK_GPU = 256              # threads per block on a GPU (8 warps of 32)
+BULK_BYTES_PER_BLOCK = 32 << 10   # GPU: a block per 32 KiB (each thread 8 16-byte stores: two
+                                  # rounds of p2p.cuh's 4 loads in flight) ...
+BULK_BLOCKS_PER_SM = 4            # ... up to 4 blocks per SM (1024 threads each SM), the rest
+                                  # in more rounds per thread
+BULK_CHUNK_ALIGN = 256            # chunk boundaries keep 16-byte (vector) alignment and whole lines
+BULK_MIN_BYTES_CPU = 256 << 10    # HOST arm: a block of one warp per 256 KiB, at most
+BULK_MAX_BLOCKS_CPU = 2           # 2 blocks (every emulated thread is an OS thread; the CPU
+                                  # gains nothing from more, but the bulk path runs in CI)
+
+
+def bulk_geometry(nbytes, gpu, warp_size, sms=0):
+    """(grid, block, chunk) of ops.cu's bulk put for ``nbytes`` in all, or None where the op-list
+    kernel's single thread is the right launch (the CPU below BULK_MIN_BYTES_CPU). GPU: a block of
+    BULK_BLOCK_GPU threads per BULK_BYTES_PER_BLOCK, at most BULK_BLOCKS_PER_SM per SM (``sms``);
+    chunk: the bytes each block moves per turn (a multiple of BULK_CHUNK_ALIGN)."""
+    nbytes = int(nbytes)
+    if gpu:
+        grid = max(1, min(-(-nbytes // BULK_BYTES_PER_BLOCK), max(1, sms) * BULK_BLOCKS_PER_SM))
+        block = BULK_BLOCK_GPU
+    else:
+        if nbytes < BULK_MIN_BYTES_CPU:
+            return None
+        grid, block = min(BULK_MAX_BLOCKS_CPU, nbytes // BULK_MIN_BYTES_CPU), warp_size
+    per = -(-max(nbytes, 1) // grid)
+    chunk = -(-per // BULK_CHUNK_ALIGN) * BULK_CHUNK_ALIGN
+    return grid, block, chunk
+
 
 class Launcher(Resource):
     """Runs op lists for one Context. ``nic``: where the CUDA ring lives (``nic.alloc``);
@@ -37,6 +70,7 @@ class Launcher(Resource):
         from gpunet.device.ops import Launch, load_ops
 
         self._gpu = gpu
+        self._sms = 0                 # GPU: the device's SM count, read at the first bulk put
         self.dev = None
         self.warp_size = warp_size
         self.launch = Launch(grid=1, block=1, warp_size=warp_size)
@@ -48,23 +82,44 @@ class Launcher(Resource):
             self._ring = nic.alloc(OPS_RING * ctypes.sizeof(abi.OpDesc), 4096)
             self._top = 0            # next free OpDesc slot; reset after each stream sync
 
-    def run(self, ops, what, blocking=True):
-        """Launch the op-list kernel on ``ops``. Returns (the OpDescs the kernel writes, the
-        failure recorded or None, whether the kernel is known to be done: always on the CPU, on
-        CUDA only with ``blocking``: then the stream was synchronized)."""
+    def bulk(self, kind, nbytes):
+        """The bulk put geometry (bulk_geometry) for a put of ``nbytes`` to a peer reached by
+        transport ``kind``, or None for the op-list kernel: only p2p puts are copies by the
+        launching threads."""
+        if kind != "p2p":
+            return None
+        if self._gpu and not self._sms:
+            self._sms = torch.cuda.get_device_properties(
+                torch.cuda.current_device()).multi_processor_count
+        return bulk_geometry(nbytes, self._gpu, self.warp_size, self._sms)
+
+    def run(self, ops, what, blocking=True, bulk=None):
+        """Launch the op-list kernel on ``ops`` (with ``bulk``, a (grid, block, chunk) of
+        :func:`bulk_geometry`: ops.cu's bulk put on them, every op an OP_PUT). Returns (the OpDescs
+        the kernel writes, the failure recorded or None, whether the kernel is known to be done:
+        always on the CPU, on CUDA only with ``blocking``: then the stream was synchronized)."""
+        if bulk is not None:
+            for o in ops:
+                o.ok = 1              # k_put_bulk clears the ok of a put a block failed
         if self._gpu:
-            return self._run_gpu(ops, what, blocking)
+            return self._run_gpu(ops, what, blocking, bulk)
         st = self.dev.status
         if st.code:                   # recorded by a kernel nobody checked (see the module doc)
             return ops, self._take_failure("an earlier device kernel (not followed by "
                                            "ctx.check()), reported before %s" % what), False
-        rc = self.lib.gpunet_ops_launch(*self.launch.args(), self.dev.addr, ctypes.addressof(ops),
-                                        len(ops))
+        if bulk is not None:
+            grid, block, chunk = bulk
+            rc = self.lib.gpunet_put_bulk_launch(grid, block, self.warp_size, 0, 0, 0, 0,
+                                                 self.dev.addr, ctypes.addressof(ops), len(ops),
+                                                 chunk, None, 1)
+        else:
+            rc = self.lib.gpunet_ops_launch(*self.launch.args(), self.dev.addr,
+                                            ctypes.addressof(ops), len(ops))
         if rc != 0:
             raise GpunetError("%s: device kernel launch failed (%d)" % (what, rc))
         return ops, self._take_failure(what) if st.code else None, True
 
-    def _run_gpu(self, ops, what, blocking):
+    def _run_gpu(self, ops, what, blocking, bulk=None):
         n = len(ops)
         if n > OPS_RING:
             raise ConfigError("%s: %d ops exceed the launch ring (%d)" % (what, n, OPS_RING))
@@ -76,8 +131,14 @@ class Launcher(Resource):
         self._top += n
         dops = (abi.OpDesc * n).from_address(addr)
         ctypes.memmove(addr, ctypes.addressof(ops), ctypes.sizeof(ops))
-        rc = self.lib.gpunet_ops_launch_stream(1, 1, self.warp_size, self.dev.addr, addr, n,
-                                               self.stream() or None, 0)
+        if bulk is not None:
+            grid, block, chunk = bulk
+            rc = self.lib.gpunet_put_bulk_launch(grid, block, self.warp_size, 0, 0, 0, 0,
+                                                 self.dev.addr, addr, n, chunk,
+                                                 self.stream() or None, 0)
+        else:
+            rc = self.lib.gpunet_ops_launch_stream(1, 1, self.warp_size, self.dev.addr, addr, n,
+                                                   self.stream() or None, 0)
         if rc != 0:
             raise GpunetError("%s: CUDA kernel launch failed (cudaError %d)" % (what, rc))
         if blocking:

@@ -28,8 +28,16 @@ def init(group=None, transport="auto", nic="auto", **kwargs):
 
 
 def put(remote, tensor, ctx=None):
-    """Non-blocking: copy heap ``tensor`` to ``remote``. Complete after :func:`quiet`."""
+    """Non-blocking: copy heap ``tensor`` to ``remote``. Complete after :func:`quiet`. To a p2p
+    peer the device threads copy the bytes, so the launch gets blocks for the size
+    (gpunet/_launch.py bulk_geometry); to a NIC peer one WQE carries it."""
     (ctx or _context.current()).put(remote, tensor)
+
+
+def put_batch(pairs, ctx=None):
+    """Non-blocking: ``pairs`` is a list of ``(remote, tensor)``; every put in ONE device launch
+    (p2p peers: a launch of blocks sized to the bytes). Complete after :func:`quiet`."""
+    (ctx or _context.current()).put_batch(pairs)
 
 
 def get(tensor, remote, ctx=None):

@@ -475,13 +475,14 @@ class Context(Resource):
     def _ops(self, *specs):
         return _launch.op_list(*specs)
 
-    def _run(self, ops, what, blocking=True):
-        """Launch ops.cu's op-list kernel on ``ops`` (gpunet/_launch.py). CPU: synchronous, raises.
+    def _run(self, ops, what, blocking=True, bulk=None):
+        """Launch ops.cu's op-list kernel on ``ops`` (gpunet/_launch.py; ``bulk``: its bulk put,
+        Launcher.bulk). CPU: synchronous, raises.
         CUDA: enqueued on the current stream; ``blocking``: then synchronize and raise (see the
         module docstring). Returns the OpDesc array the kernel wrote (results valid once
         synchronized)."""
         self._check_open()
-        done, err, finished = self._launcher.run(ops, what, blocking)
+        done, err, finished = self._launcher.run(ops, what, blocking, bulk)
         if err is None and finished:
             err = self._transports.failure()
         if err is not None:
@@ -533,7 +534,31 @@ class Context(Resource):
         self._check_remote(remote, tensor.nbytes, "put")
         self._run(self._ops(dict(kind=abi.OP_PUT, pe=remote.rank, dst=self.heap_base + remote.offset,
                                  src=self.heap_base + off, nbytes=tensor.nbytes)), "put",
-                  blocking=False)
+                  blocking=False, bulk=self._launcher.bulk(self.transports[remote.rank],
+                                                           tensor.nbytes))
+
+    def put_batch(self, pairs):
+        """Non-blocking puts of many ``(remote, tensor)`` pairs in ONE launch (see quiet()): the
+        whole list is checked first (nothing is posted if any pair is bad). Where a p2p peer is
+        among them, the launch is ops.cu's bulk put, its blocks sized to the bytes of the whole
+        list (gpunet/_launch.py bulk_geometry); else one device thread posts them in order."""
+        pairs = list(pairs)
+        if not pairs:
+            return
+        specs, total, kinds = [], 0, set()
+        for i, pair in enumerate(pairs):
+            if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                raise ConfigError("put_batch: item %d must be a (remote, tensor) pair, not %r"
+                                  % (i, type(pair).__name__))
+            remote, tensor = pair
+            off = self._heap.offset_of(tensor, "put_batch")
+            self._check_remote(remote, tensor.nbytes, "put_batch")
+            specs.append(dict(kind=abi.OP_PUT, pe=remote.rank, dst=self.heap_base + remote.offset,
+                              src=self.heap_base + off, nbytes=tensor.nbytes))
+            total += tensor.nbytes
+            kinds.add(self.transports[remote.rank])
+        bulk = self._launcher.bulk("p2p" if "p2p" in kinds else "nic", total)
+        self._run(self._ops(*specs), "put_batch", blocking=False, bulk=bulk)
 
     def get(self, tensor, remote):
         """Non-blocking get of ``tensor.nbytes`` from ``remote`` into heap ``tensor``; see quiet()."""

@@ -7,7 +7,7 @@ the store-only rule, and the mappings a Context leaves behind."""
 import gpunet
 import mp_jobs
 from gpunet.device import abi
-from gpunet.device.ops import Launch, run_ops
+from gpunet.device.ops import Launch, run_ops, run_put_bulk
 
 
 def mixed(a, b):
@@ -43,6 +43,74 @@ def warp_put(state, warp_size, rows, round_):
     gpunet.quiet()
     ctx.barrier()
     return dst.clone()
+
+
+def block_put(state, warp_size, block, grid, chunk, rows, round_):
+    """Each rank puts every row (src_off, dst_off, nbytes) to (rank + 1) % world, into dst slot
+    ``rank`` there, with ops.cu's bulk put: ``grid`` blocks of ``block`` threads (warps of
+    ``warp_size``) share the row list, cut in ``chunk``-byte pieces, each piece moved by one
+    block's put_nbi_block; quiet, barrier. Returns the dst bytes that landed here and the ok flags."""
+    ctx = state["ctx"]
+    me, n = ctx.rank, ctx.world_size
+    src, dst = state["src"], state["dst"]
+    src[:] = mp_jobs._pattern(me, round_, mp_jobs.SLOT_ELEMS)
+    dst.zero_()
+    ctx.barrier()
+    peer = (me + 1) % n
+    ops = (abi.OpDesc * len(rows))()
+    for o, (s_off, d_off, nbytes) in zip(ops, rows):
+        o.kind, o.pe, o.nbytes = abi.OP_PUT, peer, nbytes
+        o.src = src.data_ptr() + s_off
+        o.dst = dst.data_ptr() + me * mp_jobs.SLOT_ELEMS + d_off
+    run_put_bulk(ctx._launcher.lib, ctx._dev, ops, chunk,
+                 Launch(grid=grid, block=block, warp_size=warp_size))
+    oks = [int(o.ok) for o in ops]
+    gpunet.quiet()
+    ctx.barrier()
+    return {"dst": dst.clone(), "ok": oks}
+
+
+def big_put(state, nbytes, rnd, batch):
+    """Each rank puts ``nbytes`` (batch: as ``batch`` put_batch pieces in one call) from a fresh
+    heap tensor to the next rank, through the Python API; records the launches' bulk geometry
+    (gpunet/_launch.py Launcher.run's ``bulk``); quiet, barrier. Returns what landed here (as a
+    digest and the bytes that differ from the sender's pattern), the geometries, and the next
+    rank's transport."""
+    import torch
+
+    ctx = state["ctx"]
+    me, n = ctx.rank, ctx.world_size
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    src = ctx.alloc((nbytes,), torch.uint8)
+    dst = ctx.alloc((nbytes,), torch.uint8)
+    seen = []
+    real = ctx._launcher.run
+
+    def spy(ops, what, blocking=True, bulk=None):
+        seen.append((what, bulk, len(ops)))
+        return real(ops, what, blocking, bulk)
+
+    try:
+        src.copy_(mp_jobs._pattern(me, rnd, nbytes))
+        dst.zero_()
+        ctx.barrier()
+        ctx._launcher.run = spy
+        if batch:
+            cuts = [nbytes * i // batch for i in range(batch + 1)]
+            gpunet.put_batch([(ctx.remote(nxt, dst, cuts[i]), src[cuts[i]:cuts[i + 1]])
+                              for i in range(batch)])
+        else:
+            gpunet.put(ctx.remote(nxt, dst), src)
+        ctx._launcher.run = real
+        gpunet.quiet()
+        ctx.barrier()
+        wrong = int((dst != mp_jobs._pattern(prv, rnd, nbytes)).sum())
+        return {"wrong": wrong, "launches": seen, "kind": ctx.transports[nxt]}
+    finally:
+        ctx._launcher.run = real
+        ctx.barrier()
+        ctx.free(dst)
+        ctx.free(src)
 
 
 def store_only(state):

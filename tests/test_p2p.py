@@ -4,8 +4,8 @@ the HOST arm's device threads store into it (transport/p2p.cuh; gpunet/transport
 Rank processes (mp_ranks.py) in worlds of 2 and 4 over p2p, and of 3 and 4 mixing p2p, ibgda
 and proxy per pair (p2p_jobs.mixed). The API's generated exchange against the sequential
 reference, atomics and signal-implies-payload are tests/test_api.py's, run on these worlds;
-this file adds warp puts at warp sizes 32 and 64, the c500 store-only rule, mapping errors and
-what close leaves behind.
+this file adds warp and block puts at warp sizes 32 and 64, the bulk put behind large Python
+puts, the c500 store-only rule, mapping errors and what close leaves behind.
 """
 import pytest
 import torch
@@ -70,6 +70,91 @@ def test_warp_put_lands_exactly_at_any_alignment(ranks, warp_size, data):
         for so, do, nb in rows:
             expect[s * SLOT_ELEMS + do: s * SLOT_ELEMS + do + nb] = src[so:so + nb]
         assert torch.equal(out[d], expect), (d, rows)
+
+
+def _block_rows(draw_list):
+    """(src_off, dst_off, nbytes) rows for one bulk launch from drawn (src_off, gap, size)
+    triples: destinations laid out one after the other with a gap of 0..300 bytes (rows of one
+    launch run on different blocks at once, so their destinations must not overlap), clipped to
+    the slot; sources anywhere (offsets 0..300: every common alignment of source and
+    destination)."""
+    rows, end = [], 0
+    for s_off, gap, n in draw_list:
+        d_off = end + gap
+        n = max(0, min(n, SLOT_ELEMS - d_off, SLOT_ELEMS - s_off))
+        rows.append((s_off, min(d_off, SLOT_ELEMS), n))
+        end = min(d_off + n, SLOT_ELEMS)
+    return rows
+
+
+@pytest.mark.parametrize("warp_size", [32, 64])
+@settings(max_examples=max(3, settings().max_examples // 10), deadline=None,
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(data=st.data())
+def test_block_put_lands_exactly_at_any_alignment(ranks, warp_size, data):
+    """Generated: 1-4 rows (src offset 0..300, size 0..12000 bytes, disjoint destinations) put
+    with ops.cu's bulk put: 1-3 blocks of 1-3 warps of 32 or 64 lanes (plus a partial warp of 7
+    lanes or not) share the row list cut in chunks of 16..5000 bytes, each chunk moved by one
+    block's put_nbi_block (p2p: the block's threads copy; in the mixed worlds the next rank may
+    be ibgda: a piece per warp, or proxy: one command). Invariant: the next rank's slot holds
+    exactly the rows' source bytes at their destinations and zeros elsewhere, and every op's ok
+    is 1."""
+    triple = st.tuples(st.integers(0, 300), st.integers(0, 300),
+                       st.one_of(st.integers(0, 40), st.integers(0, 12000)))
+    rows = _block_rows(data.draw(st.lists(triple, min_size=1, max_size=4)))
+    block = warp_size * data.draw(st.integers(1, 3)) + data.draw(st.sampled_from([0, 0, 7]))
+    grid = data.draw(st.integers(1, 3))
+    chunk = data.draw(st.one_of(st.integers(16, 5000), st.sampled_from([256, 4096])))
+    rnd = 7000 + data.draw(st.integers(0, 1 << 20))
+    out = ranks.run("p2p_jobs:block_put", warp_size, block, grid, chunk, rows, rnd)
+    n = ranks.world
+    for d in range(n):
+        s = (d - 1) % n
+        assert out[d]["ok"] == [1] * len(rows), (d, out[d]["ok"])
+        expect = torch.zeros(2 * n * SLOT_ELEMS, dtype=torch.uint8)
+        src = _pattern(s, rnd, SLOT_ELEMS)
+        for so, do, nb in rows:
+            expect[s * SLOT_ELEMS + do: s * SLOT_ELEMS + do + nb] = src[so:so + nb]
+        assert torch.equal(out[d]["dst"], expect), (d, rows, block, grid, chunk)
+
+
+@pytest.mark.parametrize("batch", [0, 3])
+def test_a_large_python_put_to_a_p2p_peer_launches_blocks_for_its_size(ranks, batch):
+    """gpunet.put of 600 KiB (batch 3: put_batch of three pieces in one call) to the next rank:
+    over p2p the launch is the bulk put with bulk_geometry's blocks (2 blocks of one warp on the
+    CPU: a launch of one thread would copy it alone), to a NIC peer the one-thread op list (one
+    WQE carries any size); every byte lands."""
+    from gpunet._launch import bulk_geometry
+
+    nbytes = 600 << 10
+    out = ranks.run("p2p_jobs:big_put", nbytes, 3, batch)
+    for r, o in enumerate(out):
+        assert o["wrong"] == 0, (r, o)
+        assert len(o["launches"]) == 1, o["launches"]
+        what, bulk, nops = o["launches"][0]
+        assert nops == (batch or 1)
+        if o["kind"] == "p2p":
+            assert bulk == bulk_geometry(nbytes, False, 32) and bulk[0] == 2, o
+        else:
+            assert bulk is None, o
+
+
+def test_bulk_geometry_gives_a_gpu_put_blocks_for_its_bytes():
+    """bulk_geometry on a GPU of 132 SMs: 4 KiB is one block, 1 MiB 32 blocks, 256 MiB the cap
+    of 4 blocks per SM (528); every geometry's chunks cover the bytes (grid * chunk >= n, chunk a
+    multiple of 256) and no block is left without a chunk; the CPU takes the one-thread launch
+    below 256 KiB."""
+    from gpunet._launch import BULK_BLOCK_GPU, bulk_geometry
+
+    assert bulk_geometry(4096, True, 32, 132) == (1, BULK_BLOCK_GPU, 4096)
+    assert bulk_geometry(1 << 20, True, 32, 132)[0] == 32
+    assert bulk_geometry(256 << 20, True, 32, 132)[0] == 528
+    for n in (0, 1, 4095, 4096, 100001, 1 << 20, 3 << 20, 256 << 20):
+        grid, block, chunk = bulk_geometry(n, True, 32, 132)
+        assert block == BULK_BLOCK_GPU and chunk % 256 == 0 and grid * chunk >= n
+        assert n == 0 or (grid - 1) * chunk < n, (n, grid, chunk)
+    assert bulk_geometry((256 << 10) - 1, False, 64) is None
+    assert bulk_geometry(1 << 20, False, 64) == (2, 64, 512 << 10)
 
 
 def test_c500_store_only_rule_refuses_get_and_add():

@@ -1,5 +1,6 @@
 // The op-list kernel over gpunet.cuh behind the Python API's host wrappers (gpunet/_launch.py):
-// each thread runs its own OpDesc list, then quiet. One source for every arm: g++ -x c++ (HOST)
+// each thread runs its own OpDesc list, then quiet; and the bulk put (k_put_bulk), where the whole
+// grid shares one list of puts. One source for every arm: g++ -x c++ (HOST)
 // and nvcc (CUDA). The test kernels are in device/testing/kernels/.
 #include <gpunet/gpunet.cuh>
 
@@ -82,6 +83,37 @@ GPUNET_GLOBAL void k_ops(const DevCtx* ctx, OpDesc* ops, uint32_t per_thread) {
   if (ok) gpunet::quiet(*ctx);
 }
 
+// The bulk put behind the host wrappers' large puts and put lists (gpunet/_launch.py
+// bulk_geometry): every thread of the grid reads the same `nops` OP_PUT descriptors. Each put is
+// cut into chunks of `chunk` bytes (the last one shorter; a 0-byte put is one empty chunk);
+// counting chunks over the list in order, chunk k goes to block k % blocks, whose threads move it
+// together (put_nbi_block: on p2p the threads' 16-byte stores, on ibgda a WQE per lane, on the
+// proxy one command). A block stops at its first failure (recorded in the Status block; every
+// block agrees on its own `ok`, so no barrier diverges) and clears `ok` of the put it failed on;
+// the host sets every `ok` to 1 before the launch. Then the block syncs and its thread 0 quiets:
+// the block's puts are complete when the kernel ends, as k_ops' are.
+GPUNET_GLOBAL void k_put_bulk(const DevCtx* ctx, OpDesc* ops, uint32_t nops, uint64_t chunk) {
+  const arch::Dim3 g = arch::grid_dim(), b = arch::block_idx();
+  const uint64_t blocks = uint64_t(g.x) * g.y * g.z;
+  const uint64_t me = b.x + uint64_t(g.x) * (b.y + uint64_t(g.y) * b.z);
+  bool ok = true;
+  uint64_t k = 0;  // chunks of the puts before op i
+  for (uint32_t i = 0; i < nops && ok; ++i) {
+    OpDesc& op = ops[i];
+    const uint64_t n = op.nbytes;
+    const uint64_t nchunks = n == 0 ? 1 : (n + chunk - 1) / chunk;
+    for (uint64_t j = (me + blocks - k % blocks) % blocks; j < nchunks && ok; j += blocks) {
+      const uint64_t off = j * chunk, len = n - off < chunk ? n - off : chunk;
+      ok = gpunet::put_nbi_block(*ctx, reinterpret_cast<uint8_t*>(op.dst) + off,
+                                 reinterpret_cast<const uint8_t*>(op.src) + off, n ? len : 0, op.pe);
+      if (!ok && arch::thread_rank() == 0) op.ok = 0;
+    }
+    k += nchunks;
+  }
+  arch::syncthreads();
+  if (ok && arch::thread_rank() == 0) gpunet::quiet(*ctx);
+}
+
 inline gpunet::LaunchSpec spec(uint32_t grid, uint32_t block, uint32_t ws, uint32_t weak, uint64_t seed,
                                uint32_t order, uint32_t sleep_ns) {
   gpunet::LaunchSpec s;
@@ -132,6 +164,19 @@ int gpunet_ops_launch_stream(uint32_t grid, uint32_t block, uint32_t ws, const D
   s.stream = stream;
   s.sync = sync != 0;
   return gpunet::launch_kernel(s, k_ops, ctx, static_cast<OpDesc*>(ops), per_thread);
+}
+
+// k_put_bulk on grid x block threads (see there): `ops` holds `nops` OP_PUT descriptors, cut in
+// chunks of `chunk` bytes (> 0). HOST: weak/seed/order/sleep_ns as gpunet_ops_launch; GPUs:
+// `stream` (a cudaStream_t) and `sync` as gpunet_ops_launch_stream. Returns 0 or a launch error.
+int gpunet_put_bulk_launch(uint32_t grid, uint32_t block, uint32_t ws, uint32_t weak, uint64_t seed,
+                           uint32_t order, uint32_t sleep_ns, const DevCtx* ctx, void* ops,
+                           uint32_t nops, uint64_t chunk, void* stream, uint32_t sync) {
+  if (chunk == 0) return -1;
+  gpunet::LaunchSpec s = spec(grid, block, ws, weak, seed, order, sleep_ns);
+  s.stream = stream;
+  s.sync = sync != 0;
+  return gpunet::launch_kernel(s, k_put_bulk, ctx, static_cast<OpDesc*>(ops), nops, chunk);
 }
 
 }  // extern "C"

@@ -210,7 +210,7 @@ GPUNET_DEVICE bool fence(const DevCtx& ctx) {
   return !failed(api::waiter(ctx));
 }
 
-// ---- warp variants ---------------------------------------------------------------------------
+// ---- warp and block variants -----------------------------------------------------------------
 
 // Every lane of the warp calls it with the same arguments (converged). ibgda: the put is split in
 // up to warp_size chunks of >= GPUNET_WARP_MIN_CHUNK bytes, one WQE per lane, posted with ONE
@@ -226,6 +226,23 @@ GPUNET_DEVICE bool put_nbi_warp(const DevCtx& ctx, void* dst_sym, const void* sr
   }
   if (nbytes == 0) return arch::all(!failed(w));
   return dispatch(p->kind, [&](auto t) { return t.put_nbi_warp(ctx, w, *p, pe, dst_sym, src, nbytes); });
+}
+
+// Every thread of the block calls it with the same arguments (converged; it contains a block
+// barrier). p2p: the block's threads copy together with 16-byte stores (the bulk form the host
+// wrapper's large puts and EP-style kernels use); ibgda: one piece per warp, each posted with
+// put_nbi_warp; proxy: thread 0 pushes one command. Same guarantees as put_nbi; returns the same
+// bool on every thread of the block.
+GPUNET_DEVICE bool put_nbi_block(const DevCtx& ctx, void* dst_sym, const void* src, uint64_t nbytes,
+                                 int pe) {
+  const Waiter w = api::waiter(ctx);
+  const PeerDesc* p = api::peer(ctx, w, pe, false);
+  if (!p) {
+    if (arch::thread_rank() == 0) api::peer(ctx, w, pe);  // records the bad argument once
+    return !arch::block_any(true);
+  }
+  if (nbytes == 0) return !arch::block_any(failed(w));
+  return dispatch(p->kind, [&](auto t) { return t.put_nbi_block(ctx, w, *p, pe, dst_sym, src, nbytes); });
 }
 
 }  // namespace gpunet

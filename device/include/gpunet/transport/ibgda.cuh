@@ -4,8 +4,8 @@
 // The transport function set (every transport under transport/ has the same names and
 // signatures; gpunet.cuh's dispatch() calls the one of the peer's kind, and its verbs document
 // the guarantees):
-//   put_nbi, put_inline_nbi, get_nbi, put_signal_nbi, atomic_fetch_add, quiet_pe, put_nbi_warp
-//   (per peer) and quiet_all (every peer of this transport).
+//   put_nbi, put_inline_nbi, get_nbi, put_signal_nbi, atomic_fetch_add, quiet_pe, put_nbi_warp,
+//   put_nbi_block (per peer) and quiet_all (every peer of this transport).
 // Arguments are checked by the verb (pe in range, kind matches) before the call.
 #pragma once
 
@@ -152,6 +152,30 @@ struct Ibgda {
       ok = post_warp(qp_of(p), w, q, nposts);
     }
     return ok;
+  }
+
+  // Collective (every thread of the block, same arguments): the bytes are cut into one piece per
+  // full warp of the block (64-byte multiples, at least GPUNET_WARP_MIN_CHUNK per lane's worth),
+  // and each warp posts its piece with put_nbi_warp (one reservation per warp). A block smaller
+  // than a warp posts from thread 0. Returns the same bool on every thread (one block_any).
+  static GPUNET_DEVICE bool put_nbi_block(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
+                                          int pe, void* dst_sym, const void* src, uint64_t nbytes) {
+    const arch::Dim3 bd = arch::block_dim();
+    const uint32_t ws = arch::warp_size(), nwarps = (bd.x * bd.y * bd.z) / ws;
+    bool ok = true;
+    if (nwarps == 0) {
+      if (arch::thread_rank() == 0) ok = put_nbi(ctx, w, p, pe, dst_sym, src, nbytes);
+    } else if (arch::warp_id() < nwarps) {
+      uint64_t piece = (nbytes + nwarps - 1) / nwarps;
+      if (piece < uint64_t(GPUNET_WARP_MIN_CHUNK) * ws) piece = uint64_t(GPUNET_WARP_MIN_CHUNK) * ws;
+      piece = (piece + 63) & ~uint64_t(63);
+      const uint64_t off = uint64_t(arch::warp_id()) * piece;
+      const uint64_t len = off < nbytes ? (nbytes - off < piece ? nbytes - off : piece) : 0;
+      if (len)
+        ok = put_nbi_warp(ctx, w, p, pe, static_cast<uint8_t*>(dst_sym) + off,
+                          static_cast<const uint8_t*>(src) + off, len);
+    }
+    return !arch::block_any(!ok || failed(w));
   }
 };
 

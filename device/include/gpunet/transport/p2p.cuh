@@ -6,10 +6,11 @@
 //
 // The same function set as transport/ibgda.cuh (see there for the list); the guarantees of
 // gpunet.cuh's verbs, reached this way:
-//   - put: the calling thread (put_nbi) or warp (put_nbi_warp) copies the bytes itself with
-//     16-byte vector stores where source and destination share 16-byte alignment (else the
-//     widest common unit). The data is written when the call returns, so src is reusable at
-//     once; visibility at the PE needs the release below (quiet / fence / a signal).
+//   - put: the calling thread (put_nbi), warp (put_nbi_warp) or block (put_nbi_block) copies the
+//     bytes itself with 16-byte vector stores where source and destination share 16-byte
+//     alignment (else the widest common unit). The data is written when the call returns, so
+//     src is reusable at once; visibility at the PE needs the release below (quiet / fence / a
+//     signal).
 //   - put_signal: payload, then fence_sys (the release: every payload store becomes visible
 //     before the signal), then the signal. ADD is a device CAS loop on the big-endian signal
 //     word (the NIC's atomics keep signals big-endian, gpunet.cuh header), so P2P and NIC
@@ -77,17 +78,31 @@ struct P2p {
     uint64_t a, b;
   };
   template <class T>
+  static GPUNET_DEVICE void store_unit(uint8_t* dst, uint64_t i, const T& v) {
+    if constexpr (sizeof(T) == 16)
+      arch::store_relaxed_v2(reinterpret_cast<uint64_t*>(dst) + 2 * i, v.a, v.b);
+    else
+      arch::store_relaxed(reinterpret_cast<T*>(dst) + i, v);
+  }
+  // Rounds of kUnroll units per thread: the loads of a round are issued before its stores, so a
+  // thread has kUnroll loads in flight instead of one (the stores are volatile asm with a memory
+  // clobber: nothing moves across them, and one load per store would expose the whole load
+  // latency per unit; bench/p2p.py measures the bandwidth this buys).
+  static constexpr uint32_t kUnroll = 4;
+  template <class T>
   static GPUNET_DEVICE void copy_units(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t me,
                                        uint32_t count) {
     const uint64_t units = n / sizeof(T);
-    for (uint64_t i = me; i < units; i += count) {
-      if constexpr (sizeof(T) == 16) {
-        const V2 v = reinterpret_cast<const V2*>(src)[i];
-        arch::store_relaxed_v2(reinterpret_cast<uint64_t*>(dst) + 2 * i, v.a, v.b);
-      } else {
-        arch::store_relaxed(reinterpret_cast<T*>(dst) + i, reinterpret_cast<const T*>(src)[i]);
-      }
+    const T* s = reinterpret_cast<const T*>(src);
+    uint64_t i = me;
+    for (; i + (kUnroll - 1) * uint64_t(count) < units; i += kUnroll * uint64_t(count)) {
+      T v[kUnroll];
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) v[u] = s[i + u * uint64_t(count)];
+#pragma unroll
+      for (uint32_t u = 0; u < kUnroll; ++u) store_unit(dst, i + u * uint64_t(count), v[u]);
     }
+    for (; i < units; i += count) store_unit(dst, i, s[i]);
   }
   static GPUNET_DEVICE void copy_bytes(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t me,
                                        uint32_t count) {
@@ -203,6 +218,23 @@ struct P2p {
       }
     }
     return !failed(w);
+  }
+
+  // Collective (every thread of the block, same arguments): the block's threads copy together,
+  // thread t of T taking 16-byte units t, t + T, ... (contiguous stores per round, kUnroll rounds
+  // of loads in flight). Returns the same bool on every thread (one block_any).
+  static GPUNET_DEVICE bool put_nbi_block(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
+                                          int pe, void* dst_sym, const void* src, uint64_t nbytes) {
+    const arch::Dim3 bd = arch::block_dim();
+    const uint64_t off = api::heap_off(ctx, dst_sym);
+    const bool ok = off <= ctx.heap_bytes && nbytes <= ctx.heap_bytes - off;
+    if (!ok) {
+      if (arch::thread_rank() == 0) in_heap(ctx, w, pe, dst_sym, nbytes);
+    } else {
+      copy(mapped(ctx, p, dst_sym), static_cast<const uint8_t*>(src), nbytes, arch::thread_rank(),
+           bd.x * bd.y * bd.z);
+    }
+    return !arch::block_any(failed(w));
   }
 
   // Collective (every lane, same arguments): the lanes copy together, lane i taking 16-byte

@@ -101,6 +101,15 @@ struct Proxy {
     if (arch::lane_id() == 0) ok = put_nbi(ctx, w, p, pe, dst_sym, src, nbytes);
     return arch::shfl(uint32_t(ok), 0) != 0;
   }
+
+  // Collective (every thread of the block): thread 0 pushes one command, as put_nbi_warp's lane 0
+  // does (the proxy thread splits nothing; the NIC moves the bytes). Same bool on every thread.
+  static GPUNET_DEVICE bool put_nbi_block(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
+                                          int pe, void* dst_sym, const void* src, uint64_t nbytes) {
+    bool ok = true;
+    if (arch::thread_rank() == 0) ok = put_nbi(ctx, w, p, pe, dst_sym, src, nbytes);
+    return !arch::block_any(!ok || failed(w));
+  }
 };
 
 }  // namespace transport
