@@ -71,7 +71,7 @@ def test_atomic_endianness_comes_from_the_current_atomic_caps(mode, name, caplog
         assert said == (name == "big"), caplog.text
 
 
-def test_a_non_cached_uar_is_tried_first_and_bluefame_when_it_is_refused(caplog):
+def test_a_non_cached_uar_is_tried_first_and_blueflame_when_it_is_refused(caplog):
     """uar="auto": NC first; where it is refused the NIC takes a BlueFlame UAR and logs why;
     uar="nc" refused is a clear UarError; "bf" asks for BlueFlame only."""
     nic, fake = fake_nic()
@@ -299,7 +299,7 @@ def test_error_syndrome_is_read_from_the_error_cqe_in_the_send_cq():
     a, fa, qa, b, fb, qb = connected_pair()
     with a, b:
         assert a.qp_error_syndrome(qa) == 0
-        buf, n = qa.send_cq.buf, qa.send_cq.cqe_cnt
+        buf = qa.send_cq.buf
         mlx5.write_cqe(buf, 0, mlx5.CQE_REQ_ERR, qa.qpn + 1, 0, 0, 0, 0,
                        mlx5.SYNDROME_REMOTE_ACCESS_ERR, 0, 0)
         mlx5.write_cqe(buf, 64, mlx5.CQE_REQ_ERR, qa.qpn, 1, 0, 0, 0,
@@ -309,7 +309,6 @@ def test_error_syndrome_is_read_from_the_error_cqe_in_the_send_cq():
         fa.qp_state[qa.qpn] = prm.MLX5_QPC_STATE_ERR
         assert a.qp_state(qa) == "ERR"
         assert a.qp_error_syndrome(qa) == mlx5.SYNDROME_LOCAL_PROT_ERR
-        del n
 
 
 def test_reset_qp_moves_to_error_resets_and_reconnects_returning_the_cq_producer_index():
