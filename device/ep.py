@@ -108,7 +108,7 @@ EP_ERR_NAMES[EP_ERR_WORST] = ("more tokens arrived than num_worst_tokens rows (p
 class HtParams(ctypes.Structure):
     _fields_ = [("base", LlParams),
                 ("nchannels", u32), ("ring", u32), ("chunk", u32), ("num_recv_max", u32),
-                ("alignment", u32), ("nbias", u32), ("pad0", u32), ("pad1", u32),
+                ("alignment", u32), ("nbias", u32), ("peer_timeout_ns", u64),
                 ("epoch", u64), ("sig", u64), ("self_sig", u64), ("send_ring", u64),
                 ("recv_ring", u64), ("shdr", u64), ("rhdr", u64),
                 ("x", u64), ("x_scales", u64), ("topk_idx", u64), ("topk_weights", u64),

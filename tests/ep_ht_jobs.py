@@ -71,6 +71,15 @@ def _x(spec, d):
     return d["x_fp8"] if spec.get("fp8") else d["x"]
 
 
+def _dev(obj, dev):
+    """Tensors (also inside tuples) moved to `dev` (the Buffer's device); None stays None."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev)
+    if isinstance(obj, tuple):
+        return tuple(_dev(o, dev) for o in obj)
+    return obj
+
+
 def _bias(spec, rank, t, h):
     gen = torch.Generator().manual_seed(spec["seed"] * 31 + rank)
     return tuple(torch.randn(t, h, generator=gen).to(torch.bfloat16) for _ in range(spec.get("biases", 0)))
@@ -116,14 +125,17 @@ def round_(state, spec):
     cfg = Config(*spec["config"]) if spec.get("config") else None
     out = {"bad": [], "calc_diff": None, "weights_diff": None, "raised": None, "hashes": {}}
     bad = out["bad"]
+    dev = "cuda" if buf.runtime.platform.name == "cuda" else "cpu"
+    cpu = lambda o: _dev(o, "cpu")  # noqa: E731
     if rank == victim and stage == "dispatch":
         os._exit(0)
     try:
         prev = Buffer.capture() if spec.get("prev_event") else None
-        ntr, ntrr, ntpe, in_rank, ev = buf.get_dispatch_layout(mine["topk_idx"], e, previous_event=prev,
-                                                                async_finish=spec.get("async_finish", False))
+        ntr_d, ntrr, ntpe_d, in_rank_d, ev = buf.get_dispatch_layout(
+            mine["topk_idx"].to(dev), e, previous_event=prev, async_finish=spec.get("async_finish", False))
         if spec.get("async_finish"):
             ev.current_stream_wait()
+        ntr, ntpe, in_rank = cpu(ntr_d), cpu(ntpe_d), cpu(in_rank_d)
         want = ref.ht_layout_ref(mine["topk_idx"], e, world)
         if ntrr is not None or not torch.equal(ntr, want[0]) or not torch.equal(ntpe, want[1]) or \
                 not torch.equal(in_rank, want[2]):
@@ -136,19 +148,20 @@ def round_(state, spec):
         topk = None if spec.get("no_topk") else mine["topk_idx"]
         weights = None if spec.get("no_topk") else mine["topk_weights"]
         r_ = _dispatch_ref(spec, inputs, rank, masked_d)
-        kw = dict(is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=topk,
-                  topk_weights=weights, expert_alignment=spec.get("alignment", 1), config=cfg,
+        kw = dict(is_token_in_rank=in_rank_d, num_tokens_per_expert=ntpe_d, topk_idx=_dev(topk, dev),
+                  topk_weights=_dev(weights, dev), expert_alignment=spec.get("alignment", 1), config=cfg,
                   previous_event=Buffer.capture() if spec.get("prev_event") else None,
                   async_finish=spec.get("async_finish", False))
         worst = spec.get("worst")
         n_exact = r_["src_idx"].numel()
         if worst is not None:
             kw["num_worst_tokens"] = n_exact + worst if worst >= 0 else max(1, n_exact + worst)
-        rx, rtk, rw, counts, handle, ev = buf.dispatch(_x(spec, mine), **kw)
+        rx, rtk, rw, counts, handle, ev = buf.dispatch(_dev(_x(spec, mine), dev), **kw)
         if spec.get("async_finish"):
             if ev.event is None:
                 bad.append("async_finish=True returned no event")
             ev.current_stream_wait()
+        rx, rtk, rw = cpu(rx), cpu(rtk), cpu(rw)
         n = n_exact
         if worst is not None:
             rows = kw["num_worst_tokens"]
@@ -199,7 +212,8 @@ def round_(state, spec):
                 if b1 - b0 > 1 and not bool((tok[1:] > tok[:-1]).all()):
                     bad.append("source %d's rows are not in token order" % j)
         if spec.get("cached"):
-            rx2, *rest = buf.dispatch(_x(spec, mine), handle=handle, config=cfg)
+            rx2, *rest = buf.dispatch(_dev(_x(spec, mine), dev), handle=handle, config=cfg)
+            rx2 = cpu(rx2)
             if any(v is not None for v in rest[:4]):
                 bad.append("a cached dispatch returned top-k / counts / handle")
             rx2 = tuple(a[:n] for a in rx2) if isinstance(rx2, tuple) else rx2[:n]
@@ -218,12 +232,14 @@ def round_(state, spec):
             yw[:n] = rw
         t, h = mine["x"].shape
         biases = _bias(spec, rank, t, h)
-        comb, comb_w, ev = buf.combine(y, handle, topk_weights=yw, bias=biases or None,
+        comb, comb_w, ev = buf.combine(y.to(dev), handle, topk_weights=_dev(yw, dev),
+                                       bias=_dev(biases, dev) or None,
                                        config=Config(*(spec.get("combine_config") or spec["config"])) if spec.get("config") else None,
                                        async_finish=spec.get("async_finish", False),
                                        previous_event=Buffer.capture() if spec.get("prev_event") else None)
         if spec.get("async_finish"):
             ev.current_stream_wait()
+        comb, comb_w = cpu(comb), cpu(comb_w)
     except EPTimeout as ex:
         out["raised"] = {"phase": ex.phase, "peers_silent": ex.peers_silent,
                          "counts_seen": ex.counts_seen, "msg": str(ex)[:400]}

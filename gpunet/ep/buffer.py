@@ -302,6 +302,16 @@ class Buffer:
         self._mask_t, self._failed_t = t32("mask"), t32("failed")
         self._status_flag = self._ctl_np[self._ctl_off["status_flag"]:][:4].view(np.uint32)
         self._status_flag_t = t32("status_flag", 1)
+        # the failure words the host polls after every call (LlParams::host_flags): [0] status
+        # flag, [1 + p] failed[p]. The kernels store them here as well as in the heap, in mapped
+        # host memory, so _check reads them with no device sync and no copy of a device-memory
+        # heap (that copy, a sync per call, was in every p2p figure); every platform uses them,
+        # so the CPU tests of failures cover this path
+        self._hflags_mem = ctx.platform.alloc("host", 4 * (1 + r))
+        self._hflags_np = self._hflags_mem.view()[:4 * (1 + r)].view(np.int32)
+        self._prof_addr = 0         # LlParams::prof (bench/ep_profile.py: _set_profile)
+        self._layouts = {}          # (t_max, hidden, num_experts) -> LlLayout
+        self._param_cache = {}      # call key -> LlParams template (addresses of buffers fixed)
         self._ep_status = torch.zeros(ctypes.sizeof(dep.EpStatus), dtype=torch.uint8,
                                       device=self._device)
         # the per-peer Status blocks of the per-peer device contexts: device memory (every verb
@@ -344,6 +354,9 @@ class Buffer:
             ctx, self._ctx = self._ctx, None
             self._closed = True
             ctx.close()
+            mem = getattr(self, "_hflags_mem", None)
+            if mem is not None:
+                mem.close()
 
     def destroy(self):
         """Free every resource (NIC, heap, transports). Requires ``explicitly_destroy=True``
@@ -481,6 +494,7 @@ class Buffer:
         if self.enable_shrink:
             B.flags |= dep.F_SHRINK
         P.nchannels, P.ring, P.chunk = nc, ring, chunk
+        P.peer_timeout_ns = int(self._timeout_s * 1e9)
         P.epoch, P.self_sig, P.ws = _addr(self._ht_epoch), _addr(self._ht_self), _addr(self._ht_ws)
         base = int(self._ht.data_ptr())
         kind = 1 if op == dep.OP_HT_COMBINE else 0
@@ -862,6 +876,7 @@ class Buffer:
 
     def _forget_failure(self, r):
         self._failed_t[r] = 0
+        self._hflags_np[1 + r] = 0
         self._peer_status[128 * r:128 * (r + 1)].zero_()
         self._warned_masked.discard(r)
 
@@ -931,20 +946,43 @@ class Buffer:
             ws["table"].fill_(-1)
         self._ep_status.zero_()
         self._status_flag_t.zero_()
+        self._hflags_np[0] = 0
 
     # ---- launches ---------------------------------------------------------------------------------
     def _layout(self, t_max, hidden, num_experts, what):
         if not self.low_latency_mode:
             raise ConfigError("%s needs a Buffer made with low_latency_mode=True" % what)
+        key = (t_max, hidden, num_experts)
+        layout = self._layouts.get(key)
+        if layout is not None:      # checked when it was made (the host's time per call counts)
+            return layout
         layout = lay.LlLayout(t_max, hidden, self.group_size, num_experts)
         if layout.total > self.num_rdma_bytes:
             raise ConfigError(
                 "%s: num_rdma_bytes=%d is too small for num_max_dispatch_tokens_per_rank=%d, hidden=%d, "
                 "%d ranks, %d experts: it needs %d bytes (Buffer.get_low_latency_rdma_size_hint)"
                 % (what, self.num_rdma_bytes, t_max, hidden, self.group_size, num_experts, layout.total))
+        self._layouts[key] = layout
         return layout
 
     def _params(self, op, phases, flags, buf, layout, num_tokens, topk):
+        """A fresh LlParams for one launch, copied from a template per call shape: everything but
+        the caller's tensors is fixed per (op, phases, flags, buffer, shape, timeout) (the
+        Buffer's allocations never move), and building it field by field cost more host time
+        than the kernel (bench/ep_profile.py). The caller sets the tensor addresses."""
+        key = (op, phases, flags, buf, layout.t_max, layout.hidden, layout.num_experts, num_tokens,
+               topk, self._timeout_s)
+        tmpl = self._param_cache.get(key)
+        if tmpl is None:
+            if len(self._param_cache) >= 256:
+                self._param_cache.clear()
+            tmpl = self._param_cache[key] = self._build_params(op, phases, flags, buf, layout,
+                                                               num_tokens, topk)
+        P = dep.LlParams.from_buffer_copy(tmpl)
+        P.prof = self._prof_addr
+        return P
+
+    def _build_params(self, op, phases, flags, buf, layout, num_tokens, topk):
         r = self.group_size
         P = dep.LlParams()
         P.op, P.phases, P.flags, P.buf = op, phases, flags, buf
@@ -971,9 +1009,25 @@ class Buffer:
         ws = self._workspace(layout.t_max, layout.num_experts)
         P.bits, P.hist, P.plan = _addr(ws["bits"]), _addr(ws["hist"]), _addr(ws["plan"])
         P.tab, P.table = _addr(ws["tab"]), _addr(ws["table"])
+        P.host_flags = self._hflags_mem.ptr
         if self.enable_shrink:
             P.flags |= dep.F_SHRINK
         return P
+
+    def _set_profile(self, stamps):
+        """(bench/ep_profile.py) Record phase stamps of every later LL launch into ``stamps``, an
+        int64 tensor of at least [num_blocks, device/ep.py STAMPS] on this Buffer's device (each
+        launch overwrites the rows of its blocks), or stop with None."""
+        if stamps is None:
+            self._prof_addr = 0
+            return
+        if (not isinstance(stamps, torch.Tensor) or stamps.dtype != torch.int64 or
+                stamps.device.type != self._device.type or not stamps.is_contiguous() or
+                stamps.numel() < self._grid * dep.STAMPS):
+            raise ConfigError("_set_profile: stamps must be a contiguous int64 tensor of >= %d "
+                              "elements on %s" % (self._grid * dep.STAMPS, self._device))
+        self._prof_ref = stamps
+        self._prof_addr = int(stamps.data_ptr())
 
     def _launch(self, P, what, grid=None):
         stream = torch.cuda.current_stream().cuda_stream if self._gpu else None
@@ -982,13 +1036,18 @@ class Buffer:
         if rc != 0:
             raise GpunetError("%s: EP kernel launch failed (error %d)" % (what, rc))
 
-    def _check(self, what, phase):
+    def _check(self, what, phase, mirrored=False):
         """Raise what the kernels recorded: an EP-level failure (then the workspace is reset), or,
         without enable_shrink, the peers that failed (EPTimeout). CPU: the launch just finished;
-        CUDA: whatever launches have completed so far (host-mapped state, no device sync; a
-        device-memory heap: a stream-ordered copy of it)."""
-        self._ctl_refresh()
-        if self._status_flag[0]:
+        CUDA: whatever launches have completed so far (host-mapped state, no device sync).
+        ``mirrored``: the kernels store their failure words in ``_hflags_np`` too (the LL
+        kernels: LlParams::host_flags), so a device-memory heap is not copied (no device sync);
+        otherwise a device-memory heap is read through a stream-ordered copy of it."""
+        hf = self._hflags_np
+        heap = not (mirrored and self._ctl_mirror)  # the heap's words are current on the host
+        if heap:
+            self._ctl_refresh()
+        if hf[0] or (heap and self._status_flag[0]):
             # the failure path may wait: the failed launch and what follows it finish, the
             # workspace is reset, and the reset is done before the next call reads the flag
             if self._gpu:
@@ -998,7 +1057,7 @@ class Buffer:
             if self._gpu:
                 torch.cuda.current_stream().synchronize()
             raise err
-        failed = [p for p in range(self.group_size) if self._failed_np[p]]
+        failed = [p for p in range(self.group_size) if hf[1 + p] or (heap and self._failed_np[p])]
         if not failed:
             return
         if self.enable_shrink:
@@ -1008,6 +1067,8 @@ class Buffer:
                             "; ".join(self._peer_detail(p) for p in new))
                 self._warned_masked.update(new)
             return
+        if not heap:
+            self._ctl_refresh()     # the counts seen (the failure path may copy the heap)
         seen = {p: (int(self._nrecv_np[p]) if self._got_np[p] else None) for p in range(self.group_size)}
         raise EPTimeout("%s on rank %d: peer(s) %s did not answer or failed within %.3g s (%s); pass "
                         "enable_shrink=True to mask them and go on" % (
@@ -1078,7 +1139,7 @@ class Buffer:
         self._reset_workspace()
         P = self._params(dep.OP_CLEAN, 0, 0, 0, layout, 0, 1)
         self._launch(P, "clean_low_latency_buffer", grid=1)
-        self._check("clean_low_latency_buffer", "clean")
+        self._check("clean_low_latency_buffer", "clean", mirrored=True)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None,
@@ -1182,11 +1243,11 @@ class Buffer:
         if not return_recv_hook:
             P.phases = dep.PH_SEND | dep.PH_RECV
             self._launch(P, what)
-            self._check(what, phase)
+            self._check(what, phase, mirrored=True)
             return lambda: None
         P.phases = dep.PH_SEND
         self._launch(P, what + " (send)")
-        self._check(what, phase)
+        self._check(what, phase, mirrored=True)
         R = dep.LlParams()
         ctypes.memmove(ctypes.addressof(R), ctypes.addressof(P), ctypes.sizeof(P))
         R.phases = dep.PH_RECV
@@ -1200,7 +1261,7 @@ class Buffer:
             state["done"] = True
             _ = keep
             self._launch(R, what + " (receive hook)")
-            self._check(what, phase)
+            self._check(what, phase, mirrored=True)
         return hook
 
     def get_next_low_latency_combine_buffer(self, handle):

@@ -96,7 +96,8 @@ enum : uint32_t { WS_SENT = 0, WS_CURSOR = 1, WS_TLAST = 2, WS_CREDIT = 3, WS_DO
 struct HtParams {
   LlParams base;
   uint32_t nchannels, ring, chunk, num_recv_max;  // num_recv_max: rows of the receive tensors
-  uint32_t alignment, nbias, pad0, pad1;
+  uint32_t alignment, nbias;
+  uint64_t peer_timeout_ns;  // how long a silent peer (no header, no tail progress, no credit) is waited for
   uint64_t epoch;        // u64 device word: the op counter (same on every rank)
   uint64_t sig;          // heap: tail[2 kinds][kHtMaxChannels][R], head[2][kHtMaxChannels][R], hdr[R]
   uint64_t self_sig;     // device: u64 [2 kinds][2 (tail, head)][kHtMaxChannels]
@@ -386,7 +387,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
             if (d != B.rank && !quiet_pe(peer_ctx(B, d), int(d))) peer_fail_view(B, out, d);
           } else if (sent == total || sent - consumed + n > P.ring) {
             act = 1;
-            if (arch::now_ns() - *ws_word(P, 0, c, d, WS_TLAST) > B.timeout_ns) {
+            if (arch::now_ns() - *ws_word(P, 0, c, d, WS_TLAST) > P.peer_timeout_ns) {
               peer_fail_view(B, out, d);  // no credit for timeout_ns: the peer is silent
               *ws_word(P, 0, c, d, WS_DONE) = 1;
             }
@@ -492,7 +493,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
           const uint64_t total = *ws_word(P, 1, c, j, WS_TOTAL);
           if (tail > total) tail = total;
           avail = tail > done ? tail - done : 0;
-          if (avail == 0 && arch::now_ns() - *ws_word(P, 1, c, j, WS_TLAST) > B.timeout_ns) {
+          if (avail == 0 && arch::now_ns() - *ws_word(P, 1, c, j, WS_TLAST) > P.peer_timeout_ns) {
             peer_fail_view(B, out, j);
             *ws_word(P, 1, c, j, WS_DONE) = 1;
           }
@@ -576,7 +577,7 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
           const uint64_t t0 = arch::now_ns();
           uint32_t n = 0;
           while (read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) <= uint64_t(p)) {
-            if ((n++ & 7) == 0 && (out[d] || arch::now_ns() - t0 > B.timeout_ns)) {
+            if ((n++ & 7) == 0 && (out[d] || arch::now_ns() - t0 > P.peer_timeout_ns)) {
               ok = false;
               break;
             }

@@ -1,0 +1,55 @@
+"""gpunet.ep's high-throughput mode on an NVIDIA GPU (platform "cuda"): the HT kernels' CUDA arm,
+CUDA tensors in and out, the heap host-mapped (soft NIC). Runs only where
+torch.cuda.is_available(); elsewhere every test is skipped with the reason (scripts/gpu-check.sh
+counts a skip as a failure on the H200). The CPU suite's checks (tests/ep_ht_jobs.py) on one rank
+in this process, then on two rank processes sharing the GPU."""
+import pytest
+import torch
+
+from gpunet.ep import Config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
+
+CFG = (8, 6, 64)
+SPEC = dict(tokens=300, hidden=512, topk=4, holes=5, num_experts=8, config=CFG)
+
+
+@pytest.mark.parametrize("mode", [dict(tagged=True), dict(fp8=True, cached=True, biases=2),
+                                  dict(worst=9, async_finish=True, prev_event=True)],
+                         ids=["tagged-bf16", "fp8-cached-bias", "worst-async"])
+def test_ht_dispatch_combine_on_the_gpu_match_the_reference(cuda_platform, mode):
+    """One rank on the GPU (4 channels of 64-slot rings, 300 tokens: every ring wraps): the layout,
+    the received rows, local expert ids, weights and counts equal the reference's, combine equals
+    the float32 reference bit for bit and / fan-out is within DeepEP's bound of x."""
+    from mp_ranks import Ranks
+    r = Ranks(1, env={"GPUNET_PLATFORM": "cuda"})
+    try:
+        nb = Config(*CFG).get_nvl_buffer_size_hint(SPEC["hidden"] * 2, 1)
+        info = r.run("ep_ht_jobs:init", "ibgda", nb, 20.0, False, None, timeout=300)
+        assert info[0]["transports"]
+        spec = dict(SPEC, seed=3, **mode)
+        for o in r.run("ep_ht_jobs:round_", spec, timeout=300):
+            assert o["raised"] is None and o["bad"] == [], o
+            assert o["calc_diff"] < (5e-4 if mode.get("fp8") else 5e-6), o["calc_diff"]
+        r.run("ep_ht_jobs:close", timeout=120)
+    finally:
+        r.close()
+
+
+def test_ht_two_ranks_share_the_gpu(cuda_platform):
+    """Two rank processes on one GPU (the gate runs them under MPS), over ibgda: BF16 and FP8
+    rounds match the reference on both ranks."""
+    from mp_ranks import Ranks
+    r = Ranks(2, env={"GPUNET_PLATFORM": "cuda"})
+    try:
+        nb = Config(*CFG).get_nvl_buffer_size_hint(SPEC["hidden"] * 2, 2)
+        r.run("ep_ht_jobs:init", "ibgda", nb, 60.0, False, None, timeout=300)
+        for mode in (dict(tagged=True, vary_tokens=True), dict(fp8=True, hot_expert=2)):
+            spec = dict(SPEC, seed=5, num_experts=16, **mode)
+            for rank, o in enumerate(r.run("ep_ht_jobs:round_", spec, timeout=300)):
+                assert o["raised"] is None and o["bad"] == [], (rank, o)
+                assert o["calc_diff"] < (5e-4 if mode.get("fp8") else 5e-6), (rank, o["calc_diff"])
+        r.run("ep_ht_jobs:close", timeout=120)
+    finally:
+        r.close()
