@@ -93,6 +93,8 @@ TRANSPORT_NAMES = {TRANSPORT_NONE: "none", TRANSPORT_IBGDA: "ibgda", TRANSPORT_P
                    TRANSPORT_P2P: "p2p"}
 P2P_STORE_ONLY = 1              # PeerDesc.rkey of a p2p peer: stores only (the c500 profile)
 SIGNAL_ADD, SIGNAL_SET = 0, 1   # put_signal's signal operation (OpDesc.cmp of OP_PUT_SIGNAL)
+DEVCTX_SIGNAL_BE = 1            # DevCtx.flags: signal words are big-endian (the NIC's atomics run
+                                # big-endian: Nic.atomic_endianness "big"); clear: native order
 P2P_REFUSED = {1: "a get (remote loads)", 2: "an atomic", 3: "an ADD signal (a remote atomic)"}
 
 # --- qp.cuh -------------------------------------------------------------------------------------
@@ -166,7 +168,8 @@ class CqDesc(ctypes.Structure):
 class QpDesc(ctypes.Structure):
     _fields_ = [("sq", u64), ("dbrec", u64), ("db", u64), ("slot_db", u64), ("slot_nbb", u64),
                 ("sq_wqebbs", u32), ("qpn", u32), ("peer", u32), ("db_batch", u32),
-                ("max_inline", u32), ("pad0", u32), ("cq", CqDesc), ("pad1", u64 * 4),
+                ("max_inline", u32), ("pad0", u32), ("cq", CqDesc), ("slot_ready", u64),
+                ("pad1", u64 * 3),
                 ("resv_head", u64), ("ready_head", u64), ("db_head", u64), ("done_head", u64),
                 ("db_lock", u64), ("poll_lock", u64), ("errored", u64), ("pad2", u64)]
 
@@ -179,7 +182,7 @@ class DevCtx(ctypes.Structure):
     _fields_ = [("local_base", u64), ("heap_bytes", u64), ("lkey", u32), ("npes", u32),
                 ("my_pe", u32), ("scratch_slots", u32), ("peers", u64), ("status", u64),
                 ("timeout_ns", u64), ("scratch", u64), ("discard", u64), ("max_wqe_bytes", u64),
-                ("reserved", u64 * 6)]
+                ("flags", u32), ("pad", u32), ("reserved", u64 * 5)]
 
 
 class ProxyChannelDesc(ctypes.Structure):

@@ -24,6 +24,7 @@ import numpy as np
 from gpunet import mlx5
 from gpunet._floor import address_of
 from gpunet.device import abi
+from gpunet.errors import ConfigError
 from gpunet.resource import Resource
 
 
@@ -114,12 +115,12 @@ def proxy_channel_desc(ch):
     return d
 
 
-def fill_qpdesc(d, qp, peer, db_batch, slot_db, slot_nbb, g=int):
+def fill_qpdesc(d, qp, peer, db_batch, slot_db, slot_nbb, slot_ready, g=int):
     """Fill QpDesc ``d`` for NIC ``qp`` (host/nic.py's QP attributes): ring addresses through
-    ``g``, slot arrays given."""
+    ``g``, slot arrays given (zeroed; qp.cuh says what each holds)."""
     cq = qp.send_cq
     d.sq, d.dbrec, d.db = g(qp.sq_addr), g(qp.dbrec_addr), g(qp.db_addr)
-    d.slot_db, d.slot_nbb = slot_db, slot_nbb
+    d.slot_db, d.slot_nbb, d.slot_ready = slot_db, slot_nbb, slot_ready
     d.sq_wqebbs, d.qpn, d.peer, d.db_batch = qp.sq_wqebbs, qp.qpn, peer, db_batch
     d.max_inline = qp.max_inline
     d.cq.buf, d.cq.dbrec, d.cq.cqe_cnt = g(cq.buf_addr), g(cq.dbrec_addr), cq.cqe_cnt
@@ -132,7 +133,7 @@ def device_qpdesc(m, dev, nic_qp, cq, peer, db_batch):
     whose slot arrays are in device memory (``dev``: DeviceMemory). ``cq`` must be its send CQ."""
     assert cq is nic_qp.send_cq
     return fill_qpdesc(abi.QpDesc(), nic_qp, peer, db_batch, dev.zeros(nic_qp.sq_wqebbs * 8),
-                       dev.zeros(nic_qp.sq_wqebbs * 4), m.g)
+                       dev.zeros(nic_qp.sq_wqebbs * 4), dev.zeros(nic_qp.sq_wqebbs * 8), m.g)
 
 
 class QpDescriptor:
@@ -154,12 +155,14 @@ class QpDescriptor:
         if mem is None:
             self.slot_db = np.zeros(qp.sq_wqebbs, dtype=np.uint64)
             self.slot_nbb = np.zeros(qp.sq_wqebbs, dtype=np.uint32)
+            self.slot_ready = np.zeros(qp.sq_wqebbs, dtype=np.uint64)
             fill_qpdesc(self.desc, qp, peer, db_batch, address_of(self.slot_db),
-                        address_of(self.slot_nbb))
+                        address_of(self.slot_nbb), address_of(self.slot_ready))
             self._dptr = None
         else:
             fill_qpdesc(self.desc, qp, peer, db_batch, mem.zeros(qp.sq_wqebbs * 8),
-                        mem.zeros(qp.sq_wqebbs * 4), mapped.g if mapped is not None else int)
+                        mem.zeros(qp.sq_wqebbs * 4), mem.zeros(qp.sq_wqebbs * 8),
+                        mapped.g if mapped is not None else int)
             self._dptr = mem.put(self.desc)
 
     @property
@@ -200,6 +203,12 @@ class QpDescriptor:
         d = self.desc
         d.resv_head = d.ready_head = d.db_head = d.done_head = 0
         d.db_lock = d.poll_lock = d.errored = 0
+        # The publish tags hold ends of the old life's reservations: zero, or a restarted
+        # ready_head would read them as ready (qp.cuh "Why a tag is exact").
+        if self._dptr is None:
+            self.slot_ready[:] = 0
+        else:
+            self._mem.write(d.slot_ready, np.zeros(self.qp.sq_wqebbs, np.uint64))
         cq = self.qp.send_cq
         if cq.collapsed:
             mlx5.init_cq(cq.buf, 1)
@@ -217,11 +226,16 @@ class DeviceContext:
     ``scratch``/``discard``: addresses inside the heap for atomic results and NIC-written scratch;
     ``timeout_s``: the bound of every device wait. ``mem``: None (HOST arm: the structs are the
     device's) or a DeviceMemory (GPU: device copies, pushed on every change; the Status is read
-    back by ``raise_for_status``).
+    back by ``raise_for_status``). ``atomic_endianness``: the NICs' (``Nic.atomic_endianness``,
+    "host" | "big"): "big" sets DEVCTX_SIGNAL_BE, so device code reads and writes signal words
+    big-endian (devctx.cuh api::signal_order).
     """
 
     def __init__(self, local_base, heap_bytes, lkey, npes, my_pe, scratch, scratch_slots, discard,
-                 timeout_s, max_wqe_bytes=0, mem=None):
+                 timeout_s, max_wqe_bytes=0, mem=None, atomic_endianness="host"):
+        if atomic_endianness not in ("host", "big"):
+            raise ConfigError("atomic_endianness must be 'host' or 'big', not %r"
+                              % (atomic_endianness,))
         self._mem = mem
         self.status = abi.alloc_struct(abi.Status)
         self.peers = abi.alloc_struct(abi.PeerDesc, npes)
@@ -231,6 +245,8 @@ class DeviceContext:
         c.timeout_ns = int(timeout_s * 1e9)
         c.scratch, c.discard = scratch, discard
         c.max_wqe_bytes = max_wqe_bytes
+        c.flags = abi.DEVCTX_SIGNAL_BE if atomic_endianness == "big" else 0
+        self.atomic_endianness = atomic_endianness
         self._keep = []
         if mem is None:
             c.peers, c.status = abi.addr_of(self.peers), abi.addr_of(self.status)

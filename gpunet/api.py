@@ -52,7 +52,8 @@ def put_signal(remote, tensor, signal, value=1, ctx=None, op="add"):
 
 
 def atomic_add(remote, value, ctx=None):
-    """Fetch-and-add on the big-endian 8-byte word at ``remote``; returns the old value."""
+    """Fetch-and-add on the 8-byte word at ``remote`` (in the NICs' atomic order: native by
+    default, Context.atomic_add); returns the old value."""
     return (ctx or _context.current()).atomic_add(remote, value)
 
 

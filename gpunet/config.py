@@ -25,6 +25,8 @@ KNOBS = (
          "skip platform detection (default: detected from torch and the runtimes present)"),
     Knob("GPUNET_PROFILE", "env", "choice", None, ("nvidia", "c500"),
          "coherence model of the soft NIC on the CPU or CUDA platform (default: nvidia; MACA is c500)"),
+    Knob("GPUNET_SOFTNIC_ATOMIC_ENDIANNESS", "env", "choice", "host", ("host", "big"),
+         "the soft NIC's 8-byte atomics (and so signal words): native order, or big-endian (IB wire)"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),

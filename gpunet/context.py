@@ -49,6 +49,7 @@ kernel built with ``gpunet.build_extension`` needs; ``ctx.check()`` after the la
 the kernel recorded (examples/exchange.py).
 """
 import operator
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -174,7 +175,9 @@ class Context(Resource):
 
     Attributes: ``rank``, ``world_size``, ``transports`` (dict peer -> "ibgda" | "proxy" | "p2p"),
     ``reasons`` (dict peer -> why that transport), ``platform``, ``nic``, ``heap_bytes``,
-    ``heap_base``, ``warp_size``, ``timeout_s``.
+    ``heap_base``, ``warp_size``, ``timeout_s``, ``atomic_endianness`` ("host" | "big": the byte
+    order of signal words, the NIC's 8-byte atomics' (``Nic.atomic_endianness``), the same on
+    every rank).
     ``transport`` is one kind for every peer ("auto" | "ibgda" | "proxy" | "p2p") or a per-peer choice:
     a dict {peer: kind, "default": kind} or a callable (rank, peer) -> kind (both ends of a pair
     must agree, e.g. ``lambda a, b: "proxy" if (a + b) % 2 else "ibgda"``: a mixed world).
@@ -210,6 +213,14 @@ class Context(Resource):
         if len(set(sizes)) != 1:
             raise ConfigError("gpunet.init is collective: every rank must pass the same heap_bytes "
                               "(%s)" % ", ".join("rank %d: %d" % rs for rs in enumerate(sizes)))
+        orders = [e["atomic_endianness"] for e in everyone]
+        if len(set(orders)) != 1:
+            # device code reads every signal word, local or a p2p peer's, in ONE order (DevCtx
+            # DEVCTX_SIGNAL_BE), and a p2p CAS must agree with the NIC atomics on the same word
+            raise ConfigError("gpunet.init: the ranks' NICs run 8-byte atomics in different byte "
+                              "orders (%s); signal words need one order in the whole world (soft "
+                              "NIC: set GPUNET_SOFTNIC_ATOMIC_ENDIANNESS alike on every rank)"
+                              % ", ".join("rank %d: %s" % ro for ro in enumerate(orders)))
         for i in range(n):
             for j in range(n):
                 if everyone[i]["transports"][j] != everyone[j]["transports"][i]:
@@ -300,15 +311,17 @@ class Context(Resource):
         # adopted last: closed first, so on CUDA no kernel still runs when the rest is freed
         self._launcher = self._adopt(_launch.Launcher(self.nic, self._gpu, self.warp_size),
                                      "launcher")
+        self.atomic_endianness = self.nic.atomic_endianness
         return dict(self._transports.info(), heap=self.heap_base, rkey=self._rkey,
-                    heap_bytes=heap_bytes)
+                    heap_bytes=heap_bytes, atomic_endianness=self.atomic_endianness)
 
     def _setup_connect(self, everyone):
         """Step 2 on this rank: connect the QPs to the peers', build the device context."""
         scratch = self.heap_base + 4096
         self._dev = DeviceContext(self.heap_base, self.heap_bytes, self._lkey, self.world_size,
                                   self.rank, scratch, SCRATCH_SLOTS, scratch + SCRATCH_SLOTS * 8,
-                                  self.timeout_s, mem=self._mem)
+                                  self.timeout_s, mem=self._mem,
+                                  atomic_endianness=self.atomic_endianness)
         self._transports.connect(everyone, self._dev, (self.heap_base, self._lkey),
                                  mem=self._mem, mapping=self._mapping)
         self._launcher.dev = self._dev
@@ -591,10 +604,12 @@ class Context(Resource):
                   blocking=False)
 
     def atomic_add(self, remote, value):
-        """Atomically add ``value`` to the 8-byte word at ``remote``; returns the old value (int).
+        """Atomically add ``value`` to the 8-byte word at ``remote``; returns the old value (int,
+        unsigned 64-bit).
 
-        The word is a big-endian uint64, as the NIC's atomics see it: read it with
-        :func:`gpunet.read_signal`.
+        The word is a uint64 in the NICs' atomic order (``ctx.atomic_endianness``): native by
+        default, so ``word[0]`` of an int64 heap tensor reads it (two's complement); big-endian
+        with a NIC in the IB wire order. :func:`gpunet.read_signal` reads it in either.
         """
         self._check_remote(remote, 8, "atomic_add")
         if remote.offset % 8:
@@ -607,7 +622,8 @@ class Context(Resource):
 
     def wait_until(self, signal, value, cmp="ge", index=0):
         """Wait (bounded by the Context's timeout) until the 8-byte signal word ``signal[index]``
-        (an int64 or uint64 heap tensor, NIC-updated, big-endian) compares ``cmp`` to ``value``
+        (an int64 or uint64 heap tensor, updated by put_signal / atomic_add from any transport,
+        in the NICs' atomic order: native by default) compares ``cmp`` to ``value``
         (an integer in -2**63 .. 2**64 - 1, compared as unsigned 64-bit):
         "eq" | "ne" | "ge" | "gt" | "le" | "lt". After it returns, every payload the signalling
         peer put before the signal is visible. Raises gpunet.TimeoutError on timeout."""
@@ -667,10 +683,21 @@ class Context(Resource):
             raise
 
 
-def read_signal(tensor_or_array, index=0):
-    """The value of a NIC-updated 8-byte signal word (big-endian in memory) at element ``index``."""
+def read_signal(tensor_or_array, index=0, endianness=None):
+    """The value (unsigned 64-bit) of the 8-byte signal word at element ``index`` (of 8 bytes)
+    of a heap tensor or array, read in the NICs' atomic order: ``endianness`` "host" | "big", by
+    default the ``atomic_endianness`` of the newest open Context (:func:`current`).
+
+    Signal words are native-endian by default, so ``sig[index]`` of an int64 tensor is the same
+    number (two's complement); this reader is what the big-endian mode (a NIC whose atomics run
+    in the IB wire order) needs, and it works in both. On CUDA the word is copied to the host
+    (stream-ordered)."""
+    if endianness is None:
+        endianness = current().atomic_endianness
+    if endianness not in ("host", "big"):
+        raise ConfigError("read_signal: endianness must be 'host' or 'big', not %r" % (endianness,))
     a = tensor_or_array
     if isinstance(a, torch.Tensor):
-        a = a.detach().cpu()             # CUDA (host-mapped heap): a stream-ordered copy
+        a = a.detach().cpu()             # CUDA: a stream-ordered copy
     b = bytes(np.asarray(a).view(np.uint8)[8 * index:8 * index + 8])
-    return int.from_bytes(b, "big")
+    return int.from_bytes(b, "big" if endianness == "big" else sys.byteorder)

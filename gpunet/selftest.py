@@ -87,7 +87,8 @@ def run(out=sys.stdout):
                               signaled=True)
             sq.quiet()
             cq.poll(64)
-            v = int.from_bytes(bytes(bufb[0:8]), "big")
+            v = int.from_bytes(bytes(bufb[0:8]),        # the NIC's atomic order
+                               "big" if b.atomic_endianness == "big" else sys.byteorder)
             assert v == 1000, v
             return "10 fetch-add + CAS -> %d" % v
 

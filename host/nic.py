@@ -40,7 +40,16 @@ class Nic(Resource, abc.ABC):
     """A NIC gpunet drives: memory, registration, CQs, RC QPs, and what the GPU must map.
 
     A Resource: ``close()`` releases every object the NIC made, idempotently.
+
+    ``atomic_endianness``: "host" | "big", the byte order in which the NIC's 8-byte atomics read
+    and write the target word and write the old value back (the mlx5 HCA cap
+    atomic_req_8B_endianness_mode: 1 = host). Signal words are in that order; device code learns
+    it from DevCtx's DEVCTX_SIGNAL_BE (device/descriptors.py DeviceContext). "big", the IB wire
+    order, unless an implementation knows better (SoftNic: "host" by default; a DevX NIC: its
+    HCA query).
     """
+
+    atomic_endianness = "big"
 
     @abc.abstractmethod
     def alloc(self, nbytes, align=64):
@@ -118,7 +127,8 @@ def open_nic(kind="auto", *, profile="nvidia", arena_bytes=64 << 20, retry_timeo
     real mlx5 NIC through DevX, host/devx.py's DevxNic; never run on a NIC: NoRdmaDeviceError,
     ToolchainError or NoDevxError say why it cannot open) or "auto" (DevxNic where pyverbs sees
     an RDMA device DevX can open, else soft, logged). ``name`` tags the soft NIC's arena file.
-    Returns a Nic.
+    The soft NIC's ``atomic_endianness`` is ``GPUNET_SOFTNIC_ATOMIC_ENDIANNESS`` ("host" unless
+    set). Returns a Nic.
     """
     from gpunet.host import verbs
 
@@ -140,9 +150,15 @@ def open_nic(kind="auto", *, profile="nvidia", arena_bytes=64 << 20, retry_timeo
             say("nic='auto': using the soft NIC (%s)", e)
     from gpunet.host.softnic import SoftNic
 
+    from gpunet import config
+
+    try:
+        endian = config.get("GPUNET_SOFTNIC_ATOMIC_ENDIANNESS")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         return SoftNic(profile=profile, retry_timeout_s=retry_timeout_s, arena_bytes=arena_bytes,
-                       name=name)
+                       name=name, atomic_endianness=endian)
     except OSError as e:
         raise ConfigError("cannot create the soft NIC's %d-byte shared-memory arena in /dev/shm "
                           "(%s); ask for less memory (gpunet.init's heap_bytes) or free /dev/shm"

@@ -71,7 +71,7 @@ from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import wq
 from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_u64, clock_ns,
                                 engine_thread_start, idle_pause, load_acquire_u64,
-                                store_release_u64, u8_at, wire_njit)
+                                store_release_u64, u64_at, u8_at, wire_njit)
 from gpunet.resource import Resource
 
 # ---- engine tuning (named, with the reason) --------------------------------------------------
@@ -107,7 +107,7 @@ CH_FIFO, CH_DEPTH, CH_HCTRL, CH_TAIL, CH_COMPLETED, CH_PUB_TAIL, CH_PUB_COMPLETE
 # per QP, int64
 (QP_SQ, QP_WQEBBS, QP_QPN, QP_DBREC, QP_DB, QP_CQ, QP_CQE_CNT, QP_CQ_DBREC, QP_PI, QP_SQ_CI,
  QP_CQ_CI, QP_UNSIG, QP_LAST_UNSIG, QP_DIRTY, QP_RBASE, QP_RKEY, QP_SCRATCH, QP_SCRATCH_LKEY,
- QP_NULL, QP_PEER, QP_NFIELDS) = range(21)
+ QP_NULL, QP_PEER, QP_SIGNAL_BE, QP_NFIELDS) = range(22)
 # heap, int64
 HP_LBASE, HP_LKEY, HP_NFIELDS = range(3)
 # stats, int64 per thread
@@ -338,10 +338,14 @@ def _post(qp, q, side_ch, side_seq, c, seq, last, opcode, raddr, rkey, laddr, lk
     if opcode == mlx5.OPCODE_ATOMIC_FA:
         wq.post_atomic(sq, nbb, pi, qpn, opcode, fm, raddr, rkey, laddr, lkey, value, 0)
     elif inline_set:
-        # SIGNAL_SET: the value's 8 bytes, big-endian like every 8-byte word the NIC's atomics
-        # touch (soft NIC and real HCAs), carried inline from the QP's scratch line
+        # SIGNAL_SET: the value's 8 bytes in the order of the NIC's atomics (native, or
+        # big-endian with QP_SIGNAL_BE: Nic.atomic_endianness "big"), so an ADD and a SET on one
+        # word agree; carried inline from the QP's scratch line. tests/test_signal_endian.py
         src = qp[q, QP_SCRATCH] + 8
-        mlx5.put_be64(u8_at(src, 8), 0, value)
+        if qp[q, QP_SIGNAL_BE] != 0:
+            mlx5.put_be64(u8_at(src, 8), 0, value)
+        else:
+            u64_at(src, 1)[0] = np.uint64(value)
         wq.post_write_inline(sq, nbb, pi, qpn, mlx5.OPCODE_RDMA_WRITE, fm, raddr, rkey, src, 8, 0)
     else:
         wq.post_rdma(sq, nbb, pi, qpn, opcode, fm, raddr, rkey, laddr, lkey, nbytes, 0)
@@ -836,6 +840,7 @@ class ProxyEngine(Resource):
                 row = self.qp[q]
                 row[QP_RBASE], row[QP_RKEY], row[QP_PEER] = rbase, rkey, p
                 row[QP_LAST_UNSIG] = -1
+                row[QP_SIGNAL_BE] = int(getattr(nic, "atomic_endianness", "big") == "big")
                 if drain_only:
                     row[QP_SQ] = self._null_rings[q].ctypes.data
                     row[QP_WQEBBS] = sq_wqebbs_null

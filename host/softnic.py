@@ -16,10 +16,14 @@ Semantics chosen where the issue leaves a choice (docs/INTERFACES.md repeats the
 - Execution is synchronous and in order per QP. A WQE does not start before the previous one has
   completed, so FENCE (and INITIATOR_SMALL_FENCE) hold by construction, also when a READ or an
   atomic is stalled on a dead peer: the whole QP waits behind it until it completes with 0x15.
-- Atomics: the remote 8-byte word is a big-endian number, as on the IB wire and real HCAs; the
-  old value lands in the local data segment as the 8 big-endian bytes the wire carries. Both are
-  done with hardware CAS on the target word, so they are atomic with respect to every other NIC
-  atomic in any process.
+- Atomics follow the NIC's ``atomic_endianness`` (the mlx5 HCA's atomic_req_8B_endianness_mode):
+  "host" (the default) treats the remote 8-byte word as a native number and writes the old value
+  into the local data segment in native order; "big" treats the word as a big-endian number and
+  writes the old value as the 8 big-endian bytes the IB wire carries. The word is read in the
+  order of the NIC that owns it (the responder's memory), the old value written in the
+  requester's. Both are done with hardware CAS on the target word, so they are atomic with
+  respect to every other NIC atomic in any process (and to a p2p peer's device CAS on the word).
+  tests/test_signal_endian.py.
 - CQ overrun (owner-bit mode, the NIC would write more than ``cqe_cnt`` CQEs ahead of the
   consumer's DBR): the CQ enters error for good (``nic.cq_state(cq) == "ERR"``, no further CQE is
   ever written into it), the CQE that did not fit is dropped, and the QP that produced it moves to
@@ -65,6 +69,7 @@ H_MAGIC, H_PID, H_HEARTBEAT, H_DOWN, H_PROFILE, H_STRICT, H_HEAP_TOP, H_SIZE = r
 H_STOP, H_NQP, H_NCQ, H_NMR, H_RETRY_NS, H_WQES, H_ITERS, H_SPIN_NS = range(8, 16)
 H_VIO_CLAIM, H_VIO_VALID, H_VIO_QPN, H_VIO_OPCODE, H_VIO_KEY, H_VIO_ADDR, H_VIO_LEN, \
     H_VIO_WRITE, H_VIO_PID = range(16, 25)
+H_ATOMIC_BE = 25                     # 1: atomics big-endian (atomic_endianness "big"), 0: native
 H_NAME_BYTE = 1024                   # arena name, NUL-terminated, 256 bytes at most
 
 MAX_MR = 4096                        # index 0 unused so that no key is 0
@@ -213,6 +218,14 @@ def _cq_push(cbase, cqn, opcode, qpn, counter, byte_cnt, imm, synd, wqe_op, scra
             ok = True
     store_release_u64(lock, 0)
     return ok
+
+
+@njit(cache=True, inline="always")
+def _atomic_order(big, v):
+    """An atomic word's value from its memory bytes read as a native u64, or the native u64 to
+    store for a value: a byte swap when ``big`` (atomic_endianness "big"), else the identity."""
+    v = np.uint64(v)
+    return bswap64(v) if big else v
 
 
 @njit(cache=True)
@@ -373,18 +386,21 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                     old = np.uint64(0)
                     asg = _seg(rbytes, p0 + mlx5.CTRL_SEG_SIZE + mlx5.RADDR_SEG_SIZE)
                     sa = mlx5.atomic_seg_swap_add(ring, asg)
+                    rbe = P[H_ATOMIC_BE] != 0              # the word, in its owner's order
                     if opcode == mlx5.OPCODE_ATOMIC_CS:
                         cmp = mlx5.atomic_seg_compare(ring, asg)
-                        old = atomic_cas_u64(rna, bswap64(cmp), bswap64(sa))
+                        old = atomic_cas_u64(rna, _atomic_order(rbe, cmp), _atomic_order(rbe, sa))
                     else:
                         while True:
                             old = load_acquire_u64(rna)
-                            new = bswap64(bswap64(old) + sa)
+                            new = _atomic_order(rbe, _atomic_order(rbe, old) + sa)
                             if atomic_cas_u64(rna, old, new) == old:
                                 break
+                    # the old value, in the requester's order, as the native word's bytes
+                    res = _atomic_order(T[H_ATOMIC_BE] != 0, _atomic_order(rbe, old))
                     dst = u8_at(segs[0], 8)
-                    for i in range(8):         # the raw word *is* the big-endian wire value
-                        dst[i] = np.uint8((old >> np.uint64(8 * i)) & np.uint64(0xFF))
+                    for i in range(8):
+                        dst[i] = np.uint8((res >> np.uint64(8 * i)) & np.uint64(0xFF))
                 elif inline_len >= 0:
                     src = p0 + mlx5.CTRL_SEG_SIZE + mlx5.RADDR_SEG_SIZE + mlx5.INLINE_HDR_SIZE
                     src = src % rbytes
@@ -667,12 +683,18 @@ class SoftNic(Nic):
         up to its back-off).
     cpus: None, or the CPU numbers the engine thread pins itself to (rawmem.engine_thread_start;
         ``placement`` then records its thread id and CPUs).
+    atomic_endianness: "host" (default: 8-byte atomics on native-order words, the mlx5 HCA's
+        host-endian atomic mode) or "big" (the IB wire order); ``nic.atomic_endianness``.
     """
 
     def __init__(self, profile="nvidia", strict=False, arena_bytes=64 << 20, retry_timeout_s=1.0,
-                 name=None, idle_spin_us=0.0, cpus=None):
+                 name=None, idle_spin_us=0.0, cpus=None, atomic_endianness="host"):
         if profile not in PROFILES:
             raise ConfigError("profile must be one of %s, not %r" % (sorted(PROFILES), profile))
+        if atomic_endianness not in ("host", "big"):
+            raise ConfigError("atomic_endianness must be 'host' or 'big', not %r"
+                              % (atomic_endianness,))
+        self.atomic_endianness = atomic_endianness
         if arena_bytes < HEAP_START + (1 << 16):
             raise ConfigError("arena_bytes must be at least %d" % (HEAP_START + (1 << 16)))
         if not retry_timeout_s > 0:
@@ -696,6 +718,7 @@ class SoftNic(Nic):
             T = self._arena.T
             T[H_PID] = self.pid
             T[H_PROFILE] = PROFILES[profile]
+            T[H_ATOMIC_BE] = int(atomic_endianness == "big")
             T[H_STRICT] = int(self.strict)
             T[H_HEAP_TOP] = HEAP_START
             T[H_SIZE] = arena_bytes

@@ -14,8 +14,8 @@ FENCE, so a fence changes nothing here):
 
 - RDMA WRITE (data segment or inline), WRITE_WITH_IMM (the responder QP's receive CQ gets a
   RESP_WR_IMM CQE carrying the ctrl segment's imm word and the byte count), RDMA READ, 8-byte
-  ATOMIC fetch-add / compare-swap (the old remote value lands at the local address big-endian, as
-  the wire carries it; the remote word is read and written in ``atomic_byteorder``), NOP.
+  ATOMIC fetch-add / compare-swap (the remote word is read and written, and the old value lands
+  at the local address, in ``atomic_byteorder``), NOP.
 - memory protection, per access: the lkey must name an MR of the requester's node in the QP's PD,
   cover [laddr, laddr + n) and, where the NIC writes local memory (READ, atomics), allow
   LOCAL_WRITE: else ``SYNDROME_LOCAL_PROT_ERR``. The rkey must name an MR of the responder's node in
@@ -180,8 +180,9 @@ class Result:
 class ReferenceModel:
     """Build with buffers, MRs and QPs, then ``run({qp_name: [Op, ...]})``.
 
-    ``atomic_byteorder``: how the NIC reads and writes the remote 8-byte word ("little": the
-    host's native order; "big": network order).
+    ``atomic_byteorder``: how the NIC reads and writes the remote 8-byte word and writes the old
+    value back ("little": the host's native order, the soft NIC's default; "big": network order,
+    SoftNic(atomic_endianness="big")).
     """
 
     def __init__(self, atomic_byteorder="little"):
@@ -274,7 +275,7 @@ class ReferenceModel:
             else:
                 new = (op.swap_add & MASK64) if old == (op.compare & MASK64) else old
             self._write(peer.node, op.raddr, new.to_bytes(8, self.atomic_byteorder))
-            self._write(qp.node, op.laddr, old.to_bytes(8, "big"))
+            self._write(qp.node, op.laddr, old.to_bytes(8, self.atomic_byteorder))
 
     # --- the run ----------------------------------------------------------------------------------
     def run(self, streams):

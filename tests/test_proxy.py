@@ -5,6 +5,7 @@ and, where g++ is available, real device code (device/testing/kernels/proxy.cu o
 warps of 32 and 64). Commands go through ``ProxyEngine`` into soft-NIC QPs between two soft NICs
 (``a``: ours, ``b``: the peers'), and the tests check what arrives in the peers' memory.
 """
+import sys
 import threading
 import time
 
@@ -246,7 +247,8 @@ def test_multi_peer_multi_qp_threads(nics, heaps):
 
 def test_atomics_signals_and_get(nics, heaps):
     """SIGNAL_ADD adds a 64-bit value, SIGNAL_SET stores one, ATOMIC_FA adds a negative addend and
-    returns the old value (big-endian, as the NIC writes it), GET reads peer memory."""
+    returns the old value (in the NIC's atomic order: native by default), GET reads peer memory
+    (both orders: tests/test_signal_endian.py)."""
     a, b = nics
     lh, lmr, rh, rmr = heaps
     rh[:] = 0
@@ -261,24 +263,22 @@ def test_atomics_signals_and_get(nics, heaps):
         issued = ch.push(P.atomic_fa_commands(0, -3, 128, 64) +
                          [P.encode(P.OP_GET, 0, 32, 2000, 1000), P.encode(P.OP_NOP, 0, 0, 0, 0)])
         eng.quiet(ch, issued)
-    assert int.from_bytes(rh[64:72].tobytes(), "big") == big + 5 - 3
-    assert int.from_bytes(rh[72:80].tobytes(), "big") == 0x1122334455667788
-    assert int.from_bytes(lh[128:136].tobytes(), "big") == big + 5
+    assert int.from_bytes(rh[64:72].tobytes(), sys.byteorder) == big + 5 - 3
+    assert int.from_bytes(rh[72:80].tobytes(), sys.byteorder) == 0x1122334455667788
+    assert int.from_bytes(lh[128:136].tobytes(), sys.byteorder) == big + 5
     assert np.array_equal(lh[2000:2032], np.arange(32, dtype=np.uint8))
 
 
 @njit(nogil=True, cache=True)
 def _observe(sig_addr, region_base, region, n, timeout_ns):
-    """Poll a big-endian signal counter; each time it reads c, regions 0..c-1 must carry their
-    markers (first and last 8 bytes == index + 1). Returns violations, or -1 on timeout."""
+    """Poll a signal counter (native: the soft NIC's default atomic order); each time it reads c,
+    regions 0..c-1 must carry their markers (first and last 8 bytes == index + 1). Returns
+    violations, or -1 on timeout."""
     bad = 0
     t0 = clock_ns()
     seen = 0
     while seen < n:
-        raw = load_acquire_u64(sig_addr)
-        c = 0
-        for k in range(8):
-            c = (c << 8) | np.int64((raw >> np.uint64(8 * k)) & np.uint64(0xFF))
+        c = np.int64(load_acquire_u64(sig_addr))
         if c > seen:
             for i in range(c):
                 p = region_base + i * region
@@ -596,7 +596,7 @@ def test_host_arm_kernel_through_proxy(kernels, nics, heaps, warp, mode):
         assert np.array_equal(rh[o:o + size], want), i
     assert sum(c.head for c in chans) == sum(active) * (2 if mode == 2 else 1)
     if mode == 2:
-        sig = rh[sig_base:sig_base + 8 * grid * block].view(">u8")
+        sig = rh[sig_base:sig_base + 8 * grid * block].view("=u8")
         assert (sig == per).all()
 
 

@@ -7,6 +7,7 @@ spawn a second process that owns the responder NIC.
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 
 import numpy as np
@@ -105,18 +106,21 @@ def test_write_imm_inline_read_nop_move_the_right_bytes(nics):
     assert p.a.qp_state(p.aqp) == "RTS"
 
 
-def test_atomics_are_big_endian_and_return_the_old_value(nics):
+def test_atomics_are_native_endian_by_default_and_return_the_old_value(nics):
+    """The default SoftNic(atomic_endianness="host"): FA, FA -1, CS hit and miss on a native word;
+    old values native (both modes: tests/test_signal_endian.py)."""
     p = Pair(*nics)
-    p.rbuf[MR_OFF:MR_OFF + 8] = np.frombuffer((1000).to_bytes(8, "big"), np.uint8)
+    p.rbuf[MR_OFF:MR_OFF + 8] = np.frombuffer((1000).to_bytes(8, sys.byteorder), np.uint8)
     p.sq.post_atomic_fa(p.l(0), p.lmr.lkey, p.r(0), p.rmr.rkey, 5)
     p.sq.post_atomic_fa(p.l(8), p.lmr.lkey, p.r(0), p.rmr.rkey, (1 << 64) - 1)  # -1
     p.sq.post_atomic_cs(p.l(16), p.lmr.lkey, p.r(0), p.rmr.rkey, 1004, 77)       # hits
     p.sq.post_atomic_cs(p.l(24), p.lmr.lkey, p.r(0), p.rmr.rkey, 1004, 99, signaled=True)  # misses
     c = _ok(p.cq.wait(1))[0]
     assert c.byte_cnt == 8
-    olds = [int.from_bytes(bytes(p.lbuf[MR_OFF + 8 * i:MR_OFF + 8 * i + 8]), "big") for i in range(4)]
+    olds = [int.from_bytes(bytes(p.lbuf[MR_OFF + 8 * i:MR_OFF + 8 * i + 8]), sys.byteorder)
+            for i in range(4)]
     assert olds == [1000, 1005, 1004, 77]
-    assert int.from_bytes(bytes(p.rbuf[MR_OFF:MR_OFF + 8]), "big") == 77
+    assert int.from_bytes(bytes(p.rbuf[MR_OFF:MR_OFF + 8]), sys.byteorder) == 77
     assert p.guards_intact()
 
 
@@ -441,14 +445,14 @@ def test_cross_process_write_read_atomics_then_killed_peer_gives_retry_exceeded(
         sq.post_read(lmr.addr + 200, lmr.lkey, info["addr"], info["rkey"], 100)
         sq.post_atomic_fa(lmr.addr + 400, lmr.lkey, info["addr"] + 512, info["rkey"], 3)
         sq.post_atomic_cs(lmr.addr + 408, lmr.lkey, info["addr"] + 512, info["rkey"],
-                          int.from_bytes(bytes([GUARD] * 8), "big") + 3, 42)
+                          int.from_bytes(bytes([GUARD] * 8), sys.byteorder) + 3, 42)
         sq.post_read(lmr.addr + 416, lmr.lkey, info["addr"] + 512, info["rkey"], 8)
         sq.post_write_imm(lmr.addr, lmr.lkey, info["addr"], info["rkey"], 100, 0xC0FFEE,
                           signaled=True)
         _ok(c.wait(1, timeout=10))
         assert (lbuf[200:300] == lbuf[:100]).all()
         assert bytes(lbuf[400:408]) == bytes([GUARD] * 8)
-        assert int.from_bytes(bytes(lbuf[416:424]), "big") == 42
+        assert int.from_bytes(bytes(lbuf[416:424]), sys.byteorder) == 42
         data, imm, guards = q_out.get(timeout=20)
         assert data == bytes(range(100)) and imm == 0xC0FFEE and guards
         # memory outside the peer's arena is private to its process: remote access error
@@ -494,7 +498,7 @@ def test_c500_device_memory_is_stale_for_the_nic_until_eviction():
         dev[300] = 1                                      # SM-dirty byte in the same line survives
         a.evict(dmr, 256, 300)
         assert (dev[256:264] == 9).all() and dev[300] == 1
-        assert int.from_bytes(bytes(dev[512:520]), "big") == 5
+        assert int.from_bytes(bytes(dev[512:520]), sys.byteorder) == 5
         a.check()                                         # not strict: nothing raised
 
 

@@ -17,6 +17,7 @@ soak); ``@settings`` here only scales them down for the slower tests.
 import ctypes
 import multiprocessing
 import random
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -212,7 +213,10 @@ class World:
         self._open()
 
     def _open(self):
-        self.nics = {n: SoftNic(profile="nvidia", arena_bytes=256 << 20, name=None)
+        # big-endian atomics here (the reference model runs in that order); the contention tests
+        # below and tests/test_signal_endian.py cover the native default
+        self.nics = {n: SoftNic(profile="nvidia", arena_bytes=256 << 20, name=None,
+                                atomic_endianness="big")
                      for n in ("A", "B")}
         self.pairs = [self._pair("A", "B"), self._pair("B", "A")]
         self.channels = {}
@@ -611,14 +615,14 @@ def _hammer(sq, cq, mr, laddr_base, raddr, rkey, n_fa, n_cas):
         sq.post_atomic_fa(laddr_base + 8 * i, mr.lkey, raddr, rkey, 1, doorbell=(i % 16 == 15))
     sq.quiet(timeout=60)
     cq.poll(1 << 20)                                        # drop the forced CQEs
-    olds = list(_be_words(laddr_base, n_fa))
+    olds = list(_native_words(laddr_base, n_fa))
     guess, ok = 0, 0
     slot = laddr_base + 8 * n_fa
     while ok < n_cas:
         sq.post_atomic_cs(slot, mr.lkey, raddr, rkey, guess, guess + 1, signaled=True)
         sq.quiet(timeout=60)
         cq.poll(1 << 20)
-        old = next(_be_words(slot, 1))
+        old = next(_native_words(slot, 1))
         if old == guess:
             olds.append(old)
             ok += 1
@@ -628,9 +632,10 @@ def _hammer(sq, cq, mr, laddr_base, raddr, rkey, n_fa, n_cas):
     return olds
 
 
-def _be_words(addr, n):
+def _native_words(addr, n):
+    """The soft NIC's default atomic order: native (SoftNic(atomic_endianness="host"))."""
     raw = bytes((ctypes.c_uint8 * (8 * n)).from_address(addr))
-    return (int.from_bytes(raw[8 * i:8 * i + 8], "big") for i in range(n))
+    return (int.from_bytes(raw[8 * i:8 * i + 8], sys.byteorder) for i in range(n))
 
 
 def _initiator_qps(nic, target, k, depth=64):
@@ -677,7 +682,7 @@ def test_atomics_exact_under_contention_in_one_process():
             t.join(120)
         assert not errors, errors
         total = len(qps) * (N_FA + N_CAS)
-        assert int(word[:8].view(">u8")[0]) == total
+        assert int(word[:8].view("=u8")[0]) == total
         olds = sorted(x for r in results for x in r)
         assert olds == list(range(total))
 
@@ -741,7 +746,7 @@ def test_atomics_exact_across_two_processes():
                 p.kill()
         assert p.exitcode == 0
         total = 4 * (n_fa + n_cas)
-        assert int(word[:8].view(">u8")[0]) == total
+        assert int(word[:8].view("=u8")[0]) == total
         assert sorted(olds) == list(range(total))
 
 

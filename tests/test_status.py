@@ -10,6 +10,7 @@
 """
 import ctypes
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,7 @@ def test_wait_until_timeout_names_the_signal_word(lib):
     with SoftNic() as nic:
         lb = L.Loopback(nic, sq_wqebbs=8, timeout_s=0.2, heap_bytes=1 << 16)
         off = lb.sym(64) + 8
-        lb.local[off:off + 8] = np.frombuffer((2).to_bytes(8, "big"), np.uint8)   # reads 2
+        lb.local[off:off + 8] = np.frombuffer((2).to_bytes(8, sys.byteorder), np.uint8)  # reads 2 (native)
         arr = dops.op_list(dict(kind=abi.OP_WAIT_UNTIL, pe=0, dst=lb.local_base + off, cmp=abi.CMP_GE,
                         value=5))
         with pytest.raises(errors.TimeoutError) as ei:

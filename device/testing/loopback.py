@@ -46,7 +46,8 @@ class Loopback:
         self.qp, self.slot_db, self.slot_nbb = self.qpd.desc, self.qpd.slot_db, self.qpd.slot_nbb
         self.dev = DeviceContext(self.local_base, heap_bytes, self.local_mr.lkey, 2, 0,
                                  self.local_base + scratch, SCRATCH_SLOTS, self.local_base + discard,
-                                 timeout_s, max_wqe_bytes)
+                                 timeout_s, max_wqe_bytes,
+                                 atomic_endianness=nic.atomic_endianness)
         self.dev.set_peer_qp(PEER, self.qpd, self.remote_base, self.remote_mr.rkey)
         self.status, self.peers, self.ctx = self.dev.status, self.dev.peers, self.dev.ctx
 

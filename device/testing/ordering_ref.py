@@ -186,9 +186,10 @@ def check_schedule(lb, o, sources, seed, rounds, nops, nthreads, ws, mix, result
         "get data differs from the sequential reference"
     assert (remote[o["warp_dst"]:o["warp_dst"] + e_warp.size] == e_warp).all(), \
         "warp-put data differs from the sequential reference"
-    sig = remote[o["sig"]:o["sig"] + rounds * nthreads * 8].view(">u8").astype(np.uint64)
+    word = ">u8" if lb.nic.atomic_endianness == "big" else "=u8"     # the NIC's atomic order
+    sig = remote[o["sig"]:o["sig"] + rounds * nthreads * 8].view(word).astype(np.uint64)
     assert (sig == e_sig).all(), "signal counts differ (a put_signal lost or duplicated)"
-    check_atomic_chains(atomics, results, remote[o["counters"]:o["counters"] + NCOUNTERS * 8].view(">u8"))
+    check_atomic_chains(atomics, results, remote[o["counters"]:o["counters"] + NCOUNTERS * 8].view(word))
     assert int(np.asarray(violations).sum()) == 0, "a receiver saw a signal before its payload"
     resv, ready, db, done = heads_after
     assert resv == ready == db == done, "heads differ: %s" % (heads_after,)

@@ -42,6 +42,16 @@ struct PeerDesc {
 };
 static_assert(sizeof(PeerDesc) == 32, "PeerDesc layout is mirrored in device/abi.py");
 
+// DevCtx::flags. abi.py: DEVCTX_*.
+enum : uint32_t {
+  // Signal words (and atomic results) are big-endian numbers: the NICs' 8-byte atomics run in the
+  // IB wire order (Nic.atomic_endianness "big"). Clear: native order, the mlx5 HCA's host-endian
+  // atomic mode (atomic_req_8B_endianness_mode), the default, so a host or torch reads sig[0].
+  // One flag for the whole world (every rank's NIC agrees, gpunet.init checks): p2p stores and
+  // NIC atomics can then share one word. api::signal_order (below) is the one conversion.
+  DEVCTX_SIGNAL_BE = 1u,
+};
+
 // A device context: the symmetric heap, the peers, the status block. 128 B. abi.py: DevCtx.
 struct DevCtx {
   uint64_t local_base;     // this PE's symmetric heap base
@@ -56,7 +66,9 @@ struct DevCtx {
   uint64_t scratch;        // atomic result slots, inside the local heap (the NIC writes them)
   uint64_t discard;        // 8 bytes inside the local heap the NIC may write and nobody reads
   uint64_t max_wqe_bytes;  // split puts/gets larger than this into several WQEs (0: 1 GiB)
-  uint64_t reserved[6];
+  uint32_t flags;          // DEVCTX_*
+  uint32_t pad;
+  uint64_t reserved[5];
 };
 static_assert(sizeof(DevCtx) == 128, "DevCtx layout is mirrored in device/abi.py");
 
@@ -98,6 +110,13 @@ GPUNET_DEVICE uint64_t remote(const DevCtx& ctx, const PeerDesc& p, const void* 
 }
 GPUNET_DEVICE uint64_t max_wqe(const DevCtx& ctx) {
   return ctx.max_wqe_bytes ? ctx.max_wqe_bytes : kDefaultMaxWqeBytes;
+}
+// A signal word's value from its bytes in memory, or the bytes to store for a value: the identity
+// in native mode, a byte swap with DEVCTX_SIGNAL_BE (an involution, so one function serves both
+// directions). Every signal read, signal store, p2p atomic and fetched atomic result goes
+// through it (tests/test_signal_endian.py runs both modes).
+GPUNET_DEVICE uint64_t signal_order(const DevCtx& ctx, uint64_t v) {
+  return (ctx.flags & DEVCTX_SIGNAL_BE) ? arch::bswap64(v) : v;
 }
 // This thread's 8-byte atomic result slot (global thread id modulo ctx.scratch_slots).
 GPUNET_DEVICE uint64_t* result_slot(const DevCtx& ctx) {

@@ -23,9 +23,12 @@
 //     completing in order. fence therefore posts nothing; it only orders this thread's earlier
 //     device stores (e.g. to a put's source) before its later posts (a fence_sys). Across PEs
 //     there is no ordering short of quiet().
-//   - Signals: a signal word is updated by the NIC's 8-byte ATOMIC fetch-add, which treats memory
-//     as a BIG-ENDIAN number (as on the IB wire and real HCAs). wait_until / signal_read convert;
-//     a host reading a signal must bswap too. Initialise signal words to 0 (same in both orders).
+//   - Signals: a signal word is an 8-byte number updated by the NIC's ATOMIC fetch-add (p2p: a
+//     device CAS) in the NICs' atomic order (Nic.atomic_endianness): NATIVE by default (the mlx5
+//     host-endian atomic mode), so a host or torch reads sig[0] as is; big-endian (the IB wire
+//     order) when the context has DEVCTX_SIGNAL_BE. wait_until / signal_read / atomic_fetch_add
+//     convert per the context (api::signal_order); gpunet.read_signal on the host does too.
+//     Initialise signal words to 0 (the same in both orders).
 //   - Every call returns bool (or a value plus `ok`): false means a failure was recorded in the
 //     context's Status block (first failure wins); the host raises it after the kernel. Once any
 //     failure is recorded every later call returns false quickly, so the grid drains.
@@ -121,8 +124,8 @@ GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, void* dst_sym, const void* 
 // ---- atomics and signals ---------------------------------------------------------------------
 
 // Blocking 8-byte fetch-add of any 64-bit `v` (two's complement: -1 decrements) on sym_addr at
-// `pe` (the word is a big-endian number there, see the header comment). Returns the old value
-// (converted to host order); *ok = false (and 0 returned) on failure. Ordered after earlier ops to
+// `pe` (a number in the NICs' atomic order there, see the header comment). Returns the old value;
+// *ok = false (and 0 returned) on failure. Ordered after earlier ops to
 // the same pe; complete (and visible) when it returns. Uses the result slot of this thread
 // (global thread id modulo ctx.scratch_slots): the context needs at least as many slots as
 // threads that may call it at the same time.
@@ -142,10 +145,10 @@ GPUNET_DEVICE uint64_t atomic_fetch_add(const DevCtx& ctx, uint64_t* sym_addr, u
   return old;
 }
 
-// The value of a signal word (big-endian in memory, as the NIC's atomics leave it), with acquire:
-// data the signalling peer put before the signal is visible after it.
-GPUNET_DEVICE uint64_t signal_read(const uint64_t* sig_addr) {
-  return arch::bswap64(arch::load_acquire_sys(sig_addr));
+// The value of a signal word (in the NICs' atomic order in memory, see the header comment), with
+// acquire: data the signalling peer put before the signal is visible after it.
+GPUNET_DEVICE uint64_t signal_read(const DevCtx& ctx, const uint64_t* sig_addr) {
+  return api::signal_order(ctx, arch::load_acquire_sys(sig_addr));
 }
 
 namespace api {
@@ -161,7 +164,7 @@ GPUNET_DEVICE bool compare(uint64_t v, uint32_t cmp, uint64_t value) {
 }
 }  // namespace api
 
-// Wait (bounded by ctx.timeout_ns) until signal_read(sig_addr) `cmp` value holds. true when it
+// Wait (bounded by ctx.timeout_ns) until signal_read(ctx, sig_addr) `cmp` value holds. true when it
 // holds; false on timeout or an earlier failure. A timeout records what waited: SITE_WAIT_UNTIL,
 // the word's address and heap offset, the comparison, expected = value, observed = the last value
 // read, no QP and no peer. After true, everything the signaller put before the signal is visible
@@ -170,7 +173,7 @@ GPUNET_DEVICE bool wait_until(const DevCtx& ctx, const uint64_t* sig_addr, uint3
   const Waiter w = api::waiter(ctx);
   Spin spin;
   spin.progress = false;  // a user's word under any comparison: a plain bound (status.cuh Spin)
-  uint64_t v = signal_read(sig_addr);
+  uint64_t v = signal_read(ctx, sig_addr);
   while (!api::compare(v, cmp, value)) {
     if (!spin.keep_going(w, v, [&](Failure& f) {
           f.site = SITE_WAIT_UNTIL;
@@ -181,7 +184,7 @@ GPUNET_DEVICE bool wait_until(const DevCtx& ctx, const uint64_t* sig_addr, uint3
           f.expected = value;
         }))
       return false;
-    v = signal_read(sig_addr);
+    v = signal_read(ctx, sig_addr);
   }
   return true;
 }

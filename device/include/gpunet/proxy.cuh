@@ -41,8 +41,10 @@
 //   - put_signal is two commands in ONE reservation (adjacent slots, same channel), so the signal
 //     goes on the same QP right behind its payload: the RC QP executes in order, so a receiver that
 //     sees the signal sees the payload.
-// The 8-byte words the NIC's atomics touch (signals, fetch-add results) are big-endian numbers, as
-// on the IB wire and on real HCAs (the soft NIC does the same): read them with arch::bswap64.
+// The 8-byte words the NIC's atomics touch (signals, fetch-add results) are numbers in the NIC's
+// atomic order (Nic.atomic_endianness: native by default, big-endian in the IB wire order);
+// this header moves their bytes unchanged and the transport above converts them with
+// api::signal_order (devctx.cuh), the one place that knows the order.
 //
 // Write order: the producer stores w1 (relaxed), then w0 with store_release_sys, so the proxy,
 // which loads w0 with acquire and checks VALID before loading w1, never reads a half-written
@@ -116,7 +118,7 @@ enum : uint32_t {
   OP_SIGNAL_ADD = 3,  // 8-byte fetch-add of a 64-bit value on peer[roff] (result dropped)
   OP_ATOMIC_FA = 4,   // 8-byte fetch-add on peer[roff]; old value -> local[loff] (BE); the addend
                       // is in the OPERAND command right behind it (same reservation)
-  OP_SIGNAL_SET = 5,  // 8-byte store of a 64-bit value (big-endian) to peer[roff]
+  OP_SIGNAL_SET = 5,  // 8-byte store of a 64-bit value (in the NIC's atomic order) to peer[roff]
   OP_OPERAND = 6,     // the 64-bit operand (w1) of the command in the slot before it
   OP_MAX = 6,
 };
@@ -477,22 +479,23 @@ GPUNET_DEVICE bool proxy_put_signal(const ProxyChannel& ch, const Waiter& w, uin
 }
 
 // Fetch-add of any 64-bit addend (two's complement: -1 decrements): the old value of
-// peer[remote_off] lands at local[result_off] (8 bytes, big-endian); waits for it (a quiet up to
-// this command) and returns it through `old` in host order. `local_heap` is the device's address
-// of the local symmetric heap. ATOMIC_FA + OPERAND, one reservation (see the command format).
+// peer[remote_off] lands at local[result_off] (8 bytes in the NIC's atomic order); waits for it
+// (a quiet up to this command) and returns those 8 bytes through `old` as they are in memory
+// (`raw_old`: the caller converts, api::signal_order). `local_heap` is the device's address of
+// the local symmetric heap. ATOMIC_FA + OPERAND, one reservation (see the command format).
 GPUNET_DEVICE bool proxy_atomic_fetch_add(const ProxyChannel& ch, const Waiter& w, uint32_t peer,
                                           uint64_t remote_off, uint64_t addend,
                                           uint64_t result_off, const uint8_t* local_heap,
-                                          uint64_t* old) {
+                                          uint64_t* raw_old) {
   if (!detail::check_args(ch, w, peer, result_off, remote_off)) return false;
   const Command c[2] = {encode(OP_ATOMIC_FA, peer, 0, result_off, remote_off),
                         encode_operand(peer, addend)};
   uint64_t issued = 0;
   if (!proxy_push_n(ch, w, c, 2, &issued)) return false;
   if (!proxy_quiet(ch, w, issued, peer)) return false;
-  const uint64_t be =
+  const uint64_t raw =
       arch::load_acquire_sys(reinterpret_cast<const uint64_t*>(local_heap + result_off));
-  if (old) *old = arch::bswap64(be);
+  if (raw_old) *raw_old = raw;
   return true;
 }
 

@@ -69,9 +69,28 @@
 // Memory orders: workspace written by one block and read by others is published with fence_sys +
 // an atomic flag and read after the flag with a fence (acquire); staged rows and metas are plain
 // stores followed by syncwarp and the poster's fence() before the put (the NIC reads them).
+//
+// Speed rules (the p2p rows of bench/RESULTS.md were 300-1400 us for 1.8 MB a rank before them):
+//   - Every put is put_nbi_warp, called by the whole warp: over p2p the warp's lanes copy the row
+//     together in 16-byte stores. A put_nbi from one lane makes that lane copy 14 KB (dispatch)
+//     or ~50 KB (combine, several rows) alone, one 16-byte store at a time: that was the time.
+//     Over ibgda the warp put posts ONE WQE per max_wqe bytes (GPUNET_WARP_MIN_CHUNK below):
+//     splitting a row into 32 WQEs would multiply the NIC's (and the soft NIC's) work.
+//   - One fence() per warp item (token / expert-source run) before its first put, not one per
+//     destination: a system fence after a p2p put waits for those remote stores to land.
+//   - The combine reduction is one item per (token, 8 * warp_size columns), so every warp works
+//     even when T is smaller than the grid's warps; each lane loads all K rows of its columns
+//     before it adds (independent loads in flight), then adds in k order (deterministic).
+// bench/ep_profile.py measures each phase (LlParams::prof stamps) and the host's share.
 #pragma once
 
 #include <stdint.h>
+
+// put_nbi_warp over ibgda: chunks of max_wqe bytes (one WQE per max_wqe, as put_nbi), not one WQE
+// per lane (see "Speed rules" above). Defined before gpunet.cuh so transport/ibgda.cuh takes it.
+#ifndef GPUNET_WARP_MIN_CHUNK
+#define GPUNET_WARP_MIN_CHUNK (uint64_t(1) << 40)
+#endif
 
 #include <gpunet/gpunet.cuh>
 
@@ -166,8 +185,27 @@ struct LlParams {
   uint64_t tab;           // int32 [3][R * E_loc] + [R]: per-launch controller tables (combine:
                           // send [E_loc*R] + [R], then receive [2][R*E_loc]: both live at once)
   uint64_t table;         // int64 [t_max * K], -1 between launches: combine (source, row) slots
+  // host-visible copies of the failure words, or 0 (the host reads mask / failed / status_flag
+  // where they are: a host-mapped heap). u32 [1 + R]: [0] = status_flag, [1 + p] = failed[p].
+  // Pinned host memory mapped into the device: with a device-memory heap (p2p) the host then
+  // learns of a failure without copying the heap (a device sync) after every call.
+  uint64_t host_flags;
+  uint64_t prof;          // u64 [grid][kStamps] phase stamps (now_ns), or 0: bench/ep_profile.py
 };
-static_assert(sizeof(LlParams) == 368, "LlParams layout is mirrored in device/ep.py");
+static_assert(sizeof(LlParams) == 384, "LlParams layout is mirrored in device/ep.py");
+
+// LlParams::prof: thread 0 of every block stores now_ns() at these points (0 = not reached).
+enum : uint32_t {
+  ST_BEGIN = 0,       // kernel entry
+  ST_SEND_PLAN = 1,   // the block has the plan (block 0: after quiet + plan)
+  ST_SEND_LOOP = 2,   // the block's puts / copies are posted
+  ST_SEND_HDR = 3,    // (last block) headers + signals posted, self announced
+  ST_RECV_READY = 4,  // the block has the receive tables (block 0: every source arrived)
+  ST_RECV_TABLE = 5,  // combine: after the slot-table barrier
+  ST_RECV_LOOP = 6,   // the block's unpack / reduce is done
+  ST_END = 7,         // the block leaves
+  kStamps = 8,
+};
 
 // The first EP-level failure of a launch (first wins). 64 B. device/ep.py: EpStatus.
 struct EpStatus {
@@ -295,10 +333,22 @@ GPUNET_DEVICE T* ptr(uint64_t a) {
   return reinterpret_cast<T*>(uintptr_t(a));
 }
 
-// The warp copies n bytes (n % 16 == 0, both ends 16-byte aligned), 16 bytes per lane per step.
+// The warp copies n bytes (n % 16 == 0, both ends 16-byte aligned), 16 bytes per lane per step,
+// kCopyUnroll steps per round with every load of a round issued before its stores: a lane has
+// kCopyUnroll loads in flight, not one (a 14 KB row is 28 steps of a 32-lane warp; one load at a
+// time makes that 28 memory latencies per row).
+constexpr uint32_t kCopyUnroll = 4;
 GPUNET_DEVICE void warp_copy(const Geo& g, uint64_t dst, uint64_t src, uint64_t n) {
-  for (uint64_t i = uint64_t(g.lane) * 16; i < n; i += uint64_t(g.ws) * 16)
-    *ptr<V16>(dst + i) = *ptr<const V16>(src + i);
+  const uint64_t step = uint64_t(g.ws) * 16;
+  uint64_t i = uint64_t(g.lane) * 16;
+  for (; i + (kCopyUnroll - 1) * step < n; i += kCopyUnroll * step) {
+    V16 v[kCopyUnroll];
+#pragma unroll
+    for (uint32_t u = 0; u < kCopyUnroll; ++u) v[u] = *ptr<const V16>(src + i + u * step);
+#pragma unroll
+    for (uint32_t u = 0; u < kCopyUnroll; ++u) *ptr<V16>(dst + i + u * step) = v[u];
+  }
+  for (; i < n; i += step) *ptr<V16>(dst + i) = *ptr<const V16>(src + i);
 }
 
 GPUNET_DEVICE const DevCtx& peer_ctx(const LlParams& P, uint32_t p) {
@@ -335,6 +385,12 @@ GPUNET_DEVICE bool peer_out(const LlParams& P, uint32_t p) {
 GPUNET_DEVICE void peer_fail(const LlParams& P, uint32_t p) {
   arch::atomic_store(ptr<uint32_t>(P.failed) + p, 1u);
   if (P.flags & F_SHRINK) arch::atomic_store(ptr<uint32_t>(P.mask) + p, 1u);
+  if (P.host_flags) arch::store_release_sys(ptr<uint32_t>(P.host_flags) + 1 + p, 1u);
+}
+
+// Phase stamp of this block (LlParams::prof; bench/ep_profile.py reads them).
+GPUNET_DEVICE void stamp(const LlParams& P, const Geo& g, uint32_t which) {
+  if (P.prof && g.tid == 0) ptr<uint64_t>(P.prof)[uint64_t(g.bid) * kStamps + which] = arch::now_ns();
 }
 
 // The hot loops (a post per token and destination) read peer_out from a copy in shared memory
@@ -370,6 +426,7 @@ GPUNET_DEVICE void ep_fail(const LlParams& P, uint32_t code, uint32_t site, uint
   arch::store_relaxed(&s->waited_ns, waited);
   arch::store_release_sys(&s->valid, uint64_t(1));
   arch::store_release_sys(ptr<uint32_t>(P.status_flag), 1u);
+  if (P.host_flags) arch::store_release_sys(ptr<uint32_t>(P.host_flags), 1u);
 }
 
 // Bounded wait until *word >= target (another block's flag or arrival count), then acquire.
@@ -609,6 +666,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   } else if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) {
     return false;
   }
+  stamp(P, g, ST_SEND_PLAN);
   uint8_t* out = load_peer_view(P, g);
   const int64_t* topk = ptr<const int64_t>(P.topk_idx);
   const int32_t* plan_idx = ptr<const int32_t>(P.plan);
@@ -661,20 +719,33 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
         warp_copy(g, P.d_recv + (uint64_t(P.rank) * P.t_max + uint32_t(self_slot)) * P.msg_stride + from,
                   msg + from, P.msg_stride - from);
     }
+    // lane k < K names destination d = rank of its expert when k is the token's first selection
+    // there; then the whole warp puts the message to each named destination in turn
+    uint32_t dest = 0, slot = 0;
+    bool named = false;
     if (g.lane < K) {
       const int32_t ps = plan_slot[uint64_t(t) * K + g.lane];
       if (ps >= 0) {
-        const uint32_t d = uint32_t(e) / P.e_loc;
-        if (!out[d] && d != P.rank) {
-          const uint32_t slot = uint32_t(hist[uint64_t(tile) * C + E + d] + ps);
-          const DevCtx& cx = peer_ctx(P, d);
-          const uint64_t dst = P.d_recv + (uint64_t(P.rank) * P.t_max + slot) * P.msg_stride;
-          if (!(fence(cx) && put_nbi(cx, ptr<void>(dst), ptr<const void>(msg), P.msg_stride, int(d))))
-            peer_fail_view(P, out, d);
-        }
+        dest = uint32_t(e) / P.e_loc;
+        slot = uint32_t(hist[uint64_t(tile) * C + E + dest] + ps);
+        named = !out[dest] && dest != P.rank;
       }
     }
+    const uint64_t todo = arch::ballot(named);
+    bool fenced = false;
+    for (uint32_t k = 0; k < K; ++k) {
+      if (!((todo >> k) & 1)) continue;
+      const uint32_t d = arch::shfl(dest, k), sl = arch::shfl(slot, k);
+      const DevCtx& cx = peer_ctx(P, d);
+      // one fence per token (the staged row and meta before the first post), on every lane
+      bool ok = fenced || arch::all(fence(cx));
+      fenced = true;
+      const uint64_t dst = P.d_recv + (uint64_t(P.rank) * P.t_max + sl) * P.msg_stride;
+      ok = ok && put_nbi_warp(cx, ptr<void>(dst), ptr<const void>(msg), P.msg_stride, int(d));
+      if (!ok && g.lane == 0) peer_fail_view(P, out, d);
+    }
   }
+  stamp(P, g, ST_SEND_LOOP);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     const int32_t* total = hist + uint64_t(P.ntiles) * C;
     const uint32_t hdr_bytes = (kHdrHead + P.e_loc) * 4;
@@ -696,6 +767,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     }
     announce_self(P, g, SIG_DISPATCH);
     reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
+    stamp(P, g, ST_SEND_HDR);
   }
   return true;
 }
@@ -747,6 +819,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
   } else if (!block_wait(P, g, SYNC_RECV_READY, 1, EP_SITE_RECV_READY)) {
     return false;
   }
+  stamp(P, g, ST_RECV_READY);
   uint64_t total = 0;
   for (uint32_t j = 0; j < R; ++j) total += uint64_t(nmsg[j]);
   const bool fp8 = (P.flags & F_FP8) != 0;
@@ -796,11 +869,16 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     // the row is read once (on GPUs it is in host-mapped memory) and written to every copy
     const uint64_t row_bytes = fp8 ? uint64_t(H) : uint64_t(H) * 2;
     const uint64_t src = (j == P.rank && self_direct) ? P.x + uint64_t(t) * row_bytes : msg;
-    for (uint64_t i = uint64_t(g.lane) * 16; i < row_bytes; i += uint64_t(g.ws) * 16) {
-      const V16 v = *ptr<const V16>(src + i);
-      for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + i) = v;
+    if (nd == 1) {
+      warp_copy(g, P.out_x + dst[0] * row_bytes, src, row_bytes);
+    } else {
+      for (uint64_t i = uint64_t(g.lane) * 16; i < row_bytes; i += uint64_t(g.ws) * 16) {
+        const V16 v = *ptr<const V16>(src + i);
+        for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + i) = v;
+      }
     }
   }
+  stamp(P, g, ST_RECV_LOOP);
   if (last_block(P, g, SYNC_RECV_DONE)) reset_sync(P, g, SYNC_RECV_READY, SYNC_RECV_DONE);
   return true;
 }
@@ -835,6 +913,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   } else if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) {
     return false;
   }
+  stamp(P, g, ST_SEND_PLAN);
   uint8_t* out = load_peer_view(P, g);
   const bool zero_copy = (P.flags & F_ZERO_COPY) != 0;
   const int64_t* topk = ptr<const int64_t>(P.topk_idx);
@@ -842,7 +921,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   const uint64_t items = uint64_t(EL) * R;
   for (uint64_t it = g.gw; it < items; it += g.gwarps) {
     const uint32_t j = uint32_t(it % R), le = uint32_t(it / R);
-    if (ntot[j] < 0 || out[j]) continue;
+    if (arch::any(ntot[j] < 0 || out[j])) continue;  // warp-uniform: the warp puts below
     const int64_t v = lr[uint64_t(le) * R + j];
     const uint64_t b = uint64_t(v >> 32), c = uint64_t(v & 0xffffffff);
     if (c == 0) continue;
@@ -871,17 +950,17 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     for (uint64_t i = g.lane; i < c; i += g.ws)
       ptr<int32_t>(P.c_stags)[r0 + i] = ptr<const int32_t>(P.src_info)[r0 + i];
     arch::syncwarp();
-    if (g.lane == 0) {
-      const DevCtx& cx = peer_ctx(P, j);
-      const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + uint64_t(pre[uint64_t(le) * R + j]);
-      const bool ok = fence(cx) &&
-                      put_nbi(cx, ptr<void>(P.c_recv + dst_row * H * 2),
-                              ptr<const void>(P.c_send + r0 * H * 2), c * H * 2, int(j)) &&
-                      put_nbi(cx, ptr<void>(P.c_rtags + dst_row * 4),
-                              ptr<const void>(P.c_stags + r0 * 4), c * 4, int(j));
-      if (!ok) peer_fail_view(P, out, j);
-    }
+    // the whole warp: one fence, then the rows and their token indices (ll.cuh "Speed rules")
+    const DevCtx& cx = peer_ctx(P, j);
+    const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + uint64_t(pre[uint64_t(le) * R + j]);
+    bool ok = arch::all(fence(cx));
+    ok = ok && put_nbi_warp(cx, ptr<void>(P.c_recv + dst_row * H * 2),
+                            ptr<const void>(P.c_send + r0 * H * 2), c * H * 2, int(j));
+    ok = ok && put_nbi_warp(cx, ptr<void>(P.c_rtags + dst_row * 4),
+                            ptr<const void>(P.c_stags + r0 * 4), c * 4, int(j));
+    if (!ok && g.lane == 0) peer_fail_view(P, out, j);
   }
+  stamp(P, g, ST_SEND_LOOP);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     const uint32_t hdr_bytes = (kHdrHead + EL) * 4;
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
@@ -903,6 +982,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     if (ntot[P.rank] >= 0) announce_self(P, g, SIG_COMBINE);
     else arch::syncthreads();
     reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
+    stamp(P, g, ST_SEND_HDR);
   }
   return true;
 }
@@ -946,6 +1026,7 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
   } else if (!block_wait(P, g, SYNC_RECV_READY, 1, EP_SITE_RECV_READY)) {
     return false;
   }
+  stamp(P, g, ST_RECV_READY);
   // the slot table: (source, row) of every (token, k) whose expert sent a row
   const uint64_t items = uint64_t(R) * EL;
   const bool self_tabled = self_reads_source(P);
@@ -967,30 +1048,49 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
     }
   }
   if (!grid_barrier(P, g, SYNC_RECV_TABLE, EP_SITE_TABLE)) return false;
+  stamp(P, g, ST_RECV_TABLE);
+  // one item = (token t, a span of 8 * ws columns): lane l reduces columns c0 .. c0 + 7
   const float* w = ptr<const float>(P.topk_weights);
-  for (uint32_t t = g.gw; t < T; t += g.gwarps) {
-    for (uint32_t c0 = g.lane * 8; c0 < H; c0 += g.ws * 8) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (uint32_t k = 0; k < K; ++k) {
-        const int64_t s = table[uint64_t(t) * K + k];
-        if (s < 0) continue;
-        const uint64_t o = uint64_t(s) >> 32, i = uint64_t(s) & 0xffffffffu;
-        const float wk = w[uint64_t(t) * K + k];
-        const uint64_t row = (s & kSelfRow) ? P.x + (uint64_t(s & ~kSelfRow) * H + c0) * 2
-                                            : P.c_recv + ((o * P.c_rows + i) * H + c0) * 2;
-        const V16 v = *ptr<const V16>(row);
-        for (uint32_t q = 0; q < 8; ++q)
-          acc[q] += wk * bf16_to_f32(uint16_t((q < 4 ? v.a : v.b) >> (16 * (q & 3))));
-      }
-      V16 out = {0, 0};
-      for (uint32_t q = 0; q < 8; ++q)
-        (q < 4 ? out.a : out.b) |= uint64_t(f32_to_bf16(acc[q])) << (16 * (q & 3));
-      *ptr<V16>(P.out_x + (uint64_t(t) * H + c0) * 2) = out;
+  const uint32_t span = 8 * g.ws, nspan = (H + span - 1) / span;
+  for (uint64_t it = g.gw; it < uint64_t(T) * nspan; it += g.gwarps) {
+    const uint32_t t = uint32_t(it / nspan);
+    const uint32_t c0 = uint32_t(it % nspan) * span + g.lane * 8;
+    if (c0 >= H) continue;
+    // every row first (K independent 16-byte loads in flight), then the sum in k order
+    V16 v[kMaxTopk];
+    float wk[kMaxTopk];
+    uint32_t have = 0;  // bit k: selection k sent a row
+#pragma unroll
+    for (uint32_t k = 0; k < kMaxTopk; ++k) {
+      wk[k] = 0.0f;
+      v[k] = V16{0, 0};
+      if (k >= K) continue;
+      const int64_t s = table[uint64_t(t) * K + k];
+      if (s < 0) continue;
+      have |= 1u << k;
+      const uint64_t o = uint64_t(s) >> 32, i = uint64_t(s) & 0xffffffffu;
+      const uint64_t row = (s & kSelfRow) ? P.x + (uint64_t(s & ~kSelfRow) * H + c0) * 2
+                                          : P.c_recv + ((o * P.c_rows + i) * H + c0) * 2;
+      v[k] = *ptr<const V16>(row);
+      wk[k] = w[uint64_t(t) * K + k];
     }
-    arch::syncwarp();
-    if (g.lane < K) table[uint64_t(t) * K + g.lane] = -1;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+    for (uint32_t k = 0; k < kMaxTopk; ++k) {
+      if (!((have >> k) & 1)) continue;  // a hole adds nothing (not even 0 * row)
+      for (uint32_t q = 0; q < 8; ++q) acc[q] += wk[k] * bf16_at(v[k], q);
+    }
+    V16 res = {0, 0};
+    for (uint32_t q = 0; q < 8; ++q)
+      (q < 4 ? res.a : res.b) |= uint64_t(f32_to_bf16(acc[q])) << (16 * (q & 3));
+    *ptr<V16>(P.out_x + (uint64_t(t) * H + c0) * 2) = res;
   }
-  if (last_block(P, g, SYNC_RECV_DONE)) reset_sync(P, g, SYNC_RECV_READY, SYNC_RECV_DONE);
+  stamp(P, g, ST_RECV_LOOP);
+  // the slot table back to -1 (between launches) once every block has read it
+  if (last_block(P, g, SYNC_RECV_DONE)) {
+    for (uint64_t i = g.tid; i < uint64_t(T) * K; i += g.bdim) table[i] = -1;
+    reset_sync(P, g, SYNC_RECV_READY, SYNC_RECV_DONE);
+  }
   return true;
 }
 
@@ -1020,7 +1120,7 @@ GPUNET_DEVICE void clean(const LlParams& P, const Geo& g) {
   if (g.bid != 0) return;
   barrier_live(P, g);
   for (uint32_t i = g.tid; i < 4 * P.nranks; i += g.bdim)
-    ptr<uint64_t>(P.expected)[i] = signal_read(ptr<const uint64_t>(P.sig) + i);
+    ptr<uint64_t>(P.expected)[i] = signal_read(peer_ctx(P, P.rank), ptr<const uint64_t>(P.sig) + i);
   for (uint32_t i = g.tid; i < 4; i += g.bdim)
     *self_expected(P, i / 2, i % 2) = arch::atomic_load(self_sig(P, i / 2, i % 2));
   for (uint32_t w = g.tid; w < SYNC_WORDS; w += g.bdim) arch::atomic_store(sync_word(P, w), uint64_t(0));
@@ -1030,6 +1130,7 @@ GPUNET_DEVICE void clean(const LlParams& P, const Geo& g) {
 
 GPUNET_DEVICE void run(const LlParams& P) {
   const Geo g = geo();
+  stamp(P, g, ST_BEGIN);
   if (P.op == OP_DISPATCH) {
     bool ok = true;
     if (P.phases & PH_SEND) ok = dispatch_send(P, g);
@@ -1041,6 +1142,7 @@ GPUNET_DEVICE void run(const LlParams& P) {
   } else if (P.op == OP_CLEAN) {
     clean(P, g);
   }
+  stamp(P, g, ST_END);
 }
 
 }  // namespace ep

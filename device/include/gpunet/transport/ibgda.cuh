@@ -72,8 +72,8 @@ struct Ibgda {
   }
 
   // Payload beyond one WQE goes first; the last chunk and the signal (ADD: ATOMIC fetch-add; SET:
-  // an inline 8-byte WRITE of the big-endian value) are one reservation on the QP, so they
-  // execute in that order (RC in-order execution).
+  // an inline 8-byte WRITE of the value in the NIC's atomic order, api::signal_order) are one
+  // reservation on the QP, so they execute in that order (RC in-order execution).
   static GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
                                            int pe, void* dst_sym, const void* src, uint64_t nbytes,
                                            uint64_t* sig_sym, uint64_t add, uint32_t sig_op) {
@@ -87,16 +87,17 @@ struct Ibgda {
                uint64_t(uintptr_t(src)) + head, ctx.lkey, uint32_t(nbytes - head));
     }
     if (sig_op == SIGNAL_SET) {
-      const uint64_t be = arch::bswap64(add);
+      const uint64_t word = api::signal_order(ctx, add);
       wqe_write_inline(q[k++], api::remote(ctx, p, sig_sym), p.rkey,
-                       reinterpret_cast<const uint8_t*>(&be), 8);
+                       reinterpret_cast<const uint8_t*>(&word), 8);
     } else {
       wqe_atomic_fa(q[k++], api::remote(ctx, p, sig_sym), p.rkey, ctx.discard, ctx.lkey, add);
     }
     return post(qp_of(p), w, q, k);
   }
 
-  // The old value lands in `result` (this thread's slot, big-endian); waits for its completion.
+  // The old value lands in `result` (this thread's slot, in the NIC's atomic order); waits for
+  // its completion.
   static GPUNET_DEVICE bool atomic_fetch_add(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
                                              int pe, uint64_t* sym_addr, uint64_t v,
                                              uint64_t* result, uint64_t* old) {
@@ -109,7 +110,7 @@ struct Ibgda {
     if (!post(qp, w, &q, 1, &end)) return false;
     if (!wait_done(qp, w, end, SITE_ATOMIC)) return false;
     // done_head was read with acquire after the CQE (which follows the NIC's result write).
-    *old = arch::bswap64(arch::load_acquire_sys(result));
+    *old = api::signal_order(ctx, arch::load_acquire_sys(result));
     return true;
   }
 

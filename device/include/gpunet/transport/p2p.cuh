@@ -12,10 +12,11 @@
 //     src is reusable at once; visibility at the PE needs the release below (quiet / fence / a
 //     signal).
 //   - put_signal: payload, then fence_sys (the release: every payload store becomes visible
-//     before the signal), then the signal. ADD is a device CAS loop on the big-endian signal
-//     word (the NIC's atomics keep signals big-endian, gpunet.cuh header), so P2P and NIC
-//     updates of one word stay atomic with respect to each other; SET is one release store of
-//     the big-endian value (store-only: the form the c500 profile allows).
+//     before the signal), then the signal. ADD is a device CAS loop on the signal word in the
+//     NICs' atomic order (api::signal_order: native by default, big-endian with
+//     DEVCTX_SIGNAL_BE), so P2P and NIC updates of one word stay atomic with respect to each
+//     other; SET is one release store of the value in that order (store-only: the form the
+//     c500 profile allows).
 //   - quiet / quiet_pe / fence: fence_sys, the system-scope fence that orders every earlier
 //     store of this thread before anything it does later (CUDA fence.acq_rel.sys; MACA
 //     __threadfence_system; HOST drains the weak store buffer).
@@ -154,26 +155,28 @@ struct P2p {
     return !failed(w);
   }
 
-  // `add` on the big-endian word at `word` by CAS (atomic with the NIC's atomics on it, which
-  // use CAS as well); returns the old value in host order. A retry is progress elsewhere, so the
-  // loop is bounded like any wait (a word that changes forever records a timeout).
-  static GPUNET_DEVICE bool add_be(const Waiter& w, int pe, uint64_t* word, uint64_t add,
-                                   uint64_t* old) {
+  // `add` on the word at `word`, a number in the NICs' atomic order (api::signal_order), by CAS
+  // (atomic with the NIC's atomics on it, which use CAS as well); returns the old value. A retry
+  // is progress elsewhere, so the loop is bounded like any wait (a word that changes forever
+  // records a timeout).
+  static GPUNET_DEVICE bool add_word(const DevCtx& ctx, const Waiter& w, int pe, uint64_t* word,
+                                     uint64_t add, uint64_t* old) {
     uint64_t cur = arch::atomic_load(word);
     Spin spin;
     spin.progress = false;
     for (;;) {
-      const uint64_t got = arch::atomic_cas(word, cur, arch::bswap64(arch::bswap64(cur) + add));
+      const uint64_t next = api::signal_order(ctx, api::signal_order(ctx, cur) + add);
+      const uint64_t got = arch::atomic_cas(word, cur, next);
       if (got == cur) break;
       cur = got;
-      if (!spin.keep_going(w, arch::bswap64(cur), [&](Failure& f) {
+      if (!spin.keep_going(w, api::signal_order(ctx, cur), [&](Failure& f) {
             f.site = SITE_ATOMIC;
             f.peer = uint32_t(pe);
             f.addr = uint64_t(uintptr_t(word));
           }))
         return false;
     }
-    *old = arch::bswap64(cur);
+    *old = api::signal_order(ctx, cur);
     return true;
   }
 
@@ -186,11 +189,11 @@ struct P2p {
     arch::fence_sys();  // the release: the payload is visible before the signal
     uint64_t* sig = reinterpret_cast<uint64_t*>(mapped(ctx, p, sig_sym));
     if (sig_op == SIGNAL_SET) {
-      arch::store_release_sys(sig, arch::bswap64(value));
+      arch::store_release_sys(sig, api::signal_order(ctx, value));
       return !failed(w);
     }
     uint64_t old = 0;
-    return add_be(w, pe, sig, value, &old);
+    return add_word(ctx, w, pe, sig, value, &old);
   }
 
   static GPUNET_DEVICE bool atomic_fetch_add(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
@@ -199,7 +202,7 @@ struct P2p {
     (void)result;  // the old value comes back from the CAS itself
     if (!may_load(w, p, pe, 2) || !in_heap(ctx, w, pe, sym_addr, 8, true)) return false;
     arch::fence_sys();  // ordered after this thread's earlier stores to the PE, as on a QP
-    return add_be(w, pe, reinterpret_cast<uint64_t*>(mapped(ctx, p, sym_addr)), v, old);
+    return add_word(ctx, w, pe, reinterpret_cast<uint64_t*>(mapped(ctx, p, sym_addr)), v, old);
   }
 
   static GPUNET_DEVICE bool quiet_pe(const DevCtx& ctx, const Waiter& w, const PeerDesc& p, int pe) {

@@ -69,9 +69,14 @@ struct Proxy {
   static GPUNET_DEVICE bool atomic_fetch_add(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
                                              int pe, uint64_t* sym_addr, uint64_t v,
                                              uint64_t* result, uint64_t* old) {
-    return proxy::proxy_atomic_fetch_add(
-        channel(p), w, uint32_t(pe), api::heap_off(ctx, sym_addr), v, api::heap_off(ctx, result),
-        reinterpret_cast<const uint8_t*>(uintptr_t(ctx.local_base)), old);
+    uint64_t raw = 0;
+    if (!proxy::proxy_atomic_fetch_add(channel(p), w, uint32_t(pe), api::heap_off(ctx, sym_addr), v,
+                                       api::heap_off(ctx, result),
+                                       reinterpret_cast<const uint8_t*>(uintptr_t(ctx.local_base)),
+                                       &raw))
+      return false;
+    *old = api::signal_order(ctx, raw);  // the NIC wrote it in its atomic order
+    return true;
   }
 
   static GPUNET_DEVICE bool quiet_pe(const DevCtx& ctx, const Waiter& w, const PeerDesc& p, int pe) {
