@@ -114,6 +114,9 @@ GPUNET_DEVICE T load_relaxed(const T* p) {
   return *const_cast<const volatile T*>(p);
 }
 GPUNET_DEVICE void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// Sequentially consistent at device scope: orders an earlier store before a later load (the
+// qp.cuh doorbell lock hand-off needs that); costs no wait for the host or the NIC.
+GPUNET_DEVICE void fence_gpu() { asm volatile("fence.sc.gpu;" ::: "memory"); }
 // One 16-byte vector store (st.volatile.v2.u64): a WQE segment in one instruction. Volatile like
 // store_relaxed; p must be 16-byte aligned (SQ slots are).
 GPUNET_DEVICE void store_relaxed_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
@@ -255,6 +258,7 @@ GPUNET_DEVICE T load_relaxed(const T* p) {
   return *const_cast<const volatile T*>(p);
 }
 GPUNET_DEVICE void fence_sys() { __threadfence_system(); }
+GPUNET_DEVICE void fence_gpu() { __threadfence(); }
 // UNVERIFIED on MACA: two 8-byte volatile stores; a 16-byte vector store intrinsic is to be
 // confirmed on the first C500 build (the publish protocol does not rely on the store's width).
 GPUNET_DEVICE void store_relaxed_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
@@ -373,6 +377,8 @@ GPUNET_DEVICE void fence_sys() {
   if (hd::ThreadCtx* c = hd::weak_ctx()) hd::drain_all(c);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
+// One memory on the HOST arm: a device-scope fence is a system-scope one.
+GPUNET_DEVICE void fence_gpu() { fence_sys(); }
 
 template <class T>
 GPUNET_DEVICE void host_before_rmw(T* p) {

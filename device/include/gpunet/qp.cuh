@@ -11,23 +11,45 @@
 //
 //   post(n WQEBBs)
 //     1. base = atomic_add(resv_head, n)                       reservation, in reservation order
-//     2. wait until base + n - done_head <= sq_wqebbs          space; the waiter polls the CQ AND
-//                                                              flushes the doorbell, so published
-//                                                              but unrung work always gets rung
-//                                                              (otherwise a full ring deadlocks)
+//     2. wait until base + n - done_head <= sq_wqebbs          space; the waiter polls the CQ
 //     3. write the WQE words with arch::store_relaxed          the NIC reads them
-//     4. wait until ready_head == base                         publish in reservation order
-//     5. slot_nbb[base & mask] = n; slot_db[(base+n) & mask] = doorbell word of this WQE
-//     6. store_release_sys(ready_head, base + n)               publishes 3 and 5 (cumulative)
-//     7. ring (flush_doorbell) if a db_batch boundary was crossed or nobody reserved after us
-//        (atomic_load(resv_head) == base + n); a later reserver takes the duty over otherwise.
+//        slot_nbb[base & mask] = n (per WQE); slot_db[(base+n) & mask] = doorbell word of the last
+//     4. publish: hand [base, base+n) to the doorbell lock's holder, or become it (below). A post
+//        never waits for earlier posts: it returns once its WQEs are rung or handed over.
 //
-//   flush_doorbell: until db_head >= the ready_head seen at entry (bounded):
-//     try-lock db_lock; fence; r = ready_head; if r > db_head:
-//       fence_sys; DBR[1] = htobe32(r & 0xffff); fence_sys; doorbell_store64(db, slot_db[r&mask]);
-//       db_head = r;  unlock (release).
-//     slot_db[r & mask] cannot be overwritten while we read it: the WQE ending at r + sq_wqebbs
-//     needs done_head >= r, and nothing at or above db_head completes before it is rung.
+//   The doorbell lock (db_lock: 0 free, 1 held, 3 held and asked to scan again). Only its holder
+//   moves ready_head / db_head and writes the DBR and the doorbell, so the DBR never goes back.
+//     publisher (its WQEs written):
+//       if CAS(db_lock, 0 -> 1) and ready_head == base: hold, with [base, base+n) ready (no tag)
+//       else: tag: slot_ready[base & mask] = base + n (release, device scope); fence_gpu (SC);
+//             loop: CAS(0 -> 1): hold | saw 3: return | CAS(1 -> 3) saw 1 or 3: return | retry
+//     holder:
+//       r = ready_head; while slot_ready[r & mask] > r: r = slot_ready[r & mask]   (scan)
+//       if r moved: ready_head = db_head = r; fence_sys; DBR[1] = htobe32(r & 0xffff);
+//                   fence_sys; doorbell_store64(db, slot_db[r & mask])              (ONE ring)
+//       else fence_gpu (what we stored before the lock is free);
+//       release: CAS(1 -> 0); if it saw 3: CAS(3 -> 1), fence_gpu, scan again.
+//   So one doorbell covers every reservation that became ready while the previous ring was in
+//   flight, whichever warp wrote it: the in-order publish per warp is gone (bench/RESULTS.md).
+//   Why no ready WQE is left unrung: a tagged publisher either holds the lock (and scans after its
+//   tag), or its CAS saw the lock held and left 3 in it, which the holder sees at its release and
+//   answers with a scan ordered after the tag (the tag store, the SC fence and the CAS are in that
+//   order; the holder's CAS(3 -> 1) and fence_gpu come before its scan). A scan stops at the first
+//   reservation not yet tagged; that reservation's own publish scans again. The shortcut (hold
+//   with ready_head == base: no tag at all) needs no tag because the holder moves ready_head past
+//   the reservation itself.
+//   Why a tag is exact: slot_ready[p] holds the end of the last reservation that STARTED at p. For
+//   a ready_head r, a value written in an earlier lap is <= r (it started at <= r - sq_wqebbs and
+//   spans <= sq_wqebbs); a reservation of the current lap starting at r writes r + n > r; no
+//   later lap can start at r + sq_wqebbs before r completes, i.e. before r is rung. So "ready at r"
+//   is exactly slot_ready[r & mask] > r. The tag is a release: a holder that reads it and fences
+//   (fence_sys before the DBR) has the WQEs, slot_nbb and slot_db it covers. The holder's fence_sys
+//   is cumulative over them (the tag is read at device scope, the DBR written at system scope).
+//   The doorbell word is a wake-up: the NIC reads the producer index from the DBR, which only
+//   holders write, after a fence_sys, in increasing order; two holders' doorbell stores may land
+//   in either order (the soft NIC re-reads the DBR on any doorbell change).
+//   db_batch is not used by this protocol: every ring covers what was ready (the field stays in
+//   the descriptor for the descriptor mirror).
 //
 //   Every WQE is signalled (CQ_UPDATE) and completes in order, so one CQE tells how far the ring
 //   is done (one poller at a time: try-lock poll_lock). Owner-bit CQ: that poller consumes every valid CQE
@@ -39,21 +61,22 @@
 //     r = ready_head                               read AFTER the CQE (acquire)
 //     credit iff d < r - done:  s = done + d;  done_head = max(done_head, s + slot_nbb[s & mask])
 //   Why this is exact: the slot holds the NEWEST completion s_true. The NIC completes only rung
-//   WQEs, a WQE is rung only after its publish (ready_head release; the ringer fences after
-//   reading it, before the DBR), so r > s_true for every CQE we can read (causality through the
-//   NIC). If s_true >= done then d = s_true - done < r - done: credited. If s_true < done, the CQE
+//   WQEs, and the holder stores ready_head = r before its fence_sys and DBR, so r > s_true for
+//   every CQE we can read (causality through the NIC). If s_true >= done then d = s_true - done <
+//   r - done: credited. If s_true < done, the CQE
 //   was credited already (done only grows from CQEs, done <= s_true + nbb), d >= 2^16 - kMaxWqeBBs
 //   > r - done (r - done <= sq_wqebbs <= 32768 for a fresh done): ignored. A done read very late
 //   (stale by ~2^16) can only alias to a start s < s_true - 2^16 + sq_wqebbs, whose credit is below
 //   the current done_head: harmless. A ring exactly full (r - done == sq_wqebbs) works: d <= r -
 //   done - 1.
-//   Why ready_head and not db_head bounds s: the NIC completes a WQE before its ringer stores
-//   db_head, so a bound by db_head refuses a valid newest CQE until that store shows, and with
-//   every poster waiting for space no newer CQE comes to replace it (test_device_qp.py
+//   Why ready_head bounds s (and is stored before the ring): a bound stored after the doorbell
+//   refuses a valid newest CQE until that store shows, and with every poster waiting for space no
+//   newer CQE comes to replace it (test_device_qp.py
 //   test_collapsed_cq_credits_the_newest_cqe_exactly[rung_before_db_head]).
 //
-// Memory orders (arch.cuh's atomics are RELAXED, like CUDA's): locks are CAS then fence_sys;
-// credits to done_head follow a fence_sys, so a thread that reads done_head with acquire also
+// Memory orders (arch.cuh's atomics are RELAXED, like CUDA's): the poll lock is CAS then
+// fence_sys, the doorbell lock CAS then fence_gpu (its holder fences at system scope before the
+// DBR anyway); credits to done_head follow a fence_sys, so a thread that reads done_head with acquire also
 // sees what the NIC wrote for those WQEs (READ data, atomic results) — the CQE was read with
 // acquire, the NIC publishes op_own / the CQE's last 4 bytes with a release store.
 //
@@ -61,16 +84,17 @@
 //
 // Test-only switches (tests/test_device_qp.py builds them to prove its fence test can fail):
 //   GPUNET_TEST_DROP_DOORBELL_FENCE   no fence between the DBR store and the doorbell store
-//   GPUNET_TEST_RELAXED_PUBLISH       ready_head published with a relaxed store, not a release
+//   GPUNET_TEST_RELAXED_PUBLISH       a publisher's tag (slot_ready) stored relaxed, not a release
+//   GPUNET_TEST_DROP_PUBLISH_FENCE    no SC fence between a publisher's tag and its lock attempt
 //   GPUNET_TEST_DELAY_POINTS          status.cuh's GPUNET_DELAY_POINT(): a stall where real
 //                                     hardware may stall a thread (widens the weak model's windows)
 //
 // Warp-cooperative posting (post_warp): one reservation per warp (lane 0's atomic_add, shfl of
-// the base), lane i writes WQE i, syncwarp, lane 0 publishes and rings. Correct for warps of 32
+// the base), lane i writes WQE i, syncwarp, lane 0 publishes (and rings if it gets the lock). Correct for warps of 32
 // and 64; every lane of the warp must call it (arch's *_sync rule).
 //
 // Per-thread posting from divergent lanes of one warp needs independent thread scheduling
-// (CUDA sm_70+, the HOST arm): lane B may wait for lane A's publish. Where lanes of one warp do
+// (CUDA sm_70+, the HOST arm): lane B may wait for ring space that lane A's posts hold. Where lanes of one warp do
 // not make independent progress (assumed for MACA until verified) use the warp variants.
 #pragma once
 
@@ -107,17 +131,18 @@ struct QpDesc {
   uint32_t sq_wqebbs;   // power of two, 8 .. 32768 (16-bit WQE counters)
   uint32_t qpn;
   uint32_t peer;        // the PE this QP reaches (for Status)
-  uint32_t db_batch;    // ring at least once every db_batch WQEBBs (1: every post)
+  uint32_t db_batch;    // not used by the posting protocol (every ring covers what is ready)
   uint32_t max_inline;  // bytes of inline payload the QP accepts
   uint32_t pad0;
   CqDesc cq;            // at 64
-  uint64_t pad1[4];     // to 128
+  uint64_t slot_ready;  // device memory, uint64[sq_wqebbs]: end of the reservation STARTING there
+  uint64_t pad1[3];     // to 128
   // ---- state (device memory; only device threads touch it), at 128 ----
   uint64_t resv_head;   // WQEBBs reserved
-  uint64_t ready_head;  // WQEBBs written and published, in order
-  uint64_t db_head;     // WQEBBs announced to the NIC (DBR written, doorbell rung)
+  uint64_t ready_head;  // WQEBBs written and handed to the NIC, in order (doorbell lock holder)
+  uint64_t db_head;     // == ready_head once the holder's ring is out (kept for the mirror)
   uint64_t done_head;   // WQEBBs completed (credited from CQEs)
-  uint64_t db_lock;     // 0 free, 1 held: the DBR + doorbell sequence
+  uint64_t db_lock;     // 0 free, 1 held, 3 held + scan again: ready_head, the DBR, the doorbell
   uint64_t poll_lock;   // 0 free, 1 held: the one CQ poller (either mode)
   uint64_t errored;     // 1 once an error CQE was seen: posts fail fast
   uint64_t pad2;
@@ -295,39 +320,71 @@ GPUNET_DEVICE void poll_cq(QpDesc* qp, const Waiter& w) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Doorbell
+// Doorbell (the protocol: header comment, "The doorbell lock")
 // ------------------------------------------------------------------------------------------------
+namespace qpd {
+constexpr uint64_t kDbFree = 0, kDbHeld = 1, kDbRescan = 3;
 
-// Ring once for everything published so far, if someone has not already. Returns false only when
-// a failure is recorded. Any thread may call it any time.
-GPUNET_DEVICE bool flush_doorbell(QpDesc* qp, const Waiter& w) {
-  const uint64_t target = arch::load_acquire_sys(&qp->ready_head);
-  Spin spin;
-  uint64_t seen = arch::load_acquire_sys(&qp->db_head);
-  while (seen < target) {
-    if (qpd::try_lock(&qp->db_lock)) {
-      const uint64_t r = arch::load_acquire_sys(&qp->ready_head);
-      const uint64_t dbh = arch::load_relaxed(&qp->db_head);
-      if (r > dbh) {
-        const uint64_t word = arch::load_relaxed(&qpd::u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)]);
-        arch::fence_sys();  // the WQEs (published to us through ready_head) before the DBR
-        arch::store_relaxed(qpd::u32p(qp->dbrec + 4 * mlx5::DBREC_SND), mlx5::sq_dbrec_value(r));
+// Holder only: ready_head = db_head = r, then ONE ring for everything below r.
+GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r) {
+  arch::atomic_store(&qp->ready_head, r);  // before the DBR: bounds collapsed-CQ credits (poll_cq)
+  arch::atomic_store(&qp->db_head, r);
+  arch::fence_sys();  // the WQEs (ours, or others' through their tags), slot_db, heads before the DBR
+  const uint64_t word = arch::load_relaxed(&u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)]);
+  arch::store_relaxed(u32p(qp->dbrec + 4 * mlx5::DBREC_SND), mlx5::sq_dbrec_value(r));
 #if !defined(GPUNET_TEST_DROP_DOORBELL_FENCE)
-        arch::fence_sys();  // the DBR before the doorbell: the NIC reads the DBR when it sees it
+  arch::fence_sys();  // the DBR before the doorbell: the NIC reads the DBR when it sees it
 #endif
-        arch::doorbell_store64(reinterpret_cast<volatile uint64_t*>(uintptr_t(qp->db)), word);
-        GPUNET_DELAY_POINT();
-        arch::atomic_store(&qp->db_head, r);
-      }
-      qpd::unlock(&qp->db_lock);  // release: db_head, DBR and doorbell before the lock is free
-      seen = arch::load_acquire_sys(&qp->db_head);
-      if (seen >= target) break;
-    }
-    if (!spin.keep_going(w, seen, qpd::on_qp(qp, SITE_DOORBELL, target, target))) return false;
-    seen = arch::load_acquire_sys(&qp->db_head);
-  }
-  return true;
+  arch::doorbell_store64(reinterpret_cast<volatile uint64_t*>(uintptr_t(qp->db)), word);
+  GPUNET_DELAY_POINT();
 }
+
+// Holder only (db_lock taken, then fence_gpu): scan, ring, release; scan again while publishers
+// asked for it (kDbRescan). `own_base` / `own_end`: the caller's reservation, written and untagged
+// (own_end == 0: none); it is ready when the scan reaches it.
+GPUNET_DEVICE void hold_and_ring(QpDesc* qp, uint64_t own_base, uint64_t own_end) {
+  const uint64_t mask = qp->sq_wqebbs - 1;
+  const uint64_t* tags = u64p(qp->slot_ready);
+  for (;;) {
+    const uint64_t r0 = arch::atomic_load(&qp->ready_head);
+    uint64_t r = r0;
+    // Each step moves r forward by one reservation; r - r0 <= sq_wqebbs (ring space), so the
+    // scan ends within sq_wqebbs steps.
+    for (uint32_t i = 0; i < qp->sq_wqebbs; ++i) {
+      if (own_end && r == own_base) {
+        r = own_end;
+        continue;
+      }
+      const uint64_t t = arch::load_relaxed(&tags[r & mask]);
+      if (t <= r) break;
+      r = t;
+    }
+    if (r > r0) ring_to(qp, r);
+    else arch::fence_gpu();  // release: our tag (if any) before the lock is free
+    if (arch::atomic_cas(&qp->db_lock, kDbHeld, kDbFree) == kDbHeld) return;
+    arch::atomic_cas(&qp->db_lock, kDbRescan, kDbHeld);  // only the holder clears kDbRescan
+    arch::fence_gpu();  // acquire: the tags of the publishers that asked
+  }
+}
+
+// Hand what is tagged to the holder, or become it. Never waits for the holder. false only when a
+// failure is recorded (the lock flipping for timeout_ns without settling).
+GPUNET_DEVICE bool take_or_hand_over(QpDesc* qp, const Waiter& w) {
+  Spin spin;
+  spin.progress = false;
+  for (;;) {
+    const uint64_t old = arch::atomic_cas(&qp->db_lock, kDbFree, kDbHeld);
+    if (old == kDbFree) {
+      arch::fence_gpu();  // acquire: ready_head and the tags the last holder saw
+      hold_and_ring(qp, 0, 0);
+      return true;
+    }
+    if (old == kDbRescan) return true;
+    if (arch::atomic_cas(&qp->db_lock, kDbHeld, kDbRescan) != kDbFree) return true;
+    if (!spin.keep_going(w, 0, on_qp(qp, SITE_DOORBELL, 0, 0))) return false;
+  }
+}
+}  // namespace qpd
 
 // ------------------------------------------------------------------------------------------------
 // Posting
@@ -337,48 +394,54 @@ GPUNET_DEVICE bool flush_doorbell(QpDesc* qp, const Waiter& w) {
 // caller must not publish: a failure is recorded and every wait behind it gives up).
 GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& base) {
   base = arch::atomic_add(&qp->resv_head, uint64_t(n));
-  const uint64_t need = base + n - qp->sq_wqebbs;  // done_head must reach this (may wrap < 0)
   if (base + n <= qp->sq_wqebbs) return true;
+  const uint64_t need = base + n - qp->sq_wqebbs;  // done_head must reach this
+  // Device scope: done_head is credited after a fence_sys (credit_done), so the slots' old WQEs
+  // were read by the NIC before our stores to them.
+  uint64_t done = arch::load_acquire_gpu(&qp->done_head);
+  if (done >= need) return true;
   Spin spin;
-  uint64_t done = arch::load_acquire_sys(&qp->done_head);
   while (done < need) {
     if (arch::atomic_load(&qp->errored)) return false;
-    if (!flush_doorbell(qp, w)) return false;
     poll_cq(qp, w);
-    done = arch::load_acquire_sys(&qp->done_head);
+    done = arch::load_acquire_gpu(&qp->done_head);
     if (done >= need) break;
     if (!spin.keep_going(w, done, qpd::on_qp(qp, SITE_SQ_SPACE, base, need))) return false;
   }
   return true;
 }
 
-// Step 4-7 for the WQE(s) [base, base+n) whose words are already stored by this thread (or by
-// lanes that then passed a syncwarp with it). `last_word0` is the doorbell word of the last WQE.
+// Step 4 for the WQE(s) [base, base+n) whose words (and slot_nbb) are already stored by this
+// thread (or by lanes that then passed a syncwarp with it). `last_word0` is the doorbell word of
+// the last WQE. Returns once they are rung or handed to the doorbell lock's holder.
 GPUNET_DEVICE bool publish(QpDesc* qp, const Waiter& w, uint64_t base, uint32_t n,
                            uint64_t last_word0) {
-  Spin spin;
-  uint64_t ready = arch::load_acquire_sys(&qp->ready_head);
-  while (ready != base) {
-    if (!spin.keep_going(w, ready, qpd::on_qp(qp, SITE_READY, base, base))) return false;
-    ready = arch::load_acquire_sys(&qp->ready_head);
-  }
   const uint64_t mask = qp->sq_wqebbs - 1;
   arch::store_relaxed(&qpd::u64p(qp->slot_db)[(base + n) & mask], last_word0);
+  GPUNET_DELAY_POINT();
+  if (arch::atomic_cas(&qp->db_lock, qpd::kDbFree, qpd::kDbHeld) == qpd::kDbFree) {
+    arch::fence_gpu();  // acquire: the last holder's ready_head
+    if (arch::atomic_load(&qp->ready_head) == base) {
+      qpd::hold_and_ring(qp, base, base + n);  // next in line: ours needs no tag
+      return true;
+    }
+    // Behind a reservation not yet ready: tag ours; the scan (now, or that reservation's own
+    // publish after our release) covers it.
+    arch::store_release_gpu(&qpd::u64p(qp->slot_ready)[base & mask], base + n);
+    qpd::hold_and_ring(qp, 0, 0);
+    return true;
+  }
+  uint64_t* tag = &qpd::u64p(qp->slot_ready)[base & mask];
 #if defined(GPUNET_TEST_RELAXED_PUBLISH)
-  arch::atomic_store(&qp->ready_head, base + n);
-#elif defined(GPUNET_PUBLISH_GPU_SCOPE)
-  // Option (measured in bench/device_post.py, not the default): ready_head is read only by GPU
-  // threads, and whoever rings fences at system scope after reading it, so by cumulativity a
-  // device-scope release should suffice; unverified against a real NIC, hence off by default.
-  arch::store_release_gpu(&qp->ready_head, base + n);
+  arch::store_relaxed(tag, base + n);
 #else
-  arch::store_release_sys(&qp->ready_head, base + n);
+  arch::store_release_gpu(tag, base + n);  // the WQEs, slot_nbb, slot_db before the tag
 #endif
   GPUNET_DELAY_POINT();
-  const uint64_t batch = qp->db_batch ? qp->db_batch : 1;
-  const bool crossed = (base / batch) != ((base + n) / batch);
-  if (crossed || arch::atomic_load(&qp->resv_head) == base + n) return flush_doorbell(qp, w);
-  return true;
+#if !defined(GPUNET_TEST_DROP_PUBLISH_FENCE)
+  arch::fence_gpu();  // SC: the tag before the lock attempt (the holder's release reads the lock)
+#endif
+  return qpd::take_or_hand_over(qp, w);
 }
 
 // The ctrl segment of WQE `q` at producer index `pi` on this QP (mlx5.cuh's ctrl_seg).
@@ -444,15 +507,22 @@ GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
 GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t nposts) {
   const uint32_t lane = arch::lane_id();
   const bool mine = lane < nposts;
-  // Offsets of each lane's WQE: prefix sum of nbb over lanes (all 1-WQEBB here when uniform;
-  // computed generally by shuffles of the running sum).
-  uint32_t my_nbb = mine ? q.nbb : 0;
-  uint32_t off = 0, total = 0;
+  // Offsets of each lane's WQE: an exclusive prefix sum of nbb over lanes. Every posting lane
+  // with one WQEBB (the common case, one vote): lane i at base + i. Otherwise a log-step scan.
+  const uint32_t my_nbb = mine ? q.nbb : 0;
   const uint32_t ws = arch::warp_size();
-  for (uint32_t l = 0; l < ws; ++l) {
-    const uint32_t v = arch::shfl(my_nbb, l);
-    if (l < lane) off += v;
-    total += v;
+  uint32_t off, total;
+  if (arch::all(!mine || my_nbb == 1)) {
+    total = nposts < ws ? nposts : ws;
+    off = lane;
+  } else {
+    uint32_t incl = my_nbb;  // inclusive scan: after step d, the sum of lanes (lane - 2d, lane]
+    for (uint32_t d = 1; d < ws; d <<= 1) {
+      const uint32_t v = arch::shfl(incl, lane >= d ? lane - d : lane);
+      if (lane >= d) incl += v;
+    }
+    off = incl - my_nbb;
+    total = arch::shfl(incl, ws - 1);
   }
   bool ok = !failed(w) && !arch::atomic_load(&qp->errored) && total <= qp->sq_wqebbs;
   ok = arch::all(ok);
@@ -524,8 +594,9 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
 // ------------------------------------------------------------------------------------------------
 
 // Wait until the WQEBB counter `end` is completed (a specific post: atomic results, reads).
+// It rings nothing: every publish sees to its own ring (the doorbell lock), and a helping ring
+// here would hide a lost hand-over from tests/test_device_qp.py's weak-memory test.
 GPUNET_DEVICE bool wait_done(QpDesc* qp, const Waiter& w, uint64_t end, uint32_t site) {
-  if (!flush_doorbell(qp, w)) return false;
   Spin spin;
   uint64_t done = arch::load_acquire_sys(&qp->done_head);
   while (done < end) {
@@ -534,16 +605,16 @@ GPUNET_DEVICE bool wait_done(QpDesc* qp, const Waiter& w, uint64_t end, uint32_t
     if (done >= end) break;
     if (arch::atomic_load(&qp->errored)) return false;
     if (!spin.keep_going(w, done, qpd::on_qp(qp, site, end, end))) return false;
-    // Someone may have published after us and not rung yet (their duty, but cheap to help).
-    if (!flush_doorbell(qp, w)) return false;
   }
   return !arch::atomic_load(&qp->errored);
 }
 
-// Wait until every WQE published on this QP before the call has completed (flushing the doorbell
-// first). true: they all completed successfully; false: a failure is recorded in the Status.
+// Wait until every WQE posted on this QP before the call has completed: everything reserved by
+// then (a post returns once its WQEs are handed over, maybe before ready_head covers them, so
+// ready_head is not the bound; a reservation of another thread still being written is waited
+// for too). true: they all completed successfully; false: a failure is recorded in the Status.
 GPUNET_DEVICE bool quiet(QpDesc* qp, const Waiter& w) {
-  return wait_done(qp, w, arch::load_acquire_sys(&qp->ready_head), SITE_QUIET) && !failed(w);
+  return wait_done(qp, w, arch::atomic_load(&qp->resv_head), SITE_QUIET) && !failed(w);
 }
 
 }  // namespace gpunet
