@@ -92,7 +92,7 @@ class PostArgs(ctypes.Structure):
 # --- building ----------------------------------------------------------------------------------
 def build(arch, defines=None):
     """(schedule lib, post-rate lib) for ``arch``, bound. nvcc missing: ToolchainError from the
-    loader. ``defines``: extra -D for both (a protocol variant, e.g. GPUNET_PUBLISH_GPU_SCOPE)."""
+    loader. ``defines``: extra -D for both (a protocol variant, e.g. GPUNET_TEST_DELAY_POINTS)."""
     sched = S.load(arch, defines=defines)
     b = loader.build([testing.kernels_dir() / "post_rate.cu"], arch=arch, defines=defines or {})
     u32, vp = ctypes.c_uint32, ctypes.c_void_p
