@@ -143,6 +143,17 @@ def doctor(path):
         "no FAIL row")
 
 
+def p2p(path):
+    """bench/p2p.py's JSON carries a "gate" list of rows (a "test" row for the bytes landing, the
+    bandwidth-ratio and round-trip targets)."""
+    d = _load(path)
+    if "_error" in d or not d.get("gate"):
+        add("test", "p2p bench", "FAIL", d.get("_error", "no gate rows in %s" % path))
+        return
+    for g in d["gate"]:
+        add(g.get("kind", "target"), g["name"], g["result"], g.get("figure", ""), g.get("goal", ""))
+
+
 def table():
     rows = []
     if os.path.exists(ROWS):

@@ -75,5 +75,11 @@ timeout 300 python3 -m gpunet doctor --json "$OUT/doctor.json" 2> "$OUT/doctor.l
 gate doctor "$OUT/doctor.json"
 fi
 
+if want p2p; then
+  step "p2p: put bandwidth vs cudaMemcpyAsync, put_signal ping-pong (2 ranks on one GPU, private MPS)"
+  timeout 540 python3 bench/p2p.py --gpu --runs 3 --json "$OUT/p2p_gpu.json" 2>&1 | tail -25
+  gate p2p "$OUT/p2p_gpu.json"
+fi
+
 step "summary"
 gate table

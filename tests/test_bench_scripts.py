@@ -193,3 +193,41 @@ def test_cpu_put_bench_rows_and_spread(tmp_path):
             assert 0 < row["min_median_us"] <= row["median_us"] <= row["max_median_us"]
         assert rows[("put+quiet", t)]["target_us"] == 30.0
     assert d["machine"]["cores"] >= 1 and "loadavg_start" in d
+
+
+P2P_SCRIPT = ROOT / "bench" / "p2p.py"
+
+
+def test_p2p_bench_cpu_small_mode_rows_gate_and_json(tmp_path):
+    """bench/p2p.py on the CPU (2 ranks over p2p, HOST arm, 4 KiB .. 256 KiB, 2 runs, 30 round
+    trips): the bulk put lands byte for byte (the test gate row passes), every size has a put and
+    a memmove figure per run with median within [min, max] and a ratio, the ping-pong has one
+    round trip per run, and the machine is recorded."""
+    out = tmp_path / "p2p.json"
+    r = subprocess.run([sys.executable, str(P2P_SCRIPT), "--runs", "2", "--max-mib", "0.25",
+                        "--pp-iters", "30", "--json", str(out)], capture_output=True, text=True,
+                       timeout=900, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+    d = json.loads(out.read_text())
+    assert [row["bytes"] for row in d["rows"]] == [4096, 16384, 65536, 262144]
+    for row in d["rows"]:
+        for k in ("put_GBps", "memcpy_GBps", "ratio"):
+            assert 0 < row[k + "_min"] <= row[k] <= row[k + "_max"], (k, row)
+    assert d["rows"][-1]["bulk_geometry"] == [1, 32, 262144]      # the bulk launch was used
+    assert len(d["pingpong"]["runs"]) == 2 and all(x > 0 for x in d["pingpong"]["runs"])
+    tests = [g for g in d["gate"] if g["kind"] == "test"]
+    assert tests and all(g["result"] == "PASS" for g in tests), d["gate"]
+    assert any(g["name"] == "p2p put_signal ping-pong round trip" for g in d["gate"])
+    assert d["machine"]["cores"] >= 1
+
+
+def test_p2p_bench_gpu_without_gpu_fails_fast():
+    """bench/p2p.py --gpu on a machine without CUDA says so and exits 2 (no MPS daemon started)."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the no-GPU path is not reachable")
+    r = subprocess.run([sys.executable, str(P2P_SCRIPT), "--gpu"], capture_output=True, text=True,
+                       timeout=120, cwd=str(ROOT))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "needs an NVIDIA GPU" in r.stderr

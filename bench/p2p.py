@@ -1,0 +1,381 @@
+"""Benchmark of the p2p transport: put bandwidth next to a plain copy of the same bytes, and the
+put_signal ping-pong round trip between two ranks.
+
+GPU (--gpu, the H200 machine): 2 rank processes share GPU 0 under a private MPS daemon
+(gpunet.device.testing.mps; without MPS the driver time-slices them, FACTS.md) with
+transport="p2p": device-memory heaps opened by CUDA IPC, the kernels store into the peer's heap.
+- put bandwidth: rank 0's ``gpunet.put`` of n bytes (4 KiB .. 256 MiB) into rank 1's heap, next to
+  ``cudaMemcpyAsync`` device-to-device of the same n bytes between the same two addresses (rank
+  1's heap as mapped in rank 0), in the same run, timed the same way: CUDA events around a batch of
+  back-to-back calls all queued while ``torch.cuda._sleep`` holds the stream, so both figures are
+  GPU stream time, not Python issue time (a batch whose start event had already passed when the
+  host finished queuing is retried with a longer hold; "held" in the JSON says it worked).
+  ratio = put GB/s / memcpy GB/s; target (issue 9): >= 0.85 from 1 MiB up.
+- ping-pong: device/testing/kernels/p2p_bench.cu on both ranks, one thread each: put_signal_nbi
+  (8 bytes, SET) and wait_until, timed inside the kernel (%globaltimer) over ``--pp-iters`` round
+  trips after a warm-up. Target: <= 2 us a round trip (a plain CUDA IPC flag ping-pong measured
+  0.73 us, FACTS.md).
+- correctness: before the timing rank 0 puts its pattern into rank 1's zeroed buffer through the
+  API (one bulk put of the largest size) and rank 1 checks every byte (a "test" row).
+Each figure is the median of ``--runs`` (>= 3) runs, with the min and max of the run figures.
+
+CPU (default, small: what tests/test_bench_scripts.py runs): the same flow on the HOST arm over
+the soft NIC's arenas, 4 KiB .. 1 MiB, ``ctypes.memmove`` as the copy beside the put, perf_counter
+timing. These figures show the machinery, not a GPU.
+
+Prints a table, writes JSON (rows, gate rows for scripts/gate.py, the machine).
+Usage: python bench/p2p.py [--gpu] [--runs 3] [--max-mib 256] [--pp-iters N] [--json PATH]
+"""
+import argparse
+import ctypes
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))        # bench/machine.py
+
+from machine import machine  # noqa: E402
+
+TARGET_RATIO = 0.85          # issue 9: put >= 85% of cudaMemcpyAsync from 1 MiB up
+TARGET_RATIO_FROM = 1 << 20
+TARGET_RTT_US = 2.0          # issue 9: put_signal ping-pong round trip
+MEMCPY_D2D = 3               # cudaMemcpyDeviceToDevice
+RANK_TIMEOUT_S = 900
+HOLD_GPU_HZ = 2.0e9          # cycles per second assumed for torch.cuda._sleep (an upper bound:
+                             # a slower clock only holds the stream longer)
+
+
+def _sizes(max_bytes, min_bytes=4096):
+    out, n = [], min_bytes
+    while n <= max_bytes:
+        out.append(n)
+        n *= 4 if n < (1 << 20) else 2
+    if out[-1] != max_bytes:
+        out.append(max_bytes)
+    return out
+
+
+def _iters(n, gpu):
+    """Calls per timed batch: enough bytes that a batch takes well over the timer's resolution."""
+    if gpu:
+        return max(5, min(200, (256 << 20) // n))
+    return max(3, min(50, (8 << 20) // n))
+
+
+# ---------------------------------------------------------------------------------------------
+# rank side
+
+def _memcpy_async(gpu):
+    """f(dst, src, n): cudaMemcpyAsync device-to-device on torch's current stream (GPU), or
+    ctypes.memmove (CPU)."""
+    if not gpu:
+        return lambda dst, src, n: ctypes.memmove(dst, src, n)
+    import torch
+
+    from gpunet.host.platform import get_platform
+    fn = get_platform().runtime().lib.cudaMemcpyAsync
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+
+    def copy(dst, src, n):
+        rc = fn(dst, src, n, MEMCPY_D2D, torch.cuda.current_stream().cuda_stream)
+        if rc != 0:
+            raise RuntimeError("cudaMemcpyAsync failed with cudaError %d" % rc)
+    return copy
+
+
+def _time_batch(ctx, fn, iters, gpu):
+    """Seconds per call of ``fn`` over a batch of ``iters`` (GPU: stream time of a batch queued
+    while the stream was held; returns (seconds, held))."""
+    import torch
+
+    if not gpu:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        ctx.quiet()
+        return (time.perf_counter() - t0) / iters, True
+    ctx.quiet()                       # every earlier launch done: the ops ring is empty
+    hold = 0.002
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.cuda._sleep(int(hold * HOLD_GPU_HZ))
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(iters):
+            fn()
+        e1.record()
+        held = not e0.query()         # the stream had not reached e0 when queuing finished
+        issue = time.perf_counter() - t0
+        e1.synchronize()
+        ctx.quiet()
+        if held:
+            return e0.elapsed_time(e1) * 1e-3 / iters, True
+        hold = max(2 * hold, 3 * issue)
+    return e0.elapsed_time(e1) * 1e-3 / iters, False
+
+
+def _bandwidth_rows(ctx, src, dst, dst_mapped, cfg):
+    import gpunet
+
+    gpu = cfg["gpu"]
+    copy = _memcpy_async(gpu)
+    remote = ctx.remote(1, dst)
+    rows = []
+    for n in cfg["sizes"]:
+        it = _iters(n, gpu)
+        def put(n=n):
+            gpunet.put(remote, src[:n])
+
+        def mem(n=n):
+            copy(dst_mapped, src.data_ptr(), n)
+
+        put(), mem()                                            # warm-up (first launch, ring)
+        ctx.quiet()
+        runs = []
+        for r in range(cfg["runs"]):
+            order = (put, mem) if r % 2 == 0 else (mem, put)    # alternate which goes first
+            t = {}
+            for fn in order:
+                t[fn] = _time_batch(ctx, fn, it, gpu)
+            runs.append({"put_s": t[put][0], "memcpy_s": t[mem][0],
+                         "held": bool(t[put][1] and t[mem][1])})
+        rows.append({"bytes": n, "iters": it, "runs": runs,
+                     "bulk_geometry": ctx._launcher.bulk("p2p", n)})
+    return rows
+
+
+def _pingpong(ctx, cfg):
+    import torch
+
+    from gpunet.device import loader, testing
+
+    gpu = cfg["gpu"]
+    lib = loader.build([testing.kernels_dir() / "p2p_bench.cu"], arch="cuda" if gpu else "host")
+    f = lib.gpunet_bench_pingpong
+    u32, u64, vp = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+    f.argtypes = [u32, vp, vp, vp, u64, u32, u32, u32, ctypes.c_int32, u32, vp, vp]
+    f.restype = ctypes.c_int
+    buf = ctx.alloc((64,), torch.uint8)
+    sig = ctx.alloc((2,), torch.int64)
+    out = torch.zeros(3, dtype=torch.int64, device="cuda" if gpu else "cpu")
+    h = ctx.device_context()
+    me = ctx.rank
+    iters, warmup = cfg["pp_iters"], cfg["pp_warmup"]
+    runs, base = [], 0
+    try:
+        for _ in range(cfg["runs"]):
+            ctx.barrier()
+            rc = f(h.warp_size, h.ptr, buf.data_ptr(), sig.data_ptr(), base, iters + warmup,
+                   warmup, 8, 1 - me, 1 if me == 0 else 0, out.data_ptr(), h.stream or None)
+            if rc != 0:
+                raise RuntimeError("ping-pong kernel launch failed (%d)" % rc)
+            ctx.check("ping-pong kernel")
+            ns, n, ok = (int(v) for v in out.cpu())
+            if not ok:
+                raise RuntimeError("ping-pong kernel: a call returned false without a recorded failure")
+            if me == 0:
+                runs.append(ns / n / 1000.0)
+            base += iters + warmup
+        ctx.barrier()
+    finally:
+        ctx.free(sig)
+        ctx.free(buf)
+    return runs
+
+
+def _rank(rank, world, cfg):
+    import torch
+    import torch.distributed as dist
+
+    import gpunet
+
+    gpu = cfg["gpu"]
+    if gpu:
+        torch.cuda.set_device(0)
+    maxn = max(cfg["sizes"])
+    ctx = gpunet.init(transport="p2p", nic="soft", heap_bytes=2 * maxn + (8 << 20),
+                      timeout_s=cfg["timeout_s"])
+    try:
+        dev = "cuda" if gpu else "cpu"
+        src = ctx.alloc((maxn,), torch.uint8)
+        dst = ctx.alloc((maxn,), torch.uint8)
+        pat = ((torch.arange(maxn, dtype=torch.int64) * 7 + 13 * rank) % 251).to(torch.uint8)
+        src.copy_(pat.to(dev))
+        dst.zero_()
+        ctx.barrier()
+        # correctness first: one API put of the largest size, checked byte for byte at rank 1
+        if rank == 0:
+            gpunet.put(ctx.remote(1, dst), src)
+            ctx.quiet()
+        ctx.barrier()
+        wrong = int((dst.cpu() != ((torch.arange(maxn) * 7) % 251).to(torch.uint8)).sum()) \
+            if rank == 1 else 0
+        ctx.barrier()
+        rows = []
+        if rank == 0:
+            mapped = ctx._transports.peer_heaps[1].base + (dst.data_ptr() - ctx.heap_base)
+            rows = _bandwidth_rows(ctx, src, dst, mapped, cfg)
+        ctx.barrier()
+        rtt = _pingpong(ctx, cfg)
+        info = {"rank": rank, "wrong": wrong, "transports": dict(ctx.transports)}
+        every = [None] * world
+        dist.all_gather_object(every, info)
+        return {"rows": rows, "rtt_us": rtt, "ranks": every}
+    finally:
+        ctx.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# launcher side
+
+def _stats(xs):
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def _summarize(res, cfg):
+    rows, gate = [], []
+    wrong = sum(r["wrong"] for r in res["ranks"])
+    gate.append({"kind": "test", "name": "p2p bench: a bulk put lands byte for byte",
+                 "result": "PASS" if wrong == 0 else "FAIL",
+                 "figure": "%d wrong bytes of %d" % (wrong, max(cfg["sizes"])),
+                 "goal": "0 wrong bytes"})
+    ratios_from = []
+    for r in res["rows"]:
+        n = r["bytes"]
+        put_gbps = [n / x["put_s"] / 1e9 for x in r["runs"]]
+        mem_gbps = [n / x["memcpy_s"] / 1e9 for x in r["runs"]]
+        ratio = [p / m for p, m in zip(put_gbps, mem_gbps)]
+        row = {"bytes": n, "iters": r["iters"], "bulk_geometry": r["bulk_geometry"],
+               "held": all(x["held"] for x in r["runs"])}
+        for k, xs in (("put_GBps", put_gbps), ("memcpy_GBps", mem_gbps), ("ratio", ratio)):
+            row[k], row[k + "_min"], row[k + "_max"] = _stats(xs)
+        row["put_us"] = statistics.median(x["put_s"] for x in r["runs"]) * 1e6
+        row["memcpy_us"] = statistics.median(x["memcpy_s"] for x in r["runs"]) * 1e6
+        rows.append(row)
+        if n >= TARGET_RATIO_FROM:
+            ratios_from.append((n, row["ratio"]))
+    if ratios_from:
+        worst = min(ratios_from, key=lambda t: t[1])
+        gate.append({"kind": "target", "name": "p2p put vs %s" % cfg["yardstick"],
+                     "result": "met" if worst[1] >= TARGET_RATIO else "NOT met",
+                     "figure": "lowest median ratio %.2f at %s; %s"
+                               % (worst[1], _size(worst[0]),
+                                  ", ".join("%s %.2f" % (_size(n), x) for n, x in ratios_from)),
+                     "goal": ">= %.2f at every size from %s" % (TARGET_RATIO, _size(TARGET_RATIO_FROM))})
+    rtt = res["rtt_us"]
+    pp = None
+    if rtt:
+        med, lo, hi = _stats(rtt)
+        pp = {"rtt_us": med, "rtt_us_min": lo, "rtt_us_max": hi, "runs": rtt,
+              "round_trips_per_run": cfg["pp_iters"]}
+        gate.append({"kind": "target", "name": "p2p put_signal ping-pong round trip",
+                     "result": "met" if hi <= TARGET_RTT_US else "NOT met",
+                     "figure": "median of %d runs %.2f us [%.2f, %.2f]" % (len(rtt), med, lo, hi),
+                     "goal": "<= %.1f us in every run" % TARGET_RTT_US})
+    return rows, pp, gate
+
+
+def _size(n):
+    return "%d MiB" % (n >> 20) if n >= (1 << 20) else "%d KiB" % (n >> 10)
+
+
+def _table(rows, pp, head, yard):
+    lines = [head, ""]
+    fmt = "%9s %6s  %12s %12s  %12s %12s  %6s %12s  %s"
+    lines.append(fmt % ("bytes", "iters", "put us", "put GB/s", yard[:12] + " us", "GB/s",
+                        "ratio", "ratio range", "held"))
+    lines.append("-" * 104)
+    for r in rows:
+        lines.append(fmt % (_size(r["bytes"]), r["iters"], "%.2f" % r["put_us"],
+                            "%.1f" % r["put_GBps"], "%.2f" % r["memcpy_us"],
+                            "%.1f" % r["memcpy_GBps"], "%.2f" % r["ratio"],
+                            "[%.2f, %.2f]" % (r["ratio_min"], r["ratio_max"]),
+                            "yes" if r["held"] else "NO"))
+    if pp:
+        lines.append("")
+        lines.append("put_signal ping-pong (8 bytes, SET), round trip: median %.2f us [%.2f, %.2f] "
+                     "over %d runs of %d round trips" % (pp["rtt_us"], pp["rtt_us_min"],
+                                                         pp["rtt_us_max"], len(pp["runs"]),
+                                                         pp["round_trips_per_run"]))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gpu", action="store_true", help="2 ranks on GPU 0 under a private MPS daemon")
+    ap.add_argument("--runs", type=int, default=3, help="runs per figure (>= 3 for the gate)")
+    ap.add_argument("--max-mib", type=float, help="largest put in MiB (GPU 256, CPU 1)")
+    ap.add_argument("--pp-iters", type=int, help="ping-pong round trips per run (GPU 10000, CPU 200)")
+    ap.add_argument("--timeout-s", type=float, default=30.0, help="device wait bound")
+    ap.add_argument("--no-mps", action="store_true", help="GPU: do not start an MPS daemon (one "
+                    "is already running for this run's CUDA_MPS_PIPE_DIRECTORY)")
+    ap.add_argument("--json", help="default bench/results/<date>/p2p_<cpu|gpu>.json")
+    args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error("--runs must be >= 1")
+    if args.gpu:
+        import torch
+        if not torch.cuda.is_available():
+            print("bench/p2p.py --gpu needs an NVIDIA GPU (torch.cuda.is_available() is False)",
+                  file=sys.stderr)
+            return 2
+    max_bytes = int((args.max_mib or (256 if args.gpu else 1)) * (1 << 20))
+    cfg = dict(gpu=args.gpu, runs=args.runs, sizes=_sizes(max_bytes), timeout_s=args.timeout_s,
+               pp_iters=args.pp_iters or (10000 if args.gpu else 200),
+               pp_warmup=100 if args.gpu else 20,
+               yardstick="cudaMemcpyAsync D2D" if args.gpu else "memmove")
+    from gpunet.demo import run_ranks
+    from gpunet.errors import GpunetError
+
+    print("[bench/p2p] 2 ranks over p2p, %s, sizes %s .. %s, %d runs"
+          % ("GPU 0 (shared)" if args.gpu else "CPU soft NIC + HOST arm", _size(cfg["sizes"][0]),
+             _size(cfg["sizes"][-1]), args.runs), file=sys.stderr, flush=True)
+    mps_note = "no MPS (CPU)"
+    t0 = time.monotonic()
+    try:
+        if args.gpu and not args.no_mps:
+            from gpunet.device.testing.mps import private_mps
+            with private_mps():
+                mps_note = "private MPS daemon"
+                res = run_ranks(_rank, 2, cfg, timeout_s=RANK_TIMEOUT_S)
+        else:
+            if args.gpu:
+                mps_note = "MPS daemon of the caller (--no-mps)"
+            res = run_ranks(_rank, 2, cfg, timeout_s=RANK_TIMEOUT_S)
+    except GpunetError as e:
+        print("[bench/p2p] FAILED: %s" % e, file=sys.stderr, flush=True)
+        res = None
+    m = machine(gpu=args.gpu)
+    if res is None:
+        rows, pp, gate = [], None, [{"kind": "test", "name": "p2p bench ran", "result": "FAIL",
+                                     "figure": "the ranks failed (see stderr)", "goal": "it runs"}]
+    else:
+        rows, pp, gate = _summarize(res, cfg)
+    head = ("gpunet p2p bench, %s, %s, 2 ranks (%s); put = gpunet.put (bulk launch), copy = %s of "
+            "the same bytes between the same addresses; medians of %d runs"
+            % ("GPU " + m.get("gpu", "?") if args.gpu else "CPU", m["date"], mps_note,
+               cfg["yardstick"], args.runs))
+    print(_table(rows, pp, head, cfg["yardstick"]))
+    for g in gate:
+        print("%-6s %-7s %s  %s" % (g["kind"], g["result"], g["name"], g["figure"]))
+    path = Path(args.json) if args.json else (ROOT / "bench" / "results" / datetime.date.today()
+                                               .isoformat() / ("p2p_%s.json" % ("gpu" if args.gpu
+                                                                               else "cpu")))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = {"what": "gpunet p2p put bandwidth and put_signal ping-pong", "config": cfg,
+           "mps": mps_note, "rows": rows, "pingpong": pp, "gate": gate, "machine": m,
+           "wall_s": time.monotonic() - t0}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print("\nJSON: %s" % path)
+    return 1 if any(g["kind"] == "test" and g["result"] != "PASS" for g in gate) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
