@@ -4,6 +4,9 @@
 # 0.73 us, FACTS.md), then, when the machine has 2+ GPUs, one rank per GPU with the NCCL rows.
 #
 #   bash bench/ep_gpu.sh                 (OUT=dir: where the JSON / PNG / logs go; default bench/out)
+#   bash bench/ep_gpu.sh profile         bench/ep_profile.py instead (per-phase times, host vs
+#                                        kernel): 2 ranks over p2p, then over the soft NIC; extra
+#                                        arguments in EP_PROFILE_ARGS (e.g. "--blocks 64")
 #
 # The MPS daemon is this script's own (private pipe and log folders); it changes no GPU setting
 # and is stopped on exit, whatever happens. The JSON files also land in bench/results/<date>/.
@@ -36,6 +39,17 @@ if nvidia-cuda-mps-control -d; then
   MPS="MPS (private daemon)"
 else
   MPS="NO MPS (nvidia-cuda-mps-control -d failed: ranks are time-sliced, figures meaningless)"
+fi
+if [ "${1:-}" = "profile" ]; then
+  PARGS=${EP_PROFILE_ARGS:-}
+  for tr in p2p auto; do
+    echo "=== EP profile: 2 ranks on GPU 0, transport $tr, $MPS ==="
+    CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/ep_profile.py --gpu --ranks 2 --transport $tr \
+        $PARGS --json "$OUT/ep_profile_$tr.json" 2>&1 | tee "$OUT/ep_profile_$tr.log"
+    rc=$(( rc | ${PIPESTATUS[0]} ))
+  done
+  cp "$OUT"/ep_profile_*.json "$RES"/ 2>/dev/null || true
+  exit $rc
 fi
 echo "=== EP bench: 2 and 4 ranks on GPU 0, $MPS ==="
 CUDA_VISIBLE_DEVICES=0 python3 bench/ep.py --gpu --ranks 2,4 $EXTRA \

@@ -81,5 +81,12 @@ if want p2p; then
   gate p2p "$OUT/p2p_gpu.json"
 fi
 
+# ep-prof runs only when GATE_STEPS names it (a diagnosis, not a gate row): where the EP LL time
+# goes, per phase, host vs kernel (bench/ep_profile.py via bench/ep_gpu.sh profile)
+if [[ " ${GATE_STEPS:-} " == *" ep-prof "* ]] && [ -f bench/ep_profile.py ]; then
+  step "MoE EP low-latency profile (2 ranks on one GPU under MPS: p2p, soft NIC)"
+  OUT="$OUT" timeout 580 bash bench/ep_gpu.sh profile 2>&1 | grep -v '^\[INFO\]' | tail -120
+fi
+
 step "summary"
 gate table
