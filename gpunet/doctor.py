@@ -568,6 +568,7 @@ class Prober:
         """One measurement: a dict (kind, direction, fence, coherent, ...); ``coherent`` None
         with ``skip`` when it cannot be measured here."""
         store_release_u64 = _ctl_access()[1]
+        t_start = time.perf_counter()
         self.count += 1
         pattern = PROBE_PATTERN + self.count
         res = {"kind": kind, "direction": direction, "fence": fence, "coherent": None,
@@ -633,6 +634,7 @@ class Prober:
                 release()
             else:                  # never free memory a kernel may still touch
                 res.setdefault("error", "the probe kernel is still running; its buffer is kept")
+        res["elapsed_s"] = round(time.perf_counter() - t_start, 4)
         return res
 
 
@@ -649,11 +651,11 @@ def _ctl_access():
     if not _ctl_fns:
         from gpunet.host.rawmem import load_acquire_u64, store_release_u64, wire_njit
 
-        @wire_njit
+        @wire_njit(cache=True)
         def load(addr):
             return load_acquire_u64(addr)
 
-        @wire_njit
+        @wire_njit(cache=True)
         def store(addr, v):
             store_release_u64(addr, v)
         _ctl_fns.extend((load, store))

@@ -71,7 +71,7 @@ fi
 
 if want doctor; then
 step "doctor: python -m gpunet doctor (the table a machine's owner sees; JSON in doctor.json)"
-timeout 300 python3 -m gpunet doctor --json "$OUT/doctor.json" 2> "$OUT/doctor.log"
+timeout 420 python3 -m gpunet doctor --json "$OUT/doctor.json" 2> "$OUT/doctor.log"
 gate doctor "$OUT/doctor.json"
 fi
 

@@ -16,16 +16,17 @@ import pytest
 from gpunet import doctor
 
 # The whole run, loopback included, on a loaded 2-core CI machine whose compile caches may be
-# cold (ops.cu, doctor.cu, the soft NIC's and proxy's numba code): the issue's "under a minute"
-# is the warm figure (README); this bound catches a probe or handshake that waits its timeouts.
-DOCTOR_BOUND_S = 180
+# cold (ops.cu, doctor.cu, the soft NIC's and the proxy's numba code: 300 s measured once with
+# every cache cold and 8 jobs sharing the 2 cores); the issue's "under a minute" is the warm
+# figure (37 s here, README). A wedged probe is caught sooner, by its own bounded waits.
+DOCTOR_BOUND_S = 420
 
 
 def _doctor(tmp_path, *args, name="doctor.json"):
     path = tmp_path / name
     r = subprocess.run([sys.executable, "-m", "gpunet", "doctor", "--platform", "cpu",
                         "--json", str(path), *args], capture_output=True, text=True,
-                       timeout=DOCTOR_BOUND_S + 60)
+                       timeout=DOCTOR_BOUND_S + 120)
     report = json.loads(path.read_text()) if path.exists() else None
     return r, report
 
@@ -101,6 +102,7 @@ def test_json_schema_and_table_agree(c500):
     for c in rep["coherence"]:
         assert c["kind"] in doctor.KINDS and c["direction"] in doctor.DIRECTIONS
         assert isinstance(c["fence"], bool) and c["coherent"] in (True, False)
+        assert isinstance(c["elapsed_s"], float)
     table = r.stdout.splitlines()
     for row in rep["rows"]:
         assert any(line.startswith(row["section"]) and row["check"] in line for line in table), row
@@ -110,12 +112,21 @@ def test_json_schema_and_table_agree(c500):
         assert nic["DevX available"]["detail"] == "no NIC (soft NIC used)"
 
 
+# One probe: a 20 ms visibility bound (doctor.PROBE_VISIBLE_S) plus the handshake and a kernel
+# launch; far below the 10 s handshake timeout a stuck probe would wait out.
+PROBE_BOUND_S = 3.0
+
+
 @pytest.mark.parametrize("which", ["c500", "nvidia"])
-def test_the_run_finishes_within_its_bound(which, request):
-    """The doctor finishes (table printed, JSON written) within DOCTOR_BOUND_S."""
+def test_the_run_and_every_probe_finish_within_their_bounds(which, request):
+    """The doctor finishes (table printed, JSON written) within DOCTOR_BOUND_S, and each
+    coherence probe (the INCOHERENT ones wait out their visibility bound) within PROBE_BOUND_S."""
     r, rep = request.getfixturevalue(which)
     assert rep is not None and 0 < rep["elapsed_s"] < DOCTOR_BOUND_S, rep and rep["elapsed_s"]
     assert "the stack can work here" in r.stdout
+    slow = [(c["kind"], c["direction"], c["fence"], c["elapsed_s"]) for c in rep["coherence"]
+            if not c["elapsed_s"] < PROBE_BOUND_S]
+    assert not slow, slow
 
 
 def test_exit_status_1_names_the_failed_check_when_the_stack_cannot_work(tmp_path):
