@@ -446,7 +446,13 @@ def main(argv=None):
     ap.add_argument("--no-nccl", action="store_true", help="skip the NCCL rows")
     ap.add_argument("--json", help="default bench/results/<date>/ep_<cpu|gpu>.json")
     ap.add_argument("--plot", help="PNG path (default: beside the JSON)")
+    ap.add_argument("--mode", default="ll", choices=("ll", "ht"),
+                    help="ll: the low-latency rows (this file); ht: the high-throughput rows "
+                         "(bench/ep_ht.py: 4096 tokens, a Config sweep, the gather yardstick)")
     args = ap.parse_args(argv)
+    if args.mode == "ht":
+        import ep_ht
+        return ep_ht.run(args)
     d = GPU_DEFAULTS if args.gpu else CPU_DEFAULTS
     for k, v in d.items():
         if getattr(args, k) is None:

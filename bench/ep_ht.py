@@ -1,0 +1,289 @@
+"""Benchmark of MoE expert-parallel HIGH-THROUGHPUT dispatch / combine (gpunet.ep.Buffer's
+dispatch / combine), run as ``python bench/ep.py --mode ht [...]`` (bench/ep.py hands over here).
+
+DeepEP's intranode workload and method (its tests/legacy/test_intranode.py, re-implemented):
+4096 tokens per rank, hidden 7168, top-8, 256 experts, 10 -1 holes per rank; BF16 and FP8
+dispatch, BF16 combine; a sweep over Configs (channels = num_sms / 2, send chunk, receive ring)
+picks the best dispatch Config and the best combine Config (DeepEP's "best config" search), and
+the rows are timed with those. Each timed call follows a barrier (launch skew does not count);
+warm-up calls first; the figure is the median over iterations of the slowest rank's time.
+
+Bytes are counted as DeepEP counts them in that test: a rank's received rows x 2H (BF16 dispatch,
+"NVL recv bytes" = recv_x.numel() * 2), x (1 + 4/128) / 2 of that for FP8, and the same count for
+the BF16 combine (it sends those rows back); GB/s = the bytes of the rank that receives the most
+/ the median time.
+
+Checks first (a failure is a "test" gate row FAIL): the BF16 dispatch equals
+gpunet.ep.reference.ht_dispatch_ref bit for bit (rows, local expert ids, weights, counts), and
+combine of the received rows / fan-out is within DeepEP's calc_diff 5e-6 of x.
+
+Yardsticks in the same run: the one-process torch gather of the same rows (all ranks' received
+rows gathered with index_select from all ranks' tokens, on one device; FACTS.md: 200 us on an
+H200; target: dispatch and combine each within 1.5x of it) and, with one rank per GPU (2+ GPUs),
+NCCL all_to_all_single of the same rows (target: gpunet ahead of it).
+"""
+import statistics
+import sys
+import time
+
+CALC_DIFF_BF16 = 5e-6
+TARGET_RATIO = 1.5
+RANK_TIMEOUT_S = 1500
+CPU_DEFAULTS = dict(ranks="2", tokens=96, hidden=256, topk=4, experts=8, iters=5, warmup=1)
+GPU_DEFAULTS = dict(ranks="2", tokens=4096, hidden=7168, topk=8, experts=256, iters=20, warmup=3)
+# (num_sms, send chunk, receive ring): the sweep; the HOST arm caps channels at 2
+GPU_CONFIGS = [(20, 6, 256), (20, 16, 256), (32, 8, 128), (32, 16, 256), (48, 8, 128), (48, 16, 256)]
+CPU_CONFIGS = [(4, 4, 48), (4, 8, 64)]
+
+
+def _rank_bench(rank, world, cfg):
+    import torch
+    import torch.distributed as dist
+
+    from gpunet.ep import Buffer, Config
+    from gpunet.ep import reference as ref
+    from gpunet.ep.demo import buffer_transport
+    import ep as ll_bench                       # bench/ep.py: the timer and the aligner
+
+    gpu = cfg["gpu"]
+    dev = "cpu"
+    nccl = None
+    if gpu:
+        ngpu = torch.cuda.device_count()
+        torch.cuda.set_device(rank % ngpu)
+        dev = "cuda"
+        if 2 <= world <= ngpu and not cfg["no_nccl"]:
+            nccl = dist.new_group(backend="nccl")
+    T, H, K, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
+    configs = [Config(*c) for c in cfg["configs"]]
+    nbytes = max(c.get_nvl_buffer_size_hint(H * 2, world) for c in configs)
+    buf = Buffer(dist.group.WORLD, num_nvl_bytes=nbytes, low_latency_mode=False,
+                 explicitly_destroy=True, transport=cfg["transport"], timeout_s=cfg["timeout_s"])
+    align, align_how = ll_bench._aligner(gpu, nccl, buf.runtime)
+    res = {"rank": rank, "align": align_how, "transport": buffer_transport(buf), "fail": [],
+           "buffer_bytes": nbytes}
+    try:
+        ins = ref.make_rank_inputs(world, T, H, K, E, cfg["seed"], holes=cfg["holes"])
+        x = ins[rank]["x"].to(dev)
+        tk = ins[rank]["topk_idx"].to(dev)
+        w = ins[rank]["topk_weights"].to(dev)
+        ntr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(tk, E)
+        xq = tuple(t.to(dev) for t in ref.per_token_cast_to_fp8(ins[rank]["x"]))
+        kw = dict(is_token_in_rank=in_rank, num_tokens_per_expert=ntpe, topk_idx=tk, topk_weights=w)
+        # --- correctness, once ------------------------------------------------------------------
+        rx, rtk, rw, counts, handle, _ = buf.dispatch(x, config=configs[0], **kw)
+        want = ref.ht_dispatch_ref([i["x"] for i in ins], [i["topk_idx"] for i in ins],
+                                   [i["topk_weights"] for i in ins], E, rank)
+        if not torch.equal(rx.cpu(), want["recv_x"]) or not torch.equal(rtk.cpu(), want["recv_topk_idx"]) \
+                or not torch.equal(rw.cpu(), want["recv_topk_weights"]) or counts != want["counts"]:
+            res["fail"].append("dispatch differs from ht_dispatch_ref")
+        comb, _, _ = buf.combine(rx, handle, config=configs[0])
+        fan = in_rank.sum(1, keepdim=True).clamp(min=1).float().cpu()
+        reach = in_rank.any(1).cpu()
+        d = ref.calc_diff(comb.float().cpu()[reach] / fan[reach], x.float().cpu()[reach]) if bool(reach.any()) else 0.0
+        res["combine_calc_diff"] = d
+        if not d <= CALC_DIFF_BF16:
+            res["fail"].append("combine / fan-out vs x: calc_diff %.3g > %g" % (d, CALC_DIFF_BF16))
+        res["recv_rows"] = int(rx.shape[0])
+        # --- the Config sweep ---------------------------------------------------------------------
+        timer = ll_bench._Timer(gpu)
+
+        def laps(fn):
+            cpu = []
+            for _ in range(cfg["warmup"] + cfg["iters"]):
+                align()
+                cpu.append(timer(fn)[1])
+            return timer.resolve(cpu)[cfg["warmup"]:]
+
+        sweep = {"dispatch bf16": [], "combine bf16": []}
+        for c in configs:
+            sweep["dispatch bf16"].append(laps(lambda: buf.dispatch(x, config=c, **kw)))
+        for c in configs:
+            # combine uses the dispatch's channels: a handle made with this Config's num_sms
+            y, _, _, _, h, _ = buf.dispatch(x, config=c, **kw)
+            sweep["combine bf16"].append(laps(lambda: buf.combine(y, h, config=c)))
+        res["sweep"] = sweep
+        res["fp8"] = {}
+        for i, c in enumerate(configs):
+            res["fp8"][i] = laps(lambda: buf.dispatch(xq, config=c, **kw)) if cfg["fp8_all"] else None
+        # FP8 with every Config is costly: by default only with the first (the table picks the best
+        # BF16 Config; FP8 is timed with it in the parent's second pass when fp8_all is off)
+        if nccl is not None:
+            res["nccl"] = _nccl(x, in_rank, world, cfg, align, nccl, timer)
+    finally:
+        buf.destroy()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, res)
+    return everyone if rank == 0 else None
+
+
+def _nccl(x, in_rank, world, cfg, align, group, timer):
+    """all_to_all_single of this rank's rows, once per destination rank in is_token_in_rank."""
+    import torch
+    import torch.distributed as dist
+
+    sends = [in_rank[:, d].nonzero().view(-1) for d in range(world)]
+    inp = x.index_select(0, torch.cat(sends))
+    in_splits = torch.tensor([s.numel() for s in sends], device=x.device)
+    out_splits = torch.empty_like(in_splits)
+    dist.all_to_all_single(out_splits, in_splits, group=group)
+    out = torch.empty(int(out_splits.sum()), x.shape[1], dtype=x.dtype, device=x.device)
+    ins, outs = in_splits.tolist(), out_splits.tolist()
+    cpu = []
+    for _ in range(cfg["warmup"] + cfg["iters"]):
+        align()
+        cpu.append(timer(lambda: dist.all_to_all_single(out, inp, outs, ins, group=group))[1])
+    return {"laps_s": timer.resolve(cpu)[cfg["warmup"]:], "bytes_per_rank": inp.numel() * 2}
+
+
+def _fp8_pass(rank, world, cfg):
+    """FP8 dispatch timed with the best BF16 dispatch Config (a second, short rank run)."""
+    cfg = dict(cfg, configs=[cfg["best"]], fp8_all=True, no_nccl=True)
+    return _rank_bench(rank, world, cfg)
+
+
+def _gather_yardstick(cfg, world):
+    """The same rows gathered by one process on one device: every rank's received rows (in the HT
+    layout) index_select-ed from all ranks' tokens; median seconds and rows."""
+    import torch
+
+    from gpunet.ep import reference as ref
+    dev = "cuda" if cfg["gpu"] else "cpu"
+    T, H, K, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
+    ins = ref.make_rank_inputs(world, T, H, K, E, cfg["seed"], holes=cfg["holes"])
+    X = torch.cat([i["x"] for i in ins]).to(dev)
+    e_loc = E // world
+    idx = []
+    for d in range(world):
+        for j in range(world):
+            tk = ins[j]["topk_idx"]
+            sel = ((tk >= d * e_loc) & (tk < (d + 1) * e_loc)).any(1).nonzero().view(-1)
+            idx.append(sel + j * T)
+    idx = torch.cat(idx).to(dev)
+    out = torch.empty(idx.numel(), H, dtype=X.dtype, device=dev)
+    import ep as ll_bench
+    timer = ll_bench._Timer(cfg["gpu"])
+    cpu = []
+    for _ in range(cfg["warmup"] + cfg["iters"]):
+        cpu.append(timer(lambda: torch.index_select(X, 0, idx, out=out))[1])
+    return statistics.median(timer.resolve(cpu)[cfg["warmup"]:]), idx.numel()
+
+
+def run(args):
+    """Called by bench/ep.py main() with its parsed args (--mode ht). Returns the exit code."""
+    import datetime
+    import json
+    from pathlib import Path
+
+    import ep as ll_bench
+    from gpunet.demo import run_ranks
+    from gpunet.errors import GpunetError
+    from machine import machine
+
+    d = GPU_DEFAULTS if args.gpu else CPU_DEFAULTS
+    for k, v in d.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    ranks = [int(v) for v in str(args.ranks).split(",")]
+    cfg = dict(gpu=args.gpu, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
+               experts=args.experts, iters=args.iters, warmup=args.warmup, holes=args.holes,
+               seed=args.seed, transport=args.transport, timeout_s=args.timeout_s,
+               no_nccl=args.no_nccl, configs=GPU_CONFIGS if args.gpu else CPU_CONFIGS, fp8_all=False)
+    rows, gate, runs = [], [], []
+    for world in ranks:
+        print("[bench/ep ht] %d ranks, %d tokens, hidden %d, top-%d, %d experts (%s)"
+              % (world, cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"],
+                 "GPU" if args.gpu else "CPU soft NIC"), file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        try:
+            per = run_ranks(_rank_bench, world, cfg, timeout_s=RANK_TIMEOUT_S)
+            step = lambda lapsets: [max(v) for v in zip(*lapsets)]  # noqa: E731 - slowest rank per iteration
+            med = {op: [statistics.median(step([p["sweep"][op][i] for p in per]))
+                        for i in range(len(cfg["configs"]))] for op in ("dispatch bf16", "combine bf16")}
+            best = {op: min(range(len(cfg["configs"])), key=lambda i: med[op][i]) for op in med}
+            fp8 = run_ranks(_fp8_pass, world, dict(cfg, best=cfg["configs"][best["dispatch bf16"]]),
+                            timeout_s=RANK_TIMEOUT_S)
+        except GpunetError as e:
+            print("[bench/ep ht] %d ranks FAILED: %s" % (world, e), file=sys.stderr, flush=True)
+            gate.append({"kind": "test", "name": "EP HT %d ranks: bench ran" % world, "result": "FAIL",
+                         "figure": str(e)[-300:], "goal": "every rank finishes"})
+            runs.append({"ranks": world, "error": str(e)})
+            continue
+        gather_s, gather_rows = _gather_yardstick(cfg, world)
+        fails = ["rank %d: %s" % (p["rank"], f) for p in per + fp8 for f in p["fail"]]
+        recv = max(p["recv_rows"] for p in per)
+        H = cfg["hidden"]
+        nbytes = {"dispatch bf16": recv * H * 2, "combine bf16": recv * H * 2,
+                  "dispatch fp8": int(recv * H * 2 * (1 + 4 / 128) / 2)}
+        for i, c in enumerate(cfg["configs"]):
+            for op in ("dispatch bf16", "combine bf16"):
+                rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "sweep " + op,
+                             "config": c, "median_us": med[op][i] * 1e6,
+                             "GBps": nbytes[op] / med[op][i] / 1e9})
+        laps = {"dispatch bf16": step([p["sweep"]["dispatch bf16"][best["dispatch bf16"]] for p in per]),
+                "combine bf16": step([p["sweep"]["combine bf16"][best["combine bf16"]] for p in per]),
+                "dispatch fp8": step([p["fp8"][0] for p in fp8])}
+        for op in ("dispatch bf16", "dispatch fp8", "combine bf16"):
+            st = ll_bench._stats(laps[op])
+            cfg_used = cfg["configs"][best["combine bf16" if op.startswith("combine") else "dispatch bf16"]]
+            row = {"ranks": world, "tokens": cfg["tokens"], "op": "HT " + op, "config": cfg_used, **st,
+                   "bytes_per_rank": nbytes[op], "GBps": nbytes[op] / (st["median_us"] * 1e-6) / 1e9,
+                   "vs_torch_gather": st["median_us"] * 1e-6 / gather_s,
+                   "check": "FAIL" if fails else "OK"}
+            if "nccl" in per[0]:
+                nst = ll_bench._stats(step([p["nccl"]["laps_s"] for p in per]))
+                row["nccl_median_us"] = nst["median_us"]
+                row["vs_nccl"] = st["median_us"] / nst["median_us"]
+            rows.append(row)
+        rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "torch gather, all ranks' rows",
+                     "median_us": gather_s * 1e6, "rows": gather_rows,
+                     "GBps": gather_rows * H * 2 / gather_s / 1e9})
+        gate.append({"kind": "test", "name": "EP HT %d ranks: matches the reference" % world,
+                     "result": "FAIL" if fails else "PASS",
+                     "figure": "; ".join(fails)[:300] or "rows exact, combine calc_diff %.2g"
+                     % max(p["combine_calc_diff"] for p in per),
+                     "goal": "exact dispatch; combine / fan-out calc_diff <= %g" % CALC_DIFF_BF16})
+        for op in ("dispatch bf16", "combine bf16"):
+            r = next(r for r in rows if r["op"] == "HT " + op and r["ranks"] == world)
+            gate.append({"kind": "target", "name": "EP HT %d ranks, %d tok: %s vs torch gather"
+                         % (world, cfg["tokens"], op),
+                         "result": "met" if r["vs_torch_gather"] <= TARGET_RATIO else "NOT met",
+                         "figure": "%.1f us = %.2fx the gather (%.1f us), %.3g GB/s"
+                         % (r["median_us"], r["vs_torch_gather"], gather_s * 1e6, r["GBps"]),
+                         "goal": "<= %.1fx" % TARGET_RATIO})
+        runs.append({"ranks": world, "align": per[0]["align"], "transport": per[0]["transport"],
+                     "buffer_bytes": per[0]["buffer_bytes"], "best": {k: cfg["configs"][v] for k, v in best.items()},
+                     "wall_s": time.monotonic() - t0})
+    m = machine(gpu=args.gpu)
+    head = ("gpunet EP high-throughput bench, %s, %s; %d tokens/rank, hidden %d, top-%d, %d experts, "
+            "%d holes/rank, %d iters (+%d warm-up)" % (
+                "GPU " + m.get("gpu", "?") if args.gpu else "CPU soft NIC + HOST arm", m["date"],
+                cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["holes"], cfg["iters"],
+                cfg["warmup"]))
+    note = ("bytes/rank as DeepEP's intranode test counts them: received rows x 2H (FP8: x (1+4/128)/2), "
+            "combine the same; the rank receiving most; time = median over iterations of the slowest "
+            "rank; Config = (num_sms, send chunk, receive ring)")
+    print(head)
+    print(note)
+    fmt = "%5s %6s  %-34s %-14s %10s %9s %8s %8s  %s"
+    print(fmt % ("ranks", "tokens", "op", "config", "median us", "GB/s", "x gather", "x NCCL", "check"))
+    for r in rows:
+        print(fmt % (r["ranks"], r["tokens"], r["op"], str(tuple(r["config"])) if "config" in r else "",
+                     "%.1f" % r["median_us"], "%.3g" % r["GBps"],
+                     "%.2f" % r["vs_torch_gather"] if "vs_torch_gather" in r else "",
+                     "%.2f" % r["vs_nccl"] if "vs_nccl" in r else "", r.get("check", "")))
+    if args.transport != "auto":
+        for g in gate:
+            g["name"] += " [%s]" % args.transport
+    for g in gate:
+        print("%-6s %-7s %s  %s" % (g["kind"], g["result"], g["name"], g["figure"]))
+    path = Path(args.json) if args.json else (Path(__file__).resolve().parent / "results" /
+                                               datetime.date.today().isoformat() /
+                                               ("ep_ht_%s.json" % ("gpu" if args.gpu else "cpu")))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"what": "gpunet.ep high-throughput dispatch/combine", "bytes": note,
+                   "config": {k: v for k, v in cfg.items()}, "runs": runs, "rows": rows, "gate": gate,
+                   "machine": m}, f, indent=1)
+    print("\nJSON: %s" % path)
+    return 1 if any(g["kind"] == "test" and g["result"] != "PASS" for g in gate) else 0
