@@ -18,7 +18,8 @@ mkdir -p "$OUT"
 DATE=$(date +%F)
 RES=bench/results/$DATE
 mkdir -p "$RES"
-EXTRA=${EP_BENCH_ARGS:-}            # e.g. "--sweep 128 --iters 20" for a quicker run
+EXTRA=${EP_BENCH_ARGS:-}            # e.g. "--sweep 128 --iters 20" for a quicker run, "--mode ht"
+PREFIX=${EP_BENCH_PREFIX:-ep_gpu}    # file names: $OUT/${PREFIX}_1gpu.json ... (ep_ht_gpu for --mode ht)
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [ "${NGPU:-0}" -lt 1 ]; then
   echo "bench/ep_gpu.sh needs an NVIDIA GPU (nvidia-smi lists none)" >&2
@@ -53,13 +54,13 @@ if [ "${1:-}" = "profile" ]; then
 fi
 echo "=== EP bench: 2 and 4 ranks on GPU 0, $MPS ==="
 CUDA_VISIBLE_DEVICES=0 python3 bench/ep.py --gpu --ranks 2,4 $EXTRA \
-    --json "$OUT/ep_gpu_1gpu.json" --plot "$OUT/ep_gpu_1gpu.png" 2>&1 | tee "$OUT/ep_gpu_1gpu.log"
+    --json "$OUT/${PREFIX}_1gpu.json" --plot "$OUT/${PREFIX}_1gpu.png" 2>&1 | tee "$OUT/${PREFIX}_1gpu.log"
 rc=$(( rc | ${PIPESTATUS[0]} ))
 # the same over p2p: device-memory heaps opened by CUDA IPC, the kernels store into the peers'
 echo "=== EP bench: 2 and 4 ranks on GPU 0 over p2p, $MPS ==="
 CUDA_VISIBLE_DEVICES=0 python3 bench/ep.py --gpu --ranks 2,4 --transport p2p $EXTRA \
-    --json "$OUT/ep_gpu_1gpu_p2p.json" --plot "$OUT/ep_gpu_1gpu_p2p.png" 2>&1 \
-    | tee "$OUT/ep_gpu_1gpu_p2p.log"
+    --json "$OUT/${PREFIX}_1gpu_p2p.json" --plot "$OUT/${PREFIX}_1gpu_p2p.png" 2>&1 \
+    | tee "$OUT/${PREFIX}_1gpu_p2p.log"
 rc=$(( rc | ${PIPESTATUS[0]} ))
 stop_mps
 CUDA_MPS_PIPE_DIRECTORY= ; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
@@ -68,16 +69,16 @@ CUDA_MPS_PIPE_DIRECTORY= ; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 if [ "$NGPU" -ge 2 ]; then
   echo "=== EP bench: $NGPU ranks, one per GPU, NCCL rows ==="
   python3 bench/ep.py --gpu --ranks "$NGPU" $EXTRA \
-      --json "$OUT/ep_gpu_${NGPU}gpu.json" --plot "$OUT/ep_gpu_${NGPU}gpu.png" 2>&1 \
-      | tee "$OUT/ep_gpu_${NGPU}gpu.log"
+      --json "$OUT/${PREFIX}_${NGPU}gpu.json" --plot "$OUT/${PREFIX}_${NGPU}gpu.png" 2>&1 \
+      | tee "$OUT/${PREFIX}_${NGPU}gpu.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))
   echo "=== EP bench: $NGPU ranks, one per GPU, over p2p (CUDA IPC, peer access) ==="
   python3 bench/ep.py --gpu --ranks "$NGPU" --transport p2p $EXTRA \
-      --json "$OUT/ep_gpu_${NGPU}gpu_p2p.json" --plot "$OUT/ep_gpu_${NGPU}gpu_p2p.png" 2>&1 \
-      | tee "$OUT/ep_gpu_${NGPU}gpu_p2p.log"
+      --json "$OUT/${PREFIX}_${NGPU}gpu_p2p.json" --plot "$OUT/${PREFIX}_${NGPU}gpu_p2p.png" 2>&1 \
+      | tee "$OUT/${PREFIX}_${NGPU}gpu_p2p.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))
 fi
 
-cp "$OUT"/ep_gpu_*.json "$OUT"/ep_gpu_*.png "$RES"/ 2>/dev/null || true
-echo "EP bench JSON: $OUT/ep_gpu_*.json (copied to $RES)"
+cp "$OUT"/${PREFIX}_*.json "$OUT"/${PREFIX}_*.png "$RES"/ 2>/dev/null || true
+echo "EP bench JSON: $OUT/${PREFIX}_*.json (copied to $RES)"
 exit $rc

@@ -30,9 +30,9 @@ CALC_DIFF_BF16 = 5e-6
 TARGET_RATIO = 1.5
 RANK_TIMEOUT_S = 1500
 CPU_DEFAULTS = dict(ranks="2", tokens=96, hidden=256, topk=4, experts=8, iters=5, warmup=1)
-GPU_DEFAULTS = dict(ranks="2", tokens=4096, hidden=7168, topk=8, experts=256, iters=20, warmup=3)
+GPU_DEFAULTS = dict(ranks="2", tokens=4096, hidden=7168, topk=8, experts=256, iters=10, warmup=2)
 # (num_sms, send chunk, receive ring): the sweep; the HOST arm caps channels at 2
-GPU_CONFIGS = [(20, 6, 256), (20, 16, 256), (32, 8, 128), (32, 16, 256), (48, 8, 128), (48, 16, 256)]
+GPU_CONFIGS = [(20, 6, 256), (24, 8, 128), (32, 16, 256), (48, 8, 128)]
 CPU_CONFIGS = [(4, 4, 48), (4, 8, 64)]
 
 

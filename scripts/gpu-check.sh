@@ -15,7 +15,7 @@ mkdir -p "$OUT"
 export GATE_ROWS="$OUT/gate_rows.jsonl" PYTHONUNBUFFERED=1
 : > "$GATE_ROWS"
 step() { echo; echo "=== $* ===  ($(date +%T))"; }
-# GATE_STEPS="tests proxy post order ep doctor" (default: all) picks steps, to split the gate across calls
+# GATE_STEPS="tests proxy post order ep ep-ht doctor" (default: all) picks steps, to split the gate across calls
 # of at most 10 minutes; the table then covers the steps run.
 want() { [ -z "${GATE_STEPS:-}" ] || [[ " $GATE_STEPS " == *" $1 "* ]]; }
 gate() { python3 scripts/gate.py "$@"; }
@@ -67,6 +67,13 @@ if want ep && [ -f bench/ep_gpu.sh ]; then
   step "MoE EP low-latency dispatch / combine (2 and 4 ranks on one GPU under MPS)"
   OUT="$OUT" timeout 540 bash bench/ep_gpu.sh 2>&1 | tail -30
   gate ep "$OUT"
+fi
+
+if want ep-ht && [ -f bench/ep_gpu.sh ]; then
+  step "MoE EP high-throughput dispatch / combine (2 ranks on one GPU under MPS; bench/ep_ht.py)"
+  mkdir -p "$OUT/ht"
+  OUT="$OUT/ht" EP_BENCH_PREFIX=ep_ht_gpu EP_BENCH_ARGS="--mode ht --ranks 2" timeout 540 bash bench/ep_gpu.sh 2>&1 | tail -30
+  gate ep "$OUT/ht"
 fi
 
 if want doctor; then
