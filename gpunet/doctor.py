@@ -188,8 +188,8 @@ def _toolchain_rows(rep, plat):
                       ("maca", "mxcc (MACA arm)")):
         try:
             path = loader._find_compiler(arm)
-            first = next((ln for ln in loader._compiler_version(path).splitlines()
-                          if ln.strip()), "")
+            lines = [ln for ln in loader._compiler_version(path).splitlines() if ln.strip()]
+            first = next((ln for ln in lines if "release" in ln), lines[0] if lines else "")
             rep.add("toolchain", what, "yes", "%s: %s" % (path, first.strip()), path=path)
         except ToolchainError as e:
             rep.add("toolchain", what, "FAIL" if arm == need else "no",
@@ -329,7 +329,7 @@ def _nic_capability_rows(rep, nic, used, devs, verbs_error):
                 % type(nic).__name__)
     else:
         rep.add("nic", "atomic endianness mode", "info", "%s%s" % (
-            endian, " (the soft NIC's setting; %s)" % no_nic if used == "soft" else
+            endian, " (no NIC: the soft NIC's setting)" if used == "soft" else
             " (HCA atomic_req_8B_endianness_mode)"), value=endian)
 
 
@@ -604,7 +604,7 @@ class Prober:
                         break
                 res.update(coherent=fresh, nic_reads=reads,
                            matched=int((got == pattern).sum()),
-                           first_bad=None if fresh else "0x%x" % int(got[got != pattern][0]))
+                           first_bad=None if fresh else "0x%016x" % int(got[got != pattern][0]))
             else:
                 self.stage.view(np.uint64)[:] = pattern
                 self.sq.post_write(self.stage_mr.addr, self.stage_mr.lkey, naddr, mr.rkey,
@@ -624,7 +624,7 @@ class Prober:
                 res.update(coherent=matched == PROBE_WORDS, matched=matched,
                            warm_old=int(ctl[CTL_WARM_OLD]), waited_ns=int(ctl[CTL_WAITED_NS]),
                            first_bad=None if matched == PROBE_WORDS
-                           else "0x%x" % int(ctl[CTL_FIRST_BAD]))
+                           else "0x%016x" % int(ctl[CTL_FIRST_BAD]))
         except GpunetError as e:
             res["error"] = _err(e)
             store_release_u64(ctl.ctypes.data + 8 * CTL_GO, 1)     # let a waiting kernel go
