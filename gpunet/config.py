@@ -54,6 +54,8 @@ KNOBS = (
          "tests: the doorbell fence removed (the weak-memory tests must catch it)"),
     Knob("GPUNET_TEST_DROP_PUBLISH_FENCE", "define", "flag", None, (),
          "tests: no fence between a publish tag and the doorbell-lock attempt (must be caught)"),
+    Knob("GPUNET_TEST_P2P_NO_SIGNAL_RELEASE", "define", "flag", None, (),
+         "tests: p2p put_signal without the release between payload and signal (must be caught)"),
     Knob("GPUNET_SYNTAX_CHECK_ONLY", "define", "flag", None, (),
          "tests: type-check the MACA arm with g++ against declared stand-ins"),
 )

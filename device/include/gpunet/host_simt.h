@@ -87,8 +87,14 @@
 //   same interleaving), Fifo (program order: TSO-like), Lifo (newest eligible first: the most
 //   adversarial fixed order).
 //
-//   Test hook: host::weak_drain_partial(n) pops n entries of the calling thread (chosen as
+//   Test hooks: host::weak_drain_partial(n) pops n entries of the calling thread (chosen as
 //   above), for litmus tests that want a deterministic half-visible state.
+//   WeakConfig::script (script_len words): the Random choices come from the test, not the
+//   xorshift: each choice among k eligible entries takes the next script word modulo k (then the
+//   xorshift once the script is used up), so hypothesis picks drain orders, including those of
+//   the pops inside fence_sys and at kernel exit. WeakConfig::on_pop(on_pop_arg) is called after
+//   every pop of a launch's thread (own buffer or block pool), with the store just made
+//   visible: an observer there sees every intermediate state. tests/test_weak_signal.py.
 // ---------------------------------------------------------------------------------------------
 #pragma once
 
@@ -132,6 +138,10 @@ struct WeakConfig {
   uint32_t spin_sleep_ns = 0;          // P1: 0 = yield; >0 = sleep, widening observer windows
   uint32_t capacity = 256;             // P2: buffer bound (a WQE batch is far below this)
   bool atomics_drain = false;          // F3
+  const uint32_t* script = nullptr;    // test hook: the Random choices, in order (see above)
+  uint32_t script_len = 0;
+  void (*on_pop)(void*) = nullptr;     // test hook: called after every pop (see above)
+  void* on_pop_arg = nullptr;
 };
 
 struct LaunchOptions {
@@ -153,6 +163,8 @@ inline uint64_t splitmix64(uint64_t x) {
 
 struct Rng {
   uint64_t s = 1;
+  const uint32_t* script = nullptr;  // WeakConfig::script: below() takes these first
+  uint32_t script_len = 0, script_pos = 0;
   void seed(uint64_t v) { s = splitmix64(v) | 1; }
   uint64_t next() {  // xorshift64*
     s ^= s >> 12;
@@ -160,8 +172,20 @@ struct Rng {
     s ^= s >> 27;
     return s * 0x2545f4914f6cdd1dull;
   }
-  uint32_t below(uint32_t n) { return n ? uint32_t(next() % n) : 0; }
+  uint32_t below(uint32_t n) {
+    if (!n) return 0;
+    if (script_pos < script_len) return script[script_pos++] % n;
+    return uint32_t(next() % n);
+  }
+  void use_script(const WeakConfig& w) {
+    script = w.script;
+    script_len = w.script ? w.script_len : 0;
+    script_pos = 0;
+  }
 };
+
+// The on_pop hook of the launch the calling OS thread runs (null outside one, or without it).
+inline thread_local const WeakConfig* tl_pop_cfg = nullptr;
 
 // ---- raw memory access of 1/2/4/8 bytes --------------------------------------------------------
 inline void mem_store(uintptr_t a, uint32_t size, uint64_t v, int mo) {
@@ -211,6 +235,7 @@ struct EntryList {
     v.erase(v.begin() + ptrdiff_t(i));
     // RELEASE so that an observer that sees this entry also sees every earlier pop.
     mem_store(e.addr, e.size, e.value, __ATOMIC_RELEASE);
+    if (tl_pop_cfg && tl_pop_cfg->on_pop) tl_pop_cfg->on_pop(tl_pop_cfg->on_pop_arg);
   }
   // Pop one eligible entry chosen by `order`. The oldest entry is always eligible.
   bool pop_one(Rng& rng, DrainOrder order) {
@@ -543,8 +568,11 @@ void launch(const LaunchOptions& opts, Kernel kernel, Args... args) {
     ctx.warpg = blk->warps[0].get();
     ctx.weak = &opts.weak;
     ctx.rng.seed(opts.weak.seed * 0x100000001b3ull);
+    ctx.rng.use_script(opts.weak);
     ThreadCtx* const outer = tl_ctx;  // a launch from inside a kernel thread keeps its context
+    const WeakConfig* const outer_pop = tl_pop_cfg;
     tl_ctx = &ctx;
+    tl_pop_cfg = opts.weak.enabled ? &opts.weak : nullptr;
     std::exception_ptr err;
     try {
       kernel(args...);
@@ -558,6 +586,7 @@ void launch(const LaunchOptions& opts, Kernel kernel, Args... args) {
       blk->pool.drain(rng, opts.weak.order);
     }
     tl_ctx = outer;
+    tl_pop_cfg = outer_pop;
     if (err) std::rethrow_exception(err);
     return;
   }
@@ -601,7 +630,9 @@ void launch(const LaunchOptions& opts, Kernel kernel, Args... args) {
           ctx.warpg = blk->warps[ctx.warp].get();
           ctx.weak = &opts.weak;
           ctx.rng.seed(opts.weak.seed * 0x100000001b3ull + ctx.origin);
+          ctx.rng.use_script(opts.weak);
           tl_ctx = &ctx;
+          tl_pop_cfg = opts.weak.enabled ? &opts.weak : nullptr;
           try {
             kernel(args...);
           } catch (...) {
@@ -610,6 +641,7 @@ void launch(const LaunchOptions& opts, Kernel kernel, Args... args) {
           }
           if (opts.weak.enabled) ctx.buf.drain(ctx.rng, opts.weak.order);  // F2
           tl_ctx = nullptr;
+          tl_pop_cfg = nullptr;
           ctx.warpg->retire();
           blk->bar->retire();
         });
@@ -617,11 +649,14 @@ void launch(const LaunchOptions& opts, Kernel kernel, Args... args) {
     }
     for (std::thread& th : threads) th.join();
     if (opts.weak.enabled) {  // F2: the block's pool
+      const WeakConfig* const outer_pop = tl_pop_cfg;
+      tl_pop_cfg = &opts.weak;
       for (size_t i = 0; i < blocks.size(); ++i) {
         Rng rng;
         rng.seed(opts.weak.seed ^ (0xb10cull + b0 + i));
         blocks[i]->pool.drain(rng, opts.weak.order);
       }
+      tl_pop_cfg = outer_pop;
     }
   }
   if (first_err) std::rethrow_exception(first_err);

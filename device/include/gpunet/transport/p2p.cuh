@@ -180,16 +180,29 @@ struct P2p {
     return true;
   }
 
+  // The release between a put_signal's payload and its signal (a fence_sys, and the SET as a
+  // release store). Rule: a peer that sees the signal sees the whole payload, for every order in
+  // which the weak model drains the payload stores (tests/test_weak_signal.py, with hypothesis
+  // choosing each pop). GPUNET_TEST_P2P_NO_SIGNAL_RELEASE compiles both out, for that test's
+  // fence-removal variant ONLY, which must then show the signal before the payload.
+#if defined(GPUNET_TEST_P2P_NO_SIGNAL_RELEASE)
+  static GPUNET_DEVICE void signal_release() {}
+  static GPUNET_DEVICE void signal_store(uint64_t* sig, uint64_t v) { arch::store_relaxed(sig, v); }
+#else
+  static GPUNET_DEVICE void signal_release() { arch::fence_sys(); }
+  static GPUNET_DEVICE void signal_store(uint64_t* sig, uint64_t v) { arch::store_release_sys(sig, v); }
+#endif
+
   static GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
                                            int pe, void* dst_sym, const void* src, uint64_t nbytes,
                                            uint64_t* sig_sym, uint64_t value, uint32_t sig_op) {
     if (sig_op != SIGNAL_SET && !may_load(w, p, pe, 3)) return false;
     if (!in_heap(ctx, w, pe, sig_sym, 8, true) || !put_nbi(ctx, w, p, pe, dst_sym, src, nbytes))
       return false;
-    arch::fence_sys();  // the release: the payload is visible before the signal
+    signal_release();  // the payload is visible before the signal
     uint64_t* sig = reinterpret_cast<uint64_t*>(mapped(ctx, p, sig_sym));
     if (sig_op == SIGNAL_SET) {
-      arch::store_release_sys(sig, api::signal_order(ctx, value));
+      signal_store(sig, api::signal_order(ctx, value));
       return !failed(w);
     }
     uint64_t old = 0;
