@@ -36,6 +36,7 @@ memory registered with a DevX NIC) have never run: no machine here has an RDMA d
 import argparse
 import contextlib
 import ctypes
+import itertools
 import json
 import os
 import socket
@@ -261,7 +262,7 @@ def _nic_rows(rep, plat, nic_kind):
     try:
         real = open_nic("verbs", profile=plat.profile)
         rep.add("nic", "open_nic('verbs')", "yes", repr(real))
-    except GpunetError as e:
+    except Exception as e:  # noqa: BLE001 - why the real NIC does not open is the finding
         verbs_error = e
         rep.add("nic", "open_nic('verbs')", "FAIL" if nic_kind == "verbs" else "no", _err(e))
     if real is not None and nic_kind in ("auto", "verbs"):
@@ -273,7 +274,7 @@ def _nic_rows(rep, plat, nic_kind):
             return None, "verbs"
         try:
             nic, used = open_nic("soft", profile=plat.profile, name="doctor"), "soft"
-        except GpunetError as e:
+        except Exception as e:  # noqa: BLE001
             rep.add("nic", "NIC used by the checks", "FAIL", _err(e))
             return None, "soft"
     rep.add("nic", "NIC used by the checks", "ok", "%s nic (asked: %s): %r" % (used, nic_kind, nic),
@@ -342,7 +343,7 @@ def _doorbell(rep, plat, nic):
         how = nic.map_doorbell(plat)
         rep.add("nic", "doorbell (UAR) mappable into the GPU", "yes", how)
         return lambda: how
-    except GpunetError as e:
+    except Exception as e:  # noqa: BLE001
         if isinstance(e, VendorRuntimeError):      # the driver refused: auto picks the proxy
             rep.add("nic", "doorbell (UAR) mappable into the GPU", "no",
                     "%s; transport 'auto' uses the CPU proxy" % e)
@@ -522,6 +523,7 @@ class Prober:
         self.stage = nic.alloc(self.nbytes, 4096)
         self.stage_mr = nic.reg_mr(self.stage, access=Access.ALL, kind="host")
         self.count = 0
+        self.stuck = False       # a probe kernel outlived its bounds: the NIC must stay open
 
     def _buffer(self, kind, old):
         """(NIC address, kernel address, MR, release) of a fresh ``kind`` buffer holding ``old``
@@ -625,7 +627,7 @@ class Prober:
                            warm_old=int(ctl[CTL_WARM_OLD]), waited_ns=int(ctl[CTL_WAITED_NS]),
                            first_bad=None if matched == PROBE_WORDS
                            else "0x%016x" % int(ctl[CTL_FIRST_BAD]))
-        except GpunetError as e:
+        except Exception as e:  # noqa: BLE001 - recorded; the kernel must be let go whatever failed
             res["error"] = _err(e)
             store_release_u64(ctl.ctypes.data + 8 * CTL_GO, 1)     # let a waiting kernel go
             kernel.join(self.timeout_s + PROBE_VISIBLE_S + 5.0)
@@ -633,6 +635,7 @@ class Prober:
             if not kernel.is_alive():
                 release()
             else:                  # never free memory a kernel may still touch
+                self.stuck = True
                 res.setdefault("error", "the probe kernel is still running; its buffer is kept")
         res["elapsed_s"] = round(time.perf_counter() - t_start, 4)
         return res
@@ -663,6 +666,9 @@ def _ctl_access():
 
 
 def _coherence_rows(rep, plat, nic, used, timeout_s):
+    """The probes, then their rows. Returns True when a probe kernel may still be running (the
+    NIC must then not be closed)."""
+    pr = None
     arch = {"cpu": "host", "cuda": "cuda", "maca": "maca"}[plat.name]
     try:
         lib = load_probe(arch)
@@ -678,25 +684,28 @@ def _coherence_rows(rep, plat, nic, used, timeout_s):
         else:
             g = int
         pr = Prober(plat, nic, used, lib, g, timeout_s)
-        for kind in KINDS:
-            for direction in DIRECTIONS:
-                for fence in (False, True):
-                    res = pr.probe(kind, direction, fence)
-                    rep.coherence.append(res)
-                    what = "%s: %s, %s" % (kind, "NIC write -> SM read"
-                                           if direction == "nic_write_sm_read"
-                                           else "SM write -> NIC read",
-                                           "policy fences" if fence else "no fence")
-                    if "error" in res:
-                        rep.add("coherence", what, "FAIL", res["error"], probe=res)
-                    elif res["coherent"] is None:
-                        rep.add("coherence", what, "skip", res["skip"], probe=res)
-                    else:
-                        rep.add("coherence", what, "coherent" if res["coherent"] else "INCOHERENT",
-                                _probe_detail(res), probe=res)
-    except GpunetError as e:
+        for kind, direction, fence in itertools.product(KINDS, DIRECTIONS, (False, True)):
+            res = pr.probe(kind, direction, fence)
+            rep.coherence.append(res)
+            what = "%s: %s, %s" % (kind, "NIC write -> SM read" if direction == "nic_write_sm_read"
+                                   else "SM write -> NIC read",
+                                   "policy fences" if fence else "no fence")
+            if "error" in res:
+                rep.add("coherence", what, "FAIL", res["error"], probe=res)
+            elif res["coherent"] is None:
+                rep.add("coherence", what, "skip", res["skip"], probe=res)
+            else:
+                rep.add("coherence", what, "coherent" if res["coherent"] else "INCOHERENT",
+                        _probe_detail(res), probe=res)
+            if pr.stuck:
+                break
+    except Exception as e:  # noqa: BLE001
         rep.add("coherence", "probes", "FAIL", _err(e))
     finally:
+        if pr is not None and pr.stuck:
+            rep.add("coherence", "probe kernels finished", "FAIL", "a probe kernel is still "
+                    "running past its bounds: its NIC and memory are left open (not freed)")
+            return True
         if mapping is not None:
             mapping.close()
 
@@ -743,28 +752,43 @@ def run(profile=None, nic="auto", platform=None, timeout_s=10.0, loopback=True, 
     out the loopback section (no Context is made); ``log``: a stream for progress lines."""
     t0 = time.perf_counter()
     rep = Report(log)
+    plat = None
+
+    def guarded(section, fn, *args, default=None):
+        # A check that raises what it does not expect becomes a FAIL row: the doctor reports on
+        # a broken machine, it does not die on one.
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            rep.add(section, "%s (unexpected error)" % fn.__name__.strip("_"), "FAIL", _err(e))
+            return default
+
     with _forced(platform, profile):
-        plat = _platform_rows(rep)
+        plat = guarded("platform", _platform_rows, rep)
         if plat is not None:
-            _gpu_rows(rep, plat)
-            _toolchain_rows(rep, plat)
-            dev_nic, used = _nic_rows(rep, plat, nic)
-            refused = None
+            guarded("gpu", _gpu_rows, rep, plat)
+            guarded("toolchain", _toolchain_rows, rep, plat)
+            dev_nic, used = guarded("nic", _nic_rows, rep, plat, nic, default=(None, nic))
+            refused, in_use = None, False
             if dev_nic is not None:
                 try:
-                    probe = _doorbell(rep, plat, dev_nic)
-                    try:
-                        probe()
-                    except GpunetError as e:
-                        refused = str(e)
-                    _dmabuf_rows(rep, plat, dev_nic, used)
-                    _transport_rows(rep, plat, dev_nic, probe)
-                    _coherence_rows(rep, plat, dev_nic, used, timeout_s)
-                    _policy_rows(rep, plat)
+                    probe = guarded("nic", _doorbell, rep, plat, dev_nic)
+                    if probe is not None:
+                        try:
+                            probe()
+                        except Exception as e:  # noqa: BLE001 - replayed from _doorbell's row
+                            refused = str(e)
+                        guarded("nic", _dmabuf_rows, rep, plat, dev_nic, used)
+                        guarded("transport", _transport_rows, rep, plat, dev_nic, probe)
+                    in_use = guarded("coherence", _coherence_rows, rep, plat, dev_nic, used,
+                                     timeout_s)
+                    guarded("policy", _policy_rows, rep, plat)
                 finally:
-                    dev_nic.close()
+                    if not in_use:
+                        guarded("nic", dev_nic.close)
                 for t in ("ibgda", "proxy") if loopback else ():
-                    _loopback_rows(rep, t, used, timeout_s, refused if t == "ibgda" else None)
+                    guarded("loopback", _loopback_rows, rep, t, used, timeout_s,
+                            refused if t == "ibgda" else None)
     failed = rep.failed()
     counts = {r: sum(1 for x in rep.rows if x["result"] == r) for r in RESULTS}
     return {

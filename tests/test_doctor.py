@@ -228,3 +228,21 @@ def test_a_device_devx_cannot_open_says_why_and_the_soft_nic_is_used(tmp_path, m
         assert not rep.failed()
     finally:
         nic.close()
+
+
+def test_a_failing_probe_is_a_fail_row_and_its_kernel_is_let_go(monkeypatch):
+    """A NIC completion that fails inside every probe (injected): each of the 12 coherence rows
+    is FAIL with the error, the waiting probe kernel is released at once (each probe well within
+    PROBE_BOUND_S, not its 10 s handshake timeout), the NIC closes, and the run exits 1."""
+    def broken(self, what):
+        raise doctor.GpunetError("injected: the NIC's %s failed" % what)
+
+    monkeypatch.setattr(doctor.Prober, "_completion", broken)
+    rep = doctor.run(profile="nvidia", nic="soft", platform="cpu", loopback=False)
+    rows = [r for r in rep["rows"] if r["section"] == "coherence"]
+    assert len(rows) == 12 and all(r["result"] == "FAIL" and "injected" in r["detail"]
+                                   for r in rows), rows
+    assert all(c["elapsed_s"] < PROBE_BOUND_S for c in rep["coherence"]), rep["coherence"]
+    assert rep["exit_code"] == 1
+    policy = [r for r in rep["rows"] if r["section"] == "policy"]
+    assert all(r["result"] == "skip" for r in policy), policy     # nothing measured to check
