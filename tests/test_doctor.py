@@ -246,3 +246,21 @@ def test_a_failing_probe_is_a_fail_row_and_its_kernel_is_let_go(monkeypatch):
     assert rep["exit_code"] == 1
     policy = [r for r in rep["rows"] if r["section"] == "policy"]
     assert all(r["result"] == "skip" for r in policy), policy     # nothing measured to check
+
+
+def test_the_gpu_gate_row_reads_the_doctor_json(c500, tmp_path):
+    """scripts/gate.py doctor (the gate's doctor step) turns the JSON into one test row: PASS
+    for a run with no FAIL row, naming the INCOHERENT probes; FAIL when the exit code says so."""
+    _, rep = c500
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rows = tmp_path / "rows.jsonl"
+    bad = dict(rep, exit_code=1, summary=dict(rep["summary"], failed=["nic: x"]))
+    for name, report in (("good.json", rep), ("bad.json", bad)):
+        (tmp_path / name).write_text(json.dumps(report))
+        subprocess.run([sys.executable, os.path.join(root, "scripts", "gate.py"), "doctor",
+                        str(tmp_path / name)], check=True, timeout=60,
+                       env=dict(os.environ, GATE_ROWS=str(rows)))
+    good_row, bad_row = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert good_row["kind"] == "test" and good_row["result"] == "PASS", good_row
+    assert "device nic_write_sm_read" in good_row["figure"]
+    assert bad_row["result"] == "FAIL" and "nic: x" in bad_row["figure"], bad_row
