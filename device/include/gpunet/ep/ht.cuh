@@ -159,6 +159,17 @@ GPUNET_DEVICE uint64_t slot_addr(const HtParams& P, uint64_t ring, uint32_t c, u
   return ring + ((uint64_t(c) * P.base.nranks + p) * P.ring + i % P.ring) * P.base.msg_stride;
 }
 
+// Waits on a peer fall in two kinds. DIRECT: a header, or a combine row the peer must have sent
+// already (within its credit window): timeout_s (peer_timeout_ns). INDIRECT: a sender's credit
+// or a dispatch receiver's tail progress, which a LIVE peer may hold back while it waits directly
+// on a dead one (a combine receiver stuck on a dead rank's row credits nobody meanwhile): twice
+// that plus a second, so a live rank is never taken for dead because a third one died
+// (tests/test_ep_ht.py: the killed-rank tests, which mask or raise exactly the dead rank). A
+// rank's own traffic is never timed out (its receiver is bounded by its own direct waits).
+GPUNET_DEVICE uint64_t indirect_timeout(const HtParams& P) {
+  return 2 * P.peer_timeout_ns + 1000000000ull;
+}
+
 // The count peer p's SET word (or this rank's own device word) holds for this op: the
 // receiver's credit (head) or the sender's progress (tail). Acquire.
 GPUNET_DEVICE uint64_t read_count(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c,
@@ -387,8 +398,8 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
             if (d != B.rank && !quiet_pe(peer_ctx(B, d), int(d))) peer_fail_view(B, out, d);
           } else if (sent == total || sent - consumed + n > P.ring) {
             act = 1;
-            if (arch::now_ns() - *ws_word(P, 0, c, d, WS_TLAST) > P.peer_timeout_ns) {
-              peer_fail_view(B, out, d);  // no credit for timeout_ns: the peer is silent
+            if (d != B.rank && arch::now_ns() - *ws_word(P, 0, c, d, WS_TLAST) > indirect_timeout(P)) {
+              peer_fail_view(B, out, d);  // no credit for that long: the peer is silent
               *ws_word(P, 0, c, d, WS_DONE) = 1;
             }
           } else {
@@ -493,7 +504,8 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
           const uint64_t total = *ws_word(P, 1, c, j, WS_TOTAL);
           if (tail > total) tail = total;
           avail = tail > done ? tail - done : 0;
-          if (avail == 0 && arch::now_ns() - *ws_word(P, 1, c, j, WS_TLAST) > P.peer_timeout_ns) {
+          if (avail == 0 && j != B.rank &&
+              arch::now_ns() - *ws_word(P, 1, c, j, WS_TLAST) > indirect_timeout(P)) {
             peer_fail_view(B, out, j);
             *ws_word(P, 1, c, j, WS_DONE) = 1;
           }
@@ -568,16 +580,16 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
     if (t < ce) {
       float wsum = 0.0f;       // lane k < K: the combined weight of slot k
       uint64_t have = 0;       // bit d (d < 64): d's row is here (the sum below reads those only)
-      // wait for each row this token gets (d ascending)
+      // wait for each row this token gets (d ascending); one timeout_s for all of them
+      const uint64_t t0 = arch::now_ns();
       for (uint32_t d = 0; d < R; ++d) {
         const int32_t p = send_pos[t * R + d];
         if (p < 0) continue;
         bool ok = !out[d];
         if (ok && g.lane == 0) {
-          const uint64_t t0 = arch::now_ns();
           uint32_t n = 0;
           while (read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) <= uint64_t(p)) {
-            if ((n++ & 7) == 0 && (out[d] || arch::now_ns() - t0 > P.peer_timeout_ns)) {
+            if ((n++ & 7) == 0 && (out[d] || (d != B.rank && arch::now_ns() - t0 > P.peer_timeout_ns))) {
               ok = false;
               break;
             }
