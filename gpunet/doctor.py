@@ -514,16 +514,23 @@ class Prober:
         self.plat, self.nic, self.used, self.lib, self.g = plat, nic, used, lib, g
         self.timeout_s = timeout_s
         self.nbytes = PROBE_WORDS * 8
-        cq_a, cq_b = nic.create_cq(64), nic.create_cq(64)
-        self.qa = nic.create_qp(cq_a, sq_wqebbs=64)
-        qb = nic.create_qp(cq_b, sq_wqebbs=64)
-        nic.connect(self.qa, qb.info())
-        nic.connect(qb, self.qa.info())
-        self.sq, self.cq = SendQueue(self.qa), CompletionQueue(cq_a)
+        self._queues = (SendQueue, CompletionQueue)
+        self._new_pair()
         self.stage = nic.alloc(self.nbytes, 4096)
         self.stage_mr = nic.reg_mr(self.stage, access=Access.ALL, kind="host")
         self.count = 0
         self.stuck = False       # a probe kernel outlived its bounds: the NIC must stay open
+
+    def _new_pair(self):
+        """A fresh connected QP pair (loopback on this NIC); after an error completion the old
+        one stays in ERR, unused, so one failed probe does not fail the next."""
+        SendQueue, CompletionQueue = self._queues
+        cq_a, cq_b = self.nic.create_cq(64), self.nic.create_cq(64)
+        self.qa = self.nic.create_qp(cq_a, sq_wqebbs=64)
+        qb = self.nic.create_qp(cq_b, sq_wqebbs=64)
+        self.nic.connect(self.qa, qb.info())
+        self.nic.connect(qb, self.qa.info())
+        self.sq, self.cq = SendQueue(self.qa), CompletionQueue(cq_a)
 
     def _buffer(self, kind, old):
         """(NIC address, kernel address, MR, release) of a fresh ``kind`` buffer holding ``old``
@@ -561,8 +568,13 @@ class Prober:
             time.sleep(20e-6)
 
     def _completion(self, what):
-        c = self.cq.wait(1, timeout=self.timeout_s)[0]
+        try:
+            c = self.cq.wait(1, timeout=self.timeout_s)[0]
+        except GpunetError:
+            self._new_pair()
+            raise
         if c.error:
+            self._new_pair()
             raise GpunetError("the NIC's %s completed with %s (syndrome 0x%x)"
                               % (what, c.status, c.syndrome))
 

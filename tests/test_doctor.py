@@ -264,3 +264,27 @@ def test_the_gpu_gate_row_reads_the_doctor_json(c500, tmp_path):
     assert good_row["kind"] == "test" and good_row["result"] == "PASS", good_row
     assert "device nic_write_sm_read" in good_row["figure"]
     assert bad_row["result"] == "FAIL" and "nic: x" in bad_row["figure"], bad_row
+
+
+def test_a_refused_nic_access_fails_one_probe_and_the_next_still_measures(monkeypatch):
+    """One probe whose NIC access is refused (its MR's rkey corrupted: the NIC completes with a
+    remote access error and moves the QP to ERR) is a FAIL row naming the syndrome; the probes
+    after it run on a fresh QP pair and measure as usual (nvidia: coherent)."""
+    real = doctor.Prober._buffer
+    calls = []
+
+    def one_bad(self, kind, old):
+        naddr, kaddr, mr, release = real(self, kind, old)
+        calls.append(kind)
+        if len(calls) == 1:
+            class Bad:                    # the same MR, with an rkey no MR has
+                rkey = mr.rkey ^ 0xFFFF00
+            return naddr, kaddr, Bad, release
+        return naddr, kaddr, mr, release
+
+    monkeypatch.setattr(doctor.Prober, "_buffer", one_bad)
+    rep = doctor.run(profile="nvidia", nic="soft", platform="cpu", loopback=False)
+    first, rest = rep["coherence"][0], rep["coherence"][1:]
+    assert "error" in first and "syndrome 0x13" in first["error"], first
+    assert len(rest) == 11 and all(c["coherent"] is True for c in rest), rest
+    assert rep["exit_code"] == 1
