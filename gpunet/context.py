@@ -25,11 +25,14 @@ Platforms (host/platform.py decides; GPUNET_PLATFORM=cpu forces the CPU):
   these tensors, but every access crosses PCIe (slow; copy into ordinary CUDA memory for heavy
   compute). gpunet needs the registered arena's device pointer to equal its host address (UVA,
   x86-64 Linux) because the NIC and the GPU use the same heap addresses; otherwise ConfigError.
-  With ``transport="p2p"`` (then for every peer: all ranks on this node) the heap is ordinary
-  DEVICE memory instead (cudaMalloc): heap tensors are fast for the user's kernels, the ranks
-  open each other's heaps by CUDA IPC handles exchanged over the bootstrap, and the kernels
-  store into them directly; the soft NIC is still opened (descriptors, op lists) but carries no
-  heap traffic. Several ranks on one GPU need an MPS daemon to run side by side (FACTS.md).
+  With ``transport="p2p"`` for any peer the heap is ordinary DEVICE memory instead
+  (cudaMalloc): heap tensors are fast for the user's kernels, the ranks open each other's heaps
+  by CUDA IPC handles exchanged over the bootstrap, and the kernels store into them directly.
+  NIC peers (ibgda / proxy) of such a rank still work: the soft NIC's engine moves the bytes of
+  device memory with the CUDA runtime (SoftNic.attach_copy_engine: cudaMemcpyAsync on its own
+  non-blocking stream, as a NIC's DMA over GPUDirect), each rank mapping a NIC peer's device
+  heap by its IPC handle for its engine; atomics there are a read-modify-write under the
+  owning NIC's lock. Several ranks on one GPU need an MPS daemon to run side by side (FACTS.md).
   Descriptors (DevCtx, PeerDesc, QpDesc, Status) are in device memory (device/descriptors.py); the op
   lists of in-flight launches are in the mapped arena.
 
@@ -269,7 +272,7 @@ class Context(Resource):
                               % (MAX_RANKS, self.world_size))
         self.platform = get_platform()
         self._gpu = self.platform.name == "cuda"
-        self._device_heap = self._gpu and self._p2p_everywhere(transport)
+        self._device_heap = self._gpu and self._p2p_anywhere(transport)
         if self.platform.name not in ("cpu", "cuda"):
             raise ConfigError("gpunet.init on %s: the Python API runs on the CPU and CUDA platforms "
                               "in this release (the MACA arm is unverified); set GPUNET_PLATFORM=cpu "
@@ -293,7 +296,10 @@ class Context(Resource):
         if self._device_heap:
             buf = None
             self.heap_base = self._setup_device_heap(heap_bytes)
-            self._lkey = self._rkey = 0          # no NIC carries heap traffic
+            # NIC peers reach it as a NIC reaches GPU memory (GPUDirect): the soft NIC's engine
+            # copies through the CUDA runtime (SoftNic.attach_copy_engine, in _setup_gpu_memory)
+            mr = self.nic.reg_mr(self.heap_base, heap_bytes, kind="device", device_memory=True)
+            self._lkey, self._rkey = mr.lkey, mr.rkey
         else:
             buf = self.nic.alloc(heap_bytes, 4096)
             mr = self.nic.reg_mr(buf, kind=self.platform.policy("payload_dst").kind)
@@ -305,7 +311,8 @@ class Context(Resource):
         self._transports = self._adopt(Transports(self.nic, self.platform, self.rank,
                                                   self.world_size, transport,
                                                   lambda: self.nic.map_doorbell(self.platform),
-                                                  proxy_threads, heap=(self.heap_base, heap_bytes)),
+                                                  proxy_threads, heap=(self.heap_base, heap_bytes),
+                                                  device_heap=self._device_heap),
                                        "transports")
         self.transports, self.reasons = self._transports.kinds, self._transports.reasons
         # adopted last: closed first, so on CUDA no kernel still runs when the rest is freed
@@ -326,19 +333,13 @@ class Context(Resource):
                                  mem=self._mem, mapping=self._mapping)
         self._launcher.dev = self._dev
 
-    def _p2p_everywhere(self, transport):
-        """CUDA: True when ``transport`` makes every peer (this rank too) p2p: the heap then lives
-        in device memory (ordinary cudaMalloc, shared with the peers by CUDA IPC), which no NIC
-        path reaches yet (the soft NIC moves bytes with memmove), so p2p to some peers and a NIC
-        transport to others raises ConfigError here. tests/test_p2p_cuda.py."""
-        kinds = [peer_transport(transport, self.rank, p) for p in range(self.world_size)]
-        if "p2p" not in kinds:
-            return False
-        if any(k != "p2p" for k in kinds):
-            raise ConfigError("gpunet.init on cuda: transport='p2p' puts the heap in device memory, "
-                              "which the NIC transports cannot reach yet, so every peer (this rank "
-                              "too) must be p2p; rank %d got %s" % (self.rank, kinds))
-        return True
+    def _p2p_anywhere(self, transport):
+        """CUDA: True when ``transport`` makes any peer (this rank too) p2p: the heap then lives
+        in device memory (ordinary cudaMalloc, shared with the peers by CUDA IPC). NIC peers of
+        such a rank reach it through the soft NIC's copy engine (the CUDA runtime copies, as a
+        NIC's DMA over GPUDirect; gpunet/transports.py maps the heap for them), so a world may
+        mix p2p and NIC transports. tests/test_p2p_cuda.py."""
+        return any(peer_transport(transport, self.rank, p) == "p2p" for p in range(self.world_size))
 
     def _setup_device_heap(self, heap_bytes):
         """CUDA p2p: the heap in device memory (a child: freed when the Context closes, after the
@@ -364,6 +365,11 @@ class Context(Resource):
                               "driver), because the NIC and the GPU use the same heap addresses"
                               % ", ".join("0x%x -> 0x%x" % (b, d) for b, _, d in self._mapping.ranges))
         self._mem = self._adopt(DeviceMemory(self.platform), "device descriptors")
+        # how the NIC's engine reaches device memory (this rank's heap, or a peer's), as a NIC's
+        # DMA does over GPUDirect; a NIC without one reaches host memory only
+        attach = getattr(self.nic, "attach_copy_engine", None)
+        if attach is not None:
+            attach(self.platform.copy_engine())
 
     # --- lifetime -----------------------------------------------------------------------------
     def _release(self):

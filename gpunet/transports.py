@@ -8,8 +8,8 @@ descriptors of ibgda peers, and the proxy channels and engine of proxy peers (DE
   thread posts them (host/proxy.py). One channel per proxied peer.
 - ``p2p``: this rank maps the peer's heap into its own address space (on the CPU the peer soft
   NIC's arena by name, ``Nic.map_peer_heap``; on CUDA the peer's device-memory heap by its IPC
-  handle, ``Platform.ipc_open``, and then every peer must be p2p: gpunet/context.py) and the
-  kernel stores into it directly
+  handle, ``Platform.ipc_open``; NIC peers of a device-memory heap map it too, for the soft
+  NIC's copy engine: ``Nic.add_peer_memory``) and the kernel stores into it directly
   (transport/p2p.cuh). Only on request (a kind, or per peer): a peer that cannot be mapped raises
   ConfigError. On the ``c500`` profile p2p peers are store-only (get, atomics and ADD signals to
   them fail with a ConfigError; SET signals work).
@@ -121,14 +121,17 @@ class Transports(Resource):
     """
 
     def __init__(self, nic, platform, rank, world_size, transport, probe_doorbell, proxy_threads=1,
-                 heap=None):
+                 heap=None, device_heap=False):
         self.nic, self.platform = nic, platform
         self.rank, self.world_size = rank, world_size
         self._gpu = platform.name != "cpu"
         self._proxy_threads = proxy_threads
         self.qpds, self.channels, self.engine = {}, {}, None
         self.peer_heaps = {}             # p2p peer -> its heap mapped here (Nic.map_peer_heap)
+        self.dma_heaps = {}              # NIC peer -> its device heap mapped here for the NIC's
+                                         # copy engine (CUDA IPC; Nic.add_peer_memory)
         self._heap = heap                # (address, nbytes) of this rank's heap: what p2p exports
+        self._device_heap = bool(device_heap)   # this rank's heap is device memory (CUDA)
         self.kinds, self.reasons = {}, {}
         n, me = world_size, rank
         # all peers share this NIC's doorbell page, so one probe decides for every one of them
@@ -153,15 +156,17 @@ class Transports(Resource):
     def info(self):
         """What the peers need to connect to this rank's QPs (picklable)."""
         p2p = None
-        if any(k == "p2p" for p, k in self.kinds.items() if p != self.rank):
+        others = [k for p, k in self.kinds.items() if p != self.rank]
+        if (self._gpu and self._device_heap and others) or "p2p" in others:
             if self._heap is None:
                 raise ConfigError("transport='p2p' needs this rank's heap to export")
-            # GPU: the heap is a device allocation, shared by its CUDA IPC handle; CPU: the
-            # soft NIC's arena range, by name
+            # GPU: the heap is a device allocation, shared by its CUDA IPC handle (with p2p peers
+            # and with NIC peers, whose soft NIC engine copies into it); CPU: the soft NIC's
+            # arena range, by name
             p2p = (self.platform.ipc_export(self._heap[0]) if self._gpu
                    else self.nic.export_heap(*self._heap))
         return {"qps": {k: q.info() for k, q in self._qps.items()},
-                "transports": dict(self.kinds), "p2p": p2p}
+                "transports": dict(self.kinds), "p2p": p2p, "device_heap": self._device_heap}
 
     def connect(self, everyone, dev, local_heap, mem=None, mapping=None):
         """Connect every QP to its partner on the peer and fill ``dev`` (a DeviceContext): per
@@ -187,6 +192,8 @@ class Transports(Resource):
         for p in range(n):
             if self.kinds[p] == "p2p":
                 self._setup_p2p(p, everyone, dev, local_heap)
+            elif p != me and everyone[p].get("device_heap"):
+                self._map_for_nic(p, everyone)
         proxied = [p for p in range(n) if self.kinds[p] == "proxy"]
         if proxied:
             self._setup_proxy(proxied, everyone, dev, local_heap)
@@ -213,6 +220,32 @@ class Transports(Resource):
                               "'proxy' for it" % (p, e)) from e
         self.peer_heaps[p] = self._adopt(m, "p2p mapping of peer %d" % p)
         dev.set_peer_p2p(p, m.base, store_only, keep=m)
+
+    def _map_for_nic(self, p, everyone):
+        """NIC peer ``p``'s heap is device memory (CUDA, a rank with p2p peers): map it here by
+        its IPC handle and tell the NIC where (Nic.add_peer_memory), so that this rank's soft
+        NIC engine, which executes the RDMA writes, reads and atomics towards ``p``, reaches it
+        through its copy engine, as a responder NIC would by DMA. The mapping is a child, closed
+        with the transports."""
+        add = getattr(self.nic, "add_peer_memory", None)
+        if add is None:
+            raise ConfigError("peer %d's heap is device memory, which %s cannot reach from this "
+                              "process; use transport='p2p' for it" % (p, type(self.nic).__name__))
+        from gpunet.host.platform import VendorRuntimeError
+        try:
+            m = self.platform.ipc_open(everyone[p]["p2p"], everyone[p]["heap_bytes"])
+        except (ConfigError, VendorRuntimeError) as e:
+            raise ConfigError("peer %d (%s): its heap is device memory and this rank cannot map "
+                              "it for the soft NIC (%s); the peer must be on this machine, alive"
+                              % (p, self.kinds[p], e)) from e
+        self.dma_heaps[p] = self._adopt(m, "NIC mapping of peer %d's device heap" % p)
+        for u in self._users:
+            q = everyone[p]["qps"].get((u, self.rank))
+            if q is not None:
+                add(q, everyone[p]["heap"], everyone[p]["heap_bytes"], m.base)
+        self.reasons[p] += "; its heap is device memory, mapped here (CUDA IPC) for the NIC"
+        log.info("gpunet rank %d -> peer %d: %s over its device heap (the soft NIC's engine "
+                 "copies through the CUDA runtime)", self.rank, p, self.kinds[p])
 
     def _setup_proxy(self, proxied, everyone, dev, local_heap):
         """One proxy channel per proxied peer, all drained by the proxy threads. Per peer, because

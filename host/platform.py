@@ -208,6 +208,11 @@ class _Api(NamedTuple):
     ipc_open_mem_handle: str
     ipc_close_mem_handle: str
     ipc_lazy_enable_peer_access: int
+    memcpy_async: str            # the soft NIC engine's copies (Platform.copy_engine)
+    stream_create_flags: str
+    stream_non_blocking: int
+    stream_synchronize: str
+    stream_destroy: str
 
 
 _CUDA_API = _Api(
@@ -230,6 +235,9 @@ _CUDA_API = _Api(
     ipc_get_mem_handle="cudaIpcGetMemHandle", ipc_open_mem_handle="cudaIpcOpenMemHandle",
     ipc_close_mem_handle="cudaIpcCloseMemHandle",
     ipc_lazy_enable_peer_access=0x1,                            # cudaIpcMemLazyEnablePeerAccess
+    memcpy_async="cudaMemcpyAsync", stream_create_flags="cudaStreamCreateWithFlags",
+    stream_non_blocking=0x1,                                    # cudaStreamNonBlocking
+    stream_synchronize="cudaStreamSynchronize", stream_destroy="cudaStreamDestroy",
 )
 
 # *Unverified*: every name and value below is taken from FACTS.md or assumed to mirror CUDA's
@@ -252,6 +260,9 @@ _MACA_API = _Api(
     ipc_get_mem_handle="mcIpcGetMemHandle", ipc_open_mem_handle="mcIpcOpenMemHandle",
     ipc_close_mem_handle="mcIpcCloseMemHandle",
     ipc_lazy_enable_peer_access=0x1,                            # assumed = CUDA's value
+    memcpy_async="mcMemcpyAsync", stream_create_flags="mcStreamCreateWithFlags",
+    stream_non_blocking=0x1,                                    # assumed = CUDA's value
+    stream_synchronize="mcStreamSynchronize", stream_destroy="mcStreamDestroy",
 )
 
 _APIS = {"cuda": _CUDA_API, "maca": _MACA_API}
@@ -455,6 +466,31 @@ class IpcMapping(Resource):
 
     def __repr__(self):
         return (f"IpcMapping(0x{self.base:x}, {self.nbytes} B{', closed' if self.closed else ''})")
+
+
+class CopyEngine(Resource):
+    """What a CPU engine that moves bytes from native code (the soft NIC, host/softnic.py
+    SoftNic.attach_copy_engine) calls to reach device memory, as a NIC's DMA engine would over
+    GPUDirect: ``copy_fn`` (the address of the runtime's memcpy-async entry, C signature
+    ``int (void* dst, const void* src, size_t n, int kind, void* stream)``), ``sync_fn``
+    (``int (void* stream)``), ``kind`` (cudaMemcpyDefault: any direction under UVA) and
+    ``stream``: a NON-BLOCKING stream of its own, so that its copies never wait behind a kernel
+    on the legacy default stream (a kernel spinning in wait_until for the very bytes the engine
+    is copying would deadlock). ``close()`` destroys the stream."""
+
+    def __init__(self, platform, copy_fn, sync_fn, kind, stream, set_device_fn=0, device=0,
+                 destroy=None):
+        self.platform, self.copy_fn, self.sync_fn = platform, copy_fn, sync_fn
+        self.kind, self.stream, self._destroy = kind, stream, destroy
+        self.set_device_fn, self.device = set_device_fn, device   # int (int device): the
+        # engine's thread selects the stream's device before each copy (its own thread state)
+
+    def _release(self):
+        if self._destroy is not None:
+            self._destroy()
+
+    def __repr__(self):
+        return "CopyEngine(%s, stream=0x%x)" % (self.platform.name, self.stream or 0)
 
 
 class DmaBuf(NamedTuple):
@@ -695,6 +731,45 @@ class Platform:
         rt = self.runtime()
         rt.call(rt.api.memcpy, ctypes.c_void_p(int(dst)), ctypes.c_void_p(int(src)),
                 int(nbytes), rt.api.memcpy_default)
+
+    def copy_engine(self, device=None):
+        """A :class:`CopyEngine` on ``device`` (default: torch's current one): the runtime's
+        memcpy-async and stream-synchronize entry points and a non-blocking stream, for the soft
+        NIC's engine thread to copy between host and device memory (CUDA cudaMemcpyAsync +
+        cudaStreamSynchronize; MACA mc*, *unverified*). ConfigError on the CPU platform (no
+        device memory there)."""
+        if self.name == "cpu":
+            raise ConfigError("the CPU platform has no device memory: the soft NIC copies with "
+                              "memmove there")
+        rt = self.runtime()
+        api = rt.api
+        if device is None:
+            try:
+                import torch
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    device = torch.cuda.current_device()
+            except ImportError:
+                pass
+        device = 0 if device is None else int(device)
+        self._set_device(rt, device)
+        vp = ctypes.c_void_p
+        rt._sig(api.memcpy_async, (vp, vp, ctypes.c_size_t, ctypes.c_int, vp))
+        rt._sig(api.stream_create_flags, (ctypes.POINTER(vp), ctypes.c_uint))
+        rt._sig(api.stream_synchronize, (vp,))
+        rt._sig(api.stream_destroy, (vp,))
+        st = vp()
+        rt.call(api.stream_create_flags, ctypes.byref(st), api.stream_non_blocking)
+
+        def fn_addr(name):
+            fn = getattr(rt.lib, name, None)
+            if fn is None:
+                raise ToolchainError(f"{rt.path} has no symbol {name} (platform {self.name})")
+            return ctypes.cast(fn, vp).value
+
+        return CopyEngine(self, fn_addr(api.memcpy_async), fn_addr(api.stream_synchronize),
+                          api.memcpy_default, st.value or 0,
+                          set_device_fn=fn_addr(api.set_device), device=device,
+                          destroy=lambda: rt.call(api.stream_destroy, st))
 
     def host_register(self, addr, nbytes, io_memory=False, device=None):
         """Map existing host memory (or, with ``io_memory=True``, a device BAR such as an mlx5

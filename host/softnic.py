@@ -50,7 +50,10 @@ import time
 import weakref
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from gpunet import mlx5
 from gpunet.device import abi
@@ -70,11 +73,17 @@ H_STOP, H_NQP, H_NCQ, H_NMR, H_RETRY_NS, H_WQES, H_ITERS, H_SPIN_NS = range(8, 1
 H_VIO_CLAIM, H_VIO_VALID, H_VIO_QPN, H_VIO_OPCODE, H_VIO_KEY, H_VIO_ADDR, H_VIO_LEN, \
     H_VIO_WRITE, H_VIO_PID = range(16, 25)
 H_ATOMIC_BE = 25                     # 1: atomics big-endian (atomic_endianness "big"), 0: native
+# The copy engine (attach_copy_engine): how this NIC's engine reaches device memory.
+H_DMA_COPY, H_DMA_SYNC, H_DMA_KIND, H_DMA_STREAM, H_DMA_SETDEV, H_DMA_DEVICE, H_DMA_ERR, \
+    H_DMA_LOCK, H_DMA_COPIES = range(26, 35)
+DEVMAP_BASE = 160                    # words: per peer slot (addr, nbytes, mapped) of its device
+DEVMAP_WORDS = 3                     # memory as reachable in this process (add_peer_memory)
 H_NAME_BYTE = 1024                   # arena name, NUL-terminated, 256 bytes at most
 
 MAX_MR = 4096                        # index 0 unused so that no key is 0
 MR_WORDS = 16
-M_KEY, M_PD, M_ADDR, M_LEN, M_ACCESS, M_KIND, M_LIVE_OFF, M_HBM_OFF, M_FETCH_OFF, M_VARIANT = range(10)
+M_KEY, M_PD, M_ADDR, M_LEN, M_ACCESS, M_KIND, M_LIVE_OFF, M_HBM_OFF, M_FETCH_OFF, M_VARIANT, \
+    M_DMA = range(11)                # M_DMA: device memory, moved only through the copy engine
 
 MAX_QP = 1024                        # qpn = table index; 0 unused
 QP_WORDS = 32
@@ -220,6 +229,129 @@ def _cq_push(cbase, cqn, opcode, qpn, counter, byte_cnt, imm, synd, wqe_op, scra
     return ok
 
 
+@intrinsic
+def _dma_copy_call(typingctx, fn, dst, src, n, kind, stream):
+    """The copy engine's ``int copy(void* dst, const void* src, size_t n, int kind, void*
+    stream)`` at address ``fn`` (cudaMemcpyAsync's signature: host/platform.py CopyEngine)."""
+    sig = types.int32(fn, dst, src, n, kind, stream)
+
+    def codegen(context, builder, signature, args):
+        vp, i64, i32 = cgutils.voidptr_t, ir.IntType(64), ir.IntType(32)
+        a = [context.cast(builder, v, t, types.int64) for v, t in zip(args, signature.args)]
+        fty = ir.FunctionType(i32, [vp, vp, i64, i32, vp])
+        f = builder.inttoptr(a[0], fty.as_pointer())
+        return builder.call(f, [builder.inttoptr(a[1], vp), builder.inttoptr(a[2], vp), a[3],
+                                builder.trunc(a[4], i32), builder.inttoptr(a[5], vp)])
+    return sig, codegen
+
+
+@intrinsic
+def _dma_ptr_call(typingctx, fn, arg):
+    """``int f(void*)`` at address ``fn`` (the copy engine's stream synchronize)."""
+    sig = types.int32(fn, arg)
+
+    def codegen(context, builder, signature, args):
+        vp, i32 = cgutils.voidptr_t, ir.IntType(32)
+        a = [context.cast(builder, v, t, types.int64) for v, t in zip(args, signature.args)]
+        f = builder.inttoptr(a[0], ir.FunctionType(i32, [vp]).as_pointer())
+        return builder.call(f, [builder.inttoptr(a[1], vp)])
+    return sig, codegen
+
+
+@intrinsic
+def _dma_int_call(typingctx, fn, arg):
+    """``int f(int)`` at address ``fn`` (the copy engine's set-device)."""
+    sig = types.int32(fn, arg)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        a = [context.cast(builder, v, t, types.int64) for v, t in zip(args, signature.args)]
+        f = builder.inttoptr(a[0], ir.FunctionType(i32, [i32]).as_pointer())
+        return builder.call(f, [builder.trunc(a[1], i32)])
+    return sig, codegen
+
+
+@njit(cache=True)
+def _dma_move(T, dst, src, n):
+    """The one hook through which the engine reaches device memory: copy ``n`` bytes with the
+    attached copy engine (select its device, copy on its non-blocking stream, wait for it), as a
+    NIC's DMA engine reads and writes GPU memory over GPUDirect. False (the runtime's error code
+    in H_DMA_ERR) when no copy engine is attached or the copy failed.
+    tests/test_p2p_cuda.py::test_the_soft_nic_engine_moves_device_bytes_through_the_copy_hook."""
+    if n <= 0:
+        return True
+    fn = T[H_DMA_COPY]
+    if fn == 0:
+        T[H_DMA_ERR] = -1
+        return False
+    rc = np.int32(0)
+    if T[H_DMA_SETDEV] != 0:
+        rc = _dma_int_call(T[H_DMA_SETDEV], T[H_DMA_DEVICE])
+    if rc == 0:
+        rc = _dma_copy_call(fn, dst, src, n, T[H_DMA_KIND], T[H_DMA_STREAM])
+    if rc == 0:
+        rc = _dma_ptr_call(T[H_DMA_SYNC], T[H_DMA_STREAM])
+    T[H_DMA_COPIES] += 1
+    if rc != 0:
+        T[H_DMA_ERR] = rc
+        return False
+    return True
+
+
+@njit(cache=True, inline="always")
+def _move(T, dev, dst, src, n):
+    """Move bytes: through the copy engine when either side is device memory, else memmove."""
+    if dev:
+        return _dma_move(T, dst, src, n)
+    c_memmove(dst, src, n)
+    return True
+
+
+@njit(cache=True)
+def _devmap(T, slot, addr, length):
+    """Where this process reaches [addr, addr + length) of peer slot ``slot``'s device memory
+    (add_peer_memory), or -1."""
+    e = DEVMAP_BASE + DEVMAP_WORDS * slot
+    start, nb, mapped = T[e], T[e + 1], T[e + 2]
+    if mapped == 0 or addr < start or length < 0 or addr + length > start + nb:
+        return -1
+    return mapped + (addr - start)
+
+
+@njit(cache=True)
+def _dma_atomic(T, pb, rna, opcode, rbe, sa, cmp, scratch):
+    """An 8-byte atomic on the peer's DEVICE memory at ``rna``, through a bounce: under the
+    owning NIC's lock (H_DMA_LOCK in ITS header, so every engine of every process targeting that
+    memory is serialised), copy the word in, compute, copy it back. Atomic with respect to every
+    other NIC atomic on the word (each engine runs one WQE at a time, and they share the lock),
+    NOT with a GPU thread's atomic on it (a p2p peer's CAS): a real NIC's read-modify-write over
+    PCIe is not either. Returns (the old word's raw bytes as a u64, copies succeeded)."""
+    tmp = scratch.ctypes.data
+    lock = pb + H_DMA_LOCK * 8
+    spins = 0
+    while atomic_cas_u64(lock, 0, 1) != 0:
+        spins += 1
+        if spins > CQ_LOCK_SPINS:
+            return np.uint64(0), False
+        if (spins & 1023) == 0:
+            c_sched_yield()
+    old = np.uint64(0)
+    ok = _dma_move(T, tmp, rna, 8)
+    if ok:
+        old = load_acquire_u64(tmp)
+        if opcode == mlx5.OPCODE_ATOMIC_CS:
+            write = old == _atomic_order(rbe, cmp)
+            new = _atomic_order(rbe, sa)
+        else:
+            write = True
+            new = _atomic_order(rbe, _atomic_order(rbe, old) + sa)
+        if write:
+            store_release_u64(tmp, new)
+            ok = _dma_move(T, rna, tmp, 8)
+    store_release_u64(lock, 0)
+    return old, ok
+
+
 @njit(cache=True, inline="always")
 def _atomic_order(big, v):
     """An atomic word's value from its memory bytes read as a native u64, or the native u64 to
@@ -284,6 +416,8 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
             done += 1
             continue
         total = np.int64(0)
+        ldev = False                                   # a local segment is device memory
+        rdev = False                                   # the remote range is device memory
         nseg = 0
         inline_len = -1
         raddr = np.int64(0)
@@ -333,6 +467,8 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                                 synd = mlx5.SYNDROME_LOCAL_PROT_ERR
                                 break
                             na = _mr_nic_addr(T, base, me, laddr, True)
+                            if T[me + M_DMA] != 0:
+                                ldev = True                # local device memory: copy engine
                             if T[me + M_HBM_OFF] >= 0 and T[H_STRICT] != 0 and bc > 0:
                                 _record_violation(base, q, opcode, lkey, laddr, bc, lw, own_pid)
                             segs[2 * s] = na
@@ -367,27 +503,39 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                 rneed = 8
             else:
                 rneed = 2
-            rme = _mr_lookup(P, rkey, P[pqe + Q_PD], raddr, 8 if is_atomic else total, rneed)
+            rlen = 8 if is_atomic else total
+            rme = _mr_lookup(P, rkey, P[pqe + Q_PD], raddr, rlen, rneed)
             rna = -1
             if rme >= 0:
-                rna = _mr_nic_addr(P, pb, rme, raddr, same_proc)
+                if P[rme + M_DMA] != 0:
+                    # the peer's device memory: its own address in its process, else where this
+                    # process mapped it (add_peer_memory); bytes move through the copy engine
+                    rdev = True
+                    rna = raddr if same_proc else _devmap(T, T[qe + Q_PEER_SLOT], raddr, rlen)
+                else:
+                    rna = _mr_nic_addr(P, pb, rme, raddr, same_proc)
             if rna < 0:
                 synd = mlx5.SYNDROME_REMOTE_ACCESS_ERR
             else:
+                moved = True
                 if P[rme + M_HBM_OFF] >= 0 and P[H_STRICT] != 0:
                     _record_violation(pb, q, opcode, rkey, raddr, 8 if is_atomic else total,
                                       0 if opcode == mlx5.OPCODE_RDMA_READ else 1, own_pid)
+                dev = ldev or rdev
                 if opcode == mlx5.OPCODE_RDMA_READ:
                     acc = np.int64(0)
                     for s in range(nseg):
-                        c_memmove(segs[2 * s], rna + acc, segs[2 * s + 1])
+                        moved = moved and _move(T, dev, segs[2 * s], rna + acc, segs[2 * s + 1])
                         acc += segs[2 * s + 1]
                 elif is_atomic:
                     old = np.uint64(0)
                     asg = _seg(rbytes, p0 + mlx5.CTRL_SEG_SIZE + mlx5.RADDR_SEG_SIZE)
                     sa = mlx5.atomic_seg_swap_add(ring, asg)
                     rbe = P[H_ATOMIC_BE] != 0              # the word, in its owner's order
-                    if opcode == mlx5.OPCODE_ATOMIC_CS:
+                    if rdev:
+                        old, moved = _dma_atomic(T, pb, rna, opcode, rbe, sa,
+                                                 mlx5.atomic_seg_compare(ring, asg), scratch)
+                    elif opcode == mlx5.OPCODE_ATOMIC_CS:
                         cmp = mlx5.atomic_seg_compare(ring, asg)
                         old = atomic_cas_u64(rna, _atomic_order(rbe, cmp), _atomic_order(rbe, sa))
                     else:
@@ -398,20 +546,28 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                                 break
                     # the old value, in the requester's order, as the native word's bytes
                     res = _atomic_order(T[H_ATOMIC_BE] != 0, _atomic_order(rbe, old))
-                    dst = u8_at(segs[0], 8)
-                    for i in range(8):
-                        dst[i] = np.uint8((res >> np.uint64(8 * i)) & np.uint64(0xFF))
+                    if ldev:
+                        tmp = scratch.ctypes.data
+                        store_release_u64(tmp, res)
+                        moved = moved and _dma_move(T, segs[0], tmp, 8)
+                    else:
+                        dst = u8_at(segs[0], 8)
+                        for i in range(8):
+                            dst[i] = np.uint8((res >> np.uint64(8 * i)) & np.uint64(0xFF))
                 elif inline_len >= 0:
                     src = p0 + mlx5.CTRL_SEG_SIZE + mlx5.RADDR_SEG_SIZE + mlx5.INLINE_HDR_SIZE
                     src = src % rbytes
                     first_part = min(inline_len, rbytes - src)
-                    c_memmove(rna, ring.ctypes.data + src, first_part)
-                    c_memmove(rna + first_part, ring.ctypes.data, inline_len - first_part)
+                    moved = _move(T, rdev, rna, ring.ctypes.data + src, first_part) and \
+                        _move(T, rdev, rna + first_part, ring.ctypes.data, inline_len - first_part)
                 else:
                     acc = np.int64(0)
                     for s in range(nseg):
-                        c_memmove(rna + acc, segs[2 * s], segs[2 * s + 1])
+                        moved = moved and _move(T, dev, rna + acc, segs[2 * s], segs[2 * s + 1])
                         acc += segs[2 * s + 1]
+                if not moved:                              # the copy engine failed (H_DMA_ERR)
+                    synd = mlx5.SYNDROME_REMOTE_ACCESS_ERR if rdev else \
+                        mlx5.SYNDROME_LOCAL_PROT_ERR
                 if opcode == mlx5.OPCODE_RDMA_WRITE_IMM:
                     rcq = P[pqe + Q_RCQ]
                     cnt = P[pqe + Q_RQ_COUNTER]
@@ -764,6 +920,10 @@ class SoftNic(Nic):
         T[H_STOP] = 1
         if self._thread is not None:
             self._thread.join()
+        ce = getattr(self, "_copy_engine", None)
+        if ce is not None and hasattr(ce, "close"):
+            self._copy_engine = None
+            ce.close()                  # after the engine stopped: no copy is in flight
         _unlink_quiet(self.arena_name)
         self._finalizer.detach()
         for a in getattr(self, "_peer_arenas", [])[1:]:
@@ -792,13 +952,40 @@ class SoftNic(Nic):
     # --- peer heaps (Nic.export_heap / map_peer_heap: the p2p transport) ---
     def export_heap(self, addr, nbytes):
         """``[addr, addr + nbytes)`` inside the arena, named by the arena file and an offset (a
-        peer maps the same file: /dev/shm is per machine)."""
+        peer maps the same file: /dev/shm is per machine).
+
+        The coherence model covers peers (DESIGN.md): when the range lies in a c500 ``device``
+        region, the export names that region's HBM image, not the SMs' view, so a peer's stores
+        become visible to this rank's loads only at ``evict()`` events, as NIC writes do (the
+        seed measured a flag barrier over MetaXLink hanging on plain device memory and passing on
+        Finegrained). tests/test_peer_coherence.py."""
         self._check_open()
         off = int(addr) - self._arena.base
         if not (0 <= off and 0 <= int(nbytes) <= self._arena.size - off):
             raise ConfigError("export_heap: [0x%x, +%d) is not inside arena %s"
                               % (int(addr), int(nbytes), self.arena_name))
-        return {"arena": self.arena_name, "pid": self.pid, "offset": off, "nbytes": int(nbytes)}
+        hbm = self._hbm_image_offset(int(addr), int(nbytes))
+        return {"arena": self.arena_name, "pid": self.pid, "offset": off if hbm is None else hbm,
+                "nbytes": int(nbytes), "image": "live" if hbm is None else "hbm"}
+
+    def _hbm_image_offset(self, addr, nbytes):
+        """The arena offset of ``addr`` in the HBM image of the c500 ``device`` region holding
+        [addr, addr + nbytes), or None when no such region overlaps it. A range that only partly
+        lies in one cannot be modelled (its bytes would need two images): ConfigError."""
+        T = self._arena.T
+        for idx in range(1, int(T[H_NMR])):
+            me = MR_BASE + idx * MR_WORDS
+            if int(T[me + M_KEY]) == 0 or int(T[me + M_HBM_OFF]) < 0:
+                continue
+            a, n = int(T[me + M_ADDR]), int(T[me + M_LEN])
+            if addr >= a + n or addr + nbytes <= a:
+                continue
+            if not (a <= addr and addr + nbytes <= a + n):
+                raise ConfigError("export_heap: [0x%x, +%d) lies partly in a c500 device region "
+                                  "[0x%x, +%d): export ranges inside it or outside it"
+                                  % (addr, nbytes, a, n))
+            return int(T[me + M_HBM_OFF]) + (addr - a)
+        return None
 
     def map_peer_heap(self, exported):
         """Map the peer arena range ``exported`` describes (its own mapping, apart from the one
@@ -835,17 +1022,28 @@ class SoftNic(Nic):
         self._check_open()
         return PD(self, next(self._pd_count))
 
-    def reg_mr(self, buf_or_addr, length=None, access=Access.ALL, kind="host", pd=None):
+    def reg_mr(self, buf_or_addr, length=None, access=Access.ALL, kind="host", pd=None,
+               device_memory=False):
         """Register memory: a numpy array / buffer (any dtype) or an integer address + length.
 
         Memory inside this NIC's arena is reachable by peers in any process; other memory only by
         peers in this process (a peer elsewhere gets a remote access error). On profile c500 a
         ``device`` region also gets its HBM and L2-fill images in the arena (initialised to the
         current contents). Returns an MR with lkey == rkey = index << 8 | variant.
+
+        ``device_memory=True``: the range is GPU device memory the CPU cannot load or store (an
+        address + length, e.g. a cudaMalloc heap). Every engine moves its bytes through its copy
+        engine (``attach_copy_engine``): this NIC's for its own, a peer NIC's for this one once
+        the peer process mapped it (``add_peer_memory``), as a NIC reads and writes GPU memory by
+        DMA over GPUDirect. Atomics on it are a read-modify-write under this NIC's lock.
         """
         self._check_open()
         if kind not in _KINDS:
             raise ConfigError("kind must be one of %s, not %r" % (sorted(_KINDS), kind))
+        if device_memory and (self.profile == "c500" or not isinstance(buf_or_addr, (int, np.integer))):
+            raise ConfigError("reg_mr(device_memory=True) takes an address + length (memory the "
+                              "CPU cannot touch), on the nvidia profile (the c500 model keeps "
+                              "CPU images of device memory instead)")
         pd = self.default_pd if pd is None else pd
         if not isinstance(pd, PD) or pd.nic is not self:
             raise ConfigError("pd must be a PD of this NIC")
@@ -872,7 +1070,7 @@ class SoftNic(Nic):
         if length <= 0:
             raise ConfigError("reg_mr length must be > 0")
         live_off = addr - self._arena.base
-        if not (HEAP_START <= live_off and live_off + length <= self._arena.size):
+        if device_memory or not (HEAP_START <= live_off and live_off + length <= self._arena.size):
             live_off = -1
         hbm = fetched = None
         hbm_off = fetch_off = -1
@@ -905,8 +1103,47 @@ class SoftNic(Nic):
             T[me + M_LIVE_OFF] = live_off
             T[me + M_HBM_OFF] = hbm_off
             T[me + M_FETCH_OFF] = fetch_off
+            T[me + M_DMA] = int(bool(device_memory))
             T[me + M_KEY] = key                 # last: the entry becomes valid
         return MR(self, idx, key, addr, length, access, kind, pd, keep, hbm, fetched)
+
+    # --- device memory (the copy engine: the one hook to memory the CPU cannot touch) ---
+    def attach_copy_engine(self, engine):
+        """Let this NIC's engine reach device memory (``reg_mr(device_memory=True)`` ranges, its
+        own and mapped peers'): ``engine`` is a host/platform.py CopyEngine (``copy_fn``,
+        ``sync_fn``, ``kind``, ``stream``, ``set_device_fn``, ``device``; Platform.copy_engine)
+        or a stand-in with the same attributes (the C functions' addresses). The NIC keeps it and
+        closes it after its engine thread stopped. Without one, a WQE touching device memory
+        completes in error (local protection / remote access)."""
+        self._check_open()
+        T = self._arena.T
+        T[H_DMA_SYNC] = int(engine.sync_fn)
+        T[H_DMA_KIND] = int(engine.kind)
+        T[H_DMA_STREAM] = int(engine.stream or 0)
+        T[H_DMA_SETDEV] = int(getattr(engine, "set_device_fn", 0) or 0)
+        T[H_DMA_DEVICE] = int(getattr(engine, "device", 0) or 0)
+        T[H_DMA_COPY] = int(engine.copy_fn)         # last: the hook becomes usable
+        self._copy_engine = engine
+
+    def add_peer_memory(self, remote_qp_info, remote_addr, nbytes, local_addr):
+        """The device memory ``[remote_addr, remote_addr + nbytes)`` that the peer NIC behind
+        ``remote_qp_info`` (a QP ``info()`` already passed to ``connect``) registered with
+        ``device_memory=True`` is reachable in this process at ``local_addr`` (a CUDA IPC
+        mapping of it): this NIC's engine reads and writes it there, through the copy engine.
+        One range per peer NIC (its symmetric heap); a later call replaces it."""
+        self._check_open()
+        try:
+            arena = str(remote_qp_info["arena"])
+        except (KeyError, TypeError):
+            raise ConfigError("add_peer_memory needs a QP.info() dict")
+        slot = self._peers.get(arena)
+        if slot is None:
+            raise ConfigError("add_peer_memory: no QP of this NIC is connected to %s yet" % arena)
+        e = DEVMAP_BASE + DEVMAP_WORDS * slot
+        T = self._arena.T
+        T[e + 2] = 0                                # unusable while it changes
+        T[e], T[e + 1] = int(remote_addr), int(nbytes)
+        T[e + 2] = int(local_addr)
 
     def dereg_mr(self, mr):
         self._check_open()
@@ -1114,7 +1351,8 @@ class SoftNic(Nic):
         self._check_open()
         T = self._arena.T
         return {"wqes": int(T[H_WQES]), "engine_passes": int(T[H_ITERS]),
-                "heartbeat_age_s": (time.monotonic_ns() - int(T[H_HEARTBEAT])) / 1e9}
+                "heartbeat_age_s": (time.monotonic_ns() - int(T[H_HEARTBEAT])) / 1e9,
+                "dma_copies": int(T[H_DMA_COPIES]), "dma_error": int(T[H_DMA_ERR])}
 
     # --- coherence, liveness ---
     def check(self):

@@ -30,13 +30,27 @@ def memory_type(ptr):
     return a.type
 
 
-def p2p_only_to_self(a, b):
-    """A per-pair choice that is p2p only for a rank to itself: NIC transports to the others."""
+def self_p2p_proxy(a, b):
+    """p2p for a rank to itself (so every heap is device memory), the proxy between ranks."""
     return "p2p" if a == b else "proxy"
 
 
-def init(state, heap_bytes=8 << 20, timeout_s=20.0):
-    ctx = gpunet.init(transport="p2p", nic="soft", heap_bytes=heap_bytes, timeout_s=timeout_s)
+def self_p2p_ibgda(a, b):
+    """p2p for a rank to itself, ibgda between ranks."""
+    return "p2p" if a == b else "ibgda"
+
+
+def rank0_p2p_else_ibgda(a, b):
+    """p2p only for rank 0 to itself (rank 0's heap is device memory, the others' host-mapped),
+    ibgda for every other pair."""
+    return "p2p" if a == b == 0 else "ibgda"
+
+
+def init(state, heap_bytes=8 << 20, timeout_s=20.0, transport="p2p"):
+    """gpunet.init with ``transport`` (a gpunet transport, or the name of a per-pair function
+    above) and the allocations the jobs use; returns what the rank's heap and mappings are."""
+    t = globals().get(transport, transport)
+    ctx = gpunet.init(transport=t, nic="soft", heap_bytes=heap_bytes, timeout_s=timeout_s)
     state["ctx"] = ctx
     n = ctx.world_size
     state["src"] = ctx.alloc((SLOT,), torch.uint8)
@@ -47,6 +61,7 @@ def init(state, heap_bytes=8 << 20, timeout_s=20.0):
     return {"rank": ctx.rank, "transports": dict(ctx.transports), "pid": os.getpid(),
             "heap_type": memory_type(ctx.heap_base), "alloc_type": memory_type(state["dst"].data_ptr()),
             "mapped_peers": sorted(ctx._transports.peer_heaps),
+            "dma_peers": sorted(ctx._transports.dma_heaps),
             "peer_types": {p: memory_type(m.base) for p, m in ctx._transports.peer_heaps.items()}}
 
 
@@ -89,15 +104,19 @@ def atomics(state, k):
             "final": gpunet.read_signal(state["sig"], 2 * n) if ctx.rank == 0 else None}
 
 
-def init_expecting_error(state, transport):
-    """gpunet.init with ``transport`` (a name of a function here, or a gpunet transport): what it
-    raised, {"raised": class name or None, "msg"}; a Context made is closed."""
-    t = globals().get(transport, transport)
-    try:
-        gpunet.init(transport=t, nic="soft", heap_bytes=1 << 20, timeout_s=10.0).close()
-        return {"raised": None, "msg": ""}
-    except gpunet.GpunetError as e:
-        return {"raised": type(e).__name__, "msg": str(e)}
+def cross_atomics(state, k):
+    """Each rank adds 1 ``k`` times to the OTHER rank's counter (word 2n of sig): over a NIC
+    transport in the mixed worlds, so on a device-memory heap the soft NIC's bounce under the
+    owner's lock. Returns the old values it saw and its own counter's final value."""
+    ctx = state["ctx"]
+    n = ctx.world_size
+    state["sig"][2 * n:].zero_()
+    ctx.barrier()
+    other = (ctx.rank + 1) % n
+    olds = [ctx.atomic_add(ctx.remote(other, state["sig"], 2 * n), 1) for _ in range(k)]
+    ctx.quiet()
+    ctx.barrier()
+    return {"olds": olds, "final": gpunet.read_signal(state["sig"], 2 * n)}
 
 
 def close(state):

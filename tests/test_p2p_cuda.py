@@ -6,8 +6,10 @@ One rank in this process (p2p to itself), then two rank processes on ONE GPU und
 daemon the module starts and stops (FACTS.md: without MPS the processes' kernels are time-sliced,
 4.5 ms a round trip; a daemon that cannot start fails the test, it does not skip). The GPU tests
 are skipped with the reason where torch.cuda is not available (scripts/gpu-check.sh runs them on
-the H200, where a skip counts as a failure); the mixed-world error and the close of IPC
-mappings after a failed set-up (a platform stand-in) run everywhere.
+the H200, where a skip counts as a failure). Mixed worlds (p2p beside ibgda / proxy over
+device-memory heaps, the soft NIC copying through the CUDA runtime) run on the GPU too; the copy
+hook with a stand-in runtime and the close of IPC mappings after a failed set-up (a platform
+stand-in) run everywhere.
 """
 import os
 import shutil
@@ -190,19 +192,178 @@ def test_two_ranks_ep_dispatch_and_combine_over_p2p_match_the_reference(mps):
     assert all(set(i["transports"].values()) == {"p2p"} for i in info), info
 
 
-# --- everywhere: p2p on CUDA is all or nothing ----------------------------------------------------
-def test_cuda_p2p_to_some_peers_only_raises_on_every_rank():
-    """On the cuda platform, p2p for a rank itself but the proxy to the other (a device-memory
-    heap the NIC transports cannot reach yet) raises ConfigError on both ranks, naming the rule,
-    before any GPU resource is made (so it runs without a GPU too)."""
-    r = Ranks(2, env={"GPUNET_PLATFORM": "cuda"})
+# --- mixed worlds on CUDA: p2p and NIC transports over device-memory heaps -----------------------
+# (transport per pair, what each rank's heap is): both heaps device memory with the proxy or
+# ibgda between the ranks (each rank reaches itself by p2p), and rank 0's heap device memory
+# beside rank 1's host-mapped one (only rank 0 reaches itself by p2p).
+MIXED = {"self_p2p_proxy": ("device", "device"), "self_p2p_ibgda": ("device", "device"),
+         "rank0_p2p_else_ibgda": ("device", "host")}
+
+
+@pytest.fixture(scope="module", params=sorted(MIXED))
+def mixed_pair(request, mps):
+    r = Ranks(2, env=dict(mps, GPUNET_PLATFORM="cuda"))
     try:
-        out = r.run("p2p_cuda_jobs:init_expecting_error", "p2p_only_to_self", timeout=300)
+        r.world = request.param
+        r.info = r.run("p2p_cuda_jobs:init", 8 << 20, 20.0, request.param, timeout=300)
+        yield r
+        r.run("p2p_cuda_jobs:close", timeout=120)
     finally:
         r.close()
+
+
+@needs_gpu
+@pytest.mark.parametrize("nbytes", [40, 100001])
+def test_mixed_world_puts_signals_gets_and_atomics_over_device_heaps(mixed_pair, nbytes):
+    """A CUDA world mixing p2p (a rank to itself) with the proxy or ibgda (between the ranks)
+    over device-memory heaps, the soft NIC's engine copying through the CUDA runtime: the heaps
+    are what MIXED says; put and put_signal payloads land whole before wait_until on the ADD word
+    returns, the SET word holds the value set, get reads the peer's source exactly; each rank
+    adds 1 to the other's counter 30 times through the NIC (a bounce on device memory) and sees
+    every old value once."""
+    kinds = {"self_p2p_proxy": "proxy", "self_p2p_ibgda": "ibgda", "rank0_p2p_else_ibgda": "ibgda"}
+    for rank, i in enumerate(mixed_pair.info):
+        assert i["transports"][1 - rank] == kinds[mixed_pair.world], i
+        want_heap = MIXED[mixed_pair.world][rank]
+        assert (i["heap_type"] == MEMORY_TYPE_DEVICE) == (want_heap == "device"), i
+        assert i["dma_peers"] == ([1 - rank] if MIXED[mixed_pair.world][1 - rank] == "device"
+                                  else []), i
+    for k in (1, 2):
+        rnd = 7000 * nbytes + k
+        mixed_pair.adds = getattr(mixed_pair, "adds", 0) + 1
+        out = mixed_pair.run("p2p_cuda_jobs:verbs", nbytes, rnd, mixed_pair.adds, timeout=300)
+        for rank, o in enumerate(out):
+            want = _pattern(1 - rank, rnd, SLOT)
+            assert torch.equal(o["after_signal"], want[:2 * nbytes]), (rank, nbytes, k)
+            assert torch.equal(o["got"], want[:nbytes]), (rank, nbytes, k)
+            assert o["set"] == 10 * rnd and o["add"] == mixed_pair.adds, (rank, o["set"], o["add"])
+    out = mixed_pair.run("p2p_cuda_jobs:cross_atomics", 30, timeout=300)
     for rank, o in enumerate(out):
-        assert o["raised"] == "ConfigError", (rank, o)
-        assert "every peer" in o["msg"] and "p2p" in o["msg"], (rank, o["msg"])
+        assert sorted(o["olds"]) == list(range(30)) and o["final"] == 30, (rank, o)
+
+
+# --- everywhere: the soft NIC's copy hook, with a stand-in for the CUDA runtime -----------------
+def test_the_soft_nic_engine_moves_device_bytes_through_the_copy_hook():
+    """A copy engine stand-in (C-callable functions that record each call and memmove) attached
+    to NIC a; NIC b owns "device memory" (registered device_memory=True at address D1) that
+    looks like another process's and that this process maps at D2 (one memfd mapped twice,
+    Nic.add_peer_memory). a's WRITE, inline WRITE, READ (into a's own device memory) and
+    fetch-add / compare-swap on b's device memory all land correctly, every byte moving through
+    the hook (with its kind, stream and device), at D2 and never at D1. Without the mapping the
+    access fails with a remote access error; without a copy engine, with a local protection
+    error."""
+    import ctypes
+    import mmap
+    import sys
+
+    import numpy as np
+
+    from gpunet import mlx5
+    from gpunet.host import softnic
+    from gpunet.host.softnic import SoftNic
+    from gpunet.host.wq import CompletionQueue, SendQueue
+
+    calls = []
+    COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                            ctypes.c_int, ctypes.c_void_p)
+    SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    SETDEV = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+
+    def copy(dst, src, n, kind, stream):
+        calls.append(("copy", dst, src, n, kind, stream))
+        ctypes.memmove(dst, src, n)
+        return 0
+
+    fns = [COPY(copy), SYNC(lambda st: calls.append(("sync", st)) or 0),
+           SETDEV(lambda d: calls.append(("setdev", d)) or 0)]
+    fake = types_ns(copy_fn=ctypes.cast(fns[0], ctypes.c_void_p).value,
+                    sync_fn=ctypes.cast(fns[1], ctypes.c_void_p).value, kind=4, stream=0x5150,
+                    set_device_fn=ctypes.cast(fns[2], ctypes.c_void_p).value, device=3)
+    N = 1 << 16
+    fd = os.memfd_create("gpunet-fake-device")
+    os.ftruncate(fd, N)
+    m1, m2 = mmap.mmap(fd, N), mmap.mmap(fd, N)
+    v1, v2 = np.frombuffer(m1, np.uint8), np.frombuffer(m2, np.uint8)
+    D1, D2 = v1.ctypes.data, v2.ctypes.data
+    with SoftNic(retry_timeout_s=0.5) as a, SoftNic(retry_timeout_s=0.5) as b:
+        a.attach_copy_engine(fake)
+        T = b._arena.T
+        pid = int(T[softnic.H_PID])
+        try:
+            T[softnic.H_PID] = os.getppid()            # b now looks like another process's NIC
+            dmr = b.reg_mr(D1, N, kind="device", device_memory=True)
+            host = a.alloc(1 << 14)
+            hmr = a.reg_mr(host)
+            ldev = np.zeros(4096, np.uint8)            # a's own "device memory" (this process)
+            lmr = a.reg_mr(ldev.ctypes.data, ldev.size, kind="device", device_memory=True)
+
+            def qp():
+                cq = a.create_cq(64)
+                q, rq = a.create_qp(cq, sq_wqebbs=64), b.create_qp(b.create_cq(64))
+                a.connect(q, rq.info())
+                b.connect(rq, q.info())
+                return SendQueue(q, CompletionQueue(cq)), rq
+
+            sq, rq = qp()
+            sq.post_write(hmr.addr, hmr.lkey, D1, dmr.rkey, 64, signaled=True)
+            c = sq.cq.wait(1)[0]
+            assert c.error and c.syndrome == mlx5.SYNDROME_REMOTE_ACCESS_ERR, c   # not mapped here
+            assert calls == []
+
+            sq, rq = qp()
+            sq2, _ = qp()
+            a.add_peer_memory(rq.info(), D1, N, D2)
+            host[:1000] = np.arange(1000) % 251
+            v2[8:16] = np.frombuffer((1000).to_bytes(8, sys.byteorder), np.uint8)
+            sq.post_write(hmr.addr, hmr.lkey, D1 + 4096, dmr.rkey, 1000)
+            sq.post_write_inline(bytes(range(7, 47)), D1 + 8192, dmr.rkey)
+            sq.post_read(lmr.addr + 64, lmr.lkey, D1 + 4096, dmr.rkey, 1000)
+            sq.post_atomic_fa(lmr.addr, lmr.lkey, D1 + 8, dmr.rkey, 5)
+            sq.post_atomic_cs(lmr.addr + 8, lmr.lkey, D1 + 8, dmr.rkey, 1005, 77, signaled=True)
+            sq.quiet(10.0)
+            assert not any(x.error for x in sq.cq.poll(64))
+            assert np.array_equal(v1[4096:5096], host[:1000])
+            assert bytes(v1[8192:8232]) == bytes(range(7, 47))
+            assert np.array_equal(ldev[64:1064], host[:1000])
+            assert int.from_bytes(bytes(ldev[0:8]), sys.byteorder) == 1000
+            assert int.from_bytes(bytes(ldev[8:16]), sys.byteorder) == 1005
+            assert int.from_bytes(bytes(v1[8:16]), sys.byteorder) == 77
+            copies = [x for x in calls if x[0] == "copy"]
+            assert copies and all(x[4] == 4 and x[5] == 0x5150 for x in copies)
+            assert ("setdev", 3) in calls and ("sync", 0x5150) in calls
+            touched = [x[1] for x in copies] + [x[2] for x in copies]
+            assert not any(D1 <= t < D1 + N for t in touched), "the peer's own address was used"
+            dev_side = [t for t in touched if D2 <= t < D2 + N]
+            assert {D2 + 4096, D2 + 8192, D2 + 8} <= set(dev_side), copies
+            assert any(ldev.ctypes.data <= t < ldev.ctypes.data + ldev.size for t in touched)
+            assert a.stats()["dma_copies"] == len(copies) and a.stats()["dma_error"] == 0
+
+            n0 = len(calls)
+            sq2.post_write(hmr.addr, hmr.lkey, D1, dmr.rkey, 64, signaled=True)   # any QP to b
+            with SoftNic(retry_timeout_s=0.5) as c_nic:           # a third NIC: no copy engine
+                cq = c_nic.create_cq(64)
+                q, rq3 = c_nic.create_qp(cq, sq_wqebbs=64), b.create_qp(b.create_cq(64))
+                c_nic.connect(q, rq3.info())
+                b.connect(rq3, q.info())
+                c_nic.add_peer_memory(rq3.info(), D1, N, D2)
+                cbuf = c_nic.alloc(4096)
+                cmr = c_nic.reg_mr(cbuf)
+                s3 = SendQueue(q, CompletionQueue(cq))
+                s3.post_write(cmr.addr, cmr.lkey, D1, dmr.rkey, 64, signaled=True)
+                c = s3.cq.wait(1)[0]
+                assert c.error and c.syndrome == mlx5.SYNDROME_REMOTE_ACCESS_ERR, c
+                assert c_nic.stats()["dma_error"] == -1         # no copy engine attached
+            assert not sq2.cq.wait(1)[0].error
+            assert len(calls) > n0
+        finally:
+            T[softnic.H_PID] = pid
+    del v1, v2
+    m1.close(), m2.close(), os.close(fd)
+
+
+def types_ns(**kw):
+    import types
+    return types.SimpleNamespace(**kw)
 
 
 def test_ipc_mappings_opened_before_a_failed_open_are_closed_with_the_transports():

@@ -133,6 +133,13 @@ def make_ipc_mapping(cleanup):
     return IpcMapping(types.SimpleNamespace(runtime=lambda: rt), 0x7f0000000000, 4096)
 
 
+def make_copy_engine(cleanup):
+    """A CopyEngine (the soft NIC's way into device memory) over a stream-destroy stand-in: no
+    GPU here (tests/test_p2p_cuda.py attaches real ones through gpunet.init on CUDA)."""
+    from gpunet.host.platform import CopyEngine
+    return CopyEngine(types.SimpleNamespace(name="cuda"), 1, 2, 4, 0x10, destroy=lambda: None)
+
+
 def _soft_nic_for(cleanup):
     nic = _soft_nic()
     cleanup.append(nic.close)
@@ -145,7 +152,7 @@ FACTORIES = {
     "LocalBootstrap": make_local_bootstrap, "DevxNic": make_devx_nic,
     "DeviceMemory": make_device_memory, "NicMapping": make_nic_mapping,
     "Transports": make_transports, "Launcher": make_launcher, "PeerHeap": make_peer_heap,
-    "IpcMapping": make_ipc_mapping,
+    "IpcMapping": make_ipc_mapping, "CopyEngine": make_copy_engine,
 }
 ABSTRACT = {"Nic"}              # host/nic.py's interface: its implementations are in FACTORIES
 
