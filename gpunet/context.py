@@ -591,7 +591,10 @@ class Context(Resource):
         """Put ``tensor`` to ``remote``, then add ``value`` to the 8-byte ``signal`` (a Remote on
         the same rank), in that order: a peer that sees the signal sees the payload. ``op="set"``
         stores ``value`` instead (one writer per word): the form a store-only p2p peer (the
-        c500 profile) accepts."""
+        c500 profile) accepts. The signal word is a native-endian int64 by default (so the
+        receiver's ``sig[i]`` is the count), in the NICs' atomic order in general
+        (``atomic_endianness``), whichever transport reaches the peer: p2p, ibgda and proxy
+        updates of one word agree."""
         ops = {"add": abi.SIGNAL_ADD, "set": abi.SIGNAL_SET}
         if not isinstance(op, str) or op not in ops:
             raise ConfigError("put_signal: op must be 'add' or 'set', not %r" % (op,))
