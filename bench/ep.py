@@ -21,6 +21,11 @@ Yardsticks, in the same run:
   same rows moved back (index_select with the inverse order, the combine direction); and torch's
   weighted reduce (index_add_ in float32) for information. Targets (issue 10): dispatch within
   1.5x of the all-ranks gather, combine within 1.5x of the same gather time.
+- "(device)" rows (GPU): the same calls and yardsticks timed again with the stream held by a
+  sleep kernel before the start event (HOLD_S), so the host's enqueue (Python argument checks,
+  allocations, the launch) is hidden and the events measure the GPU work alone, on both sides of
+  the ratio, as DeepEP's kineto figures do; the rows without the suffix include whatever host time
+  the GPU waited for. bench/ep_profile.py takes a call apart (host, phases on the device).
 - NCCL all_to_all_single (GPU, one rank per GPU, 2+ GPUs): each rank sends each destination rank
   the rows of its tokens that have an expert there, once per destination rank (what gpunet sends),
   with starts aligned by an NCCL all_reduce before each call.
@@ -49,6 +54,12 @@ CALC_DIFF_BF16 = 1e-5        # DeepEP's bound for BF16 paths (EP-ANCHORS.md §B.
 CALC_DIFF_FP8 = 9e-4         # DeepEP's bound once rows went through FP8
 TARGET_RATIO = 1.5           # issue 10: dispatch / combine within 1.5x of the torch gather
 RANK_TIMEOUT_S = 1500        # whole rank run; each device wait inside Buffer is bounded itself
+HOLD_S = 300e-6              # GPU: the "(device)" rows hold the stream this long before each timed
+                             # call (torch.cuda._sleep), so the host's enqueue is hidden and the
+                             # events time the GPU work alone (as DeepEP's kineto figures do)
+DEVICE = " (device)"         # the suffix of those rows (ops and torch yardsticks alike)
+HOLD_GPU_HZ = 2.0e9          # cycles per second assumed for torch.cuda._sleep (an upper bound: a
+                             # slower clock only holds the stream longer)
 
 CPU_DEFAULTS = dict(ranks="2", sweep="4,8,16", tokens=16, hidden=256, topk=4, experts=8,
                     iters=10, warmup=2)
@@ -60,19 +71,30 @@ GPU_DEFAULTS = dict(ranks="2,4", sweep="16,32,64,128", tokens=128, hidden=7168, 
 # rank side
 
 class _Timer:
-    """Times single calls: CUDA events on GPU (read after the run), perf_counter on CPU."""
+    """Times single calls: CUDA events on GPU (read after the run), perf_counter on CPU.
 
-    def __init__(self, gpu):
+    ``hold_s`` > 0 (GPU): a sleep kernel of that length goes on the stream before the start
+    event, so the call is enqueued while the GPU is still busy and the events time the GPU work
+    alone, not the host's argument checks and launch; ``held`` records per call whether the
+    stream had not yet reached the start event when the call was enqueued (the hold held)."""
+
+    def __init__(self, gpu, hold_s=0.0):
         self.gpu = gpu
+        self.hold_s = hold_s if gpu else 0.0
         self.pending = []
+        self.held = []
 
     def __call__(self, fn):
         import torch
         if self.gpu:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if self.hold_s:
+                torch.cuda._sleep(int(self.hold_s * HOLD_GPU_HZ))
             s.record()
             out = fn()
             e.record()
+            if self.hold_s:
+                self.held.append(not s.query())
             self.pending.append((s, e))
             return out, None
         t0 = time.perf_counter()
@@ -207,23 +229,30 @@ def _rank_bench(rank, world, cfg):
             point["combine_calc_diff"] = d
             if not d <= CALC_DIFF_BF16:
                 point["fail"].append("combine: calc_diff %.3g > %g" % (d, CALC_DIFF_BF16))
-            # --- timing: aligned dispatch / combine pairs --------------------------------------
-            timer = _Timer(gpu)
-            laps = {"dispatch bf16": [], "dispatch fp8": [], "combine": []}
-            for use_fp8 in (False, True):
-                name = "dispatch fp8" if use_fp8 else "dispatch bf16"
-                d_cpu, c_cpu = [], []
-                for _ in range(cfg["warmup"] + cfg["iters"]):
-                    align()
-                    (o, dt) = timer(lambda: buf.low_latency_dispatch(x, tk, T, E, use_fp8=use_fp8))
-                    d_cpu.append(dt)
-                    align()
-                    (_, dt) = timer(lambda: buf.low_latency_combine(expert_out, tk, w, o[2]))
-                    c_cpu.append(dt)
-                times = timer.resolve([v for pair in zip(d_cpu, c_cpu) for v in pair])
-                dts, cts = times[0::2], times[1::2]
-                laps[name] = dts[cfg["warmup"]:]
-                laps["combine"] += cts[cfg["warmup"]:]
+            # --- timing: aligned dispatch / combine pairs; then (GPU) the same with the stream
+            # held before each call: the "(device)" rows, GPU time without the host's share -----
+            laps = {}
+            timings = [("", _Timer(gpu))]
+            if gpu and cfg.get("hold_s", 0) > 0:
+                timings.append((DEVICE, _Timer(gpu, cfg["hold_s"])))
+            for suffix, timer in timings:
+                laps["combine" + suffix] = []
+                for use_fp8 in (False, True):
+                    name = ("dispatch fp8" if use_fp8 else "dispatch bf16") + suffix
+                    d_cpu, c_cpu = [], []
+                    for _ in range(cfg["warmup"] + cfg["iters"]):
+                        align()
+                        (o, dt) = timer(lambda: buf.low_latency_dispatch(x, tk, T, E, use_fp8=use_fp8))
+                        d_cpu.append(dt)
+                        align()
+                        (_, dt) = timer(lambda: buf.low_latency_combine(expert_out, tk, w, o[2]))
+                        c_cpu.append(dt)
+                    times = timer.resolve([v for pair in zip(d_cpu, c_cpu) for v in pair])
+                    dts, cts = times[0::2], times[1::2]
+                    laps[name] = dts[cfg["warmup"]:]
+                    laps["combine" + suffix] += cts[cfg["warmup"]:]
+                if timer.hold_s:
+                    point["held_fraction"] = sum(timer.held) / max(1, len(timer.held))
             point["laps_s"] = laps
             # --- NCCL all_to_all_single with the rows gpunet sends --------------------------------
             if nccl is not None:
@@ -290,7 +319,9 @@ def _torch_yardsticks(cfg, world, T):
         return torch.cat(idx).to(dev), torch.cat(wts).to(dev)
 
     out = {}
-    timer = _Timer(gpu)
+    timings = [("", _Timer(gpu))]
+    if gpu and cfg.get("hold_s", 0) > 0:
+        timings.append((DEVICE, _Timer(gpu, cfg["hold_s"])))
     for label, sources in (("all ranks", range(world)), ("one rank", [0])):
         idx, wts = packed_index(list(sources))
         packed = torch.empty(idx.numel(), H, dtype=X.dtype, device=dev)
@@ -301,14 +332,14 @@ def _torch_yardsticks(cfg, world, T):
                  "gather back": lambda: torch.index_select(packed, 0, inv, out=back),
                  "index_add reduce": lambda: red.zero_().index_add_(
                      0, idx, packed.float() * wts.view(-1, 1)).to(torch.bfloat16)}
-        for name, fn in cases.items():
+        for (suffix, timer), (name, fn) in ((t, c) for t in timings for c in cases.items()):
             cpu = []
             for i in range(cfg["warmup"] + cfg["iters"]):
                 cpu.append(timer(fn)[1])
             laps = timer.resolve(cpu)[cfg["warmup"]:]
-            out["%s, %s" % (name, label)] = {"median_s": statistics.median(laps),
-                                              "rows": idx.numel(),
-                                              "bytes": idx.numel() * H * 2}
+            out["%s%s, %s" % (name, suffix, label)] = {"median_s": statistics.median(laps),
+                                                       "rows": idx.numel(),
+                                                       "bytes": idx.numel() * H * 2}
     return out
 
 
@@ -331,19 +362,24 @@ def _rows_for(cfg, world, per_rank, yard):
         pts = [r["points"][pi] for r in per_rank]
         fails = ["rank %d: %s" % (r, f) for r, p in enumerate(pts) for f in p["fail"]]
         sel = [p["selections"] for p in pts]
-        gather = yard[T]["gather, all ranks"]["median_s"]
-        for op in ("dispatch bf16", "dispatch fp8", "combine"):
+        for op in [o for o in pts[0]["laps_s"]]:
+            base, dev_rows = op.replace(DEVICE, ""), op.endswith(DEVICE)
+            # each row against the gather timed the same way (held stream or not)
+            gather = yard[T]["gather%s, all ranks" % (DEVICE if dev_rows else "")]["median_s"]
             # per iteration the slowest rank; then median over iterations
             step = [max(v) for v in zip(*[p["laps_s"][op] for p in pts])]
             st = _stats(step)
-            nbytes = max(sel) * ref.selection_bytes(H, op)
-            row = {"ranks": world, "tokens": T, "op": op if op != "combine" else "combine bf16",
+            nbytes = max(sel) * ref.selection_bytes(H, base)
+            row = {"ranks": world, "tokens": T,
+                   "op": (base if base != "combine" else "combine bf16") + (DEVICE if dev_rows else ""),
                    **st, "bytes_per_rank": nbytes,
                    "GBps": nbytes / (st["median_us"] * 1e-6) / 1e9,
                    "rank_medians_us": [statistics.median(p["laps_s"][op]) * 1e6 for p in pts],
                    "vs_torch_gather": st["median_us"] * 1e-6 / gather,
                    "check": "FAIL" if fails else "OK"}
-            if "nccl" in pts[0]:
+            if dev_rows:
+                row["held_fraction"] = min(p.get("held_fraction", 0.0) for p in pts)
+            if "nccl" in pts[0] and not dev_rows:
                 nst = _stats([max(v) for v in zip(*[p["nccl"]["laps_s"] for p in pts])])
                 row["nccl_median_us"] = nst["median_us"]
                 row["nccl_bytes_per_rank"] = max(p["nccl"]["bytes_per_rank"] for p in pts)
@@ -360,13 +396,18 @@ def _rows_for(cfg, world, per_rank, yard):
                      "goal": "exact BF16 layout; FP8 calc_diff <= %g; combine <= %g"
                      % (CALC_DIFF_FP8, CALC_DIFF_BF16)})
         if T == cfg["tokens"]:
-            for op in ("dispatch bf16", "combine bf16"):
-                r = next(r for r in rows if r["tokens"] == T and r["op"] == op)
+            for op in [o + sfx for sfx in ("", DEVICE) for o in ("dispatch bf16", "combine bf16")]:
+                r = next((r for r in rows if r["tokens"] == T and r["op"] == op), None)
+                if r is None:
+                    continue
+                g_us = r["median_us"] / r["vs_torch_gather"]
                 gate.append({"kind": "target", "name": "EP %d ranks, %d tok: %s vs torch gather"
                              % (world, T, op), "result": "met" if r["vs_torch_gather"] <=
                              TARGET_RATIO else "NOT met",
-                             "figure": "%.1f us = %.2fx the gather (%.1f us)"
-                             % (r["median_us"], r["vs_torch_gather"], gather * 1e6),
+                             "figure": "%.1f us = %.2fx the gather (%.1f us)%s"
+                             % (r["median_us"], r["vs_torch_gather"], g_us,
+                                "; stream held in %.0f%% of calls" % (100 * r["held_fraction"])
+                                if "held_fraction" in r else ""),
                              "goal": "<= %.1fx" % TARGET_RATIO})
     return rows, gate
 
@@ -443,6 +484,9 @@ def main(argv=None):
                     help="gpunet.init's transport (p2p: every rank on this node; on a GPU the heap "
                          "is then device memory, opened by CUDA IPC)")
     ap.add_argument("--timeout-s", type=float, default=100.0, help="Buffer's device wait bound")
+    ap.add_argument("--hold-us", type=float, default=HOLD_S * 1e6,
+                    help="GPU: the '(device)' rows hold the stream this long before each timed call "
+                         "(0: no such rows)")
     ap.add_argument("--no-nccl", action="store_true", help="skip the NCCL rows")
     ap.add_argument("--json", help="default bench/results/<date>/ep_<cpu|gpu>.json")
     ap.add_argument("--plot", help="PNG path (default: beside the JSON)")
@@ -470,8 +514,8 @@ def main(argv=None):
             print("bench/ep.py --gpu needs an NVIDIA GPU (torch.cuda.is_available() is False)",
                   file=sys.stderr)
             return 2
-    cfg = dict(gpu=args.gpu, sweep=sweep, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
-               experts=args.experts, iters=args.iters, warmup=args.warmup, holes=args.holes,
+    cfg = dict(gpu=args.gpu, hold_s=args.hold_us * 1e-6, sweep=sweep, tokens=args.tokens,
+               hidden=args.hidden, topk=args.topk, experts=args.experts, iters=args.iters, warmup=args.warmup, holes=args.holes,
                seed=args.seed, transport=args.transport, timeout_s=args.timeout_s,
                no_nccl=args.no_nccl)
     from gpunet.demo import run_ranks

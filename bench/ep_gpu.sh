@@ -43,10 +43,14 @@ else
 fi
 if [ "${1:-}" = "profile" ]; then
   PARGS=${EP_PROFILE_ARGS:-}
-  for tr in p2p auto; do
+  # p2p: the default grid and 64 blocks (is the grid too small?); then the soft NIC, default grid
+  for run in "p2p 320 --blocks 0,64" "auto 220"; do
+    set -- $run
+    tr=$1 lim=$2
+    shift 2
     echo "=== EP profile: 2 ranks on GPU 0, transport $tr, $MPS ==="
-    CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/ep_profile.py --gpu --ranks 2 --transport $tr \
-        $PARGS --json "$OUT/ep_profile_$tr.json" 2>&1 | tee "$OUT/ep_profile_$tr.log"
+    CUDA_VISIBLE_DEVICES=0 timeout $lim python3 bench/ep_profile.py --gpu --ranks 2 --transport $tr \
+        "$@" $PARGS --json "$OUT/ep_profile_$tr.json" 2>&1 | tee "$OUT/ep_profile_$tr.log"
     rc=$(( rc | ${PIPESTATUS[0]} ))
   done
   cp "$OUT"/ep_profile_*.json "$RES"/ 2>/dev/null || true

@@ -82,16 +82,25 @@ def _phases(st, names):
     return out, anchor
 
 
-def _kineto(fn, align, n):
+def _kineto(fn, align, n, on):
     """Device time per name of what ``n`` calls of fn put on the GPU (torch.profiler), per call;
-    or {"error": ...} where the profiler does not work (e.g. CUPTI under MPS)."""
+    or {"error": ...} where the profiler does not work (e.g. CUPTI under MPS). ``on`` False: the
+    same calls unprofiled (the other ranks: one profiler per GPU, every rank in step)."""
     import torch
+    if not on:
+        for _ in range(n):
+            align()
+            fn()
+        torch.cuda.synchronize()
+        return None
+    done = 0
     try:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
                 align()
                 fn()
+                done += 1
             torch.cuda.synchronize()
         out = {}
         for ev in prof.key_averages():
@@ -107,6 +116,9 @@ def _kineto(fn, align, n):
                                     "cpu_us_per_call": cpu / n}
         return out
     except Exception as e:  # noqa: BLE001 - the profiler is optional; say why it is missing
+        for _ in range(n - done):       # the other ranks make n calls: stay in step with them
+            align()
+            fn()
         return {"error": "%s: %s" % (type(e).__name__, e)}
 
 
@@ -185,7 +197,8 @@ def _rank_profile(rank, world, cfg):
                     rows.append({"event": ev_ns, "host": (t1 - t0) * 1e9, **ph, "anchor": anchor})
             res["calls"][op] = rows
         if gpu and not cfg["no_kineto"]:
-            res["kineto"] = {op: _kineto(calls[op], align, cfg["kineto_iters"]) for op in OPS}
+            res["kineto"] = {op: _kineto(calls[op], align, cfg["kineto_iters"], rank == 0)
+                             for op in OPS}
     finally:
         buf.destroy()
     everyone = [None] * world
@@ -284,7 +297,8 @@ def main(argv=None):
     ap.add_argument("--holes", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--transport", default="auto", choices=("auto", "ibgda", "proxy", "p2p"))
-    ap.add_argument("--blocks", type=int, default=0, help="Buffer num_blocks (0: its default)")
+    ap.add_argument("--blocks", default="0",
+                    help="Buffer num_blocks, a list (e.g. 0,64: one run each; 0: the default grid)")
     ap.add_argument("--threads", type=int, default=0, help="Buffer block_threads (0: default)")
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--no-kineto", action="store_true")
@@ -303,6 +317,7 @@ def main(argv=None):
                                          "warmup", "holes", "seed", "transport", "blocks",
                                          "threads", "timeout_s", "no_kineto", "kineto_iters")}
     cfg["sweep"] = [args.tokens]
+    cfg["hold_s"] = epbench.HOLD_S          # the yardsticks: also timed with the stream held
     from gpunet.demo import run_ranks
     from gpunet.errors import GpunetError
 
@@ -310,13 +325,16 @@ def main(argv=None):
            "machine": machine(gpu=args.gpu)}
     rc = 0
     print(LEGEND)
-    for world in [int(v) for v in str(args.ranks).split(",")]:
+    runs = [(w, b) for w in [int(v) for v in str(args.ranks).split(",")]
+            for b in [int(v) for v in str(args.blocks).split(",")]]
+    for world, blocks in runs:
+        cfg["blocks"] = blocks
         t0 = time.monotonic()
         try:
             per_rank = run_ranks(_rank_profile, world, cfg, timeout_s=epbench.RANK_TIMEOUT_S)
         except GpunetError as e:
             print("[ep_profile] %d ranks FAILED: %s" % (world, e), file=sys.stderr, flush=True)
-            out["runs"].append({"ranks": world, "error": str(e)})
+            out["runs"].append({"ranks": world, "blocks": blocks, "error": str(e)})
             rc = 1
             continue
         yard = epbench._torch_yardsticks(cfg, world, args.tokens)
@@ -324,7 +342,8 @@ def main(argv=None):
         print()
         print(text, flush=True)
         rc |= 1 if fails else 0
-        out["runs"].append({"ranks": world, "wall_s": time.monotonic() - t0, "summary_us": summary,
+        out["runs"].append({"ranks": world, "blocks": per_rank[0]["grid"],
+                            "wall_s": time.monotonic() - t0, "summary_us": summary,
                             "yardsticks": yard, "per_rank": per_rank, "fail": fails})
     path = Path(args.json) if args.json else (ROOT / "bench" / "results" / datetime.date.today()
                                                .isoformat() / ("ep_profile_%s_%s.json" % (

@@ -103,6 +103,30 @@ def test_ep_bench_gpu_without_gpu_fails_fast():
     assert "needs an NVIDIA GPU" in r.stderr
 
 
+def test_ep_profile_cpu_gives_every_phase_of_every_call(tmp_path):
+    """bench/ep_profile.py on the CPU (2 ranks, soft NIC, HOST arm): the check passes, and for
+    every op and rank the device stamps (LlParams::prof) give a kernel time no longer than the
+    call's own clock, with the send phase and the receive phase inside it (so a stamp that stops
+    being written, or lands in the wrong slot, fails here before it misleads a GPU run)."""
+    out = tmp_path / "prof.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "ep_profile.py"), "--tokens", "8",
+                        "--hidden", "128", "--topk", "2", "--experts", "4", "--holes", "2",
+                        "--iters", "2", "--warmup", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=str(ROOT))
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+    d = json.loads(out.read_text())
+    (run,) = d["runs"]
+    assert not run["fail"]
+    for op in ("dispatch bf16", "dispatch fp8", "combine bf16"):
+        for rank in run["per_rank"]:
+            for call in rank["calls"][op]:
+                assert 0 < call["kernel"] <= call["host"], (op, call)
+                assert 0 < call["send"] <= call["kernel"] and 0 < call["recv"] <= call["kernel"]
+                assert call["plan"] >= 0 and "skew" in call, (op, call)
+    assert "check: OK" in r.stdout and "kernel" in r.stdout
+
+
 PROXY_SCRIPT = ROOT / "bench" / "proxy.py"
 CPU_PUT_SCRIPT = ROOT / "bench" / "cpu_put.py"
 
