@@ -288,3 +288,14 @@ def test_a_refused_nic_access_fails_one_probe_and_the_next_still_measures(monkey
     assert "error" in first and "syndrome 0x13" in first["error"], first
     assert len(rest) == 11 and all(c["coherent"] is True for c in rest), rest
     assert rep["exit_code"] == 1
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None,
+                    reason="nvcc is not on PATH: the CUDA arm of doctor.cu cannot be compiled here")
+def test_the_probe_kernel_compiles_for_the_cuda_arm():
+    """device/kernels/doctor.cu builds with nvcc for sm_90 (the H200 runs it in the gate's doctor
+    step; here there is no GPU to load it on)."""
+    from gpunet.device import loader
+
+    lib = loader.build([loader.kernels_dir() / "doctor.cu"], arch="cuda")
+    assert lib.gpunet_path.exists()
