@@ -288,11 +288,12 @@ class Transports(Resource):
         channels are drained, its engine restarted on the reset QPs and their recorded failures
         cleared. Work queued on a reset QP after the failed operation is discarded. A QP whose
         peer did not answer (retry exceeded: dead) is left in error: every later operation to
-        that peer fails at once. No kernel of ours may be running. Returns notes for the error
-        message (an empty list when nothing needed doing).
+        that peer fails at once. p2p peers whose rank is gone are named (_gone_p2p_peers). No
+        kernel of ours may be running. Returns notes for the error message (an empty list when
+        nothing needed doing).
         tests/test_api_adversarial.py::test_protection_error_is_raised_then_the_context_recovers.
         """
-        notes = []
+        notes = self._gone_p2p_peers()
         for p, qpd in self.qpds.items():
             if self.nic.qp_state(qpd.qp) != "ERR" and not qpd.needs_reset():
                 continue
@@ -303,6 +304,21 @@ class Transports(Resource):
                          "failed operation was discarded)" % p)
         if self.engine is not None:
             notes += self._recover_proxy(timeout_s)
+        return notes
+
+    def _gone_p2p_peers(self):
+        """Notes naming the p2p peers whose rank is gone (its process exited, or its NIC closed):
+        no NIC reports a p2p peer dead (a store into its heap mapped here still succeeds), so a
+        wait for it only times out, and this names whom it waited for. The mapping stays until
+        this Context closes (tests/test_p2p.py::test_a_killed_p2p_peer_is_named_and_close_unmaps).
+        Mappings that cannot tell (CUDA IPC) say nothing."""
+        notes = []
+        for p, m in sorted(self.peer_heaps.items()):
+            alive = getattr(m, "owner_alive", None)
+            if alive is not None and not alive():
+                notes.append("p2p peer %d (pid %s) is gone: nothing it should signal will come; "
+                             "its heap stays mapped here until this Context closes; close it"
+                             % (p, getattr(m, "pid", "?")))
         return notes
 
     def _dead_peer(self, qp, peer, notes):

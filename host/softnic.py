@@ -1376,8 +1376,9 @@ class SoftNic(Nic):
 
 class PeerHeap(Resource):
     """A range of a peer soft NIC's arena mapped into this process (SoftNic.map_peer_heap):
-    ``base`` (address here), ``nbytes``, ``arena``. ``close()`` unmaps it (the mapping must not
-    outlive the Context that uses it: tests/test_p2p.py checks /proc/self/maps)."""
+    ``base`` (address here), ``nbytes``, ``arena``, ``pid`` (the exporter). ``close()`` unmaps it
+    (the mapping must not outlive the Context that uses it: tests/test_p2p.py checks
+    /proc/self/maps)."""
 
     def __init__(self, name, pid, off, nbytes):
         self.arena = name
@@ -1391,7 +1392,12 @@ class PeerHeap(Resource):
         except BaseException:
             self._a.close()
             raise
-        self.base, self.nbytes = self._a.base + off, nbytes
+        self.base, self.nbytes, self.pid = self._a.base + off, nbytes, pid
+
+    def owner_alive(self):
+        """False once the exporting rank is gone: its process exited (a killed rank leaves its
+        arena file, and this mapping, behind) or its NIC was closed / marked down."""
+        return not self.closed and _pid_alive(self.pid) and int(self._a.T[H_DOWN]) == 0
 
     def _release(self):
         self._a.close()

@@ -165,6 +165,21 @@ def close_and_count_mappings(state, peer_arenas):
     return {"before": before, "after": _maps_naming(others), "heaps": heaps}
 
 
+def after_peer_died(state, peer, peer_arena):
+    """``peer`` has exited without closing anything. This rank puts to it (a store into its heap
+    still mapped here), then joins a barrier it can never complete; then closes. Returns what the
+    put and the barrier did and the mappings of the peer's arena before and after close."""
+    ctx = state["ctx"]
+    out = {"put": mp_jobs._outcome(lambda: (gpunet.put(ctx.remote(peer, state["dst"]),
+                                                       state["src"][:64]), gpunet.quiet())),
+           "barrier": mp_jobs._outcome(ctx.barrier),
+           "before": _maps_naming([peer_arena])[peer_arena]}
+    ctx.close()
+    state.pop("ctx")
+    out["after"] = _maps_naming([peer_arena])[peer_arena]
+    return out
+
+
 def init_with_unmappable(state, bad_rank):
     """Every rank asks for p2p; ``bad_rank`` exports a heap in an arena that does not exist (as a
     peer on another machine, or one that has gone, would look). Returns what init raised."""

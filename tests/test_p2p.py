@@ -209,3 +209,32 @@ def test_close_unmaps_every_peer_heap():
             assert all(v == 0 for v in o["after"].values()), (rank, o)
     finally:
         r.close()
+
+
+def test_a_killed_p2p_peer_is_named_and_close_unmaps():
+    """2 ranks over p2p, a 2 s device timeout; rank 1 exits without closing anything (a crash).
+    Rank 0's put to it still returns (a store into its heap, still mapped here: no NIC checks a
+    p2p peer), its barrier raises gpunet.TimeoutError within the bound and the message names p2p
+    peer 1 as gone; ctx.close() then leaves no mapping of rank 1's arena in /proc/self/maps."""
+    r = Ranks(2)
+    try:
+        info = r.run("init", "p2p", 8 << 20, 2.0)
+        for q in r.inboxes:
+            q.put(("die_if", (1,)))
+        assert r.outboxes[0].get(timeout=60) == ("ok", "alive")
+        r.procs[1].join(timeout=30)
+        r.inboxes[0].put(("p2p_jobs:after_peer_died", (1, info[1]["arena"])))
+        status, res = r.outboxes[0].get(timeout=120)
+        assert status == "ok", res
+        assert res["put"]["raised"] is None, res["put"]
+        b = res["barrier"]
+        assert b["raised"] == "TimeoutError" and b["seconds"] < 20, b
+        assert "p2p peer 1" in b["msg"] and "gone" in b["msg"], b["msg"]
+        assert res["before"] >= 1, res
+        assert res["after"] == 0, res
+    finally:
+        if r.procs[1].is_alive():
+            r.procs[1].kill()
+        r.inboxes[1] = r.inboxes[0]           # rank 1 is gone: only rank 0 gets the stop
+        r.inboxes = r.inboxes[:1]
+        r.close()
