@@ -298,7 +298,8 @@ class Context(Resource):
             self.heap_base = self._setup_device_heap(heap_bytes)
             # NIC peers reach it as a NIC reaches GPU memory (GPUDirect): the soft NIC's engine
             # copies through the CUDA runtime (SoftNic.attach_copy_engine, in _setup_gpu_memory)
-            mr = self.nic.reg_mr(self.heap_base, heap_bytes, kind="device", device_memory=True)
+            mr = self.nic.reg_mr(self.heap_base, heap_bytes, device_memory=True,
+                                 kind=self.platform.policy("p2p_dst").kind)
             self._lkey, self._rkey = mr.lkey, mr.rkey
         else:
             buf = self.nic.alloc(heap_bytes, 4096)
@@ -342,10 +343,13 @@ class Context(Resource):
         return any(peer_transport(transport, self.rank, p) == "p2p" for p in range(self.world_size))
 
     def _setup_device_heap(self, heap_bytes):
-        """CUDA p2p: the heap in device memory (a child: freed when the Context closes, after the
-        transports closed the peers' mappings of theirs), zeroed before any peer can store into
-        it (the barrier slots and scratch of the head start at 0). Returns its address."""
-        mem = self._adopt(self.platform.alloc("device", heap_bytes), "device heap")
+        """CUDA p2p: the heap in GPU memory of the policy's p2p_dst kind (device on nvidia,
+        Finegrained on c500: host/platform.py says why), a child: freed when the Context closes,
+        after the transports closed the peers' mappings of theirs; zeroed before any peer can
+        store into it (the barrier slots and scratch of the head start at 0). Returns its
+        address."""
+        mem = self._adopt(self.platform.alloc(self.platform.policy("p2p_dst").kind, heap_bytes),
+                          "device heap")
         _cuda_view(mem.ptr, heap_bytes, self).zero_()
         torch.cuda.current_stream().synchronize()
         return mem.ptr

@@ -43,8 +43,8 @@ log = logging.getLogger("gpunet.platform")
 PLATFORMS = ("cpu", "cuda", "maca")
 PROFILES = ("nvidia", "c500")
 KINDS = ("device", "finegrained", "host")
-ROLES = ("sq", "cq", "dbrec", "uar", "signal", "payload_src", "payload_dst", "proxy_fifo",
-         "status", "compute")
+ROLES = ("sq", "cq", "dbrec", "uar", "signal", "payload_src", "payload_dst", "p2p_dst",
+         "proxy_fifo", "status", "compute")
 
 # Runtime error codes callers act on (CUDA values; cu-bridge keeps CUDA's codes for MACA —
 # *unverified* for MACA).
@@ -117,6 +117,13 @@ COHERENCE_POLICY = {
             "keep reading an older L2 line until an eviction (c500 coherence model, the mirror of "
             "the reported send-side staleness; this direction is modelled, not reported); "
             "finegrained HBM is uncached, so SMs see the NIC's bytes.")),
+        "p2p_dst": Placement("finegrained", (
+            "The heap a p2p peer's SMs store into (over MetaXLink) and this rank's SMs read: the "
+            "seed measured a release-store / acquire-load flag barrier between two C500s hanging "
+            "on plain device memory and passing on Finegrained (0x1); the soft NIC models a peer's "
+            "stores into `device` memory as reaching the owner's loads only at L2 evictions "
+            "(tests/test_peer_coherence.py). Unverified here: that mcIpc handles of a Finegrained "
+            "allocation map it Finegrained on the peer too.")),
         "proxy_fifo": Placement("host", (
             "The CPU proxy drains it: host-pinned, GPU-mapped as in UCCL-EP; a host-mapped 16-byte "
             "command ring sustained 28-32 M commands/s (measured, H200).")),
@@ -152,6 +159,11 @@ COHERENCE_POLICY = {
         "payload_dst": Placement("device", (
             "Device memory is coherent with the NIC on NVIDIA (memory-side L2): NIC writes are "
             "visible to SMs once the completion or signal has been observed with acquire.")),
+        "p2p_dst": Placement("device", (
+            "The heap a p2p peer's SMs store into (CUDA IPC of a cudaMalloc heap): a peer's stores "
+            "before a system-scope release are seen by this GPU's acquire loads; a CUDA IPC flag "
+            "ping-pong between two processes took 0.73 us a round trip under MPS (measured, "
+            "H200).")),
         "proxy_fifo": Placement("host", (
             "The CPU proxy drains it: host-pinned, GPU-mapped as in UCCL-EP; a host-mapped 16-byte "
             "command ring sustained 28-32 M commands/s (measured, H200).")),
