@@ -86,7 +86,7 @@ class PostArgs(ctypes.Structure):
                 ("raddr", ctypes.c_uint64), ("laddr", ctypes.c_uint64), ("span", ctypes.c_uint64),
                 ("nqps", ctypes.c_uint32), ("iters", ctypes.c_uint32), ("rkey", ctypes.c_uint32),
                 ("lkey", ctypes.c_uint32), ("nbytes", ctypes.c_uint32), ("do_quiet", ctypes.c_uint32),
-                ("per_lane", ctypes.c_uint32), ("pad0", ctypes.c_uint32)]
+                ("per_lane", ctypes.c_uint32), ("mixed", ctypes.c_uint32)]
 
 
 # --- building ----------------------------------------------------------------------------------

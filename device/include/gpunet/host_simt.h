@@ -373,6 +373,7 @@ struct Block {
   std::mutex pool_m;
   EntryList pool;
   std::atomic<size_t> pool_n{0};
+  std::atomic<uint64_t> exited{0};  // F2: the last thread to exit pops the pool
 };
 
 struct ThreadCtx {
@@ -640,6 +641,15 @@ void launch(const LaunchOptions& opts, Kernel kernel, Args... args) {
             if (!first_err) first_err = std::current_exception();
           }
           if (opts.weak.enabled) ctx.buf.drain(ctx.rng, opts.weak.order);  // F2
+          // F2 at the block's exit, not the wave's: a finished block's stores (a lock's release)
+          // must not stay hidden from blocks still running (tests/test_device_post.py).
+          if (opts.weak.enabled && blk->exited.fetch_add(1) + 1 == nthreads) {
+            std::lock_guard<std::mutex> lk(blk->pool_m);
+            Rng rng;
+            rng.seed(opts.weak.seed ^ (0xb10cull + bl));
+            blk->pool.drain(rng, opts.weak.order);
+            blk->pool_n.store(0, std::memory_order_release);
+          }
           tl_ctx = nullptr;
           tl_pop_cfg = nullptr;
           ctx.warpg->retire();

@@ -325,12 +325,14 @@ GPUNET_DEVICE void poll_cq(QpDesc* qp, const Waiter& w) {
 namespace qpd {
 constexpr uint64_t kDbFree = 0, kDbHeld = 1, kDbRescan = 3;
 
-// Holder only: ready_head = db_head = r, then ONE ring for everything below r.
-GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r) {
+// Holder only: ready_head = db_head = r, then ONE ring for everything below r. `word`: the
+// doorbell word of the WQE ending at r when the caller has it, else 0 (read from slot_db; a
+// doorbell word is never 0: ds >= 1).
+GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
   arch::atomic_store(&qp->ready_head, r);  // before the DBR: bounds collapsed-CQ credits (poll_cq)
   arch::atomic_store(&qp->db_head, r);
   arch::fence_sys();  // the WQEs (ours, or others' through their tags), slot_db, heads before the DBR
-  const uint64_t word = arch::load_relaxed(&u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)]);
+  if (word == 0) word = arch::load_relaxed(&u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)]);
   arch::store_relaxed(u32p(qp->dbrec + 4 * mlx5::DBREC_SND), mlx5::sq_dbrec_value(r));
 #if !defined(GPUNET_TEST_DROP_DOORBELL_FENCE)
   arch::fence_sys();  // the DBR before the doorbell: the NIC reads the DBR when it sees it
@@ -339,31 +341,29 @@ GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r) {
   GPUNET_DELAY_POINT();
 }
 
-// Holder only (db_lock taken, then fence_gpu): scan, ring, release; scan again while publishers
-// asked for it (kDbRescan). `own_base` / `own_end`: the caller's reservation, written and untagged
-// (own_end == 0: none); it is ready when the scan reaches it.
-GPUNET_DEVICE void hold_and_ring(QpDesc* qp, uint64_t own_base, uint64_t own_end) {
+// Holder only (db_lock taken and acquired): [r0, r) is ready (r0: ready_head as read after the
+// lock; `word` as ring_to's, for r); `scan`: false when tags[r] was already seen not ready.
+// Scans on, rings once, releases; scans again while publishers ask for it (kDbRescan).
+GPUNET_DEVICE void hold_and_ring(QpDesc* qp, uint64_t r0, uint64_t r, uint64_t word, bool scan) {
   const uint64_t mask = qp->sq_wqebbs - 1;
   const uint64_t* tags = u64p(qp->slot_ready);
   for (;;) {
-    const uint64_t r0 = arch::atomic_load(&qp->ready_head);
-    uint64_t r = r0;
     // Each step moves r forward by one reservation; r - r0 <= sq_wqebbs (ring space), so the
     // scan ends within sq_wqebbs steps.
-    for (uint32_t i = 0; i < qp->sq_wqebbs; ++i) {
-      if (own_end && r == own_base) {
-        r = own_end;
-        continue;
-      }
+    for (uint32_t i = 0; scan && i < qp->sq_wqebbs; ++i) {
       const uint64_t t = arch::load_relaxed(&tags[r & mask]);
       if (t <= r) break;
       r = t;
+      word = 0;
     }
-    if (r > r0) ring_to(qp, r);
+    if (r > r0) ring_to(qp, r, word);
     else arch::fence_gpu();  // release: our tag (if any) before the lock is free
     if (arch::atomic_cas(&qp->db_lock, kDbHeld, kDbFree) == kDbHeld) return;
     arch::atomic_cas(&qp->db_lock, kDbRescan, kDbHeld);  // only the holder clears kDbRescan
     arch::fence_gpu();  // acquire: the tags of the publishers that asked
+    r0 = r = arch::atomic_load(&qp->ready_head);
+    word = 0;
+    scan = true;
   }
 }
 
@@ -376,7 +376,8 @@ GPUNET_DEVICE bool take_or_hand_over(QpDesc* qp, const Waiter& w) {
     const uint64_t old = arch::atomic_cas(&qp->db_lock, kDbFree, kDbHeld);
     if (old == kDbFree) {
       arch::fence_gpu();  // acquire: ready_head and the tags the last holder saw
-      hold_and_ring(qp, 0, 0);
+      const uint64_t r0 = arch::atomic_load(&qp->ready_head);
+      hold_and_ring(qp, r0, r0, 0, true);
       return true;
     }
     if (old == kDbRescan) return true;
@@ -391,13 +392,17 @@ GPUNET_DEVICE bool take_or_hand_over(QpDesc* qp, const Waiter& w) {
 // ------------------------------------------------------------------------------------------------
 
 // Step 1+2: reserve n WQEBBs and wait for their space. base is set even on failure (then the
-// caller must not publish: a failure is recorded and every wait behind it gives up).
-GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& base) {
+// caller must not publish: a failure is recorded and every wait behind it gives up). `done0`: a
+// done_head the caller read before (relaxed, issued with its other loads so that the reservation
+// costs one round trip): a stale one only sends us to the exact check below.
+GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& base,
+                           uint64_t done0) {
   base = arch::atomic_add(&qp->resv_head, uint64_t(n));
-  if (base + n <= qp->sq_wqebbs) return true;
+  // The WQE stores that follow need the slots' old WQEs read by the NIC: it read them before the
+  // CQE that credited done_head (credit_done fences first). A store that depends on the compared
+  // value (its address, the branch) is not issued before the load returns.
+  if (base + n <= done0 + qp->sq_wqebbs) return true;
   const uint64_t need = base + n - qp->sq_wqebbs;  // done_head must reach this
-  // Device scope: done_head is credited after a fence_sys (credit_done), so the slots' old WQEs
-  // were read by the NIC before our stores to them.
   uint64_t done = arch::load_acquire_gpu(&qp->done_head);
   if (done >= need) return true;
   Spin spin;
@@ -410,6 +415,9 @@ GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& ba
   }
   return true;
 }
+GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& base) {
+  return reserve(qp, w, n, base, arch::atomic_load(&qp->done_head));
+}
 
 // Step 4 for the WQE(s) [base, base+n) whose words (and slot_nbb) are already stored by this
 // thread (or by lanes that then passed a syncwarp with it). `last_word0` is the doorbell word of
@@ -417,30 +425,48 @@ GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& ba
 GPUNET_DEVICE bool publish(QpDesc* qp, const Waiter& w, uint64_t base, uint32_t n,
                            uint64_t last_word0) {
   const uint64_t mask = qp->sq_wqebbs - 1;
+  uint64_t* tags = qpd::u64p(qp->slot_ready);
   arch::store_relaxed(&qpd::u64p(qp->slot_db)[(base + n) & mask], last_word0);
   GPUNET_DELAY_POINT();
-  if (arch::atomic_cas(&qp->db_lock, qpd::kDbFree, qpd::kDbHeld) == qpd::kDbFree) {
-    arch::fence_gpu();  // acquire: the last holder's ready_head
-    if (arch::atomic_load(&qp->ready_head) == base) {
-      qpd::hold_and_ring(qp, base, base + n);  // next in line: ours needs no tag
+  // The lock attempt and the holder's first two reads go out together (one round trip). Read
+  // before the lock is acquired, ready_head may be stale, but only low: it cannot pass our
+  // untagged reservation, so reading `base` means it IS base. A stale "not ready" tag at base + n
+  // only leaves that reservation to its own publish (its CAS then finds the lock held, or free).
+  const uint64_t old = arch::atomic_cas(&qp->db_lock, qpd::kDbFree, qpd::kDbHeld);
+  const uint64_t r_seen = arch::atomic_load(&qp->ready_head);
+  const uint64_t t_next = arch::load_relaxed(&tags[(base + n) & mask]);
+  if (old == qpd::kDbFree) {
+    // The previous holder's DBR is ordered before ours by its fence_sys before its release and
+    // ours (ring_to) after the CAS that read it.
+    if (r_seen == base) {  // next in line: ours needs no tag
+      if (t_next > base + n) qpd::hold_and_ring(qp, base, t_next, 0, true);
+      else qpd::hold_and_ring(qp, base, base + n, last_word0, false);
+      return true;
+    }
+    arch::fence_gpu();  // acquire: ready_head as the last holder left it
+    const uint64_t r0 = arch::atomic_load(&qp->ready_head);
+    if (r0 == base) {
+      qpd::hold_and_ring(qp, base, base + n, last_word0, true);
       return true;
     }
     // Behind a reservation not yet ready: tag ours; the scan (now, or that reservation's own
     // publish after our release) covers it.
-    arch::store_release_gpu(&qpd::u64p(qp->slot_ready)[base & mask], base + n);
-    qpd::hold_and_ring(qp, 0, 0);
+    arch::store_release_gpu(&tags[base & mask], base + n);
+    qpd::hold_and_ring(qp, r0, r0, 0, true);
     return true;
   }
-  uint64_t* tag = &qpd::u64p(qp->slot_ready)[base & mask];
 #if defined(GPUNET_TEST_RELAXED_PUBLISH)
-  arch::store_relaxed(tag, base + n);
+  arch::store_relaxed(&tags[base & mask], base + n);
 #else
-  arch::store_release_gpu(tag, base + n);  // the WQEs, slot_nbb, slot_db before the tag
+  arch::store_release_gpu(&tags[base & mask], base + n);  // the WQEs, slot_nbb, slot_db first
 #endif
   GPUNET_DELAY_POINT();
 #if !defined(GPUNET_TEST_DROP_PUBLISH_FENCE)
   arch::fence_gpu();  // SC: the tag before the lock attempt (the holder's release reads the lock)
 #endif
+  if (old == qpd::kDbRescan) {  // still asked? then the holder scans after our tag
+    if (arch::atomic_load(&qp->db_lock) == qpd::kDbRescan) return true;
+  }
   return qpd::take_or_hand_over(qp, w);
 }
 
@@ -524,11 +550,17 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
     off = incl - my_nbb;
     total = arch::shfl(incl, ws - 1);
   }
-  bool ok = !failed(w) && !arch::atomic_load(&qp->errored) && total <= qp->sq_wqebbs;
+  // Three independent loads in flight at once (no short-circuit between them).
+  const bool st_failed = failed(w);
+  const bool qp_errored = arch::atomic_load(&qp->errored) != 0;
+  const uint64_t done0 = lane == 0 ? arch::atomic_load(&qp->done_head) : 0;
+  bool ok = !st_failed && !qp_errored && total <= qp->sq_wqebbs;
   ok = arch::all(ok);
+  if (!ok && lane == 0 && !st_failed && !qp_errored && total > qp->sq_wqebbs)
+    record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
   uint64_t base = 0;
   bool lane0_ok = true;
-  if (ok && lane == 0) lane0_ok = reserve(qp, w, total, base);
+  if (ok && lane == 0) lane0_ok = reserve(qp, w, total, base, done0);
   base = arch::shfl(base, 0);
   ok = arch::shfl(uint32_t(ok && lane0_ok), 0) != 0;
   // The last posting lane's doorbell word goes to lane 0 BEFORE the WQE stores: after them the
@@ -546,8 +578,8 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
 }
 
 // Warp-cooperative posting of warp_size * k single-WQEBB WQEs with ONE reservation and ONE
-// publish (one system-scope release per warp_size * k WQEs instead of per warp_size: on the H200
-// the release, not the stores, bounds post_warp's rate, bench/RESULTS.md). Lane l builds WQE j
+// publish (fewer publishes per WQE: bench/RESULTS.md measured k = 8 at 108 M WQE/s on 32 QPs
+// when each publish cost a system-scope release). Lane l builds WQE j
 // (0 <= j < k) with make(j, wqe) and writes it at base + j * warp_size + l, so every store
 // instruction of the warp covers warp_size consecutive WQEBBs. All lanes call it converged with
 // the same k (1 <= k, warp_size * k <= sq_wqebbs); a WQE of more than one WQEBB is a bad argument.
@@ -558,8 +590,10 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
   // The last WQE's doorbell word travels to lane 0 before any WQE store (see post_warp).
   Wqe last;
   make(k - 1, last);
-  bool ok = !failed(w) && !arch::atomic_load(&qp->errored) && k >= 1 && total <= qp->sq_wqebbs &&
-            last.nbb == 1;
+  const bool st_failed = failed(w);
+  const bool qp_errored = arch::atomic_load(&qp->errored) != 0;
+  const uint64_t done0 = lane == 0 ? arch::atomic_load(&qp->done_head) : 0;
+  bool ok = !st_failed && !qp_errored && k >= 1 && total <= qp->sq_wqebbs && last.nbb == 1;
   ok = arch::all(ok);
   if (!ok) {
     if (lane == 0 && !failed(w) && !arch::atomic_load(&qp->errored))
@@ -568,7 +602,7 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
   }
   uint64_t base = 0;
   bool lane0_ok = true;
-  if (lane == 0) lane0_ok = reserve(qp, w, uint32_t(total), base);
+  if (lane == 0) lane0_ok = reserve(qp, w, uint32_t(total), base, done0);
   base = arch::shfl(base, 0);
   ok = arch::shfl(uint32_t(lane0_ok), 0) != 0;
   const mlx5::Seg16 last_ctrl = ctrl_of(qp, base + total - ws + lane, last);

@@ -6,6 +6,9 @@
 //   k_post   warp w posts `iters` rounds of warp_size * per_lane 64-byte RDMA WRITEs on
 //            qps[w % nqps] (post_warp, or post_warp_k when per_lane > 1), then lane 0 quiets that
 //            QP (every WQE completed, as the consumer reports it).
+//            mixed = 1 (tests/test_device_post.py): lane l posts an inline WRITE of 8 / 40 / 100 /
+//            200 bytes (1 to 4 WQEBBs) into its own 256-byte slot, on nposts = ws - (w + it) % 3
+//            lanes, so reservations differ in size and warps' WQEs interleave on the ring.
 //   k_store  the ceiling: the same 64-byte WQE stores into the same kind of ring with no protocol
 //            (no reservation, publish, doorbell or completion), as FACTS.md's 200 M/s row.
 //
@@ -34,9 +37,12 @@ struct PostArgs {          // mirrored in bench/device_post.py (PostArgs)
   uint32_t nbytes;         // bytes per WRITE
   uint32_t do_quiet;       // 1: lane 0 quiets its QP at the end
   uint32_t per_lane;       // WQEs per lane per warp post: 1 = post_warp, k > 1 = post_warp_k
-  uint32_t pad0;
+  uint32_t mixed;          // 1: inline WRITEs of mixed sizes (1-4 WQEBBs), 256-byte slots
 };
 static_assert(sizeof(PostArgs) == 80, "PostArgs is mirrored in bench/device_post.py");
+
+// Inline WRITE sizes of mixed mode: 1, 2, 3, 4 WQEBBs.
+GPUNET_DEVICE uint32_t mixed_bytes(uint32_t sel) { return sel == 0 ? 8 : sel == 1 ? 40 : sel == 2 ? 100 : 200; }
 
 GPUNET_GLOBAL void k_post(PostArgs a) {
   const uint32_t ws = arch::warp_size(), lane = arch::lane_id();
@@ -48,7 +54,16 @@ GPUNET_GLOBAL void k_post(PostArgs a) {
   bool ok = true;
   const uint32_t per = a.per_lane ? a.per_lane : 1;
   for (uint32_t it = 0; it < a.iters && ok; ++it) {
-    if (per == 1) {
+    if (a.mixed) {
+      // Slot of WQE (warp, it, lane) is unique while iters * warps * ws * 256 <= span.
+      const uint32_t nposts = ws - uint32_t((gwarp + it) % 3);
+      const uint64_t k = ((gwarp * a.iters + it) * ws + lane) % (slots / 4 ? slots / 4 : 1);
+      const uint32_t nb = lane < nposts ? mixed_bytes((lane + it) % 4) : 8;
+      gpunet::Wqe q;
+      gpunet::wqe_write_inline(q, a.raddr + k * 256, a.rkey,
+                               reinterpret_cast<const uint8_t*>(uintptr_t(a.laddr + k * 256)), nb);
+      ok = gpunet::post_warp(qp, w, q, nposts);
+    } else if (per == 1) {
       const uint64_t k = ((gwarp * a.iters + it) * ws + lane) % slots;
       gpunet::Wqe q;
       gpunet::wqe_rdma(q, gpunet::mlx5::OPCODE_RDMA_WRITE, a.raddr + k * 64, a.rkey, a.laddr + k * 64,
@@ -120,6 +135,19 @@ uint32_t gpunet_bench_post_args_size() { return sizeof(PostArgs); }
 // makes nvcc drop the symbol.)
 int gpunet_bench_post(uint32_t grid, uint32_t block, const void* a, float* ms) {
   return timed(grid, block, ms, k_post, *static_cast<const PostArgs*>(a));
+}
+
+// k_post with the HOST arm's weak-memory model (ignored on GPUs): for tests. 0 or an error code.
+int gpunet_test_post(uint32_t grid, uint32_t block, uint32_t warp_size, uint32_t weak, uint64_t seed,
+                     const void* a) {
+  gpunet::LaunchSpec s;
+  s.grid = grid;
+  s.block = block;
+  s.warp_size = warp_size;
+  s.weak = weak != 0;
+  s.weak_seed = seed;
+  s.weak_spin_sleep_ns = weak ? 2000 : 0;
+  return gpunet::launch_kernel(s, k_post, *static_cast<const PostArgs*>(a));
 }
 
 int gpunet_bench_store(uint32_t grid, uint32_t block, uint64_t ring, uint32_t ring_slots, uint32_t iters,
