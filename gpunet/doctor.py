@@ -520,6 +520,7 @@ class Prober:
         self.stage_mr = nic.reg_mr(self.stage, access=Access.ALL, kind="host")
         self.count = 0
         self.stuck = False       # a probe kernel outlived its bounds: the NIC must stay open
+        self._dma = None         # soft NIC on a GPU: copy engine attached (see _copy_engine)
 
     def _new_pair(self):
         """A fresh connected QP pair (loopback on this NIC); after an error completion the old
@@ -542,13 +543,22 @@ class Prober:
             mr = self.nic.reg_mr(buf, kind=kind)
             addr = buf.ctypes.data
             return addr, self.g(addr), mr, lambda: self.nic.dereg_mr(mr)
+        extra = {}
         if self.used == "soft":
-            raise _Skip("no NIC (soft NIC used): the soft NIC is a CPU thread and cannot reach "
-                        "%s memory of the GPU; a real NIC registers it by dma-buf" % kind)
-        mem = self.plat.alloc(kind, self.nbytes)     # NOT YET RUN: a real NIC on a GPU
+            # The soft NIC (a CPU thread) reaches GPU memory only through a copy engine
+            # (SoftNic.attach_copy_engine: cudaMemcpyAsync, as a NIC's DMA over GPUDirect), and
+            # only on the nvidia profile; what it measures is then the copy engine's coherence
+            # with the SMs, not a NIC's.
+            if not self._copy_engine():
+                raise _Skip("no NIC (soft NIC used): the soft NIC is a CPU thread and cannot "
+                            "reach %s memory of the GPU%s; a real NIC registers it by dma-buf"
+                            % (kind, "" if self.plat.profile == "nvidia" else
+                               " on the %s profile" % self.plat.profile))
+            extra = {"device_memory": True}
+        mem = self.plat.alloc(kind, self.nbytes)     # NOT YET RUN on a GPU
         try:
             self.plat.memcpy(mem.ptr, words.ctypes.data, self.nbytes)
-            mr = self.nic.reg_mr(mem.ptr, self.nbytes, kind=kind)
+            mr = self.nic.reg_mr(mem.ptr, self.nbytes, kind=kind, **extra)
         except Exception as e:  # noqa: BLE001 - a refused registration is the finding
             mem.close()
             raise _Skip("the NIC did not register %s memory: %s" % (kind, _err(e)))
@@ -557,6 +567,23 @@ class Prober:
             self.nic.dereg_mr(mr)
             mem.close()
         return mem.ptr, mem.ptr, mr, release
+
+    def _copy_engine(self):
+        """Attach the platform's copy engine to a soft NIC once (nvidia profile only: the c500
+        model keeps CPU images of device memory instead); False where either side lacks it."""
+        if self._dma is None:
+            attach = getattr(self.nic, "attach_copy_engine", None)
+            make = getattr(self.plat, "copy_engine", None)
+            self._dma = bool(attach and make and self.plat.profile == "nvidia")
+            if self._dma:
+                try:
+                    attach(make())
+                except Exception as e:  # noqa: BLE001 - every probe that needs it reports it
+                    self._dma = e
+        if isinstance(self._dma, Exception):
+            raise GpunetError("attaching the copy engine to the soft NIC failed: %s"
+                              % _err(self._dma))
+        return self._dma
 
     def _wait(self, ctl, word, what):
         load_acquire_u64 = _ctl_access()[0]
@@ -590,7 +617,10 @@ class Prober:
         try:
             naddr, kaddr, mr, release = self._buffer(kind, PROBE_OLD)
         except _Skip as s:
-            res["skip"] = str(s)
+            res.update(skip=str(s), elapsed_s=round(time.perf_counter() - t_start, 4))
+            return res
+        except Exception as e:  # noqa: BLE001 - no kernel runs yet: a FAIL row, the next probe
+            res.update(error=_err(e), elapsed_s=round(time.perf_counter() - t_start, 4))
             return res
         ctl = self.nic.alloc(CTL_BYTES, 64).view(np.uint64)
         to_nic = direction == "sm_write_nic_read"
