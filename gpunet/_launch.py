@@ -29,8 +29,9 @@ OPS_RING = 1024                   # GPU: OpDesc slots for launches in flight (64
 # tensor at one thread's speed: bulk_geometry gives it blocks for its size. NIC peers keep the
 # one-thread op list (one WQE moves any size; the NIC's DMA engine is the bulk copier).
 BULK_BLOCK_GPU = 256              # threads per block on a GPU (8 warps of 32)
-BULK_BYTES_PER_BLOCK = 32 << 10   # GPU: a block per 32 KiB (each thread 8 16-byte stores: two
-                                  # rounds of p2p.cuh's 4 loads in flight) ...
+BULK_BYTES_PER_BLOCK = 16 << 10   # GPU: a block per 16 KiB (each thread 4 16-byte stores: one
+                                  # round of p2p.cuh's 4 loads in flight; more blocks, not more
+                                  # rounds, while the GPU has room) ...
 BULK_BLOCKS_PER_SM = 4            # ... up to 4 blocks per SM (1024 threads each SM), the rest
                                   # in more rounds per thread
 BULK_CHUNK_ALIGN = 256            # chunk boundaries keep 16-byte (vector) alignment and whole lines

@@ -11,12 +11,12 @@
 //     alignment (else the widest common unit). The data is written when the call returns, so
 //     src is reusable at once; visibility at the PE needs the release below (quiet / fence / a
 //     signal).
-//   - put_signal: payload, then fence_sys (the release: every payload store becomes visible
-//     before the signal), then the signal. ADD is a device CAS loop on the signal word in the
-//     NICs' atomic order (api::signal_order: native by default, big-endian with
+//   - put_signal: payload, then the release (every payload store becomes visible before the
+//     signal), then the signal. ADD: fence_sys, then a device CAS loop on the signal word in
+//     the NICs' atomic order (api::signal_order: native by default, big-endian with
 //     DEVCTX_SIGNAL_BE), so P2P and NIC updates of one word stay atomic with respect to each
-//     other; SET is one release store of the value in that order (store-only: the form the
-//     c500 profile allows).
+//     other; SET: one release store of the value in that order (the release itself; the
+//     store-only form the c500 profile allows).
 //   - quiet / quiet_pe / fence: fence_sys, the system-scope fence that orders every earlier
 //     store of this thread before anything it does later (CUDA fence.acq_rel.sys; MACA
 //     __threadfence_system; HOST drains the weak store buffer).
@@ -180,8 +180,8 @@ struct P2p {
     return true;
   }
 
-  // The release between a put_signal's payload and its signal (a fence_sys, and the SET as a
-  // release store). Rule: a peer that sees the signal sees the whole payload, for every order in
+  // The release between a put_signal's payload and its signal (SET: the signal is a release
+  // store; ADD: a fence_sys before the CAS). Rule: a peer that sees the signal sees the whole payload, for every order in
   // which the weak model drains the payload stores (tests/test_weak_signal.py, with hypothesis
   // choosing each pop). GPUNET_TEST_P2P_NO_SIGNAL_RELEASE compiles both out, for that test's
   // fence-removal variant ONLY, which must then show the signal before the payload.
@@ -199,12 +199,15 @@ struct P2p {
     if (sig_op != SIGNAL_SET && !may_load(w, p, pe, 3)) return false;
     if (!in_heap(ctx, w, pe, sig_sym, 8, true) || !put_nbi(ctx, w, p, pe, dst_sym, src, nbytes))
       return false;
-    signal_release();  // the payload is visible before the signal
     uint64_t* sig = reinterpret_cast<uint64_t*>(mapped(ctx, p, sig_sym));
     if (sig_op == SIGNAL_SET) {
+      // a release store: the payload stores before it (and, being cumulative, those other
+      // threads made before a barrier with this one) are visible before it; one system-scope
+      // release per signal, not a fence and then a release (bench/p2p.py's round trip)
       signal_store(sig, api::signal_order(ctx, value));
       return !failed(w);
     }
+    signal_release();  // the CAS is a relaxed RMW: this fence orders the payload before it
     uint64_t old = 0;
     return add_word(ctx, w, pe, sig, value, &old);
   }
