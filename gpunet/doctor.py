@@ -48,11 +48,11 @@ import numpy as np
 
 from gpunet import config
 from gpunet.errors import GpunetError
+from gpunet.host.platform import KINDS      # the memory kinds probed: device, finegrained, host
 
 SCHEMA = "gpunet-doctor/1"
 SECTIONS = ("platform", "gpu", "toolchain", "nic", "transport", "loopback", "coherence", "policy")
 RESULTS = ("ok", "FAIL", "yes", "no", "coherent", "INCOHERENT", "skip", "info")
-KINDS = ("device", "finegrained", "host")
 DIRECTIONS = ("nic_write_sm_read", "sm_write_nic_read")
 
 # A probe's visibility bound: a pattern not seen within it counts as not visible. Far above what
@@ -664,6 +664,10 @@ class Prober:
             if int(ctl[CTL_CODE]) != 0:
                 raise GpunetError("the probe kernel timed out waiting for the host")
             if not to_nic:
+                if int(ctl[CTL_WARM_OLD]) != PROBE_WORDS:     # the probe's premise
+                    raise GpunetError("the kernel did not see the buffer's initial contents "
+                                      "(%d/%d words) before the NIC wrote"
+                                      % (int(ctl[CTL_WARM_OLD]), PROBE_WORDS))
                 matched = int(ctl[CTL_MATCHED])
                 res.update(coherent=matched == PROBE_WORDS, matched=matched,
                            warm_old=int(ctl[CTL_WARM_OLD]), waited_ns=int(ctl[CTL_WAITED_NS]),
