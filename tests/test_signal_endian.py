@@ -98,7 +98,7 @@ def test_proxy_signal_set_and_add_share_a_word_in_the_nic_order(mode):
 def world(request):
     r = Ranks(3, env={ENV: request.param})
     try:
-        info = r.run("signal_endian_jobs:init")
+        info = r.run("signal_endian_jobs:init", timeout=400)   # generous: a loaded 2-core CI
         assert [i["atomic_endianness"] for i in info] == [request.param] * 3
         # rank 0 is reached by all three transports: itself by p2p, rank 1 ibgda, rank 2 proxy
         assert [i["transports"][0] for i in info] == ["p2p", "ibgda", "proxy"], info
@@ -115,7 +115,7 @@ def test_every_transport_updates_one_signal_word_in_the_nic_order(world, k):
     counter. Rank 0's wait_until (eq) sees every total; read_signal reads them; in native mode
     torch's sig[i] is the value (in big-endian mode the raw bytes are the big-endian value);
     the atomics' old values are 0 .. 3k-1 exactly once; each payload landed."""
-    out = world.run("signal_endian_jobs:mixed_word", k)
+    out = world.run("signal_endian_jobs:mixed_word", k, timeout=400)
     r0 = out[0]
     expect = [r0["expect"][w] for w in range(5)]
     assert r0["read"] == expect, r0
@@ -134,7 +134,7 @@ def test_init_refuses_ranks_whose_nics_disagree_on_the_order():
     ConfigError on both ranks, naming the knob (device code reads every word in one order)."""
     r = Ranks(2)
     try:
-        out = r.run("signal_endian_jobs:init_with_order", {1: "big"})
+        out = r.run("signal_endian_jobs:init_with_order", {1: "big"}, timeout=400)
         for o in out:
             assert o["raised"] == "ConfigError", o
             assert "byte orders" in o["msg"] and ENV in o["msg"], o["msg"]
