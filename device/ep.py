@@ -95,6 +95,7 @@ def load_ep(arch="host", defines=None):
 
 # ---- ht.cuh (the high-throughput mode) ---------------------------------------------------------
 HT_MAX_CHANNELS = 64
+HT_MAX_CHUNK = 64
 HT_HDR_HEAD = 8
 OP_HT_DISPATCH, OP_HT_COMBINE = 3, 4
 PH_NOTIFY, PH_DATA = 1, 2

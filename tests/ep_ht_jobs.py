@@ -156,6 +156,8 @@ def round_(state, spec):
         n_exact = r_["src_idx"].numel()
         if worst is not None:
             kw["num_worst_tokens"] = n_exact + worst if worst >= 0 else max(1, n_exact + worst)
+        if stage != "dispatch" and not masked:
+            dist.barrier()      # start together: on a loaded CI machine a rank can lag by seconds
         rx, rtk, rw, counts, handle, ev = buf.dispatch(_dev(_x(spec, mine), dev), **kw)
         if spec.get("async_finish"):
             if ev.event is None:

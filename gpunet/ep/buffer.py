@@ -331,7 +331,8 @@ class Buffer:
         self._ht_epoch = torch.ones(1, dtype=torch.int64, device=self._device)
         self._ht_self = torch.zeros(4 * dep.HT_MAX_CHANNELS, dtype=torch.int64, device=self._device)
         self._ht_sync = torch.zeros(dep.SYNC_WORDS * dep.SYNC_STRIDE, dtype=torch.int64, device=self._device)
-        self._ht_ws = torch.zeros(2 * dep.HT_MAX_CHANNELS * r * dep.HT_WS_WORDS + r, dtype=torch.int64,
+        self._ht_ws = torch.zeros(2 * dep.HT_MAX_CHANNELS * r * dep.HT_WS_WORDS + r + 1 +
+                                  dep.HT_MAX_CHANNELS * r * dep.HT_MAX_CHUNK // 2, dtype=torch.int64,
                                   device=self._device)
         self._ht_lib = None
         self._stats = {"dispatch": torch.zeros(r, r, dtype=torch.int64, device=self._device),
@@ -465,6 +466,9 @@ class Buffer:
         nc = max(1, min(nc, dep.HT_MAX_CHANNELS))
         ring = config.num_max_nvl_chunked_recv_tokens
         chunk = config.num_max_nvl_chunked_send_tokens
+        if chunk > dep.HT_MAX_CHUNK:
+            raise ConfigError("Config %r: the send chunk (num_max_nvl_chunked_send_tokens=%d) is at most "
+                              "%d in gpunet's HT mode" % (config, chunk, dep.HT_MAX_CHUNK))
         if ring < 2 * chunk + 32:
             raise ConfigError("Config %r: the receive ring (num_max_nvl_chunked_recv_tokens=%d) must "
                               "hold at least 2 * send chunk + 32 = %d tokens (the combine receiver "

@@ -52,8 +52,9 @@
 // form every transport has (c500 p2p peers take no ADD). The epoch is a device word, the same on
 // every rank (each HT op bumps it by one at its end), so a word left over from an earlier call is
 // always below what this call waits for, and nothing needs resetting between calls. A rank's own
-// messages go straight into its own receive ring (plain stores) with device-memory tail / head
-// words instead of signals.
+// tokens never touch a ring: its dispatch sender stores them straight into their receive rows
+// (the notify step gave their positions), and its combine receiver reads its own rows from x in
+// place (x stays valid for the launch).
 //
 // Failures: as the LL kernels (ll.cuh): per-peer device contexts, a peer that fails or stays
 // silent for timeout_ns (no credit, no tail progress, no header) is marked failed (masked with
@@ -69,6 +70,7 @@ namespace gpunet {
 namespace ep {
 
 constexpr uint32_t kHtMaxChannels = 64;    // signal words are laid out for this many channels
+constexpr uint32_t kHtMaxChunk = 64;       // messages per send step (Config's send chunk, checked)
 constexpr uint32_t kHtMetaBytes = 16 + 8 * kMaxTopk;  // t, K, 0, 0; K local ids; K weights
 constexpr uint32_t kHtHdrHead = 8;         // magic, hidden, nc, msg_stride, experts, total, K, 0
 constexpr int32_t kHtMagic = 0x48544550;   // "PETH": a header of this mode
@@ -120,7 +122,7 @@ struct HtParams {
   uint64_t chan_prefix;  // int32 [R, nc + 1]
   uint64_t recv_info;    // int32 [R + 1 + E_loc]: rank prefix (R + 1 entries), aligned expert counts
   uint64_t bias0, bias1; // combine: bf16 [T, H] (or 0)
-  uint64_t ws;           // device: u64 [2 (send, recv)][nc][R][WS_WORDS], then int32 [R]
+  uint64_t ws;           // device: u64 [2 (send, recv)][nc][R][WS_WORDS], int32 [R], int32 [nc][R][kHtMaxChunk]
 };
 static_assert(sizeof(HtParams) == 616, "HtParams layout is mirrored in device/ep.py");
 
@@ -315,6 +317,39 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
 
 // ---- the sender (block 2c): dispatch tokens or combine rows to every destination ------------------
 
+// Slot k of token `src` as destination d sees it: the local expert id (-1: not on d) and weight.
+GPUNET_DEVICE int32_t local_slot(const HtParams& P, uint64_t src, uint32_t d, uint32_t k, float* w) {
+  const LlParams& B = P.base;
+  *w = 0.0f;
+  if (!(B.flags & F_HT_TOPK)) return -1;
+  const int64_t e = ptr<const int64_t>(P.topk_idx)[src * B.topk + k];
+  const int64_t lo = int64_t(d) * B.e_loc;
+  if (e < lo || e >= lo + int64_t(B.e_loc)) return -1;
+  if (B.flags & F_HT_WEIGHTS) *w = ptr<const float>(P.topk_weights)[src * B.topk + k];
+  return int32_t(e - lo);
+}
+
+// Dispatch to itself: token t goes straight to its receive row `pos` (no ring, no signal).
+GPUNET_DEVICE void ht_deliver_self(const HtParams& P, const Geo& g, uint64_t pos, uint64_t t) {
+  const LlParams& B = P.base;
+  const uint32_t H = B.hidden, K = B.topk;
+  if (B.flags & F_FP8) {
+    warp_copy(g, P.out_x + pos * H, P.x + t * H, H);
+    const uint32_t G = H / kGroup;
+    for (uint32_t q = g.lane; q < G; q += g.ws)
+      ptr<float>(P.out_scales)[pos * G + q] = ptr<const float>(P.x_scales)[t * G + q];
+  } else {
+    warp_copy(g, P.out_x + pos * H * 2, P.x + t * H * 2, uint64_t(H) * 2);
+  }
+  if (g.lane == 0) ptr<int32_t>(P.out_src_idx)[pos] = int32_t(t);
+  if ((B.flags & F_HT_TOPK) && g.lane < K) {
+    float w;
+    const int32_t le = local_slot(P, t, B.rank, g.lane, &w);
+    ptr<int64_t>(P.out_topk_idx)[pos * K + g.lane] = le;
+    if (P.out_weights) ptr<float>(P.out_weights)[pos * K + g.lane] = w;
+  }
+}
+
 // Stage message `idx` (token or row `src`) for destination d into `msg`.
 GPUNET_DEVICE void ht_stage(const HtParams& P, const Geo& g, uint64_t msg, uint64_t src, uint32_t d,
                             bool combine) {
@@ -339,19 +374,23 @@ GPUNET_DEVICE void ht_stage(const HtParams& P, const Geo& g, uint64_t msg, uint6
   if (g.lane < K) {
     float w = 0.0f;
     int32_t le = -1;
-    if (!combine && (B.flags & F_HT_TOPK)) {
-      const int64_t e = ptr<const int64_t>(P.topk_idx)[src * K + g.lane];
-      const int64_t lo = int64_t(d) * B.e_loc;
-      if (e >= lo && e < lo + int64_t(B.e_loc)) {
-        le = int32_t(e - lo);
-        if (B.flags & F_HT_WEIGHTS) w = ptr<const float>(P.topk_weights)[src * K + g.lane];
-      }
-    } else if (combine && (B.flags & F_HT_WEIGHTS)) {
-      w = ptr<const float>(P.topk_weights)[src * K + g.lane];
-    }
+    if (!combine) le = local_slot(P, src, d, g.lane, &w);
+    else if (B.flags & F_HT_WEIGHTS) w = ptr<const float>(P.topk_weights)[src * K + g.lane];
     meta[4 + g.lane] = le;
     ptr<float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane] = w;
   }
+}
+
+// The sender works in block-wide steps: (1) the warp that owns a destination (d % nwarps) decides,
+// from d's credit, whether d gets n more messages now and lists their tokens (rows); (2) every warp
+// of the block stages the listed messages of every destination (a 2-rank world has 1 remote
+// destination: all warps stage its rows, not one); (3) the owner posts them and the tail. Lane 0 of
+// the owner reads and writes d's state words, so every lane takes the same branches (the ballots
+// and shuffles need that).
+GPUNET_DEVICE int32_t* tok_list(const HtParams& P, uint32_t c, uint32_t d) {
+  const uint64_t scratch = P.ws + uint64_t(2) * P.nchannels * P.base.nranks * WS_WORDS * 8;
+  return ptr<int32_t>(scratch + (uint64_t(P.base.nranks) * 4 + 7) / 8 * 8) +
+         (uint64_t(c) * P.base.nranks + d) * kHtMaxChunk;
 }
 
 GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
@@ -363,110 +402,128 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
   const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
   const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
   const int32_t* pre = ptr<const int32_t>(P.chan_prefix);
+  const uint64_t self_row = uint64_t(pre[uint64_t(B.rank) * (nc + 1) + c]);
   const uint64_t t_start = arch::now_ns();
-  // a destination's state is read and written by lane 0 of the warp that owns it (d % nwarps)
-  // and broadcast, so every lane takes the same branches (the ballots and shuffles need that)
   if (g.lane == 0) {
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {
-      const uint64_t total = combine ? uint64_t(pre[uint64_t(d) * (nc + 1) + c + 1] - pre[uint64_t(d) * (nc + 1) + c])
+      // combine to itself: nothing to send (its receiver reads x in place)
+      const uint64_t total = combine ? (d == B.rank ? 0 : uint64_t(pre[uint64_t(d) * (nc + 1) + c + 1] -
+                                                                   pre[uint64_t(d) * (nc + 1) + c]))
                                      : uint64_t(ptr<const int32_t>(P.send_cnt)[uint64_t(c) * R + d]);
       *ws_word(P, 0, c, d, WS_SENT) = 0;
       *ws_word(P, 0, c, d, WS_CURSOR) = combine ? uint64_t(pre[uint64_t(d) * (nc + 1) + c]) : cb;
       *ws_word(P, 0, c, d, WS_TLAST) = t_start;
       *ws_word(P, 0, c, d, WS_TOTAL) = total;
       *ws_word(P, 0, c, d, WS_DONE) = 0;
+      *ws_word(P, 0, c, d, WS_AVAIL) = 0;
     }
   }
-  arch::syncwarp();
   for (;;) {
+    // (1) decide and list
     bool left = false;  // lane 0: one of this warp's destinations is not done
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {  // warp-uniform
-      // 0: done, 1: wait for credit, 2: send n
-      uint32_t act = 0;
+      uint32_t act = 0;  // 2: send n now
       uint64_t sent = 0, n = 0, cur = 0;
-      if (g.lane == 0 && !*ws_word(P, 0, c, d, WS_DONE)) {
-        if (out[d]) {
-          *ws_word(P, 0, c, d, WS_DONE) = 1;
-        } else {
-          const uint64_t total = *ws_word(P, 0, c, d, WS_TOTAL);
-          sent = *ws_word(P, 0, c, d, WS_SENT);
-          cur = *ws_word(P, 0, c, d, WS_CURSOR);
-          const uint64_t consumed = read_count(P, kind, 1, c, d, epoch);
-          n = total - sent < P.chunk ? total - sent : P.chunk;
-          if (sent == total && consumed >= total) {
+      if (g.lane == 0) {
+        *ws_word(P, 0, c, d, WS_AVAIL) = 0;
+        if (!*ws_word(P, 0, c, d, WS_DONE)) {
+          if (out[d]) {
             *ws_word(P, 0, c, d, WS_DONE) = 1;
-            if (d != B.rank && !quiet_pe(peer_ctx(B, d), int(d))) peer_fail_view(B, out, d);
-          } else if (sent == total || sent - consumed + n > P.ring) {
-            act = 1;
-            if (d != B.rank && arch::now_ns() - *ws_word(P, 0, c, d, WS_TLAST) > indirect_timeout(P)) {
-              peer_fail_view(B, out, d);  // no credit for that long: the peer is silent
-              *ws_word(P, 0, c, d, WS_DONE) = 1;
-            }
           } else {
-            act = 2;
+            const uint64_t total = *ws_word(P, 0, c, d, WS_TOTAL);
+            sent = *ws_word(P, 0, c, d, WS_SENT);
+            cur = *ws_word(P, 0, c, d, WS_CURSOR);
+            // to itself: rows go straight to their receive rows, no ring: no credit to wait for
+            const uint64_t consumed = d == B.rank ? sent : read_count(P, kind, 1, c, d, epoch);
+            n = total - sent < P.chunk ? total - sent : P.chunk;
+            if (sent == total && consumed >= total) {
+              *ws_word(P, 0, c, d, WS_DONE) = 1;
+              if (d != B.rank && total && !quiet_pe(peer_ctx(B, d), int(d))) peer_fail_view(B, out, d);
+            } else if (sent == total || sent - consumed + n > P.ring) {
+              if (d != B.rank && arch::now_ns() - *ws_word(P, 0, c, d, WS_TLAST) > indirect_timeout(P)) {
+                peer_fail_view(B, out, d);  // no credit for that long: the peer is silent
+                *ws_word(P, 0, c, d, WS_DONE) = 1;
+              }
+            } else {
+              act = 2;
+            }
           }
+          left = left || !*ws_word(P, 0, c, d, WS_DONE);
         }
-        left = left || !*ws_word(P, 0, c, d, WS_DONE);
       }
       act = arch::shfl(act, 0);
       if (act != 2) continue;
-      sent = arch::shfl(sent, 0);
       n = arch::shfl(n, 0);
       cur = arch::shfl(cur, 0);
-      // stage n messages, in order, into consecutive slots (to itself: straight into its ring)
-      const bool self = d == B.rank;
-      const uint64_t area = self ? P.recv_ring : P.send_ring;
-      const uint32_t pslot = self ? B.rank : d;
+      int32_t* list = tok_list(P, c, d);
       if (combine) {
-        for (uint64_t i = 0; i < n; ++i)
-          ht_stage(P, g, slot_addr(P, area, c, pslot, sent + i), cur + i, d, true);
+        for (uint64_t i = g.lane; i < n; i += g.ws) list[i] = int32_t(cur + i);
         cur += n;
       } else {
         uint64_t taken = 0;
         while (taken < n) {  // warp-uniform: a ballot over ws tokens from the cursor
           const uint64_t t = cur + g.lane;
-          uint64_t bits = arch::ballot(t < ce && send_pos[t * R + d] >= 0);
+          const bool in = t < ce && send_pos[t * R + d] >= 0;
+          const uint64_t bits = arch::ballot(in);
+          const uint64_t below = g.lane == 0 ? 0 : (~uint64_t(0) >> (64 - g.lane));
           const uint64_t cnt = popc64(bits);
           const uint64_t take = cnt < n - taken ? cnt : n - taken;
-          uint64_t last = 0;
-          for (uint64_t q = 0; q < take; ++q) {
-            last = ctz64(bits);
-            bits &= bits - 1;
-            ht_stage(P, g, slot_addr(P, area, c, pslot, sent + taken + q), cur + last, d, false);
-          }
+          const uint64_t rank_in = popc64(bits & below);
+          if (in && rank_in < take) list[taken + rank_in] = int32_t(t);
+          uint64_t last = 0;  // the position of the last token taken
+          for (uint64_t b = bits, q = 0; q < take; ++q, b &= b - 1) last = ctz64(b);
           cur = take < cnt ? cur + last + 1 : cur + g.ws;
           taken += take;
         }
       }
-      arch::syncwarp();  // every lane's staging stores before lane 0's fence and put
       if (g.lane == 0) {
         *ws_word(P, 0, c, d, WS_CURSOR) = cur;
-        *ws_word(P, 0, c, d, WS_SENT) = sent + n;
-        *ws_word(P, 0, c, d, WS_TLAST) = arch::now_ns();
-        bool ok = true;
-        if (!self) {
-          // the slots [sent, sent + n) of the ring: one put, two when they wrap
-          const uint64_t s0 = sent % P.ring;
-          const uint64_t n1 = P.ring - s0 < n ? P.ring - s0 : n;
-          const DevCtx& cx = peer_ctx(B, d);
-          const uint64_t msz = B.msg_stride;
-          ok = fence(cx) &&
-               put_nbi(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, sent)),
-                       ptr<const void>(slot_addr(P, P.send_ring, c, d, sent)), n1 * msz, int(d));
-          if (ok && n1 < n)
-            ok = put_nbi(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, 0)),
-                         ptr<const void>(slot_addr(P, P.send_ring, c, d, 0)), (n - n1) * msz, int(d));
-        }
-        ok = ok && write_count(P, kind, 0, c, d, epoch, sent + n);
-        if (!ok) {
-          peer_fail_view(B, out, d);
-          *ws_word(P, 0, c, d, WS_DONE) = 1;
-        }
+        *ws_word(P, 0, c, d, WS_AVAIL) = n;
       }
-      arch::syncwarp();
     }
-    if (!arch::block_any(left)) break;
-    arch::spin_pause();
+    const bool more = arch::block_any(left);  // (also the barrier after the lists)
+    // (2) every warp stages the listed messages of every destination
+    uint64_t items = 0;
+    for (uint32_t d = 0; d < R; ++d) items += *ws_word(P, 0, c, d, WS_AVAIL);
+    for (uint64_t it = g.wid; it < items; it += g.nwarps) {
+      uint32_t d = 0;
+      uint64_t i = it;
+      while (i >= *ws_word(P, 0, c, d, WS_AVAIL)) i -= *ws_word(P, 0, c, d, WS_AVAIL), ++d;
+      const uint64_t idx = *ws_word(P, 0, c, d, WS_SENT) + i;
+      const uint64_t src = uint64_t(tok_list(P, c, d)[i]);
+      if (d == B.rank && !combine) ht_deliver_self(P, g, self_row + idx, src);
+      else ht_stage(P, g, slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
+    }
+    arch::syncthreads();  // every staging store before the owners' fences and puts
+    // (3) the owners post
+    for (uint32_t d = g.wid; d < R; d += g.nwarps) {
+      if (g.lane != 0) continue;
+      const uint64_t n = *ws_word(P, 0, c, d, WS_AVAIL);
+      if (!n) continue;
+      const uint64_t sent = *ws_word(P, 0, c, d, WS_SENT);
+      *ws_word(P, 0, c, d, WS_SENT) = sent + n;
+      *ws_word(P, 0, c, d, WS_TLAST) = arch::now_ns();
+      if (d == B.rank) continue;
+      // the slots [sent, sent + n) of the ring: one put, two when they wrap
+      const uint64_t s0 = sent % P.ring;
+      const uint64_t n1 = P.ring - s0 < n ? P.ring - s0 : n;
+      const DevCtx& cx = peer_ctx(B, d);
+      const uint64_t msz = B.msg_stride;
+      bool ok = fence(cx) &&
+                put_nbi(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, sent)),
+                        ptr<const void>(slot_addr(P, P.send_ring, c, d, sent)), n1 * msz, int(d));
+      if (ok && n1 < n)
+        ok = put_nbi(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, 0)),
+                     ptr<const void>(slot_addr(P, P.send_ring, c, d, 0)), (n - n1) * msz, int(d));
+      ok = ok && write_count(P, kind, 0, c, d, epoch, sent + n);
+      if (!ok) {
+        peer_fail_view(B, out, d);
+        *ws_word(P, 0, c, d, WS_DONE) = 1;
+      }
+    }
+    if (!more) break;
+    if (!items) arch::spin_pause();
+    arch::syncthreads();  // the owners' state words before the next step reads them
   }
 }
 
@@ -483,7 +540,9 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
   const uint32_t G = H / kGroup;
   const uint64_t t_start = arch::now_ns();
   for (uint32_t j = g.tid; j < R; j += g.bdim) {
-    const uint64_t total = uint64_t(pre[uint64_t(j) * (nc + 1) + c + 1] - pre[uint64_t(j) * (nc + 1) + c]);
+    // its own rows were stored in place by its sender block
+    const uint64_t total = j == B.rank ? 0 : uint64_t(pre[uint64_t(j) * (nc + 1) + c + 1] -
+                                                      pre[uint64_t(j) * (nc + 1) + c]);
     *ws_word(P, 1, c, j, WS_SENT) = 0;       // consumed
     *ws_word(P, 1, c, j, WS_CREDIT) = 0;
     *ws_word(P, 1, c, j, WS_TOTAL) = total;
@@ -570,6 +629,8 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
   const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
   const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
   const int32_t* send_cnt = ptr<const int32_t>(P.send_cnt);
+  // its own rows: read in place from x (rows [self_row, ...) of this channel), never sent
+  const uint64_t self_row = uint64_t(ptr<const int32_t>(P.chan_prefix)[uint64_t(B.rank) * (nc + 1) + c]);
   for (uint32_t d = g.tid; d < R; d += g.bdim) {
     *ws_word(P, 1, c, d, WS_CREDIT) = 0;
     *ws_word(P, 1, c, d, WS_MAXP) = 0;
@@ -586,6 +647,12 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
         const int32_t p = send_pos[t * R + d];
         if (p < 0) continue;
         bool ok = !out[d];
+        if (d == B.rank) {
+          if (ok && g.lane < K && (B.flags & F_HT_WEIGHTS))
+            wsum += ptr<const float>(P.topk_weights)[(self_row + uint64_t(p)) * K + g.lane];
+          if (ok && d < 64) have |= uint64_t(1) << d;
+          continue;
+        }
         if (ok && g.lane == 0) {
           uint32_t n = 0;
           while (read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) <= uint64_t(p)) {
@@ -624,7 +691,9 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
         for (uint32_t d = 0; d < R; ++d) {
           const int32_t p = send_pos[t * R + d];
           if (p < 0 || (d < 64 ? !((have >> d) & 1) : out[d] != 0)) continue;
-          const V16 v = *ptr<const V16>(slot_addr(P, P.recv_ring, c, d, uint64_t(p)) + uint64_t(c0) * 2);
+          const uint64_t row = d == B.rank ? P.x + (self_row + uint64_t(p)) * H * 2
+                                           : slot_addr(P, P.recv_ring, c, d, uint64_t(p));
+          const V16 v = *ptr<const V16>(row + uint64_t(c0) * 2);
           for (uint32_t q = 0; q < 8; ++q) acc[q] += bf16_at(v, q);
         }
         V16 o = {0, 0};
@@ -636,7 +705,7 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
     }
     arch::syncthreads();  // the round's rows are read: credit them
     for (uint32_t d = g.tid; d < R; d += g.bdim) {
-      if (out[d]) continue;
+      if (out[d] || d == B.rank) continue;
       const uint64_t m = arch::atomic_load(ws_word(P, 1, c, d, WS_MAXP));
       const uint64_t cr = *ws_word(P, 1, c, d, WS_CREDIT);
       const uint64_t total = uint64_t(send_cnt[uint64_t(c) * R + d]);
