@@ -17,7 +17,8 @@
 //            (token, expert) its rank among the tile's tokens selecting that expert and each
 //            (token, destination) its rank among the tile's tokens going there; an exclusive
 //            prefix over tiles turns them into idx_e(t) = #{t' < t selecting e} and the message
-//            slot s_d(t) = #{t' < t sending to d}. Blocks wait for the plan (a grid flag).
+//            slot s_d(t) = #{t' < t sending to d}. Meanwhile (after the quiet: a grid flag) the
+//            other blocks stage their tokens' rows (step 2's row part), then wait for the plan.
 //         2. warp per token: the row (bf16, or fp8 + one f32 scale per 128 columns, quantised
 //            here) and its meta (t, then K pairs (global expert, idx_e(t)), -1 for holes and
 //            repeats) are staged ONCE in the send buffer, then ONE put per destination RANK (not
@@ -122,7 +123,7 @@ enum : uint32_t { SIG_DISPATCH = 0, SIG_COMBINE = 1 };
 // grid sync words (each on its own 64-byte line of LlParams::sync), zero between launches
 enum : uint32_t {
   SYNC_SEND_READY = 0, SYNC_SEND_DONE = 1, SYNC_RECV_READY = 2, SYNC_RECV_TABLE = 3,
-  SYNC_RECV_DONE = 4, SYNC_WORDS = 8,
+  SYNC_RECV_DONE = 4, SYNC_SEND_QUIET = 5, SYNC_WORDS = 8,
 };
 constexpr uint32_t kSyncStride = 8;     // u64 words between two sync words (64 bytes)
 // A combine slot-table entry is (source << 32 | row of its receive area), or kSelfRow | (row of x)
@@ -656,15 +657,38 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
   }
 }
 
+// Step 2's row: bf16 copied, or fp8 quantised with its scales, into the token's send slot.
+GPUNET_DEVICE void stage_row(const LlParams& P, const Geo& g, uint32_t t) {
+  const uint32_t H = P.hidden;
+  const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
+  const uint64_t row = P.x + uint64_t(t) * H * 2;
+  if (P.flags & F_FP8) {
+    const bool round = (P.flags & (F_ROUND_SCALE | F_UE8M0)) != 0;
+    for (uint32_t grp = g.lane; grp < H / kGroup; grp += g.ws)
+      quantise_group(ptr<const uint16_t>(row) + grp * kGroup, ptr<uint8_t>(msg) + grp * kGroup,
+                     ptr<float>(msg + H) + grp, round);
+  } else {
+    warp_copy(g, msg, row, uint64_t(H) * 2);
+  }
+}
+
 GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   const uint32_t K = P.topk, T = P.num_tokens, E = P.num_experts, C = P.hist_cols, H = P.hidden;
+  // Rows are staged while block 0 plans: once block 0's quiet has freed the staging
+  // (SYNC_SEND_QUIET), the other blocks copy / quantise their tokens' rows, then wait for the
+  // plan; block 0 stages its own after planning. (The plan is block 0's alone: the grid waited
+  // for it, doing nothing, before any row moved.)
   if (g.bid == 0) {
     quiet_live_peers(P, g);
+    block_publish(P, g, SYNC_SEND_QUIET);
     arch::syncthreads();
     plan_tokens(P, g);
     block_publish(P, g, SYNC_SEND_READY);
-  } else if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) {
-    return false;
+    for (uint32_t t = g.gw; t < T; t += g.gwarps) stage_row(P, g, t);
+  } else {
+    if (!block_wait(P, g, SYNC_SEND_QUIET, 1, EP_SITE_PLAN)) return false;
+    for (uint32_t t = g.gw; t < T; t += g.gwarps) stage_row(P, g, t);
+    if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) return false;
   }
   stamp(P, g, ST_SEND_PLAN);
   uint8_t* out = load_peer_view(P, g);
@@ -672,20 +696,11 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   const int32_t* plan_idx = ptr<const int32_t>(P.plan);
   const int32_t* plan_slot = plan_idx + uint64_t(P.t_max) * K;
   const int32_t* hist = ptr<const int32_t>(P.hist);
-  const bool fp8 = (P.flags & F_FP8) != 0;
   const bool self_direct = self_reads_source(P);
-  const bool round = (P.flags & (F_ROUND_SCALE | F_UE8M0)) != 0;
-  // ws (the plan's tile width) is the same for every warp of the launch
+  // ws (the plan's tile width) is the same for every warp of the launch; each warp takes the
+  // tokens it staged above (same loop), so its own row stores precede its syncwarp below
   for (uint32_t t = g.gw; t < T; t += g.gwarps) {
     const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
-    const uint64_t row = P.x + uint64_t(t) * H * 2;
-    if (fp8) {
-      for (uint32_t grp = g.lane; grp < H / kGroup; grp += g.ws)
-        quantise_group(ptr<const uint16_t>(row) + grp * kGroup, ptr<uint8_t>(msg) + grp * kGroup,
-                       ptr<float>(msg + H) + grp, round);
-    } else {
-      warp_copy(g, msg, row, uint64_t(H) * 2);
-    }
     int32_t* meta = ptr<int32_t>(msg + P.payload_bytes);
     const uint32_t tile = t / g.ws;
     int32_t e = -1, idx = -1;
@@ -767,6 +782,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     }
     announce_self(P, g, SIG_DISPATCH);
     reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
+    reset_sync(P, g, SYNC_SEND_QUIET, SYNC_SEND_QUIET);
     stamp(P, g, ST_SEND_HDR);
   }
   return true;
