@@ -4,8 +4,8 @@ dispatch / combine), run as ``python bench/ep.py --mode ht [...]`` (bench/ep.py 
 DeepEP's intranode workload and method (its tests/legacy/test_intranode.py, re-implemented):
 4096 tokens per rank, hidden 7168, top-8, 256 experts, 10 -1 holes per rank; BF16 and FP8
 dispatch, BF16 combine; a sweep over Configs (channels = num_sms / 2, send chunk, receive ring)
-picks the best dispatch Config and the best combine Config (DeepEP's "best config" search), and
-the rows are timed with those. Each timed call follows a barrier (launch skew does not count);
+picks the best Config for each of BF16 dispatch, FP8 dispatch and combine (DeepEP's "best
+config" search); the rows report the best. Each timed call follows a barrier (launch skew does not count);
 warm-up calls first; the figure is the median over iterations of the slowest rank's time.
 
 Bytes are counted as DeepEP counts them in that test: a rank's received rows x 2H (BF16 dispatch,
@@ -102,12 +102,8 @@ def _rank_bench(rank, world, cfg):
             # combine uses the dispatch's channels: a handle made with this Config's num_sms
             y, _, _, _, h, _ = buf.dispatch(x, config=c, **kw)
             sweep["combine bf16"].append(laps(lambda: buf.combine(y, h, config=c)))
+        sweep["dispatch fp8"] = [laps(lambda: buf.dispatch(xq, config=c, **kw)) for c in configs]
         res["sweep"] = sweep
-        res["fp8"] = {}
-        for i, c in enumerate(configs):
-            res["fp8"][i] = laps(lambda: buf.dispatch(xq, config=c, **kw)) if cfg["fp8_all"] else None
-        # FP8 with every Config is costly: by default only with the first (the table picks the best
-        # BF16 Config; FP8 is timed with it in the parent's second pass when fp8_all is off)
         if nccl is not None:
             res["nccl"] = _nccl(x, in_rank, world, cfg, align, nccl, timer)
     finally:
@@ -134,12 +130,6 @@ def _nccl(x, in_rank, world, cfg, align, group, timer):
         align()
         cpu.append(timer(lambda: dist.all_to_all_single(out, inp, outs, ins, group=group))[1])
     return {"laps_s": timer.resolve(cpu)[cfg["warmup"]:], "bytes_per_rank": inp.numel() * 2}
-
-
-def _fp8_pass(rank, world, cfg):
-    """FP8 dispatch timed with the best BF16 dispatch Config (a second, short rank run)."""
-    cfg = dict(cfg, configs=[cfg["best"]], fp8_all=True, no_nccl=True)
-    return _rank_bench(rank, world, cfg)
 
 
 def _gather_yardstick(cfg, world):
@@ -188,7 +178,7 @@ def run(args):
     cfg = dict(gpu=args.gpu, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                experts=args.experts, iters=args.iters, warmup=args.warmup, holes=args.holes,
                seed=args.seed, transport=args.transport, timeout_s=args.timeout_s,
-               no_nccl=args.no_nccl, configs=GPU_CONFIGS if args.gpu else CPU_CONFIGS, fp8_all=False)
+               no_nccl=args.no_nccl, configs=GPU_CONFIGS if args.gpu else CPU_CONFIGS)
     rows, gate, runs = [], [], []
     for world in ranks:
         print("[bench/ep ht] %d ranks, %d tokens, hidden %d, top-%d, %d experts (%s)"
@@ -198,11 +188,10 @@ def run(args):
         try:
             per = run_ranks(_rank_bench, world, cfg, timeout_s=RANK_TIMEOUT_S)
             step = lambda lapsets: [max(v) for v in zip(*lapsets)]  # noqa: E731 - slowest rank per iteration
+            ops = ("dispatch bf16", "dispatch fp8", "combine bf16")
             med = {op: [statistics.median(step([p["sweep"][op][i] for p in per]))
-                        for i in range(len(cfg["configs"]))] for op in ("dispatch bf16", "combine bf16")}
-            best = {op: min(range(len(cfg["configs"])), key=lambda i: med[op][i]) for op in med}
-            fp8 = run_ranks(_fp8_pass, world, dict(cfg, best=cfg["configs"][best["dispatch bf16"]]),
-                            timeout_s=RANK_TIMEOUT_S)
+                        for i in range(len(cfg["configs"]))] for op in ops}
+            best = {op: min(range(len(cfg["configs"])), key=lambda i: med[op][i]) for op in ops}
         except GpunetError as e:
             print("[bench/ep ht] %d ranks FAILED: %s" % (world, e), file=sys.stderr, flush=True)
             gate.append({"kind": "test", "name": "EP HT %d ranks: bench ran" % world, "result": "FAIL",
@@ -210,22 +199,20 @@ def run(args):
             runs.append({"ranks": world, "error": str(e)})
             continue
         gather_s, gather_rows = _gather_yardstick(cfg, world)
-        fails = ["rank %d: %s" % (p["rank"], f) for p in per + fp8 for f in p["fail"]]
+        fails = ["rank %d: %s" % (p["rank"], f) for p in per for f in p["fail"]]
         recv = max(p["recv_rows"] for p in per)
         H = cfg["hidden"]
         nbytes = {"dispatch bf16": recv * H * 2, "combine bf16": recv * H * 2,
                   "dispatch fp8": int(recv * H * 2 * (1 + 4 / 128) / 2)}
         for i, c in enumerate(cfg["configs"]):
-            for op in ("dispatch bf16", "combine bf16"):
+            for op in ops:
                 rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "sweep " + op,
                              "config": c, "median_us": med[op][i] * 1e6,
                              "GBps": nbytes[op] / med[op][i] / 1e9})
-        laps = {"dispatch bf16": step([p["sweep"]["dispatch bf16"][best["dispatch bf16"]] for p in per]),
-                "combine bf16": step([p["sweep"]["combine bf16"][best["combine bf16"]] for p in per]),
-                "dispatch fp8": step([p["fp8"][0] for p in fp8])}
-        for op in ("dispatch bf16", "dispatch fp8", "combine bf16"):
+        laps = {op: step([p["sweep"][op][best[op]] for p in per]) for op in ops}
+        for op in ops:
             st = ll_bench._stats(laps[op])
-            cfg_used = cfg["configs"][best["combine bf16" if op.startswith("combine") else "dispatch bf16"]]
+            cfg_used = cfg["configs"][best[op]]
             row = {"ranks": world, "tokens": cfg["tokens"], "op": "HT " + op, "config": cfg_used, **st,
                    "bytes_per_rank": nbytes[op], "GBps": nbytes[op] / (st["median_us"] * 1e-6) / 1e9,
                    "vs_torch_gather": st["median_us"] * 1e-6 / gather_s,

@@ -338,3 +338,28 @@ def test_a_dead_rank_raises_ep_timeout_without_shrink(transport, stage):
             assert o["raised"]["phase"] == stage and o["raised"]["peers_silent"] == [VICTIM], o["raised"]
     finally:
         _close_survivors(r)
+
+
+# ---- the benchmark's CPU mode ---------------------------------------------------------------------
+def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
+    """bench/ep.py --mode ht on the CPU (2 ranks, soft NIC, small sizes): it checks the dispatch
+    against the reference (a PASS test row), sweeps its Configs, and writes the JSON with the
+    BF16 / FP8 dispatch and combine rows (each with its best Config), the torch gather yardstick
+    and the target rows."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "ht.json"
+    r = subprocess.run([sys.executable, str(root / "bench" / "ep.py"), "--mode", "ht", "--tokens", "24",
+                        "--iters", "1", "--warmup", "0", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=str(root))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    d = json.loads(out.read_text())
+    ops = {row["op"] for row in d["rows"]}
+    assert {"HT dispatch bf16", "HT dispatch fp8", "HT combine bf16", "torch gather, all ranks' rows"} <= ops
+    tests = [g for g in d["gate"] if g["kind"] == "test"]
+    assert tests and all(g["result"] == "PASS" for g in tests), tests
+    assert sum(g["kind"] == "target" for g in d["gate"]) == 2
+    assert all(row["GBps"] > 0 for row in d["rows"])
