@@ -12,7 +12,8 @@ _aligner; its correctness check runs first):
 - device stamps (LlParams::prof, ll.cuh ST_*): thread 0 of every block stores the global timer at
   each phase boundary; all ranks share one GPU here, so one clock orders every rank's stamps.
   Per call: kernel (first block in .. last block out), start (first .. last block in), plan
-  (block 0: quiet + routing plan), send (plan .. last block's puts posted), hdr (the last block's
+  (block 0: quiet + routing plan; dispatch: + its own rows staged, the other blocks stage theirs
+  meanwhile), send (plan .. last block's puts posted), hdr (the last block's
   headers + signals), wait (block 0: own headers posted .. every source arrived), recv (receive
   tables .. last block's unpack / reduce done), and across ranks: skew (first block in, earliest
   rank .. latest rank) and sig lat (the last peer's headers posted .. this rank saw them all).
@@ -277,7 +278,7 @@ def _report(world, per_rank, yard, cfg):
 LEGEND = """columns (us, median over calls; device columns from the global timer stamps):
   event   CUDA events around the call (bench/ep.py's figure)   host  perf_counter around the call
   kernel  first block in .. last block out      start  first .. last block in (same rank)
-  plan    block 0: quiet + routing plan         send   plan .. every block's puts posted
+  plan    block 0: quiet + plan (+ dispatch: its rows staged)   send  plan .. every block's puts posted
   hdr     last block: headers + signals         wait   own headers posted .. all sources seen
   recv    receive tables .. unpack / reduce done  table  combine: tables .. slot-table barrier
   skew    this rank's first block in - the earliest rank's   sig lat  last peer's headers .. seen

@@ -198,7 +198,7 @@ static_assert(sizeof(LlParams) == 384, "LlParams layout is mirrored in device/ep
 // LlParams::prof: thread 0 of every block stores now_ns() at these points (0 = not reached).
 enum : uint32_t {
   ST_BEGIN = 0,       // kernel entry
-  ST_SEND_PLAN = 1,   // the block has the plan (block 0: after quiet + plan)
+  ST_SEND_PLAN = 1,   // the block has the plan (dispatch: and its rows staged)
   ST_SEND_LOOP = 2,   // the block's puts / copies are posted
   ST_SEND_HDR = 3,    // (last block) headers + signals posted, self announced
   ST_RECV_READY = 4,  // the block has the receive tables (block 0: every source arrived)
