@@ -92,21 +92,34 @@ GPUNET_GLOBAL void k_ops(const DevCtx* ctx, OpDesc* ops, uint32_t per_thread) {
 // block agrees on its own `ok`, so no barrier diverges) and clears `ok` of the put it failed on;
 // the host sets every `ok` to 1 before the launch. Then the block syncs and its thread 0 quiets:
 // the block's puts are complete when the kernel ends, as k_ops' are.
+// The list lives where the host wrote it (on a GPU: host-mapped memory, a PCIe read per load), so
+// thread 0 stages each put's fields in shared memory (kBulkSmem bytes of the launch) and the
+// block reads them there: one read per block, not one per thread.
+constexpr size_t kBulkSmem = 32;
 GPUNET_GLOBAL void k_put_bulk(const DevCtx* ctx, OpDesc* ops, uint32_t nops, uint64_t chunk) {
   const arch::Dim3 g = arch::grid_dim(), b = arch::block_idx();
   const uint64_t blocks = uint64_t(g.x) * g.y * g.z;
   const uint64_t me = b.x + uint64_t(g.x) * (b.y + uint64_t(g.y) * b.z);
+  uint64_t* staged = reinterpret_cast<uint64_t*>(arch::shared_mem());  // dst, src, nbytes, pe
   bool ok = true;
   uint64_t k = 0;  // chunks of the puts before op i
   for (uint32_t i = 0; i < nops && ok; ++i) {
-    OpDesc& op = ops[i];
-    const uint64_t n = op.nbytes;
+    if (arch::thread_rank() == 0) {
+      staged[0] = ops[i].dst;
+      staged[1] = ops[i].src;
+      staged[2] = ops[i].nbytes;
+      staged[3] = uint64_t(uint32_t(ops[i].pe));
+    }
+    arch::syncthreads();
+    const uint64_t dst = staged[0], src = staged[1], n = staged[2];
+    const int pe = int32_t(uint32_t(staged[3]));
+    arch::syncthreads();  // every thread has its copy before thread 0 stages the next put
     const uint64_t nchunks = n == 0 ? 1 : (n + chunk - 1) / chunk;
     for (uint64_t j = (me + blocks - k % blocks) % blocks; j < nchunks && ok; j += blocks) {
       const uint64_t off = j * chunk, len = n - off < chunk ? n - off : chunk;
-      ok = gpunet::put_nbi_block(*ctx, reinterpret_cast<uint8_t*>(op.dst) + off,
-                                 reinterpret_cast<const uint8_t*>(op.src) + off, n ? len : 0, op.pe);
-      if (!ok && arch::thread_rank() == 0) op.ok = 0;
+      ok = gpunet::put_nbi_block(*ctx, reinterpret_cast<uint8_t*>(dst) + off,
+                                 reinterpret_cast<const uint8_t*>(src) + off, n ? len : 0, pe);
+      if (!ok && arch::thread_rank() == 0) ops[i].ok = 0;
     }
     k += nchunks;
   }
@@ -174,6 +187,7 @@ int gpunet_put_bulk_launch(uint32_t grid, uint32_t block, uint32_t ws, uint32_t 
                            uint32_t nops, uint64_t chunk, void* stream, uint32_t sync) {
   if (chunk == 0) return -1;
   gpunet::LaunchSpec s = spec(grid, block, ws, weak, seed, order, sleep_ns);
+  s.shared_bytes = kBulkSmem;
   s.stream = stream;
   s.sync = sync != 0;
   return gpunet::launch_kernel(s, k_put_bulk, ctx, static_cast<OpDesc*>(ops), nops, chunk);
