@@ -694,8 +694,8 @@ class Buffer:
             rows = num_worst_tokens
         else:
             self._ht_launch(P, 1, block, what + " (notify)")
-            self._check(what, "dispatch")
-            host = info.cpu()                       # the one host sync of a dispatch
+            host = info.cpu()                       # the one host sync of a dispatch (GPUs: the
+            self._check(what, "dispatch")           # notify kernel is done: its failures are seen)
             rows = int(host[r])
         recv_x, recv_s = self._ht_recv_x(fp8, rows, hidden)
         src = torch.empty(rows, dtype=torch.int32, device=dev)
