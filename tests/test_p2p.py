@@ -238,3 +238,28 @@ def test_a_killed_p2p_peer_is_named_and_close_unmaps():
         r.inboxes[1] = r.inboxes[0]           # rank 1 is gone: only rank 0 gets the stop
         r.inboxes = r.inboxes[:1]
         r.close()
+
+
+def test_put_batch_checks_every_pair_before_posting_and_lands_them():
+    """One rank over p2p (to itself): put_batch of an empty list does nothing; a list with a bad
+    item (not a pair, a tensor outside the heap, a remote too small) raises ConfigError and moves
+    no byte of the good pairs before it; three pieces of one tensor land in one launch."""
+    import gpunet
+
+    with gpunet.init(transport="p2p", heap_bytes=1 << 20, timeout_s=5.0) as ctx:
+        src = ctx.alloc((3000,), torch.uint8)
+        dst = ctx.alloc((3000,), torch.uint8)
+        src[:] = torch.arange(3000) % 251 + 1
+        gpunet.put_batch([])
+        good = (ctx.remote(0, dst), src[:10])
+        outside = torch.ones(4, dtype=torch.uint8)              # not in the heap
+        for bad in ([good, "oops"], [good, (ctx.remote(0, dst), outside)],
+                    [good, (ctx.remote(0, dst, 2990), src[:20])]):
+            with pytest.raises(gpunet.ConfigError):
+                gpunet.put_batch(bad)
+            gpunet.quiet()
+            assert int(torch.count_nonzero(dst)) == 0, "a refused batch moved bytes"
+        cuts = ((0, 7), (7, 1500), (1500, 3000))
+        gpunet.put_batch([(ctx.remote(0, dst, a), src[a:b]) for a, b in cuts])
+        gpunet.quiet()
+        assert torch.equal(dst, src)
