@@ -352,6 +352,23 @@ GPUNET_DEVICE void warp_copy(const Geo& g, uint64_t dst, uint64_t src, uint64_t 
   for (; i < n; i += step) *ptr<V16>(dst + i) = *ptr<const V16>(src + i);
 }
 
+// One thread's walk over n values (per-expert counts: E_loc is 100s): load(i) for kBatch values
+// at a time, all issued before use(i, value) of any of them. Header and layout walks store as
+// they go, and a store to int32 memory may alias the next load, so a plain loop waits one memory
+// latency per value (144 of them for DeepEP's 288 experts on 2 ranks: tens of us, serially).
+constexpr uint32_t kBatch = 16;
+template <class Load, class Use>
+GPUNET_DEVICE void batched(uint32_t n, Load load, Use use) {
+  for (uint32_t i0 = 0; i0 < n; i0 += kBatch) {
+    int64_t v[kBatch];
+#pragma unroll
+    for (uint32_t u = 0; u < kBatch; ++u) v[u] = i0 + u < n ? int64_t(load(i0 + u)) : 0;
+#pragma unroll
+    for (uint32_t u = 0; u < kBatch; ++u)
+      if (i0 + u < n) use(i0 + u, v[u]);
+  }
+}
+
 GPUNET_DEVICE const DevCtx& peer_ctx(const LlParams& P, uint32_t p) {
   return ptr<const DevCtx>(P.ctxs)[p];
 }
@@ -772,7 +789,8 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
       h[0] = total[E + d];
       h[1] = int32_t(T);
       fill_header_tail(P, h);
-      for (uint32_t le = 0; le < P.e_loc; ++le) h[kHdrHead + le] = total[d * P.e_loc + le];
+      batched(P.e_loc, [&](uint32_t le) { return total[d * P.e_loc + le]; },
+              [&](uint32_t le, int64_t v) { h[kHdrHead + le] = int32_t(v); });
       if (self) continue;
       const DevCtx& cx = peer_ctx(P, d);
       const uint64_t rh = P.d_rhdr + uint64_t(P.rank) * P.hdr_stride;
@@ -809,7 +827,11 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
           ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_HEADER, j, P.t_max, uint64_t(uint32_t(n)), 0);
           ok = false;
         }
-        for (uint32_t le = 0; le < EL; ++le) cnt[uint64_t(j) * EL + le] = ok ? h[kHdrHead + le] : 0;
+        if (ok)
+          batched(EL, [&](uint32_t le) { return h[kHdrHead + le]; },
+                  [&](uint32_t le, int64_t v) { cnt[uint64_t(j) * EL + le] = int32_t(v); });
+        else
+          for (uint32_t le = 0; le < EL; ++le) cnt[uint64_t(j) * EL + le] = 0;
       } else {
         for (uint32_t le = 0; le < EL; ++le) cnt[uint64_t(j) * EL + le] = 0;
       }
@@ -912,13 +934,13 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
       int64_t run = 0;
       bool fits = true;
-      for (uint32_t le = 0; le < EL; ++le) {
-        const int64_t v = lr[uint64_t(le) * R + j];
-        const int64_t b = v >> 32, c = v & 0xffffffff;
-        if (b < 0 || b + c > int64_t(rows)) fits = false;
-        pre[uint64_t(le) * R + j] = int32_t(run);
-        run += c;
-      }
+      batched(EL, [&](uint32_t le) { return lr[uint64_t(le) * R + j]; },
+              [&](uint32_t le, int64_t v) {
+                const int64_t b = v >> 32, c = v & 0xffffffff;
+                if (b < 0 || b + c > int64_t(rows)) fits = false;
+                pre[uint64_t(le) * R + j] = int32_t(run);
+                run += c;
+              });
       if (!fits || run > int64_t(P.c_rows)) {
         ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, uint64_t(run), 0);
         run = -1;
@@ -987,7 +1009,8 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
       h[0] = ntot[j];
       h[1] = int32_t(P.t_max);
       fill_header_tail(P, h);
-      for (uint32_t le = 0; le < EL; ++le) h[kHdrHead + le] = int32_t(lr[uint64_t(le) * R + j] & 0xffffffff);
+      batched(EL, [&](uint32_t le) { return lr[uint64_t(le) * R + j]; },
+              [&](uint32_t le, int64_t v) { h[kHdrHead + le] = int32_t(v & 0xffffffff); });
       if (self) continue;
       const DevCtx& cx = peer_ctx(P, j);
       const uint64_t rh = P.c_rhdr + uint64_t(P.rank) * P.hdr_stride;
@@ -1021,13 +1044,15 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
         n = h[0];
         if (!header_matches(P, h, o)) ok = false;
         int64_t run = 0;
-        for (uint32_t le = 0; le < EL && ok; ++le) {
-          const int32_t c = h[kHdrHead + le];
-          pre[uint64_t(o) * EL + le] = int32_t(run);
-          cnt[uint64_t(o) * EL + le] = c;
-          if (c < 0) ok = false;
-          run += c;
-        }
+        if (ok)
+          batched(EL, [&](uint32_t le) { return h[kHdrHead + le]; },
+                  [&](uint32_t le, int64_t v) {
+                    const int32_t c = int32_t(v);
+                    pre[uint64_t(o) * EL + le] = int32_t(run);
+                    cnt[uint64_t(o) * EL + le] = c;
+                    if (c < 0) ok = false;
+                    run += c;
+                  });
         if (ok && (run != n || uint64_t(run) > P.c_rows)) {
           ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_HEADER, o, P.c_rows, uint64_t(run), 0);
           ok = false;
