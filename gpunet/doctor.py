@@ -67,9 +67,9 @@ LOOPBACK_BYTES = 4096
 LOOPBACK_HEAP = 1 << 20
 
 # ProbeCtl (device/kernels/doctor.cu) word indices; the kernel's size is checked at load.
-CTL_READY, CTL_GO, CTL_DONE, CTL_MATCHED, CTL_FIRST_BAD, CTL_WAITED_NS, CTL_CODE, CTL_WARM_OLD = \
-    range(8)
-CTL_BYTES = 64
+CTL_READY, CTL_GO, CTL_DONE, CTL_MATCHED, CTL_FIRST_BAD, CTL_WAITED_NS, CTL_CODE, CTL_WARM_OLD, \
+    CTL_PASSES = range(9)
+CTL_BYTES = 128
 MODE_SM_TO_NIC, MODE_FENCE = 1, 2
 
 # Which directions each role's memory must be coherent in (the roles the NIC touches; the UAR is
@@ -671,6 +671,7 @@ class Prober:
                 matched = int(ctl[CTL_MATCHED])
                 res.update(coherent=matched == PROBE_WORDS, matched=matched,
                            warm_old=int(ctl[CTL_WARM_OLD]), waited_ns=int(ctl[CTL_WAITED_NS]),
+                           passes=int(ctl[CTL_PASSES]),
                            first_bad=None if matched == PROBE_WORDS
                            else "0x%016x" % int(ctl[CTL_FIRST_BAD]))
         except Exception as e:  # noqa: BLE001 - recorded; the kernel must be let go whatever failed
@@ -764,9 +765,14 @@ def _probe_detail(res):
                 "%s)" % (PROBE_VISIBLE_S * 1e3, res["nic_reads"], res["matched"], res["words"],
                          res["first_bad"]))
     if res["coherent"]:
-        return "the kernel saw the NIC's write after %.1f us" % (res["waited_ns"] / 1e3)
-    return ("the kernel read stale bytes for %.0f ms (%d/%d words fresh, first stale %s)"
-            % (PROBE_VISIBLE_S * 1e3, res["matched"], res["words"], res["first_bad"]))
+        if res["passes"] == 1:
+            return ("the kernel's first read pass saw the NIC's write (%d words in %.1f us)"
+                    % (res["words"], res["waited_ns"] / 1e3))
+        return ("the kernel saw the NIC's write on read pass %d, after %.1f us"
+                % (res["passes"], res["waited_ns"] / 1e3))
+    return ("the kernel read stale bytes for %.0f ms (%d passes; %d/%d words fresh, first stale "
+            "%s)" % (PROBE_VISIBLE_S * 1e3, res["passes"], res["matched"], res["words"],
+                     res["first_bad"]))
 
 
 def _policy_rows(rep, plat):

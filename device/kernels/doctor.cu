@@ -20,7 +20,7 @@ namespace arch = gpunet::arch;
 
 namespace {
 
-// Mirrored in gpunet/doctor.py (ProbeCtl): 64 bytes, the host's view of the handshake.
+// Mirrored in gpunet/doctor.py (CTL_*): 128 bytes, the host's view of the handshake.
 struct ProbeCtl {
   uint64_t ready;      // kernel -> host: 1 once warmed (NIC -> SM) or once the pattern is stored
   uint64_t go;         // host -> kernel: 1 once the NIC's write completed / its reads are done
@@ -30,8 +30,10 @@ struct ProbeCtl {
   uint64_t waited_ns;  // NIC -> SM: from `go` until every word matched, or the bound
   uint64_t code;       // 0 ok, 1 timed out waiting for the host's `go`
   uint64_t warm_old;   // NIC -> SM: words equal to `old` when the kernel first read the buffer
+  uint64_t passes;     // NIC -> SM: read passes over the buffer after `go` (1: the first saw it)
+  uint64_t pad[7];
 };
-static_assert(sizeof(ProbeCtl) == 64, "ProbeCtl is mirrored in gpunet/doctor.py");
+static_assert(sizeof(ProbeCtl) == 128, "ProbeCtl is mirrored in gpunet/doctor.py");
 
 enum : uint32_t { DIR_SM_TO_NIC = 1, FENCE = 2 };
 
@@ -75,8 +77,9 @@ GPUNET_GLOBAL void k_probe(ProbeCtl* c, uint64_t* buf, uint32_t nwords, uint64_t
     return;
   }
   const uint64_t t0 = arch::now_ns();
-  uint64_t matched = 0, first_bad = pattern;
+  uint64_t matched = 0, first_bad = pattern, passes = 0;
   for (;;) {
+    ++passes;
     if (fence) arch::fence_sys();
     matched = 0;
     first_bad = pattern;
@@ -88,6 +91,7 @@ GPUNET_GLOBAL void k_probe(ProbeCtl* c, uint64_t* buf, uint32_t nwords, uint64_t
     if (matched == nwords || arch::now_ns() - t0 > visible_ns) break;
     arch::spin_pause();
   }
+  c->passes = passes;
   c->matched = matched;
   c->first_bad = first_bad;
   c->waited_ns = arch::now_ns() - t0;
