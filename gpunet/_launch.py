@@ -75,6 +75,7 @@ class Launcher(Resource):
         self.dev = None
         self.warp_size = warp_size
         self.launch = Launch(grid=1, block=1, warp_size=warp_size)
+        self._args, self._args_dev = None, None   # launch.args() + (dev.addr,), for self.dev
         self.lib = load_ops("cuda" if gpu else "host")
         if gpu:
             u32, vp = ctypes.c_uint32, ctypes.c_void_p
@@ -114,8 +115,9 @@ class Launcher(Resource):
                                                  self.dev.addr, ctypes.addressof(ops), len(ops),
                                                  chunk, None, 1)
         else:
-            rc = self.lib.gpunet_ops_launch(*self.launch.args(), self.dev.addr,
-                                            ctypes.addressof(ops), len(ops))
+            if self._args_dev is not self.dev:
+                self._args, self._args_dev = self.launch.args() + (self.dev.addr,), self.dev
+            rc = self.lib.gpunet_ops_launch(*self._args, ctypes.addressof(ops), len(ops))
         if rc != 0:
             raise GpunetError("%s: device kernel launch failed (%d)" % (what, rc))
         return ops, self._take_failure(what) if st.code else None, True
