@@ -128,6 +128,22 @@ static_assert(sizeof(HtParams) == 616, "HtParams layout is mirrored in device/ep
 
 // ---- small helpers ------------------------------------------------------------------------------
 
+// warp_copy (ll.cuh) with four 16-byte loads in flight per lane: the rings are host memory on GPUs
+// (the soft NIC's heap), where one load at a time leaves a warp waiting a PCIe round trip per step.
+GPUNET_DEVICE void warp_copy4(const Geo& g, uint64_t dst, uint64_t src, uint64_t n) {
+  const uint64_t step = uint64_t(g.ws) * 16;
+  uint64_t i = uint64_t(g.lane) * 16;
+  for (; i + 3 * step < n; i += 4 * step) {
+    const V16 a = *ptr<const V16>(src + i), b = *ptr<const V16>(src + i + step);
+    const V16 c = *ptr<const V16>(src + i + 2 * step), d = *ptr<const V16>(src + i + 3 * step);
+    *ptr<V16>(dst + i) = a;
+    *ptr<V16>(dst + i + step) = b;
+    *ptr<V16>(dst + i + 2 * step) = c;
+    *ptr<V16>(dst + i + 3 * step) = d;
+  }
+  for (; i < n; i += step) *ptr<V16>(dst + i) = *ptr<const V16>(src + i);
+}
+
 GPUNET_HOST_DEVICE uint32_t ctz64(uint64_t x) { return popc64((x & (~x + 1)) - 1); }
 
 // The count a SET word holds for this op's epoch: 0 when the word is from an earlier op.
@@ -582,7 +598,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
       const uint64_t idx = *ws_word(P, 1, c, j, WS_SENT) + m;
       const uint64_t msg = slot_addr(P, P.recv_ring, c, j, idx);
       const uint64_t pos = uint64_t(pre[uint64_t(j) * (nc + 1) + c]) + idx;
-      warp_copy(g, P.out_x + pos * row_bytes, msg, row_bytes);
+      warp_copy4(g, P.out_x + pos * row_bytes, msg, row_bytes);
       if (fp8)
         for (uint32_t q = g.lane; q < G; q += g.ws)
           ptr<float>(P.out_scales)[pos * G + q] = ptr<const float>(msg + H)[q];
@@ -681,25 +697,36 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
         }
       }
       // out[t] = bias0 + bias1 + sum_d row_d: a second pass over the rows (they are all here now)
-      for (uint32_t c0 = g.lane * 8; c0 < H; c0 += g.ws * 8) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      // kU groups of 8 columns per lane at a time: kU row loads in flight (host memory on GPUs)
+      constexpr uint32_t kU = 4;
+      const uint32_t span = g.ws * 8;
+      for (uint32_t c0 = g.lane * 8; c0 < H; c0 += span * kU) {
+        float acc[kU][8];
+        for (uint32_t u = 0; u < kU; ++u)
+          for (uint32_t q = 0; q < 8; ++q) acc[u][q] = 0.0f;
         const uint64_t bias[2] = {P.bias0, P.bias1};
-        for (uint32_t b = 0; b < P.nbias; ++b) {
-          const V16 v = *ptr<const V16>(bias[b] + (t * H + c0) * 2);
-          for (uint32_t q = 0; q < 8; ++q) acc[q] += bf16_at(v, q);
-        }
+        for (uint32_t b = 0; b < P.nbias; ++b)
+          for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u) {
+            const V16 v = *ptr<const V16>(bias[b] + (t * H + c0 + u * span) * 2);
+            for (uint32_t q = 0; q < 8; ++q) acc[u][q] += bf16_at(v, q);
+          }
         for (uint32_t d = 0; d < R; ++d) {
           const int32_t p = send_pos[t * R + d];
           if (p < 0 || (d < 64 ? !((have >> d) & 1) : out[d] != 0)) continue;
           const uint64_t row = d == B.rank ? P.x + (self_row + uint64_t(p)) * H * 2
                                            : slot_addr(P, P.recv_ring, c, d, uint64_t(p));
-          const V16 v = *ptr<const V16>(row + uint64_t(c0) * 2);
-          for (uint32_t q = 0; q < 8; ++q) acc[q] += bf16_at(v, q);
+          V16 v[kU];
+          for (uint32_t u = 0; u < kU; ++u)
+            if (c0 + u * span < H) v[u] = *ptr<const V16>(row + uint64_t(c0 + u * span) * 2);
+          for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u)
+            for (uint32_t q = 0; q < 8; ++q) acc[u][q] += bf16_at(v[u], q);
         }
-        V16 o = {0, 0};
-        for (uint32_t q = 0; q < 8; ++q)
-          (q < 4 ? o.a : o.b) |= uint64_t(f32_to_bf16(acc[q])) << (16 * (q & 3));
-        *ptr<V16>(P.out_x + (t * H + c0) * 2) = o;
+        for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u) {
+          V16 o = {0, 0};
+          for (uint32_t q = 0; q < 8; ++q)
+            (q < 4 ? o.a : o.b) |= uint64_t(f32_to_bf16(acc[u][q])) << (16 * (q & 3));
+          *ptr<V16>(P.out_x + (t * H + c0 + u * span) * 2) = o;
+        }
       }
       if (P.out_weights && g.lane < K) ptr<float>(P.out_weights)[t * K + g.lane] = wsum;
     }
