@@ -873,23 +873,33 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     const int32_t* meta = ptr<const int32_t>(msg + P.payload_bytes);
     const int32_t t = meta[0];
     const uint32_t kk = uint32_t(meta[1]) < kMaxTopk ? uint32_t(meta[1]) : kMaxTopk;  // the sender's K
-    // the packed rows this message goes to (one per local expert the token selected)
+    // the packed rows this message goes to (one per local expert the token selected): lane k
+    // reads selection k (the lanes' loads overlap; one lane walking k made K dependent chains)
+    bool mine = false;
+    uint64_t my_dst = 0;
+    if (g.lane < kk) {
+      const int32_t e = meta[4 + 2 * g.lane];
+      if (e >= int32_t(e0) && e < int32_t(e0 + EL)) {
+        const uint32_t le = uint32_t(e) - e0;
+        const int32_t idx = meta[5 + 2 * g.lane];
+        const int32_t c = cnt[uint64_t(j) * EL + le];
+        if (idx < 0 || idx >= c || t < 0 || uint32_t(t) >= P.t_max) {
+          ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, j, uint64_t(c), uint64_t(uint32_t(idx)), 0);
+        } else {
+          my_dst = uint64_t(le) * rows + uint64_t(begin[uint64_t(le) * R + j] + idx);
+          mine = true;
+          ptr<int32_t>(P.src_info)[my_dst] = t;
+        }
+      }
+    }
+    const uint64_t have = arch::ballot(mine);
     uint64_t dst[kMaxTopk];
     uint32_t nd = 0;
     for (uint32_t k = 0; k < kk; ++k) {
-      const int32_t e = meta[4 + 2 * k];
-      if (e < int32_t(e0) || e >= int32_t(e0 + EL)) continue;
-      const uint32_t le = uint32_t(e) - e0;
-      const int32_t idx = meta[5 + 2 * k];
-      const int32_t c = cnt[uint64_t(j) * EL + le];
-      if (idx < 0 || idx >= c || t < 0 || uint32_t(t) >= P.t_max) {
-        if (g.lane == 0)
-          ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, j, uint64_t(c), uint64_t(uint32_t(idx)), 0);
-        continue;
-      }
-      const uint64_t pos = uint64_t(begin[uint64_t(le) * R + j] + idx);
-      dst[nd++] = uint64_t(le) * rows + pos;
-      if (g.lane == 0) ptr<int32_t>(P.src_info)[uint64_t(le) * rows + pos] = t;
+      if (!((have >> k) & 1)) continue;
+      const uint64_t dk = arch::shfl(my_dst, k);
+      dst[nd++] = dk;
+      const uint64_t le = dk / rows, pos = dk % rows;
       if (!fp8) continue;
       const float* sc = ptr<const float>(msg + H);
       if (!ue8m0) {
@@ -922,6 +932,20 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
 }
 
 // ---- combine ------------------------------------------------------------------------------------
+
+// table[t][k] = slot for every k whose expert is ge (a token naming ge twice gets it twice): the K
+// expert ids are loaded first (the table stores could alias them: one latency per k otherwise).
+GPUNET_DEVICE void table_mark(const LlParams& P, uint32_t t, int64_t ge, int64_t slot) {
+  const uint32_t K = P.topk;
+  const int64_t* row = ptr<const int64_t>(P.topk_idx) + uint64_t(t) * K;
+  int64_t* table = ptr<int64_t>(P.table) + uint64_t(t) * K;
+  int64_t sel[kMaxTopk];
+#pragma unroll
+  for (uint32_t k = 0; k < kMaxTopk; ++k) sel[k] = k < K ? row[k] : -1;
+#pragma unroll
+  for (uint32_t k = 0; k < kMaxTopk; ++k)
+    if (k < K && sel[k] == ge) table[k] = slot;
+}
 
 GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden;
@@ -971,9 +995,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
         for (uint64_t i = g.lane; i < c; i += g.ws) {
           const int32_t t = ptr<const int32_t>(P.src_info)[r0 + i];
           if (t < 0 || uint32_t(t) >= P.num_tokens) continue;  // (the receive reports it)
-          for (uint32_t k = 0; k < P.topk; ++k)
-            if (topk[uint64_t(t) * P.topk + k] == ge)
-              table[uint64_t(t) * P.topk + k] = kSelfRow | int64_t(r0 + i);
+          table_mark(P, uint32_t(t), ge, kSelfRow | int64_t(r0 + i));
         }
         continue;
       }
@@ -1083,9 +1105,7 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
         ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, o, T, uint64_t(uint32_t(t)), 0);
         continue;
       }
-      for (uint32_t k = 0; k < K; ++k)
-        if (topk[uint64_t(t) * K + k] == ge)
-          table[uint64_t(t) * K + k] = (int64_t(o) << 32) | int64_t(uint32_t(pre[it]) + r);
+      table_mark(P, uint32_t(t), ge, (int64_t(o) << 32) | int64_t(uint32_t(pre[it]) + r));
     }
   }
   if (!grid_barrier(P, g, SYNC_RECV_TABLE, EP_SITE_TABLE)) return false;
