@@ -82,6 +82,9 @@
 //   - The combine reduction is one item per (token, 8 * warp_size columns), so every warp works
 //     even when T is smaller than the grid's warps; each lane loads all K rows of its columns
 //     before it adds (independent loads in flight), then adds in k order (deterministic).
+//   - No serial memory chains: copies keep kCopyUnroll loads in flight per lane (warp_copy), a
+//     thread's walk over the E_loc counts loads kBatch at a time (batched), a message's K
+//     selections are read by K lanes, and rows are staged while block 0 plans.
 // bench/ep_profile.py measures each phase (LlParams::prof stamps) and the host's share.
 #pragma once
 
