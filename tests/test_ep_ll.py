@@ -315,7 +315,7 @@ def test_bad_arguments_raise_config_errors_before_anything_runs(solo):
     """Wrong dtypes, shapes, too many tokens, top-k above 16, a buffer too small for the shape, a
     zero-copy tensor that is not the buffer's, a hook called twice, the mask API without
     enable_shrink, destroy() without explicitly_destroy: ConfigError naming the problem.
-    High-throughput methods raise NotImplementedError naming that mode."""
+    High-throughput calls on a Buffer without an HT buffer raise ConfigError naming num_nvl_bytes."""
     inp = ref.make_rank_inputs(1, 8, 256, 3, 4, seed=4)[0]
     x, tk = inp["x"], inp["topk_idx"]
     cases = [
@@ -345,9 +345,8 @@ def test_bad_arguments_raise_config_errors_before_anything_runs(solo):
         solo.low_latency_combine(recv, tk, inp["topk_weights"], handle, zero_copy=True)
     with pytest.raises(ConfigError, match="shape"):
         solo.low_latency_combine(recv[:, :4], tk, inp["topk_weights"], handle)
-    for name in ("get_dispatch_layout", "dispatch", "combine"):
-        with pytest.raises(NotImplementedError, match="high-throughput"):
-            getattr(solo, name)(x)
+    with pytest.raises(ConfigError, match="num_nvl_bytes"):
+        solo.dispatch(x, is_token_in_rank=torch.ones(8, 1, dtype=torch.bool))
     t = solo.get_local_buffer_tensor(torch.int32, torch.Size([4, 2]), offset=64, use_rdma_buffer=True)
     assert t.shape == (4, 2) and t.data_ptr() == solo.get_local_buffer_tensor(
         torch.uint8, use_rdma_buffer=True).data_ptr() + 64
