@@ -1,5 +1,6 @@
 """gpunet.ep: MoE expert-parallel all-to-all with DeepEP V1's API (``Buffer``), over gpunet's
-transports (ibgda, proxy, per peer). The low-latency mode is implemented; see gpunet/ep/buffer.py.
+transports (ibgda, proxy, p2p, per peer). Both modes, low-latency and high-throughput; see
+gpunet/ep/buffer.py.
 
     from gpunet.ep import Buffer
     buf = Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(128, 7168, R, 288),

@@ -2,11 +2,11 @@
 
 Same constructor, argument names, defaults, return tuples, shapes and dtypes as DeepEP's, so
 vLLM's and SGLang's DeepEP backends can switch by import (``gpunet.ep.install_as_deep_ep()``).
-The low-latency mode (decode: ``low_latency_dispatch`` / ``low_latency_combine``) is implemented;
-the high-throughput methods raise NotImplementedError naming that mode (issue: EP part 2).
+Both modes: low-latency (decode: ``low_latency_dispatch`` / ``low_latency_combine``) and
+high-throughput (training / prefill: ``get_dispatch_layout`` / ``dispatch`` / ``combine``).
 
 Everything a kernel needs is computed here (gpunet/ep/_layout.py) and passed by value in one
-LlParams (device/ep.py); the kernels are device/include/gpunet/ep/ll.cuh. On the CPU platform the
+LlParams / HtParams (device/ep.py); the kernels are device/include/gpunet/ep/ll.cuh and ht.cuh. On the CPU platform the
 kernels run on the HOST arm synchronously; on CUDA they are enqueued on the current stream and
 nothing here waits for them (CUDA-graph safe: counts stay in device tensors).
 
@@ -181,7 +181,7 @@ CUDA_HT_WARPS = 8
 
 
 class Buffer:
-    """The EP communication buffers of one rank (DeepEP V1's ``Buffer``; low-latency mode).
+    """The EP communication buffers of one rank (DeepEP V1's ``Buffer``; both modes).
 
     Attributes (as DeepEP's): ``rank``, ``group``, ``group_size``, ``num_nvl_bytes``,
     ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``, ``enable_shrink``,
