@@ -25,13 +25,14 @@
 //          header and writes chan_prefix[j][c] (where source j's channel-c rows start in recv_x:
 //          sources in rank order, channels in order, tokens in order: DeepEP's rank_prefix
 //          layout) and recv_info (rank prefix, aligned per-expert counts, total).
-//   DATA   sender block c: round robin over its destinations (a warp per destination, never
-//          blocking on one: a full ring only skips that destination for this round, so no cycle
-//          of waits can form across ranks), each step stages up to `chunk` messages (the row —
-//          bf16, or fp8 + scales — then the meta: source token, local expert ids (-1 elsewhere),
-//          weights (0 elsewhere)) into consecutive staging slots and puts them (one put, two when
-//          the ring wraps) with a SET of the tail word tail[c][me] on d to (epoch << 32 | sent).
-//          It goes on while the receiver's credit (head[c][d] on this rank, SET by d) leaves room.
+//   DATA   sender block c, in block-wide steps: every destination whose ring has room for its
+//          next chunk gets up to `chunk` messages (the row — bf16, or fp8 + scales — then the
+//          meta: source token, local expert ids (-1 elsewhere), weights (0 elsewhere)), staged by
+//          all warps of the block into consecutive staging slots and put (one put, two when the
+//          ring wraps) with a SET of the tail word tail[c][me] on d to (epoch << 32 | sent). A
+//          destination without room (the receiver's credit, head[c][d] on this rank, SET by d) is
+//          only skipped for that step: a sender never blocks on one destination, so no cycle of
+//          waits can form across ranks.
 //          receiver block c: polls every live source's tail, copies whatever arrived to its rows
 //          (chan_prefix[j][c] + index), SETs its credit back every `chunk` messages and at the end.
 //          A sender finishes once every destination has CONSUMED all of its messages (its final
