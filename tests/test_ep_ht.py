@@ -113,6 +113,34 @@ def test_size_hint_is_the_layout_and_independent_of_the_token_count():
     assert small == lay.ht_size_hint(7168, 2, 4, 48) and 2 * small < 4096 * 7168 * 2
 
 
+def test_the_references_on_a_hand_computed_example():
+    """The plain-torch references on 3 tokens of each of 2 ranks, 4 experts (2 per rank), worked
+    out by hand: the layout (a token counts once per rank and expert), rank 1's received rows
+    (source 0 first, tokens in order, local ids, weights 0 where -1) and counts aligned to 2, and
+    combine's per-token sum of the rows that came back, biases first."""
+    tk = [torch.tensor([[0, 2], [1, 1], [-1, 3]]), torch.tensor([[3, -1], [0, 1], [2, 3]])]
+    w = [torch.tensor([[.5, .25], [1., 2.], [3., 4.]]), torch.tensor([[5., 6.], [7., 8.], [9., 10.]])]
+    x = [torch.arange(6.).view(3, 2).repeat(1, 64).to(torch.bfloat16) + 10 * j for j in range(2)]
+    ntr, nte, inr = ref.ht_layout_ref(tk[0], 4, 2)
+    assert ntr.tolist() == [2, 2] and nte.tolist() == [1, 1, 1, 1]
+    assert inr.tolist() == [[True, True], [True, False], [False, True]]
+    r1 = ref.ht_dispatch_ref(x, tk, w, 4, 1, expert_alignment=2)
+    assert r1["src_idx"].tolist() == [0, 2, 0, 2] and r1["rank_prefix"].tolist() == [0, 2, 4]
+    assert r1["recv_topk_idx"].tolist() == [[-1, 0], [-1, 1], [1, -1], [0, 1]]
+    assert r1["recv_topk_weights"].tolist() == [[0, .25], [0, 4], [5, 0], [9, 10]]
+    assert r1["counts"] == [2, 4]                              # 2 and 3, aligned to 2
+    assert torch.equal(r1["recv_x"], torch.stack([x[0][0], x[0][2], x[1][0], x[1][2]]))
+    refs = [ref.ht_dispatch_ref(x, tk, w, 4, d) for d in range(2)]
+    ys = [r["recv_x"] * (d + 1) for d, r in enumerate(refs)]   # rank d's experts scale by d + 1
+    bias = torch.ones(3, 128, dtype=torch.bfloat16)
+    out, ow = ref.ht_combine_ref(ys, refs, inr, 0, biases=(bias,), ys_weights=[r["recv_topk_weights"] for r in refs])
+    want = torch.stack([1 + x[0][0].float() * 3, 1 + x[0][1].float(), 1 + x[0][2].float() * 2])
+    assert torch.equal(out, want.to(torch.bfloat16))
+    assert ow.tolist() == [[.5, .25], [1, 2], [0, 4]]
+    out_m, _ = ref.ht_combine_ref(ys, refs, inr, 0, masked_ranks=(1,))
+    assert torch.equal(out_m[1], x[0][1]) and bool((out_m[2] == 0).all())
+
+
 def test_one_rank_round_trip_without_topk_and_a_too_small_buffer():
     """A world of one: a dispatch without top-k (is_token_in_rank only) returns no top-k tensors and
     the rows in order; combine of them is the rows again (fan-out 1). A Config whose rings do not
