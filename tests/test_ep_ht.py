@@ -10,6 +10,8 @@ Worlds (tests/mp_ranks.py pools running "ep_ht_jobs:*"): 2 ranks ibgda warp 32, 
 warp 64, 2 ranks p2p warp 64 (HT then LL), 4 ranks mixed (ibgda and proxy pairs) warp 32, and
 3-rank worlds that lose a rank (masked at combine over the proxy; raised at dispatch, mixed).
 """
+import shutil
+
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
@@ -111,6 +113,17 @@ def test_size_hint_is_the_layout_and_independent_of_the_token_count():
     assert c.get_rdma_buffer_size_hint(7168 * 2, 2) == h
     small = Config(8, 8, 48).get_nvl_buffer_size_hint(7168 * 2, 2)
     assert small == lay.ht_size_hint(7168, 2, 4, 48) and 2 * small < 4096 * 7168 * 2
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA arm cannot be compiled")
+def test_ht_kernels_compile_for_the_cuda_arm_with_the_mirrored_layout():
+    """device/kernels/ep_ht.cu builds with nvcc (sm_90) and its HtParams / EpStatus / DevCtx sizes
+    are the ones device/ep.py mirrors (load_ep_ht checks them), as the HOST build's are."""
+    from gpunet.device import ep as dep
+    import ctypes
+    for arch in ("host", "cuda"):
+        lib = dep.load_ep_ht(arch)
+        assert lib.gpunet_ep_ht_abi_size(0) == ctypes.sizeof(dep.HtParams) == dep.HT_SIZES["HtParams"]
 
 
 def test_the_references_on_a_hand_computed_example():
