@@ -361,6 +361,55 @@ def test_the_soft_nic_engine_moves_device_bytes_through_the_copy_hook():
     m1.close(), m2.close(), os.close(fd)
 
 
+def test_nic_atomics_on_device_memory_from_two_engines_are_exact():
+    """Two requester NICs (two engine threads), each with a copy engine stand-in, do 300
+    fetch-add(+1) each on ONE word of a third NIC's device memory (a bounce: copy in, add, copy
+    out, under the owning NIC's lock). Invariant: the word ends at 600 and the old values are
+    0 .. 599, each once (no lost update between the engines' read-modify-writes)."""
+    import ctypes
+    import sys
+
+    import numpy as np
+
+    from gpunet.host.softnic import SoftNic
+    from gpunet.host.wq import CompletionQueue, SendQueue
+
+    COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                            ctypes.c_int, ctypes.c_void_p)
+    SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    fns = [COPY(lambda d, s, n, k, st: ctypes.memmove(d, s, n) and 0), SYNC(lambda st: 0)]
+    fake = types_ns(copy_fn=ctypes.cast(fns[0], ctypes.c_void_p).value,
+                    sync_fn=ctypes.cast(fns[1], ctypes.c_void_p).value, kind=4, stream=0)
+    word = np.zeros(8, np.uint64)                      # the "device memory" (this process)
+    K, ROUNDS = 50, 6
+    with SoftNic(retry_timeout_s=2.0) as owner, SoftNic(retry_timeout_s=2.0) as a, \
+            SoftNic(retry_timeout_s=2.0) as c:
+        dmr = owner.reg_mr(word.ctypes.data, word.nbytes, kind="device", device_memory=True)
+        qs = []
+        for nic in (a, c):
+            nic.attach_copy_engine(fake)
+            cq = nic.create_cq(64)
+            q, rq = nic.create_qp(cq, sq_wqebbs=64), owner.create_qp(owner.create_cq(64))
+            nic.connect(q, rq.info())
+            owner.connect(rq, q.info())
+            res = nic.alloc(8 * K * ROUNDS)
+            qs.append((SendQueue(q, CompletionQueue(cq)), nic.reg_mr(res), res))
+        for r in range(ROUNDS):
+            for sq, mr, _ in qs:
+                for i in range(K):
+                    sq.post_atomic_fa(mr.addr + 8 * (r * K + i), mr.lkey, dmr.addr + 16, dmr.rkey,
+                                      1, doorbell=False)
+            for sq, _, _ in qs:
+                sq.ring()
+            for sq, _, _ in qs:
+                sq.quiet(30.0)
+                assert not any(x.error for x in sq.cq.poll(256))
+        olds = sorted(int.from_bytes(bytes(res[8 * i:8 * i + 8]), sys.byteorder)
+                      for _, _, res in qs for i in range(K * ROUNDS))
+        assert int(word[2]) == 2 * K * ROUNDS
+        assert olds == list(range(2 * K * ROUNDS)), olds[:20]
+
+
 def types_ns(**kw):
     import types
     return types.SimpleNamespace(**kw)
