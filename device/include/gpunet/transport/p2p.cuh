@@ -110,13 +110,14 @@ struct P2p {
     for (uint64_t i = me; i < n; i += count) arch::store_relaxed(dst + i, src[i]);
   }
   // The cooperative copy every put and get uses: bytes up to dst's alignment of the widest unit
-  // dst and src share, that unit (16 bytes when they share 16-byte alignment: one vector store),
-  // then the tail bytes.
+  // dst and src share that is not wider than n, that unit (16 bytes when they share 16-byte
+  // alignment: one vector store), then the tail bytes.
   static GPUNET_DEVICE void copy(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t me,
                                  uint32_t count) {
     const uintptr_t mis = uintptr_t(dst) ^ uintptr_t(src);
-    const uint32_t unit = (mis & 15) == 0 ? 16 : (mis & 7) == 0 ? 8 : (mis & 3) == 0 ? 4
-                          : (mis & 1) == 0 ? 2 : 1;
+    uint32_t unit = (mis & 15) == 0 ? 16 : (mis & 7) == 0 ? 8 : (mis & 3) == 0 ? 4
+                    : (mis & 1) == 0 ? 2 : 1;
+    while (unit > n && unit > 1) unit >>= 1;  // 8 bytes are one 8-byte store, not 8 byte stores
     uint64_t head = (unit - (uintptr_t(dst) & (unit - 1))) & (unit - 1);
     if (head > n) head = n;
     const uint64_t body = (n - head) & ~uint64_t(unit - 1);
