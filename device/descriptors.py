@@ -3,8 +3,8 @@ that kernels read, filled from NIC objects (device/abi.py holds their layouts).
 
 Every user of device code (the Python API's Context, the tests' Loopback, the benchmarks) builds
 them here, the same way. This module reads NIC and proxy objects only through their attributes
-(the QP / CQ fields of host/nic.py's interface, ``Nic.mapped_ranges()``, a proxy channel's device
-addresses), so the device side never imports host/ (tests/test_layers.py).
+(the QP / CQ fields of host/nic.py's interface, ``Nic.mapped_ranges()`` and ``io_ranges()``, a
+proxy channel's device addresses), so the device side never imports host/ (tests/test_layers.py).
 
 Where the descriptors live (the one place that chooses):
 - HOST arm (CPU platform, ``mem=None``): "device memory" is ordinary 64-byte-aligned host memory
@@ -13,8 +13,9 @@ Where the descriptors live (the one place that chooses):
   copies them into device memory (cudaMalloc + platform.memcpy); the kernels get the device
   copies' addresses. Status and QP heads are read back with ``get``. NIC rings (SQ, CQ, DBRs,
   doorbell word) stay where the NIC put them; :class:`NicMapping` registers the NIC's
-  ``mapped_ranges()`` with the GPU and translates their addresses with ``g`` (identity where UVA
-  gives device == host).
+  ``mapped_ranges()`` with the GPU and translates their addresses, and those of the MMIO pages
+  ``map_doorbell`` mapped (``Nic.io_ranges()``), with ``g`` (identity where UVA gives device ==
+  host).
 """
 import bisect
 import ctypes
@@ -70,12 +71,19 @@ class NicMapping(Resource):
     (cudaHostRegister Mapped | Portable); ``close()`` unregisters them.
 
     ``ranges``: [(host address, nbytes, device pointer)], sorted; ``g(addr)`` translates an address
-    inside them; ``identity``: every device pointer equals its host address (UVA), which code that
-    hands the same heap addresses to the NIC and to GPU loads/stores needs.
+    inside them, or inside the NIC's MMIO pages (``nic.io_ranges()``: a real mlx5 NIC's UAR, which
+    ``Nic.map_doorbell`` registers and owns); ``identity``: every device pointer of ``ranges``
+    equals its host address (UVA), which code that hands the same heap addresses to the NIC and to
+    GPU loads/stores needs (the MMIO pages hold no heap address, so they do not count).
+
+    The MMIO pages are asked for at each ``g`` that misses ``ranges``, not once here: the Context
+    builds this mapping before the transports map the doorbell (gpunet/context.py), so the UAR
+    appears later. tests/test_devx.py::test_a_descriptor_built_after_the_mapping_reaches_the_uar.
     """
 
     def __init__(self, plat, nic):
         self.plat = plat
+        self._nic = nic
         self.ranges = []
         try:
             for base, nbytes in sorted(nic.mapped_ranges()):
@@ -91,14 +99,24 @@ class NicMapping(Resource):
         """The GPU's address for host address ``addr`` (inside one of the mapped ranges)."""
         addr = int(addr)
         i = bisect.bisect_right(self._starts, addr) - 1
-        if i < 0 or addr >= self.ranges[i][0] + self.ranges[i][1]:
-            raise ValueError("0x%x is not inside the NIC's mapped ranges" % addr)
-        base, _, dptr = self.ranges[i]
-        return addr - base + dptr
+        if i >= 0 and addr < self.ranges[i][0] + self.ranges[i][1]:
+            base, _, dptr = self.ranges[i]
+            return addr - base + dptr
+        io = self._nic.io_ranges()
+        for base, nbytes, dptr in io:
+            if base <= addr < base + nbytes:
+                return addr - base + dptr
+        raise ValueError("0x%x is not inside the NIC's mapped ranges (%s) nor its mapped MMIO "
+                         "pages (%s; a doorbell is there only after Nic.map_doorbell)"
+                         % (addr, _spans(self.ranges) or "none", _spans(io) or "none"))
 
     @property
     def identity(self):
         return all(base == dptr for base, _, dptr in self.ranges)
+
+
+def _spans(ranges):
+    return ", ".join("0x%x+0x%x" % (r[0], r[1]) for r in ranges)
 
 
 def _unregister(plat, base):

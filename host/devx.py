@@ -81,11 +81,6 @@ RETRY_COUNT = 7
 RNR_RETRY = 7
 MIN_RNR_NAK = 12                 # 0.64 ms (IB encoding), rdma-core's tests' MIN_RNR_TIMER
 HOP_LIMIT = 64                   # RoCE v2 GRH hop limit
-# atomic_caps.atomic_operations bits beyond prm's CMP_SWAP / FETCH_ADD (the kernel's driver.h):
-# extended (masked) compare-swap and fetch-add; with either, the kernel picks atomic_mode 8B.
-MLX5_ATOMIC_OPS_EXTENDED_CMP_SWAP = 1 << 2
-MLX5_ATOMIC_OPS_EXTENDED_FETCH_ADD = 1 << 3
-MLX5_ATOMIC_SIZE_QP_8BYTES = 1 << 3
 FLUSH_QUIET_S = 0.005            # reset_qp: the send CQ must stay unchanged this long after 2ERR
 
 _QP_STATES = {prm.MLX5_QPC_STATE_RST: "RESET", prm.MLX5_QPC_STATE_INIT: "INIT",
@@ -560,8 +555,9 @@ class DevxNic(Nic):
             log.warning("DevX NIC %s reports no atomics (cmd_hca_cap.atomic=0): atomic_add and "
                         "ADD signals over this NIC will fail", self.device)
             return 0
-        if ops & (MLX5_ATOMIC_OPS_EXTENDED_CMP_SWAP | MLX5_ATOMIC_OPS_EXTENDED_FETCH_ADD) and \
-                c["atomic_size_qp"] & MLX5_ATOMIC_SIZE_QP_8BYTES:
+        # extended (masked) compare-swap or fetch-add with 8-byte QP atomics: the kernel picks 8B
+        if ops & (prm.MLX5_ATOMIC_OPS_EXTENDED_CMP_SWAP | prm.MLX5_ATOMIC_OPS_EXTENDED_FETCH_ADD) \
+                and c["atomic_size_qp"] & prm.MLX5_ATOMIC_CAPS_ATOMIC_SIZE_QP_8_BYTES:
             return prm.MLX5_ATOMIC_MODE_8B
         if ops & prm.MLX5_ATOMIC_OPS_CMP_SWAP and ops & prm.MLX5_ATOMIC_OPS_FETCH_ADD:
             return prm.MLX5_ATOMIC_MODE_IB_COMP
@@ -1019,7 +1015,8 @@ class DevxNic(Nic):
                 "device address 0x%x" % (self.device, dptr + self.uar.reg_addr - page))
 
     def io_ranges(self):
-        """[(host address, nbytes, device pointer)] of MMIO pages mapped by ``map_doorbell``."""
+        """[(host address, nbytes, device pointer)] of MMIO pages mapped by ``map_doorbell`` (the
+        UAR page, which holds ``db_addr``; host/nic.py Nic.io_ranges); [] before it."""
         if self._uar_mapping is None:
             return []
         _, page, dptr = self._uar_mapping

@@ -14,7 +14,8 @@ Objects a Nic hands out (the attributes device descriptors and the proxy read; m
 - CQ (``create_cq``): ``cqn``, ``buf`` (uint8[cqe_cnt * 64]), ``buf_addr``, ``cqe_cnt``, ``dbrec``
   (uint8[8]), ``dbrec_addr``, ``collapsed``.
 - QP (``create_qp``): ``qpn``, ``sq`` (uint8[sq_wqebbs * 64]), ``sq_addr``, ``sq_wqebbs``,
-  ``dbrec`` / ``dbrec_addr``, ``db_addr`` (the doorbell word: UAR + 0x800 on mlx5),
+  ``dbrec`` / ``dbrec_addr``, ``db_addr`` (the doorbell word: UAR + 0x800 on mlx5, inside
+  ``mapped_ranges()`` or, for an MMIO register, ``io_ranges()``),
   ``send_cq``, ``max_inline``, and ``info()``: a picklable dict a peer passes to ``connect``.
 """
 import abc
@@ -97,6 +98,14 @@ class Nic(Resource, abc.ABC):
         driver refuses (a real mlx5 UAR: cudaHostRegister(Mapped | IoMemory), error 800 where
         GPU-initiated doorbells are not permitted); transports.choose_transport then falls back
         to the proxy."""
+
+    def io_ranges(self):
+        """[(host address, nbytes, device pointer)]: the MMIO pages ``map_doorbell`` registered
+        with the GPU (a real mlx5 NIC's UAR page: DevxNic), which device code stores its doorbell
+        to; device/descriptors.py NicMapping translates ``db_addr`` through them. Optional: the
+        default [] is right for a NIC whose doorbell word is ordinary memory inside
+        ``mapped_ranges()`` (the soft NIC) and before ``map_doorbell`` mapped anything."""
+        return []
 
     # --- peer heaps (the p2p transport, gpunet/transports.py) ----------------------------------
     # Optional: a NIC that cannot share memory with a peer process keeps these defaults, and

@@ -19,6 +19,7 @@ import os
 from gpunet.host import prm
 from gpunet.host.devx import DevxCallError
 from gpunet.host.platform import COHERENCE_POLICY, DmaBuf, ERR_NOT_PERMITTED, VendorRuntimeError
+from gpunet.resource import Resource
 
 GPU_BASE = 0x7A0000000000          # where the fake platform's device allocations start
 UAR_BASE = 0x7B0000000000          # the fake UAR pages (never written: tests do not ring)
@@ -213,16 +214,15 @@ class FakeDevx:
         return [b for _, op, b in self.commands if op == opcode]
 
 
-class FakeAllocation:
-    """A platform Allocation stand-in (``ptr``, ``kind``, ``nbytes``; ``close()`` frees)."""
+class FakeAllocation(Resource):
+    """A platform Allocation stand-in (``ptr``, ``kind``, ``nbytes``; ``close()`` frees, once;
+    a Resource like the real one, so owners can adopt it)."""
 
     def __init__(self, plat, kind, nbytes, ptr):
-        self.plat, self.kind, self.nbytes, self.ptr, self.closed = plat, kind, nbytes, ptr, False
+        self.plat, self.kind, self.nbytes, self.ptr = plat, kind, nbytes, ptr
 
-    def close(self):
-        if not self.closed:
-            self.closed = True
-            self.plat.freed.append(self.ptr)
+    def _release(self):
+        self.plat.freed.append(self.ptr)
 
 
 class FakeCudaPlatform:

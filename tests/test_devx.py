@@ -555,6 +555,52 @@ def test_uar_mapped_makes_auto_pick_ibgda_and_close_unregisters_it_first():
     assert nic.map_doorbell.__doc__ and fake.closed      # everything released after
 
 
+def test_a_descriptor_built_after_the_mapping_reaches_the_uar():
+    """The Context's order on a GPU over a DevX NIC (gpunet/context.py: NicMapping of the NIC's
+    arena first, then Transports, whose doorbell probe maps the UAR page, then the ibgda
+    descriptors in device memory): every QpDesc's ``db`` is the UAR register's device address
+    (the page's mapping + reg_addr's offset in it) and its rings translate through the arena's
+    registration. Before map_doorbell the same address raises ValueError naming map_doorbell
+    (the UAR is not in mapped_ranges); close unregisters the arena and the UAR page once each."""
+    from gpunet.device.abi import QpDesc
+    from gpunet.device.descriptors import DeviceContext, DeviceMemory, NicMapping
+    from gpunet.transports import Transports
+    plat = FakeCudaPlatform()
+    nic, _ = fake_nic(platform=plat)
+    with nic:
+        mapping = NicMapping(plat, nic)
+        mem = DeviceMemory(plat)
+        uar_page = nic.uar.base_addr & ~(devx.PAGE - 1)
+        with pytest.raises(ValueError, match="map_doorbell"):
+            mapping.g(nic.uar.reg_addr)
+        t = Transports(nic, plat, 0, 1, "auto", lambda: nic.map_doorbell(plat))
+        assert t.kinds == {0: "ibgda"}, t.reasons
+        heap = nic.alloc(1 << 16, 4096)
+        mr = nic.reg_mr(heap)
+        dev = DeviceContext(heap.ctypes.data, heap.nbytes, mr.lkey, 1, 0, heap.ctypes.data + 4096,
+                            16, heap.ctypes.data + 8192, 1.0, mem=mem)
+        everyone = [dict(t.info(), heap=heap.ctypes.data, rkey=mr.rkey)]
+        t.connect(everyone, dev, (heap.ctypes.data, mr.lkey), mem=mem, mapping=mapping)
+        (io_page, io_n, io_dptr), = nic.io_ranges()
+        assert (io_page, io_n) == (uar_page, devx.PAGE)
+        (arena, arena_n, arena_dptr), = mapping.ranges
+        qpd = t.qpds[0]
+        d = mem.get(QpDesc(), qpd.addr)                  # what the device reads
+        qp = qpd.qp
+        assert qp.db_addr == nic.uar.reg_addr
+        assert d.db == io_dptr + (nic.uar.reg_addr - uar_page) != nic.uar.reg_addr
+        assert d.sq == arena_dptr + (qp.sq_addr - arena) and arena <= qp.sq_addr < arena + arena_n
+        assert d.dbrec == arena_dptr + (qp.dbrec_addr - arena)
+        assert d.cq.buf == arena_dptr + (qp.send_cq.buf_addr - arena)
+        with pytest.raises(ValueError, match="not inside"):
+            mapping.g(uar_page + devx.PAGE)              # one past the UAR page
+        t.close()
+        mem.close()
+        mapping.close()
+    assert sorted(plat.unregistered) == sorted([arena, uar_page])
+    assert [r for r in plat.registered if r[2]] == [(uar_page, devx.PAGE, True)]
+
+
 def test_cpu_platform_doorbell_needs_no_mapping():
     """On the CPU platform map_doorbell maps nothing (rdma-core mapped the page into this
     process) and says so."""
