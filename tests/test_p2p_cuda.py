@@ -12,9 +12,6 @@ hook with a stand-in runtime and the close of IPC mappings after a failed set-up
 stand-in) run everywhere.
 """
 import os
-import shutil
-import subprocess
-import tempfile
 
 import pytest
 import torch
@@ -96,40 +93,25 @@ def test_self_put_get_put_signal_wait_until_barrier_land(ctx, nbytes):
 
 
 # --- two rank processes on one GPU, under a private MPS daemon ----------------------------------
-def _mps_control(env, text=None, *args):
-    return subprocess.run(["nvidia-cuda-mps-control", *args], input=text, env=env,
-                          capture_output=True, text=True, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def mps():
-    """A private MPS daemon: fresh pipe and log directories, exported to the daemon and (by the
-    caller) to every rank process; stopped with 'quit' at the end. A daemon that cannot start
-    fails the test with nvidia-cuda-mps-control's words."""
+    """A private MPS daemon (gpunet.device.testing.mps.private_mps, the one bench/p2p.py uses):
+    fresh pipe and log directories, given (by the caller) to every rank process; stopped with
+    'quit' at the end. A daemon that cannot start fails the test with nvidia-cuda-mps-control's
+    words."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU: torch.cuda.is_available() is False")
-    dirs = {"CUDA_MPS_PIPE_DIRECTORY": tempfile.mkdtemp(prefix="gpunet-mps-pipe-"),
-            "CUDA_MPS_LOG_DIRECTORY": tempfile.mkdtemp(prefix="gpunet-mps-log-")}
-    env = dict(os.environ, **dirs)
+    from gpunet.device.testing.mps import private_mps
+
+    daemon = private_mps(export=False)
     try:
-        try:
-            started = _mps_control(env, None, "-d")
-        except (OSError, subprocess.SubprocessError) as e:
-            pytest.fail("the MPS daemon did not start: nvidia-cuda-mps-control -d: %s" % e)
-        if started.returncode != 0:
-            pytest.fail("the MPS daemon did not start: nvidia-cuda-mps-control -d exited %d: %s %s"
-                        % (started.returncode, started.stdout, started.stderr))
-        up = _mps_control(env, "get_server_list\n")
-        if up.returncode != 0:
-            pytest.fail("the MPS daemon does not answer (get_server_list exited %d: %s %s)"
-                        % (up.returncode, up.stdout, up.stderr))
+        dirs = daemon.__enter__()
+    except gpunet.GpunetError as e:
+        pytest.fail(str(e))
+    try:
         yield dirs
     finally:
-        try:
-            _mps_control(env, "quit\n")
-        finally:
-            for d in dirs.values():
-                shutil.rmtree(d, ignore_errors=True)
+        daemon.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,15 @@ Several processes on one GPU are time-sliced by the driver unless an MPS daemon 
 CUDA IPC ping-pong took 4.5 ms a round trip without it, 0.73 us with it). MPS is a user-space
 daemon; it changes no GPU setting. :func:`private_mps` starts one with fresh pipe and log folders,
 yields the two variables every process of the run must see, and stops it ('quit') at the end,
-whatever happens. bench/p2p.py uses it.
+whatever happens. bench/p2p.py and tests/test_p2p_cuda.py use it; a shell script runs a command
+under one with ``python3 -m gpunet.device.testing.mps -- COMMAND ...`` (exit status: the
+command's).
 """
 import contextlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 from gpunet.errors import GpunetError
@@ -24,10 +27,11 @@ def _control(env, text=None, *args):
 
 
 @contextlib.contextmanager
-def private_mps():
+def private_mps(export=True):
     """Start a private MPS daemon; yield {"CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"}
-    (also exported in this process, so spawned ranks inherit them); stop it on exit. Raises
-    GpunetError with nvidia-cuda-mps-control's words when it cannot start or does not answer."""
+    (with ``export``, also set in this process's environment until the end, so spawned ranks
+    inherit them; else the caller passes them on); stop it on exit. Raises GpunetError with
+    nvidia-cuda-mps-control's words when it cannot start or does not answer."""
     dirs = {"CUDA_MPS_PIPE_DIRECTORY": tempfile.mkdtemp(prefix="gpunet-mps-pipe-"),
             "CUDA_MPS_LOG_DIRECTORY": tempfile.mkdtemp(prefix="gpunet-mps-log-")}
     saved = {k: os.environ.get(k) for k in dirs}
@@ -46,7 +50,8 @@ def private_mps():
         if up.returncode != 0:
             raise GpunetError("the MPS daemon does not answer (get_server_list exited %d: %s %s)"
                               % (up.returncode, up.stdout, up.stderr))
-        os.environ.update(dirs)
+        if export:
+            os.environ.update(dirs)
         yield dict(dirs)
     finally:
         try:
@@ -60,3 +65,22 @@ def private_mps():
                     os.environ[k] = v
             for d in dirs.values():
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def main(argv):
+    """``-- COMMAND ...``: run COMMAND under a private daemon; returns its exit status."""
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python3 -m gpunet.device.testing.mps -- COMMAND ...", file=sys.stderr)
+        return 2
+    try:
+        with private_mps():
+            return subprocess.run(argv).returncode
+    except GpunetError as e:
+        print(str(e), file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
