@@ -213,6 +213,36 @@ GPUNET_DEVICE bool fence(const DevCtx& ctx) {
   return !failed(api::waiter(ctx));
 }
 
+// ---- direct access (NVSHMEM's nvshmem_ptr) ---------------------------------------------------
+
+namespace api {
+template <class T>
+struct maps_peer {  // the transports whose PE heap is mapped into this process
+  static constexpr bool value = false;
+};
+template <>
+struct maps_peer<transport::P2p> {
+  static constexpr bool value = true;
+};
+}  // namespace api
+
+// The address at which this thread may store to symmetric `sym` on `pe` itself (and load from it,
+// except on a P2P_STORE_ONLY peer), when that PE's heap is mapped here (a p2p peer); nullptr for a
+// NIC peer (only the verbs reach it), a bad pe or an address outside the heap (nothing recorded).
+// Plain stores through it are like a p2p put's: visible at the PE after fence / quiet / a signal
+// to it. Kernels that move rows use it to skip staging: the source need not be in the heap.
+GPUNET_DEVICE void* ptr(const DevCtx& ctx, const void* sym, int pe) {
+  const Waiter w = api::waiter(ctx);
+  const PeerDesc* p = api::peer(ctx, w, pe, false);
+  if (!p || api::heap_off(ctx, sym) >= ctx.heap_bytes) return nullptr;
+  return dispatch(p->kind, [&](auto t) -> void* {
+    if constexpr (api::maps_peer<decltype(t)>::value)
+      return reinterpret_cast<void*>(uintptr_t(api::remote(ctx, *p, sym)));
+    else
+      return nullptr;
+  });
+}
+
 // ---- warp and block variants -----------------------------------------------------------------
 
 // Every lane of the warp calls it with the same arguments (converged). ibgda: the put is split in

@@ -692,8 +692,21 @@ GPUNET_DEVICE void stage_row(const LlParams& P, const Geo& g, uint32_t t) {
   }
 }
 
+// Every peer other than this rank is mapped here (gpunet::ptr: p2p), so a BF16 row can go from
+// x straight to each destination, unstaged. (Masked peers count too: every block must get the
+// same answer, and mask words may change during the launch.)
+GPUNET_DEVICE bool all_peers_mapped(const LlParams& P) {
+  for (uint32_t p = 0; p < P.nranks; ++p)
+    if (p != P.rank && !gpunet::ptr(peer_ctx(P, p), ptr<const void>(P.d_recv), int(p))) return false;
+  return true;
+}
+
 GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   const uint32_t K = P.topk, T = P.num_tokens, E = P.num_experts, C = P.hist_cols, H = P.hidden;
+  const bool fp8 = (P.flags & F_FP8) != 0;
+  // the send slot holds the row for a NIC peer (the verbs read the heap), for this rank's own
+  // receive with a hook, and in FP8 (quantised once, copied to each destination)
+  const bool stage = fp8 || !self_reads_source(P) || !all_peers_mapped(P);
   // Rows are staged while block 0 plans: once block 0's quiet has freed the staging
   // (SYNC_SEND_QUIET), the other blocks copy / quantise their tokens' rows, then wait for the
   // plan; block 0 stages its own after planning. (The plan is block 0's alone: the grid waited
@@ -704,10 +717,10 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     arch::syncthreads();
     plan_tokens(P, g);
     block_publish(P, g, SYNC_SEND_READY);
-    for (uint32_t t = g.gw; t < T; t += g.gwarps) stage_row(P, g, t);
+    for (uint32_t t = g.gw; t < T && stage; t += g.gwarps) stage_row(P, g, t);
   } else {
     if (!block_wait(P, g, SYNC_SEND_QUIET, 1, EP_SITE_PLAN)) return false;
-    for (uint32_t t = g.gw; t < T; t += g.gwarps) stage_row(P, g, t);
+    for (uint32_t t = g.gw; t < T && stage; t += g.gwarps) stage_row(P, g, t);
     if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) return false;
   }
   stamp(P, g, ST_SEND_PLAN);
@@ -772,10 +785,22 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
       if (!((todo >> k) & 1)) continue;
       const uint32_t d = arch::shfl(dest, k), sl = arch::shfl(slot, k);
       const DevCtx& cx = peer_ctx(P, d);
+      const uint64_t dst = P.d_recv + (uint64_t(P.rank) * P.t_max + sl) * P.msg_stride;
+      // a mapped peer: the warp stores the message there itself (BF16: the row from x, then the
+      // meta), published by the last block's fences and signal like a p2p put
+      if (void* mapped = gpunet::ptr(cx, ptr<const void>(dst), int(d))) {
+        const uint64_t rd = uint64_t(uintptr_t(mapped));
+        if (fp8) {
+          warp_copy(g, rd, msg, P.msg_stride);
+        } else {
+          warp_copy(g, rd, P.x + uint64_t(t) * H * 2, P.payload_bytes);
+          warp_copy(g, rd + P.payload_bytes, msg + P.payload_bytes, P.msg_stride - P.payload_bytes);
+        }
+        continue;
+      }
       // one fence per token (the staged row and meta before the first post), on every lane
       bool ok = fenced || arch::all(fence(cx));
       fenced = true;
-      const uint64_t dst = P.d_recv + (uint64_t(P.rank) * P.t_max + sl) * P.msg_stride;
       ok = ok && put_nbi_warp(cx, ptr<void>(dst), ptr<const void>(msg), P.msg_stride, int(d));
       if (!ok && g.lane == 0) peer_fail_view(P, out, d);
     }
@@ -1009,13 +1034,21 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
         ptr<int32_t>(P.c_rtags)[dst_row + i] = ptr<const int32_t>(P.src_info)[r0 + i];
       continue;
     }
+    const DevCtx& cx = peer_ctx(P, j);
+    const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + uint64_t(pre[uint64_t(le) * R + j]);
+    // a mapped peer: the warp stores the rows (from x, unstaged) and token indices there itself,
+    // published by the last block's fences and signal like a p2p put
+    if (void* mapped = gpunet::ptr(cx, ptr<const void>(P.c_recv + dst_row * H * 2), int(j))) {
+      warp_copy(g, uint64_t(uintptr_t(mapped)), P.x + r0 * H * 2, c * H * 2);
+      int32_t* tags = static_cast<int32_t*>(gpunet::ptr(cx, ptr<const void>(P.c_rtags + dst_row * 4), int(j)));
+      for (uint64_t i = g.lane; i < c; i += g.ws) tags[i] = ptr<const int32_t>(P.src_info)[r0 + i];
+      continue;
+    }
     if (!zero_copy) warp_copy(g, P.c_send + r0 * H * 2, P.x + r0 * H * 2, c * H * 2);
     for (uint64_t i = g.lane; i < c; i += g.ws)
       ptr<int32_t>(P.c_stags)[r0 + i] = ptr<const int32_t>(P.src_info)[r0 + i];
     arch::syncwarp();
     // the whole warp: one fence, then the rows and their token indices (ll.cuh "Speed rules")
-    const DevCtx& cx = peer_ctx(P, j);
-    const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + uint64_t(pre[uint64_t(le) * R + j]);
     bool ok = arch::all(fence(cx));
     ok = ok && put_nbi_warp(cx, ptr<void>(P.c_recv + dst_row * H * 2),
                             ptr<const void>(P.c_send + r0 * H * 2), c * H * 2, int(j));
