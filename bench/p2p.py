@@ -221,6 +221,9 @@ def _rank(rank, world, cfg):
         if rank == 0:
             mapped = ctx._transports.peer_heaps[1].base + (dst.data_ptr() - ctx.heap_base)
             rows = _bandwidth_rows(ctx, src, dst, mapped, cfg)
+        # a host barrier: rank 1 must not spin in a device wait (bounded by timeout_s, and an SM
+        # polling memory) while rank 0 measures
+        dist.barrier()
         ctx.barrier()
         rtt = _pingpong(ctx, cfg)
         info = {"rank": rank, "wrong": wrong, "transports": dict(ctx.transports)}
