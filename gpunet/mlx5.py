@@ -202,7 +202,7 @@ def inline_ds(nbytes):
 
 
 # --- segment builders ----------------------------------------------------------------------------
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def set_ctrl_seg(buf, off, pi, opcode, opmod, qpn, fm_ce_se, ds, signature, imm):
     """struct mlx5_wqe_ctrl_seg, as mlx5dv_set_ctrl_seg fills it.
 
@@ -218,7 +218,7 @@ def set_ctrl_seg(buf, off, pi, opcode, opmod, qpn, fm_ce_se, ds, signature, imm)
     put_le32(buf, off + CTRL_IMM, imm)
 
 
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def set_raddr_seg(buf, off, raddr, rkey):
     """struct mlx5_wqe_raddr_seg: raddr be64, rkey be32, reserved."""
     put_be64(buf, off, raddr)
@@ -226,7 +226,7 @@ def set_raddr_seg(buf, off, raddr, rkey):
     put_be32(buf, off + 12, 0)
 
 
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def set_data_seg(buf, off, byte_count, lkey, addr):
     """struct mlx5_wqe_data_seg, as mlx5dv_set_data_seg fills it."""
     put_be32(buf, off, byte_count)
@@ -234,7 +234,7 @@ def set_data_seg(buf, off, byte_count, lkey, addr):
     put_be64(buf, off + 8, addr)
 
 
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def set_atomic_seg(buf, off, swap_add, compare):
     """struct mlx5_wqe_atomic_seg: fetch-add puts the addend in swap_add."""
     put_be64(buf, off, swap_add)
@@ -252,7 +252,9 @@ def set_inline_hdr(buf, off, nbytes):
 # callers that post into a ring make sure the WQE does not cross the ring's end (mlx5 rings wrap
 # per WQEBB: use ``write_wqe_wrapped`` for WQEs of more than one WQEBB).
 
-@wire_njit(cache=True)
+# build_rdma / build_atomic and their segment setters are inline="always": the proxy's drain
+# (host/proxy.py) builds one WQE per command, and a numba call costs more than the build.
+@wire_njit(cache=True, inline="always")
 def build_rdma(buf, off, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey, nbytes, imm):
     """RDMA WRITE / WRITE_WITH_IMM / READ with one data segment (ds = 3, one WQEBB)."""
     set_ctrl_seg(buf, off, pi, opcode, 0, qpn, fm_ce_se, DS_RDMA, 0, imm)
@@ -261,7 +263,7 @@ def build_rdma(buf, off, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey, nb
     return 1
 
 
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def build_atomic(buf, off, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey, swap_add, compare):
     """8-byte ATOMIC fetch-add (OPCODE_ATOMIC_FA) or compare-swap (OPCODE_ATOMIC_CS), ds = 4.
 

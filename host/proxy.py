@@ -286,6 +286,10 @@ def cpu_wait_completed(hctrl, issued, timeout_ns):
 
 
 # ---- the drain step ----------------------------------------------------------------------------
+# The per-command helpers are inline="always" (numba's IR inlining; and so are the mlx5 builders
+# they call): numba compiles each njit function on its own and does not inline across them, and a
+# call passing the state arrays cost more than the WQE build (bench/proxy.py drain-only prefilled,
+# CI machine: 9.7 -> 20 M commands per CPU-second; tests/test_proxy.py guards the behaviour).
 @wire_njit(cache=True, inline="always")
 def _record_error(ch, c, word, seq, peer):
     """The channel's first failure: err_seq, err_peer, error, then COMPLETED_ERROR in the published
@@ -314,7 +318,7 @@ def _mark_done(ch, done, c, seq):
     done[c, seq & (ch[c, CH_DEPTH] - 1)] = 1
 
 
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def _post(qp, q, side_ch, side_seq, c, seq, last, opcode, raddr, rkey, laddr, lkey, nbytes,
           value, inline_set):
     """Build one WQE at the QP's producer index through host/wq.py (gpunet.mlx5's builders).
@@ -356,7 +360,7 @@ def _post(qp, q, side_ch, side_seq, c, seq, last, opcode, raddr, rkey, laddr, lk
     qp[q, QP_DIRTY] = 1
 
 
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, seq, w0, w1, operand, width):
     """Turn one command into WQE(s). Returns 1 if consumed, 0 if the QP's SQ is full (retry).
     ``width`` 2: an ATOMIC_FA whose OPERAND (``operand``) was in the next slot."""
@@ -405,7 +409,7 @@ def _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, seq, w0, w1, opera
     return 1
 
 
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def _ring(qp, q):
     """One doorbell for everything posted on the QP in this pass (wq.ring_doorbell: release; DBR;
     release; 64-bit doorbell word), after asking for a CQE on the last WQE if it had none."""
@@ -421,7 +425,7 @@ def _ring(qp, q):
     qp[q, QP_DIRTY] = 0
 
 
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def _poll_cq(ch, done, qp, side_ch, side_seq, q, out):
     """Consume the QP's new CQEs (wq.poll_cq); every WQE up to a CQE's wqe_counter has completed,
     in order (one RC QP completes in posting order)."""
@@ -458,7 +462,7 @@ def _poll_cq(ch, done, qp, side_ch, side_seq, q, out):
             return total
 
 
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def _advance_completed(ch, done, c):
     depth = ch[c, CH_DEPTH]
     comp = ch[c, CH_COMPLETED]
@@ -472,7 +476,7 @@ def _advance_completed(ch, done, c):
         ch[c, CH_PUB_COMPLETED] = comp
 
 
-@wire_njit(cache=True)
+@wire_njit(cache=True, inline="always")
 def _publish_tail(ch, c):
     t = ch[c, CH_TAIL]
     if t != ch[c, CH_PUB_TAIL]:

@@ -26,7 +26,7 @@ from gpunet.host.rawmem import (address_of, load_acquire_u32, store_release_u32,
 
 
 # --- njit: posting ----------------------------------------------------------------------------
-@wire_njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True, inline="always")
 def post_rdma(sq_addr, sq_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey, nbytes, imm):
     """RDMA WRITE / WRITE_WITH_IMM / READ (one data segment) at WQE index ``pi``. Returns WQEBBs (1).
 
@@ -37,7 +37,7 @@ def post_rdma(sq_addr, sq_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr,
                            raddr, rkey, laddr, lkey, nbytes, imm)
 
 
-@wire_njit(cache=True, nogil=True)
+@wire_njit(cache=True, nogil=True, inline="always")
 def post_atomic(sq_addr, sq_wqebbs, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey,
                 swap_add, compare):
     """8-byte ATOMIC_FA / ATOMIC_CS at WQE index ``pi``; the old value lands at laddr big-endian."""
