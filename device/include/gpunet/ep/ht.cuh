@@ -651,6 +651,7 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
   for (uint32_t d = g.tid; d < R; d += g.bdim) {
     *ws_word(P, 1, c, d, WS_CREDIT) = 0;
     *ws_word(P, 1, c, d, WS_MAXP) = 0;
+    arch::atomic_store(ws_word(P, 1, c, d, WS_AVAIL), uint64_t(0));  // the tail seen (below)
   }
   arch::syncthreads();
   for (uint64_t base = cb; base < ce; base += g.nwarps) {
@@ -671,15 +672,27 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
           continue;
         }
         if (ok && g.lane == 0) {
-          uint32_t n = 0;
-          while (read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) <= uint64_t(p)) {
-            if ((n++ & 7) == 0 && (out[d] || (d != B.rank && arch::now_ns() - t0 > P.peer_timeout_ns))) {
-              ok = false;
-              break;
+          // the block's last seen tail of d (a lower bound: warps store it racily, never above
+          // the truth) spares most reads of the word itself (host memory on GPUs, a PCIe trip)
+          uint64_t* seen = ws_word(P, 1, c, d, WS_AVAIL);
+          if (arch::atomic_load(seen) <= uint64_t(p)) {
+            uint32_t n = 0;
+            uint64_t tail;
+            while ((tail = read_count(P, HT_KIND_COMBINE, 0, c, d, epoch)) <= uint64_t(p)) {
+              if ((n++ & 7) == 0 && (out[d] || (d != B.rank && arch::now_ns() - t0 > P.peer_timeout_ns))) {
+                ok = false;
+                break;
+              }
+              arch::spin_pause();
             }
-            arch::spin_pause();
+            if (ok && tail != 0xffffffffull) {
+              arch::fence_sys();  // release: what this acquire made visible, to the warps reading seen
+              arch::atomic_store(seen, tail);
+            }
+            if (!ok && !out[d]) peer_fail_view(B, out, d);
+          } else {
+            arch::fence_sys();  // acquire: the rows below the tail another warp of this block read
           }
-          if (!ok && !out[d]) peer_fail_view(B, out, d);
         }
         ok = arch::shfl(ok ? 1u : 0u, 0) != 0;
         if (!ok) continue;
