@@ -521,6 +521,7 @@ class Prober:
         self.count = 0
         self.stuck = False       # a probe kernel outlived its bounds: the NIC must stay open
         self._dma = None         # soft NIC on a GPU: copy engine attached (see _copy_engine)
+        _ctl_access()            # compiled (or loaded from numba's cache) before any probe's clock
 
     def _new_pair(self):
         """A fresh connected QP pair (loopback on this NIC); after an error completion the old
