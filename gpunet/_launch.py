@@ -103,13 +103,21 @@ class Launcher(Resource):
         if bulk is not None:
             for o in ops:
                 o.ok = 1              # k_put_bulk clears the ok of a put a block failed
+        if self._gpu and bulk is not None and len(ops) == 1:
+            return self._run_gpu_put1(ops, what, blocking, bulk)
         if self._gpu:
             return self._run_gpu(ops, what, blocking, bulk)
         st = self.dev.status
         if st.code:                   # recorded by a kernel nobody checked (see the module doc)
             return ops, self._take_failure("an earlier device kernel (not followed by "
                                            "ctx.check()), reported before %s" % what), False
-        if bulk is not None:
+        if bulk is not None and len(ops) == 1:   # one put: by value, as on a GPU
+            grid, block, chunk = bulk
+            o = ops[0]
+            rc = self.lib.gpunet_put_bulk1_launch(grid, block, self.warp_size, 0, 0, 0, 0,
+                                                  self.dev.addr, o.dst, o.src, o.nbytes, o.pe,
+                                                  chunk, None, 1)
+        elif bulk is not None:
             grid, block, chunk = bulk
             rc = self.lib.gpunet_put_bulk_launch(grid, block, self.warp_size, 0, 0, 0, 0,
                                                  self.dev.addr, ctypes.addressof(ops), len(ops),
@@ -147,6 +155,20 @@ class Launcher(Resource):
         if blocking:
             return dops, self.sync(what), True
         return dops, None, False
+
+    def _run_gpu_put1(self, ops, what, blocking, bulk):
+        """One bulk put with its fields as kernel arguments (ops.cu k_put_bulk1): no OpDesc in the
+        ring, nothing the kernel reads from host memory."""
+        o = ops[0]
+        grid, block, chunk = bulk
+        rc = self.lib.gpunet_put_bulk1_launch(grid, block, self.warp_size, 0, 0, 0, 0,
+                                              self.dev.addr, o.dst, o.src, o.nbytes, o.pe, chunk,
+                                              self.stream() or None, 0)
+        if rc != 0:
+            raise GpunetError("%s: CUDA kernel launch failed (cudaError %d)" % (what, rc))
+        if blocking:
+            return ops, self.sync(what), True
+        return ops, None, False
 
     def stream(self):
         """The stream launches go on: torch's current CUDA stream handle (0 on the CPU)."""
