@@ -533,15 +533,18 @@ def _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, o
         if qp[q, QP_DIRTY] != 0:
             _ring(qp, q)
             ndb += 1
-    for i in range(my_ch.shape[0]):
-        _publish_tail(ch, my_ch[i])
     ncqe = 0
     for j in range(my_qp.shape[0]):
         q = my_qp[j]
         if qp[q, QP_NULL] == 0 and qp[q, QP_PI] != qp[q, QP_SQ_CI]:
             ncqe += _poll_cq(ch, done, qp, side_ch, side_seq, q, out)
+    # completed before tail: both live in the HostCtrl line a device quiet polls over PCIe, and
+    # the first store to it waits for the line (x86 stores leave in order); a quiet waits for
+    # completed, a producer reads tail only when its cached tail says the ring is full.
     for i in range(my_ch.shape[0]):
         _advance_completed(ch, done, my_ch[i])
+    for i in range(my_ch.shape[0]):
+        _publish_tail(ch, my_ch[i])
     stats[ST_COMMANDS] += work
     stats[ST_DOORBELLS] += ndb
     stats[ST_CQES] += ncqe
