@@ -53,3 +53,52 @@ def test_ht_two_ranks_share_the_gpu(cuda_platform):
         r.run("ep_ht_jobs:close", timeout=120)
     finally:
         r.close()
+
+
+def test_num_worst_tokens_dispatch_and_combine_replay_in_a_cuda_graph(cuda_platform):
+    """num_worst_tokens keeps everything on the device: get_dispatch_layout + dispatch + combine
+    captured once in a CUDA graph, then replayed on three new routings copied into the captured
+    inputs (one rank, in this process): every replay's received rows, local ids and weights equal
+    that routing's reference in the prefix, the tail's recv_topk_idx is -1, and combine / fan-out
+    is x (the op counter advances on the device)."""
+    from gpunet.ep import Buffer
+    from gpunet.ep import reference as ref
+    T, H, K, E, worst = 64, 512, 4, 8, 80
+    cfg = Config(*CFG)
+    b = Buffer(None, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(H * 2, 1), explicitly_destroy=True,
+               timeout_s=20.0)
+    try:
+        def inputs(seed):
+            return ref.make_rank_inputs(1, T, H, K, E, seed, holes=5)[0]
+        first = inputs(1)
+        x, tk, w = first["x"].cuda(), first["topk_idx"].cuda(), first["topk_weights"].cuda()
+
+        def step():
+            _, _, ntpe, inr, _ = b.get_dispatch_layout(tk, E)
+            rx, rtk, rw, counts, h, _ = b.dispatch(x, is_token_in_rank=inr, num_tokens_per_expert=ntpe,
+                                                   topk_idx=tk, topk_weights=w, num_worst_tokens=worst,
+                                                   config=cfg)
+            out, ow, _ = b.combine(rx, h, topk_weights=rw, config=cfg)
+            return rx, rtk, rw, counts, out, ow
+        step()                                            # warm-up outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            rx, rtk, rw, counts, out, ow = step()
+        assert counts == []
+        for seed in (11, 12, 13):
+            new = inputs(seed)
+            x.copy_(new["x"])
+            tk.copy_(new["topk_idx"])
+            w.copy_(new["topk_weights"])
+            g.replay()
+            torch.cuda.synchronize()
+            want = ref.ht_dispatch_ref([new["x"]], [new["topk_idx"]], [new["topk_weights"]], E, 0)
+            n = want["src_idx"].numel()
+            assert torch.equal(rx[:n].cpu(), want["recv_x"])
+            assert torch.equal(rtk[:n].cpu(), want["recv_topk_idx"]) and bool((rtk[n:] == -1).all())
+            assert torch.equal(rw[:n].cpu(), want["recv_topk_weights"])
+            reach = (new["topk_idx"] >= 0).any(1)
+            assert torch.equal(out.cpu()[reach], new["x"][reach])   # one rank: fan-out 1, the row itself
+    finally:
+        b.destroy()
