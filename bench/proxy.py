@@ -167,6 +167,75 @@ def run_drain_prefilled(ncmd, size=64, reps=3):
             "doorbells": 0, "cqes": 0}
 
 
+def run_drain_resident(total, depth=4096, size=64):
+    """As run_drain_prefilled, but the FIFO (and the proxy's per-slot state) stays cache-resident:
+    a ring of ``depth`` slots filled and drained ``total // depth`` times; rate per CPU-second of
+    the draining thread over the drains only. Beside the prefilled row it tells whether a machine's
+    proxy rate is bound by memory (a 1 Mi-slot FIFO is 16 MiB + 8 MiB of completion flags)."""
+    ch = P.ProxyChannel(depth)
+    heap = np.zeros(1 << 20, np.uint8)
+    eng = P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], drain_only=True,
+                        start=False)
+    try:
+        _produce(ch.fifo_addr, depth, ch.hctrl_addr, ch.dctrl_addr, depth, WARP, 0, size, 256, 0,
+                 int(30e9))                             # compiles / warms up
+        while ch.completed < ch.head:
+            eng.step(0, 0.0, 100_000.0)
+        cpu = 0.0
+        for _ in range(max(1, total // depth)):
+            _produce(ch.fifo_addr, depth, ch.hctrl_addr, ch.dctrl_addr, depth, WARP, 0, size,
+                     256, 0, int(30e9))
+            t0 = time.thread_time()
+            while ch.completed < ch.head:
+                eng.step(0, 0.0, 100_000.0)
+            cpu += time.thread_time() - t0
+        n = max(1, total // depth) * depth
+    finally:
+        eng.close()
+        ch.close()
+    return {"mode": "drain-only resident (thread CPU time)", "proxy_threads": 1, "producers": 0,
+            "commands": n, "put_bytes": size, "seconds": cpu, "commands_per_s": n / cpu,
+            "commands_per_s_per_thread": n / cpu, "doorbells": 0, "cqes": 0}
+
+
+def diag():
+    """What the proxy's drain rate on this machine depends on (--diag): versions, CPU, clock
+    source, and the drain rate per CPU-second with a 1 Mi-slot FIFO (as the prefilled row) and a
+    cache-resident 4 Ki-slot one. The CPU-mode rows use plain CPU memory (numpy) for the FIFO and
+    HostCtrl on every platform, never host-mapped / write-combined memory."""
+    import platform as _pf
+
+    import llvmlite
+    import numba
+    info = {"python": _pf.python_version(), "numba": numba.__version__,
+            "llvmlite": llvmlite.__version__, "numpy": np.__version__}
+    for path, key in (("/sys/devices/system/clocksource/clocksource0/current_clocksource",
+                       "clocksource"),
+                      ("/sys/devices/system/cpu/cpu0/cache/index3/size", "l3"),
+                      ("/sys/devices/system/cpu/cpu0/cache/index2/size", "l2"),
+                      ("/sys/kernel/mm/transparent_hugepage/enabled", "thp")):
+        try:
+            with open(path) as f:
+                info[key] = f.read().strip()
+        except OSError:
+            info[key] = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                               None)
+    except OSError:
+        info["cpu"] = None
+    rows = []
+    for _ in range(3):
+        rows.append(run_drain_prefilled(1 << 20, reps=1))
+        rows.append(run_drain_resident(1 << 20))
+    for k, v in info.items():
+        print(f"{k:<12}{v}")
+    for r in rows:
+        print(f"{r['mode']:<42}{r['commands_per_s'] / 1e6:>8.2f} M commands per CPU-second")
+    return info, rows
+
+
 # ---- the round trip: one device thread, one command at a time ----------------------------------
 # Polling threads of one round trip. Each gets a physical core of its own when the machine has
 # enough (sharing a core, or a core's hyperthread sibling, with another spinning thread is what
@@ -518,10 +587,16 @@ def main(argv=None):
                          "the OS places them")
     ap.add_argument("--threads", default="1,2", help="proxy thread counts to run, e.g. 1,2")
     ap.add_argument("--producers", type=int, default=2)
+    ap.add_argument("--diag", action="store_true",
+                    help="what the drain rate depends on here: versions, CPU, clock source, the "
+                         "drain rate with a 1 Mi-slot FIFO and with a cache-resident one")
     args = ap.parse_args(argv)
     rows, diagnostics = [], []
     arch = "cuda" if args.gpu else args.roundtrip
-    if arch:
+    if args.diag:
+        info, rows = diag()
+        diagnostics = [info]
+    elif arch:
         it = 200 if args.quick else 5000
         placement = args.placement
         pre = "gpu-rt " if arch == "cuda" else "host-rt "
