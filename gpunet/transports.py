@@ -357,7 +357,9 @@ class Transports(Resource):
                          "the failed command was discarded)" % p)
         for ch in chans:
             ch.clear_error()
-        self.engine = ProxyEngine(*self._engine_args, threads=self._proxy_threads)
+        # the old engine's landing slots: NIC memory is never freed (ProxyEngine's scratch)
+        self.engine = ProxyEngine(*self._engine_args, threads=self._proxy_threads,
+                                  scratch=self.engine.scratch)
         return notes or ["the proxy channel's failure was cleared"]
 
     def proxy_head(self, ch):

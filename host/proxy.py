@@ -764,10 +764,15 @@ class ProxyEngine(Resource):
       start: False starts no thread; drive it with ``step(t)`` (benchmarks, tests).
       cpus: None, or one set of CPU numbers per thread: thread t pins itself to ``cpus[t]``
         (rawmem.engine_thread_start); ``placement[t]`` then records what it got.
+      scratch: None, or the ``scratch`` of an earlier, closed engine on the same NIC (its landing
+        slots, 64 B per QP): reused, because ``nic.alloc`` memory is never freed, so each engine
+        restarted after a recovery (gpunet/transports.py) took 64 B per QP of the NIC's memory
+        anew. tests/test_proxy.py::test_recovery_cycles_reuse_the_landing_slots.
     """
 
     def __init__(self, nic, channels, qps_per_peer, local_heap, remote_heaps, threads=1,
-                 drain_only=False, spin_us=SPIN_US, sq_wqebbs_null=1024, start=True, cpus=None):
+                 drain_only=False, spin_us=SPIN_US, sq_wqebbs_null=1024, start=True, cpus=None,
+                 scratch=None):
         threads = int(threads)
         if threads < 1:
             raise ConfigError(f"threads must be >= 1, not {threads}")
@@ -834,9 +839,16 @@ class ProxyEngine(Resource):
             int((x[0] if isinstance(x, tuple) else x).sq_wqebbs) for row in qps for x in row)
         self.side_ch = np.zeros((nqp, maxbb), dtype=np.int32)
         self.side_seq = np.zeros((nqp, maxbb), dtype=np.int64)
+        self.scratch = None
         if not drain_only:
-            self._scratch = nic.alloc(64 * nqp, align=64)
-            self._scratch_mr = nic.reg_mr(self._scratch, kind="host")
+            if scratch is None:
+                scratch = nic.alloc(64 * nqp, align=64)
+            elif scratch.nbytes < 64 * nqp or scratch.ctypes.data % 64:
+                raise ConfigError(f"scratch: {scratch.nbytes} bytes at 0x{scratch.ctypes.data:x}; "
+                                  f"{nqp} QPs need {64 * nqp}, 64-byte aligned (pass an earlier "
+                                  f"engine's scratch, on the same QPs)")
+            self.scratch = scratch
+            self._scratch_mr = nic.reg_mr(scratch, kind="host")
             scratch_addr, scratch_lkey = int(self._scratch_mr.addr), int(self._scratch_mr.lkey)
         thread_qps = [[] for _ in range(threads)]
         self._qp_objs = []

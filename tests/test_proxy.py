@@ -613,3 +613,43 @@ def test_host_arm_full_fifo_records_timeout(kernels):
     # 0.1 s) the quiet of one of the 8 that did
     assert int(status.view(np.uint64)[0]) == STATUS_TIMEOUT and s32[4] in (16, 17)
     assert ch.head == 64
+
+
+def test_recovery_cycles_reuse_the_landing_slots():
+    """A proxy Context recovers from a protection error (a put injected past the heap) by
+    starting a new proxy engine on the same channel and QPs; the new engine takes over the old
+    one's landing slots (ProxyEngine's scratch), so after a first cycle, 4 more leave the NIC's
+    next allocation exactly where it was (each used to take 64 B per QP of never-freed NIC
+    memory), and put_signal ADDs (whose fetched value lands in those slots) and atomics still
+    count right after every cycle."""
+    import torch
+    from gpunet.errors import CompletionError
+    from mp_jobs import inject_bad_put
+
+    ctx = gpunet.init(transport="proxy", nic="soft", heap_bytes=4 << 20, timeout_s=10.0)
+    try:
+        src = ctx.alloc((256,), torch.uint8)
+        dst = ctx.alloc((256,), torch.uint8)
+        sig = ctx.alloc((2,), torch.int64)
+
+        def cycle(n):
+            with pytest.raises(CompletionError, match="reset to RTS"):
+                inject_bad_put(ctx, 0, src)
+                ctx.quiet()
+            src[:] = (torch.arange(256) + n).to(torch.uint8)
+            ctx.put_signal(ctx.remote(0, dst), src, ctx.remote(0, sig), 3)
+            ctx.wait_until(sig, 3 * (n + 1))
+            assert torch.equal(dst, src)
+            assert ctx.atomic_add(ctx.remote(0, sig, 1), 1) == n
+
+        def used():                                  # the soft NIC arena's allocation top
+            return int(ctx.nic._arena.T[softnic.H_HEAP_TOP])
+
+        cycle(0)
+        before, engine = used(), ctx._transports.engine
+        for n in range(1, 5):
+            cycle(n)
+        assert ctx._transports.engine is not engine  # every cycle started a new engine
+        assert used() == before
+    finally:
+        ctx.close()
