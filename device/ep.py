@@ -43,7 +43,7 @@ class LlParams(ctypes.Structure):
                 ("rank", u32), ("nranks", u32), ("num_experts", u32), ("e_loc", u32),
                 ("hidden", u32), ("topk", u32), ("num_tokens", u32), ("t_max", u32),
                 ("msg_stride", u32), ("payload_bytes", u32), ("hdr_stride", u32), ("c_rows", u32),
-                ("ntiles", u32), ("hist_cols", u32), ("bits_warps", u32), ("pad0", u32),
+                ("ntiles", u32), ("hist_cols", u32), ("bits_warps", u32), ("bits_smem", u32),
                 ("ctxs", u64), ("timeout_ns", u64),
                 ("sig", u64), ("d_send", u64), ("d_shdr", u64), ("d_recv", u64), ("d_rhdr", u64),
                 ("c_send", u64), ("c_stags", u64), ("c_shdr", u64), ("c_recv", u64),

@@ -27,12 +27,18 @@ uint32_t gpunet_ep_abi_size(uint32_t which) {
 // kernel and report its error. Returns 0 or the launch error.
 int gpunet_ep_ll_launch(const void* params, uint32_t grid, uint32_t block, uint32_t ws, void* stream,
                         uint32_t sync) {
-  const gpunet::ep::LlParams& P = *static_cast<const gpunet::ep::LlParams*>(params);
+  namespace ep = gpunet::ep;
+  ep::LlParams P = *static_cast<const ep::LlParams*>(params);
+  // shared memory: the blocks' copies of the peer mask, and a dispatch send's plan bitmaps when
+  // they fit (ll.cuh smem_view_bytes / plan_tokens)
+  const uint32_t view = ep::smem_view_bytes(P.nranks);
+  const uint64_t bits = uint64_t(P.bits_warps) * P.hist_cols * 8;
+  P.bits_smem = P.op == ep::OP_DISPATCH && (P.phases & ep::PH_SEND) && view + bits <= ep::kMaxPlanSmem;
   gpunet::LaunchSpec s;
   s.grid = grid;
   s.block = block;
   s.warp_size = ws;
-  s.shared_bytes = (P.nranks + 15) / 16 * 16;  // the blocks' copies of the peer mask (ll.cuh)
+  s.shared_bytes = view + (P.bits_smem ? uint32_t(bits) : 0);
   s.stream = stream;
   s.sync = sync != 0;
   return gpunet::launch_kernel(s, k_ep_ll, P);

@@ -152,7 +152,8 @@ struct LlParams {
   uint32_t rank, nranks, num_experts, e_loc;
   uint32_t hidden, topk, num_tokens, t_max;    // topk K <= kMaxTopk; num_tokens T <= t_max
   uint32_t msg_stride, payload_bytes, hdr_stride, c_rows;  // c_rows: rows of one source's area
-  uint32_t ntiles, hist_cols, bits_warps, pad0;            // plan: tiles, E + R, bitmap warps
+  uint32_t ntiles, hist_cols, bits_warps, bits_smem;       // plan: tiles, E + R, bitmap warps,
+                                                           // bitmaps in shared memory (launcher)
   uint64_t ctxs;          // DevCtx[nranks]: per-peer copies of the Context's, each its own Status
   uint64_t timeout_ns;    // bound of grid-internal waits (> the per-peer bound in ctxs)
   // symmetric heap (this rank's addresses; the same offsets on every peer)
@@ -419,6 +420,11 @@ GPUNET_DEVICE void stamp(const LlParams& P, const Geo& g, uint32_t which) {
 // memory on GPUs (the host reads them without a device sync), where every read crosses PCIe. A
 // peer that fails during the launch is marked in the copy of the block that saw it; other blocks
 // keep posting to it until their verbs fail fast on its own Status (harmless).
+// Dynamic shared memory: the peer view (one byte per peer, 16-byte rounded), then, when
+// LlParams::bits_smem, block 0's plan bitmaps [bits_warps][hist_cols] u64 (ep_ll.cu sizes it).
+GPUNET_HOST_DEVICE uint32_t smem_view_bytes(uint32_t nranks) { return (nranks + 15) / 16 * 16; }
+constexpr uint32_t kMaxPlanSmem = 40u << 10;  // under the 48 KB a launch gets without opting in
+
 GPUNET_DEVICE uint8_t* load_peer_view(const LlParams& P, const Geo& g) {
   uint8_t* v = arch::shared_mem();
   for (uint32_t p = g.tid; p < P.nranks; p += g.bdim) v[p] = peer_out(P, p) ? 1 : 0;
@@ -628,15 +634,27 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
   int32_t* plan_slot = plan_idx + uint64_t(P.t_max) * K;
   int32_t* hist = ptr<int32_t>(P.hist);
   const uint64_t below = g.lane == 0 ? 0 : (~uint64_t(0) >> (64 - g.lane));
+  // the bitmaps: shared memory when they fit (their atomics and loads are the plan's inner loop,
+  // and the whole grid waits for the plan; in global memory that was ~20 us on the H200), zeroed
+  // here; else the global workspace, zero between tiles
+  uint64_t* bits0 = ptr<uint64_t>(P.bits);
+  if (P.bits_smem) {
+    bits0 = reinterpret_cast<uint64_t*>(arch::shared_mem() + smem_view_bytes(P.nranks));
+    for (uint32_t i = g.tid; i < P.bits_warps * C; i += g.bdim) bits0[i] = 0;
+    arch::syncthreads();
+  }
   if (g.wid < P.bits_warps) {
-    uint64_t* bits = ptr<uint64_t>(P.bits) + uint64_t(g.wid) * C;
+    uint64_t* bits = bits0 + uint64_t(g.wid) * C;
     const uint32_t nw = g.nwarps < P.bits_warps ? g.nwarps : P.bits_warps;
     for (uint32_t tile = g.wid; tile < P.ntiles; tile += nw) {
       const uint32_t t = tile * g.ws + g.lane;
       int32_t ex[kMaxTopk];
       bool first_rank[kMaxTopk];
+      int64_t raw[kMaxTopk];  // the token's K experts, loaded before the atomics below
+#pragma unroll
+      for (uint32_t k = 0; k < kMaxTopk; ++k) raw[k] = (k < K && t < T) ? topk[uint64_t(t) * K + k] : -1;
       for (uint32_t k = 0; k < K; ++k) {
-        int64_t e = t < T ? topk[uint64_t(t) * K + k] : -1;
+        int64_t e = raw[k];
         if (e < 0 || e >= int64_t(E)) e = -1;
         for (uint32_t k2 = 0; k2 < k && e >= 0; ++k2)
           if (ex[k2] == int32_t(e)) e = -1;  // a repeated expert counts once
@@ -667,13 +685,13 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
   }
   arch::syncthreads();
   for (uint32_t c = g.tid; c < C; c += g.bdim) {
-    int32_t run = 0;
-    for (uint32_t tile = 0; tile < P.ntiles; ++tile) {
-      const int32_t v = hist[uint64_t(tile) * C + c];
-      hist[uint64_t(tile) * C + c] = run;
-      run += v;
-    }
-    hist[uint64_t(P.ntiles) * C + c] = run;
+    int64_t run = 0;
+    batched(P.ntiles, [&](uint32_t tile) { return hist[uint64_t(tile) * C + c]; },
+            [&](uint32_t tile, int64_t v) {
+              hist[uint64_t(tile) * C + c] = int32_t(run);
+              run += v;
+            });
+    hist[uint64_t(P.ntiles) * C + c] = int32_t(run);
   }
 }
 
