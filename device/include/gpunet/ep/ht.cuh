@@ -511,8 +511,26 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       if (d == B.rank && !combine) ht_deliver_self(P, g, self_row + idx, src);
       else ht_stage(P, g, slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
     }
-    arch::syncthreads();  // every staging store before the owners' fences and puts
-    // (3) the owners post
+    arch::syncthreads();  // every staging store before the puts read them
+    // (3) the puts, by the whole block: on p2p every thread copies (put_nbi_block), on the NIC
+    // transports it is a few WQEs (ibgda) or one command (proxy); then the owners SET the tails
+    for (uint32_t d = 0; d < R; ++d) {  // block-uniform
+      const uint64_t n = *ws_word(P, 0, c, d, WS_AVAIL);
+      if (!n || d == B.rank) continue;
+      const uint64_t sent = *ws_word(P, 0, c, d, WS_SENT);
+      // the slots [sent, sent + n) of the ring: one put, two when they wrap
+      const uint64_t s0 = sent % P.ring;
+      const uint64_t n1 = P.ring - s0 < n ? P.ring - s0 : n;
+      const DevCtx& cx = peer_ctx(B, d);
+      const uint64_t msz = B.msg_stride;
+      bool ok = put_nbi_block(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, sent)),
+                              ptr<const void>(slot_addr(P, P.send_ring, c, d, sent)), n1 * msz, int(d));
+      if (ok && n1 < n)
+        ok = put_nbi_block(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, 0)),
+                           ptr<const void>(slot_addr(P, P.send_ring, c, d, 0)), (n - n1) * msz, int(d));
+      if (!ok && g.tid == 0) peer_fail_view(B, out, d);
+    }
+    arch::syncthreads();  // every thread's stores of the puts (p2p) before the owners' fences
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {
       if (g.lane != 0) continue;
       const uint64_t n = *ws_word(P, 0, c, d, WS_AVAIL);
@@ -521,19 +539,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       *ws_word(P, 0, c, d, WS_SENT) = sent + n;
       *ws_word(P, 0, c, d, WS_TLAST) = arch::now_ns();
       if (d == B.rank) continue;
-      // the slots [sent, sent + n) of the ring: one put, two when they wrap
-      const uint64_t s0 = sent % P.ring;
-      const uint64_t n1 = P.ring - s0 < n ? P.ring - s0 : n;
-      const DevCtx& cx = peer_ctx(B, d);
-      const uint64_t msz = B.msg_stride;
-      bool ok = fence(cx) &&
-                put_nbi(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, sent)),
-                        ptr<const void>(slot_addr(P, P.send_ring, c, d, sent)), n1 * msz, int(d));
-      if (ok && n1 < n)
-        ok = put_nbi(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, 0)),
-                     ptr<const void>(slot_addr(P, P.send_ring, c, d, 0)), (n - n1) * msz, int(d));
-      ok = ok && write_count(P, kind, 0, c, d, epoch, sent + n);
-      if (!ok) {
+      if (out[d] || !write_count(P, kind, 0, c, d, epoch, sent + n)) {
         peer_fail_view(B, out, d);
         *ws_word(P, 0, c, d, WS_DONE) = 1;
       }
