@@ -226,7 +226,10 @@ def _rank(rank, world, cfg):
         dist.barrier()
         ctx.barrier()
         rtt = _pingpong(ctx, cfg)
-        info = {"rank": rank, "wrong": wrong, "transports": dict(ctx.transports)}
+        from gpunet.device import abi
+        flags = int(ctx._dev.peers[1 - rank].rkey)
+        info = {"rank": rank, "wrong": wrong, "transports": dict(ctx.transports),
+                "peer_same_device": bool(flags & abi.P2P_SAME_DEVICE)}
         every = [None] * world
         dist.all_gather_object(every, info)
         return {"rows": rows, "rtt_us": rtt, "ranks": every}
@@ -372,6 +375,7 @@ def main(argv=None):
                                                                                else "cpu")))
     path.parent.mkdir(parents=True, exist_ok=True)
     out = {"what": "gpunet p2p put bandwidth and put_signal ping-pong", "config": cfg,
+           "ranks": res["ranks"] if res else None,
            "mps": mps_note, "rows": rows, "pingpong": pp, "gate": gate, "machine": m,
            "wall_s": time.monotonic() - t0}
     with open(path, "w") as f:

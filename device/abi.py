@@ -92,6 +92,7 @@ TRANSPORT_P2P = 3
 TRANSPORT_NAMES = {TRANSPORT_NONE: "none", TRANSPORT_IBGDA: "ibgda", TRANSPORT_PROXY: "proxy",
                    TRANSPORT_P2P: "p2p"}
 P2P_STORE_ONLY = 1              # PeerDesc.rkey of a p2p peer: stores only (the c500 profile)
+P2P_SAME_DEVICE = 2             # ... its heap is on this GPU: signals release at device scope
 SIGNAL_ADD, SIGNAL_SET = 0, 1   # put_signal's signal operation (OpDesc.cmp of OP_PUT_SIGNAL)
 DEVCTX_SIGNAL_BE = 1            # DevCtx.flags: signal words are big-endian (the NIC's atomics run
                                 # big-endian: Nic.atomic_endianness "big"); clear: native order

@@ -296,14 +296,16 @@ class DeviceContext:
             self._keep.append(keep)
         self._push_peers()
 
-    def set_peer_p2p(self, pe, mapped_base, store_only, keep=None):
+    def set_peer_p2p(self, pe, mapped_base, store_only, keep=None, same_device=False):
         """PE ``pe`` is reached by device stores into its heap, mapped in this process at
         ``mapped_base`` (transport/p2p.cuh); ``store_only``: no remote loads or atomics (the c500
         profile: get, atomics and ADD signals to it fail). ``keep``: the mapping, kept alive as
-        long as this context."""
+        long as this context. ``same_device``: the heap is on this GPU (P2P_SAME_DEVICE: a
+        signal's release needs device scope only)."""
         p = self.peers[pe]
         p.kind, p.qp, p.proxy = abi.TRANSPORT_P2P, 0, 0
-        p.remote_base, p.rkey = mapped_base, abi.P2P_STORE_ONLY if store_only else 0
+        p.remote_base = mapped_base
+        p.rkey = (abi.P2P_STORE_ONLY if store_only else 0) | (abi.P2P_SAME_DEVICE if same_device else 0)
         if keep is not None:
             self._keep.append(keep)
         self._push_peers()

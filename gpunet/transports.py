@@ -45,6 +45,17 @@ SQ_WQEBBS = 256                   # per-peer send ring: 16 KiB, deep enough for 
 PROXY_DEPTH = 1024                # proxy FIFO slots per channel
 
 
+def _gpu_identity():
+    """This process's current GPU, the same string in every process that uses it (its UUID), or
+    None when torch cannot say: p2p peers on the same GPU release signals at device scope only
+    (transport/p2p.cuh P2P_SAME_DEVICE)."""
+    try:
+        import torch
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    except Exception:  # noqa: BLE001 - no identity: the peer is treated as on another GPU
+        return None
+
+
 def check_transport(transport):
     """ConfigError unless ``transport`` is one of TRANSPORTS, a dict {peer: kind, "default": kind}
     or a callable (rank, peer) -> kind (see peer_transport)."""
@@ -166,7 +177,8 @@ class Transports(Resource):
             p2p = (self.platform.ipc_export(self._heap[0]) if self._gpu
                    else self.nic.export_heap(*self._heap))
         return {"qps": {k: q.info() for k, q in self._qps.items()},
-                "transports": dict(self.kinds), "p2p": p2p, "device_heap": self._device_heap}
+                "transports": dict(self.kinds), "p2p": p2p, "device_heap": self._device_heap,
+                "gpu": _gpu_identity() if self._gpu else None}
 
     def connect(self, everyone, dev, local_heap, mem=None, mapping=None):
         """Connect every QP to its partner on the peer and fill ``dev`` (a DeviceContext): per
@@ -206,7 +218,7 @@ class Transports(Resource):
         (transport/p2p.cuh)."""
         store_only = self.platform.profile == "c500"
         if p == self.rank:
-            dev.set_peer_p2p(p, local_heap[0], store_only)
+            dev.set_peer_p2p(p, local_heap[0], store_only, same_device=self._gpu)
             return
         from gpunet.host.platform import VendorRuntimeError
         try:
@@ -219,7 +231,9 @@ class Transports(Resource):
                               "needs the peer on this machine, alive; use transport='ibgda' or "
                               "'proxy' for it" % (p, e)) from e
         self.peer_heaps[p] = self._adopt(m, "p2p mapping of peer %d" % p)
-        dev.set_peer_p2p(p, m.base, store_only, keep=m)
+        mine = everyone[self.rank].get("gpu")
+        same = self._gpu and mine is not None and everyone[p].get("gpu") == mine
+        dev.set_peer_p2p(p, m.base, store_only, keep=m, same_device=same)
 
     def _map_for_nic(self, p, everyone):
         """NIC peer ``p``'s heap is device memory (CUDA, a rank with p2p peers): map it here by

@@ -70,10 +70,12 @@ def world():
     return World()
 
 
-def run(lib, w, nbytes, src_off, dst_off, op, value, script, seed=1):
+def run(lib, w, nbytes, src_off, dst_off, op, value, script, seed=1, same_device=False):
     """One put_signal of ``nbytes`` (local src at 256 + src_off, peer dst at 512 + dst_off, signal
-    at SIG_OFF) with the drain script; returns (ok, states, signalled, violations) after checking
-    the final state (kernel exit made every store visible: payload and signal in place)."""
+    at SIG_OFF) with the drain script, the peer flagged P2P_SAME_DEVICE (device-scope release) or
+    not; returns (ok, states, signalled, violations) after checking the final state (kernel exit
+    made every store visible: payload and signal in place)."""
+    w.dev.set_peer_p2p(PEER, w.peer.ctypes.data, False, same_device=same_device)
     w.local[:] = 0
     w.peer[:] = 0
     src = 256 + src_off
@@ -102,6 +104,7 @@ CASES = st.fixed_dictionaries({
     "value": st.integers(1, (1 << 62)),
     "script": st.lists(st.integers(0, (1 << 32) - 1), max_size=96),
     "seed": st.integers(0, 1 << 30),
+    "same_device": st.booleans(),
 })
 
 
@@ -110,7 +113,8 @@ CASES = st.fixed_dictionaries({
 @given(case=CASES)
 def test_signal_implies_payload_for_every_drain_order(libs, world, case):
     """Generated: payload size 1..600 bytes, source and destination offsets 0..40 (so the copy
-    mixes 16/8/4/2/1-byte stores), SET or ADD signal, and the script choosing every pop of the
+    mixes 16/8/4/2/1-byte stores), SET or ADD signal, a peer on another GPU or on this one
+    (P2P_SAME_DEVICE: the device-scope release), and the script choosing every pop of the
     writer's store buffer. Invariant: in every state the observer sees (after each pop and right
     after the call), a visible signal comes with the whole payload; the signal does arrive."""
     ok, states, signalled, violations = run(libs["real"], world, **case)

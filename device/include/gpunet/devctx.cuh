@@ -23,6 +23,8 @@ enum : uint32_t {
 // PeerDesc::rkey of a TRANSPORT_P2P peer: flags (a mapping needs no key). abi.py: P2P_*.
 enum : uint32_t {
   P2P_STORE_ONLY = 1u,  // stores only: no remote loads, no remote atomics (the c500 profile)
+  P2P_SAME_DEVICE = 2u, // the PE's heap is on this GPU (ranks sharing it): a signal's release
+                        // needs device scope only (transport/p2p.cuh signal_store)
 };
 
 // put_signal's signal operation (gpunet.cuh put_signal_nbi). abi.py: SIGNAL_*.

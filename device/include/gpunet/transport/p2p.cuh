@@ -182,16 +182,32 @@ struct P2p {
   }
 
   // The release between a put_signal's payload and its signal (SET: the signal is a release
-  // store; ADD: a fence_sys before the CAS). Rule: a peer that sees the signal sees the whole payload, for every order in
-  // which the weak model drains the payload stores (tests/test_weak_signal.py, with hypothesis
-  // choosing each pop). GPUNET_TEST_P2P_NO_SIGNAL_RELEASE compiles both out, for that test's
-  // fence-removal variant ONLY, which must then show the signal before the payload.
+  // store; ADD: a fence before the CAS). Rule: a peer that sees the signal sees the whole
+  // payload, for every order in which the weak model drains the payload stores
+  // (tests/test_weak_signal.py, with hypothesis choosing each pop). Scope: system, or device
+  // for a PE whose heap is on this GPU (P2P_SAME_DEVICE: ranks sharing one GPU, where the
+  // device's L2 is the point of coherence for both; a system-scope release cost ~1.3 us on the
+  // H200, two per round trip: bench/p2p.py). GPUNET_TEST_P2P_NO_SIGNAL_RELEASE compiles the
+  // release out, for that test's fence-removal variant ONLY, which must then show the signal
+  // before the payload.
 #if defined(GPUNET_TEST_P2P_NO_SIGNAL_RELEASE)
-  static GPUNET_DEVICE void signal_release() {}
-  static GPUNET_DEVICE void signal_store(uint64_t* sig, uint64_t v) { arch::store_relaxed(sig, v); }
+  static GPUNET_DEVICE void signal_release(const PeerDesc&) {}
+  static GPUNET_DEVICE void signal_store(const PeerDesc&, uint64_t* sig, uint64_t v) {
+    arch::store_relaxed(sig, v);
+  }
 #else
-  static GPUNET_DEVICE void signal_release() { arch::fence_sys(); }
-  static GPUNET_DEVICE void signal_store(uint64_t* sig, uint64_t v) { arch::store_release_sys(sig, v); }
+  static GPUNET_DEVICE void signal_release(const PeerDesc& p) {
+    if (p.rkey & P2P_SAME_DEVICE)
+      arch::fence_gpu();
+    else
+      arch::fence_sys();
+  }
+  static GPUNET_DEVICE void signal_store(const PeerDesc& p, uint64_t* sig, uint64_t v) {
+    if (p.rkey & P2P_SAME_DEVICE)
+      arch::store_release_gpu(sig, v);
+    else
+      arch::store_release_sys(sig, v);
+  }
 #endif
 
   static GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
@@ -205,10 +221,10 @@ struct P2p {
       // a release store: the payload stores before it (and, being cumulative, those other
       // threads made before a barrier with this one) are visible before it; one system-scope
       // release per signal, not a fence and then a release (bench/p2p.py's round trip)
-      signal_store(sig, api::signal_order(ctx, value));
+      signal_store(p, sig, api::signal_order(ctx, value));
       return !failed(w);
     }
-    signal_release();  // the CAS is a relaxed RMW: this fence orders the payload before it
+    signal_release(p);  // the CAS is a relaxed RMW: this fence orders the payload before it
     uint64_t old = 0;
     return add_word(ctx, w, pe, sig, value, &old);
   }
