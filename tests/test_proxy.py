@@ -653,3 +653,30 @@ def test_recovery_cycles_reuse_the_landing_slots():
         assert used() == before
     finally:
         ctx.close()
+
+
+def test_host_arm_push_after_a_failure_fills_its_slots_with_nops(kernels):
+    """A failure already recorded in the Status when a device thread pushes (proxy_push reads the
+    Status with its reservation in flight): the push returns false, the reserved slots hold NOPs
+    (valid, op NOP), which a drain-only proxy completes, so the channel stays whole: a push after
+    the Status is cleared goes through and completes."""
+    import ctypes
+    f = kernels.proxy_roundtrip
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
+                  ctypes.c_uint32, ctypes.c_void_p]
+    ch = P.ProxyChannel(16)
+    heap = np.zeros(1 << 16, np.uint8)
+    desc = _descs([ch])
+    out = np.zeros(4, np.uint64)
+    status = np.zeros(128, np.uint8)
+    status.view(np.uint64)[0] = STATUS_TIMEOUT               # as a kernel records it (code)
+    with P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], drain_only=True) as eng:
+        assert f(ctypes.addressof(desc), status.ctypes.data, int(5e9), 1, 64, out.ctypes.data) == 0
+        assert ch.head == 1 and out[0] == 0                 # reserved, not timed: push failed
+        w0 = int(np.frombuffer((ctypes.c_uint8 * 16).from_address(ch.fifo_addr), np.uint64)[0])
+        assert P.cmd_op(w0) == P.OP_NOP and (w0 >> P.VALID_SHIFT) == 1
+        eng.quiet(ch, 1, timeout_s=10)                      # the NOP completes
+        status[:] = 0
+        assert f(ctypes.addressof(desc), status.ctypes.data, int(5e9), 2, 64, out.ctypes.data) == 0
+        assert int(status.view(np.uint64)[0]) == 0 and ch.head == 3 and ch.completed == 3
+        assert out[0] > 0 and out[1] > 0

@@ -307,7 +307,6 @@ GPUNET_DEVICE bool check_args(const ProxyChannel& ch, const Waiter& w, uint32_t 
 // channel's issue count after them (pass it to proxy_quiet). false: a failure is recorded.
 GPUNET_DEVICE bool proxy_push_n(const ProxyChannel& ch, const Waiter& w, const Command* cmds,
                                 uint32_t n, uint64_t* issued = nullptr) {
-  if (failed(w)) return false;
   if (n == 0 || n > ch.depth) {
     Failure f(STATUS_BAD_ARGUMENT, SITE_PROXY_ARG);
     f.channel = ch.id;
@@ -316,8 +315,21 @@ GPUNET_DEVICE bool proxy_push_n(const ProxyChannel& ch, const Waiter& w, const C
     record_failure(w.st, f);
     return false;
   }
-  const uint64_t seq = arch::atomic_add(&detail::dctrl(ch)->head, uint64_t(n));
-  if (!detail::wait_space(ch, w, seq, n, command_peer(cmds[0]))) return false;
+  DevCtrl* d = detail::dctrl(ch);
+  const uint64_t seq = arch::atomic_add(&d->head, uint64_t(n));
+  // The Status and the cached tail are read with the reservation in flight, not before it (one
+  // round trip to device memory per push, not two: bench/proxy.py's round trip). A failure
+  // recorded meanwhile fills the slots with NOPs (completed by the proxy as soon as it reads
+  // them), so the channel stays whole.
+  const bool was_failed = failed(w);
+  const uint64_t cached = arch::atomic_load(&d->cached_tail);
+  const bool room = seq + n <= cached + ch.depth;
+  if (was_failed) {
+    if (room || detail::wait_space(ch, w, seq, n, command_peer(cmds[0])))
+      for (uint32_t i = 0; i < n; ++i) detail::write_slot(ch, seq + i, encode(OP_NOP, 0, 0, 0, 0));
+    return false;
+  }
+  if (!room && !detail::wait_space(ch, w, seq, n, command_peer(cmds[0]))) return false;
   for (uint32_t i = 0; i < n; ++i) detail::write_slot(ch, seq + i, cmds[i]);
   if (issued) *issued = seq + n;
   return true;
