@@ -1164,31 +1164,42 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
   }
   if (!grid_barrier(P, g, SYNC_RECV_TABLE, EP_SITE_TABLE)) return false;
   stamp(P, g, ST_RECV_TABLE);
-  // one item = (token t, a span of 8 * ws columns): lane l reduces columns c0 .. c0 + 7
+  // one item = (token t, a span of 8 * ws columns): lane l reduces columns c0 .. c0 + 7. A warp
+  // takes a contiguous run of items (mostly one token's spans), so a token's K row addresses and
+  // weights are read once for its run, and each span costs one round of K loads in flight.
   const float* w = ptr<const float>(P.topk_weights);
   const uint32_t span = 8 * g.ws, nspan = (H + span - 1) / span;
-  for (uint64_t it = g.gw; it < uint64_t(T) * nspan; it += g.gwarps) {
+  const uint64_t spans = uint64_t(T) * nspan, per = (spans + g.gwarps - 1) / g.gwarps;
+  const uint64_t it0 = uint64_t(g.gw) * per, it1 = it0 + per < spans ? it0 + per : spans;
+  uint32_t cur = ~0u, have = 0;  // have: bit k = selection k of token cur sent a row
+  uint64_t base[kMaxTopk];       // its row's first byte
+  float wk[kMaxTopk];
+  for (uint64_t it = it0; it < it1; ++it) {
     const uint32_t t = uint32_t(it / nspan);
+    if (t != cur) {
+      cur = t;
+      have = 0;
+#pragma unroll
+      for (uint32_t k = 0; k < kMaxTopk; ++k) {
+        base[k] = 0;
+        wk[k] = 0.0f;
+        if (k >= K) continue;
+        const int64_t s = table[uint64_t(t) * K + k];
+        if (s < 0) continue;
+        have |= 1u << k;
+        const uint64_t o = uint64_t(s) >> 32, i = uint64_t(s) & 0xffffffffu;
+        base[k] = (s & kSelfRow) ? P.x + uint64_t(s & ~kSelfRow) * H * 2
+                                 : P.c_recv + (o * P.c_rows + i) * H * 2;
+        wk[k] = w[uint64_t(t) * K + k];
+      }
+    }
     const uint32_t c0 = uint32_t(it % nspan) * span + g.lane * 8;
     if (c0 >= H) continue;
     // every row first (K independent 16-byte loads in flight), then the sum in k order
     V16 v[kMaxTopk];
-    float wk[kMaxTopk];
-    uint32_t have = 0;  // bit k: selection k sent a row
 #pragma unroll
-    for (uint32_t k = 0; k < kMaxTopk; ++k) {
-      wk[k] = 0.0f;
-      v[k] = V16{0, 0};
-      if (k >= K) continue;
-      const int64_t s = table[uint64_t(t) * K + k];
-      if (s < 0) continue;
-      have |= 1u << k;
-      const uint64_t o = uint64_t(s) >> 32, i = uint64_t(s) & 0xffffffffu;
-      const uint64_t row = (s & kSelfRow) ? P.x + (uint64_t(s & ~kSelfRow) * H + c0) * 2
-                                          : P.c_recv + ((o * P.c_rows + i) * H + c0) * 2;
-      v[k] = *ptr<const V16>(row);
-      wk[k] = w[uint64_t(t) * K + k];
-    }
+    for (uint32_t k = 0; k < kMaxTopk; ++k)
+      v[k] = ((have >> k) & 1) ? *ptr<const V16>(base[k] + uint64_t(c0) * 2) : V16{0, 0};
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
     for (uint32_t k = 0; k < kMaxTopk; ++k) {
