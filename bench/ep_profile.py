@@ -123,6 +123,28 @@ def _kineto(fn, align, n, on):
         return {"error": "%s: %s" % (type(e).__name__, e)}
 
 
+def _host_breakdown(fn, align, n, on):
+    """Where the host's time in ``n`` calls of fn goes (cProfile around the calls alone): the
+    top functions by own time, us per call. ``on`` False: the same calls unprofiled (in step)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    for _ in range(n):
+        align()
+        if on:
+            prof.enable()
+        fn()
+        if on:
+            prof.disable()
+    if not on:
+        return None
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:12]
+    return [{"fn": "%s:%d(%s)" % (Path(k[0]).name, k[1], k[2]), "calls_per_call": v[1] / n,
+             "own_us_per_call": v[2] / n * 1e6, "cum_us_per_call": v[3] / n * 1e6}
+            for k, v in rows]
+
+
 def _rank_profile(rank, world, cfg):
     """One rank: check once, then time every op with host clock, events and device stamps."""
     import torch
@@ -197,6 +219,8 @@ def _rank_profile(rank, world, cfg):
                 if i >= cfg["warmup"]:
                     rows.append({"event": ev_ns, "host": (t1 - t0) * 1e9, **ph, "anchor": anchor})
             res["calls"][op] = rows
+        res["host_breakdown"] = {op: _host_breakdown(calls[op], align, 20, rank == 0)
+                                 for op in ("dispatch bf16", "combine bf16")}
         if gpu and not cfg["no_kineto"]:
             res["kineto"] = {op: _kineto(calls[op], align, cfg["kineto_iters"], rank == 0)
                              for op in OPS}
@@ -267,6 +291,16 @@ def _report(world, per_rank, yard, cfg):
                 lines.append("  %-14s %-60s x%-4.1f dev %8.1f us  cpu %8.1f us"
                              % (op, name[:60], v["count_per_call"], v["device_us_per_call"],
                                 v["cpu_us_per_call"]))
+    hb = per_rank[0].get("host_breakdown") or {}
+    for op, top in hb.items():
+        if not top:
+            continue
+        lines.append("")
+        lines.append("host, rank 0, %s: cProfile, us per call (own / cumulative)" % op)
+        for row in top:
+            lines.append("  %-60s x%-4.1f own %7.1f  cum %7.1f" % (row["fn"][:60], row["calls_per_call"],
+                                                                 row["own_us_per_call"],
+                                                                 row["cum_us_per_call"]))
     fails = ["rank %d: %s" % (r["rank"], f) for r in per_rank for f in r["fail"]]
     lines.append("")
     lines.append("check: " + ("; ".join(fails) if fails else "OK (layout exact, combine calc_diff "
