@@ -19,7 +19,8 @@
 //     store-only form the c500 profile allows).
 //   - quiet / quiet_pe / fence: fence_sys, the system-scope fence that orders every earlier
 //     store of this thread before anything it does later (CUDA fence.acq_rel.sys; MACA
-//     __threadfence_system; HOST drains the weak store buffer).
+//     __threadfence_system; HOST drains the weak store buffer); quiet to peers whose heaps are
+//     all on this GPU: fence_gpu (device scope).
 //   - get and atomics: loads / CAS on the peer's memory, allowed only without P2P_STORE_ONLY.
 //
 // The store-only rule (P2P_STORE_ONLY, set for every p2p peer on the c500 profile): the seed's
@@ -238,21 +239,31 @@ struct P2p {
     return add_word(ctx, w, pe, reinterpret_cast<uint64_t*>(mapped(ctx, p, sym_addr)), v, old);
   }
 
+  // quiet's fence has the scope the peers need: device scope when every p2p peer's heap is on
+  // this GPU (P2P_SAME_DEVICE, as for signals), else system scope.
   static GPUNET_DEVICE bool quiet_pe(const DevCtx& ctx, const Waiter& w, const PeerDesc& p, int pe) {
-    (void)ctx, (void)p, (void)pe;
-    arch::fence_sys();
+    (void)ctx, (void)pe;
+    if (p.rkey & P2P_SAME_DEVICE)
+      arch::fence_gpu();
+    else
+      arch::fence_sys();
     return !failed(w);
   }
 
   // One fence covers every p2p peer (only when there is one: other worlds pay nothing).
   static GPUNET_DEVICE bool quiet_all(const DevCtx& ctx, const Waiter& w) {
     const PeerDesc* peers = api::peers(ctx);
-    for (uint32_t pe = 0; pe < ctx.npes; ++pe) {
+    bool any = false, other_device = false;
+    for (uint32_t pe = 0; pe < ctx.npes && !other_device; ++pe) {
       if (peers[pe].kind == TRANSPORT_P2P) {
-        arch::fence_sys();
-        break;
+        any = true;
+        other_device = !(peers[pe].rkey & P2P_SAME_DEVICE);
       }
     }
+    if (other_device)
+      arch::fence_sys();
+    else if (any)
+      arch::fence_gpu();
     return !failed(w);
   }
 
