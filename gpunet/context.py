@@ -235,6 +235,7 @@ class Context(Resource):
                         "on every rank)" % (i, j, everyone[i]["transports"][j], j, i,
                                             everyone[j]["transports"][i]))
         boot.collective("gpunet.init (connecting)", self._setup_connect, everyone)
+        self._connected = True            # on every rank: the close barrier has partners
 
     @staticmethod
     def _check_args(a, unknown):
@@ -318,6 +319,9 @@ class Context(Resource):
                                                   device_heap=self._device_heap),
                                        "transports")
         self.transports, self.reasons = self._transports.kinds, self._transports.reasons
+        # closed after the launcher (no kernel of ours runs) and before the transports unmap the
+        # peers' heaps and this heap is released
+        self._adopt(self._close_barrier, "close barrier with the peers that map this heap")
         # adopted last: closed first, so on CUDA no kernel still runs when the rest is freed
         self._launcher = self._adopt(_launch.Launcher(self.nic, self._gpu, self.warp_size),
                                      "launcher")
@@ -380,12 +384,25 @@ class Context(Resource):
             attach(self.platform.copy_engine())
 
     # --- lifetime -----------------------------------------------------------------------------
+    _connected = False                   # init completed on every rank (set by _setup)
+
+    def _close_barrier(self):
+        """Closing, after this rank's kernels ended: wait, bounded by ``timeout_s``, until the
+        peers that map this rank's heap (p2p peers; on CUDA with a device heap every peer) are
+        done with it, so that none stores into it after it is freed (Transports.close_barrier:
+        a rank that is gone is not waited for; a silent one is named in a warning). Only after a
+        complete init: a failed one raised on every rank before any peer used a mapping."""
+        if self._connected:
+            self._transports.close_barrier(self.timeout_s)
+
     def _release(self):
         """After every child closed (gpunet.resource): this Context stops being current.
 
-        Not collective, on purpose: close must work when peers have crashed (it never waits for
-        them). Peers that later post to this rank get a TimeoutError / CompletionError (a dead
-        peer), never a hang. The module-level wrappers fall back to the previous open Context."""
+        Not a collective of the bootstrap: close must work when peers have crashed. Its one wait
+        is the close barrier with the peers that map this rank's heap (p2p; _close_barrier),
+        bounded by ``timeout_s`` and skipping ranks known gone. Peers that later post to this
+        rank get a TimeoutError / CompletionError (a dead peer), never a hang. The module-level
+        wrappers fall back to the previous open Context."""
         if self in _open:
             _open.remove(self)
 

@@ -43,6 +43,11 @@ log = logging.getLogger("gpunet")
 TRANSPORTS = ("auto", "ibgda", "proxy", "p2p")
 SQ_WQEBBS = 256                   # per-peer send ring: 16 KiB, deep enough for a doorbell batch
 PROXY_DEPTH = 1024                # proxy FIFO slots per channel
+# Close barrier (Transports.close_barrier): heap offset of one 8-byte word per rank, in the heap
+# head (gpunet/heap.py RESERVED_BYTES; below it: barrier slots, atomic scratch, discard word,
+# which end at 12296 B); a peer sets its word once it is done with this heap.
+CLOSE_SLOTS_OFF = 16 << 10
+CLOSE_POLL_S = 1e-3               # between reads of the close words: a close, not a hot path
 
 
 def _gpu_identity():
@@ -54,6 +59,13 @@ def _gpu_identity():
         return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
     except Exception:  # noqa: BLE001 - no identity: the peer is treated as on another GPU
         return None
+
+
+def _maybe_alive(mapping):
+    """False when ``mapping`` (a peer heap mapped here) says its owner's rank is gone
+    (PeerHeap.owner_alive); True when it cannot tell (CUDA IPC, or no mapping here)."""
+    alive = getattr(mapping, "owner_alive", None)
+    return alive is None or bool(alive())
 
 
 def check_transport(transport):
@@ -334,6 +346,46 @@ class Transports(Resource):
                              "its heap stays mapped here until this Context closes; close it"
                              % (p, getattr(m, "pid", "?")))
         return notes
+
+    # --- close -------------------------------------------------------------------------------
+    def close_barrier(self, timeout_s):
+        """Before this rank's heap is released (Context.close, after its kernels ended and before
+        these transports unmap the peers' heaps): say "done with your heap" to every peer whose
+        heap this rank maps, by setting word ``rank`` of the CLOSE_SLOTS in that heap's head, then
+        wait until every peer that maps this heap has set its word here, so that no peer stores
+        into (or loads from) this heap after it is freed (on CUDA, freeing memory a peer still
+        has open by IPC is undefined; on the CPU the peer's stores would vanish with the arena).
+        Who maps this heap: p2p peers, and with a device heap every other rank (NIC peers map it
+        for their soft NIC's copy engine, _map_for_nic). Bounded by ``timeout_s``: a peer whose
+        rank is gone (PeerHeap.owner_alive) is not waited for, and one that neither answers nor
+        is known gone in time is named in a warning and the heap is released anyway: close never
+        hangs on a peer. Returns the peers that did not answer.
+        tests/test_p2p.py::test_close_waits_for_the_peers_that_map_its_heap.
+        """
+        me, n = self.rank, self.world_size
+        mapped = dict(self.peer_heaps)
+        mapped.update(self.dma_heaps)
+        one = np.ones(1, dtype=np.uint64)
+        for p, m in sorted(mapped.items()):
+            self.platform.memcpy(m.base + CLOSE_SLOTS_OFF + 8 * me, one.ctypes.data, 8)
+        waiting = {p for p in range(n) if p != me and (self.kinds[p] == "p2p" or
+                                                        self._device_heap)}
+        if not waiting:
+            return []
+        words = np.zeros(n, dtype=np.uint64)
+        deadline = Deadline(timeout_s)
+        while True:
+            self.platform.memcpy(words.ctypes.data, self._heap[0] + CLOSE_SLOTS_OFF, 8 * n)
+            waiting = {p for p in waiting if not words[p] and _maybe_alive(mapped.get(p))}
+            if not waiting or deadline.expired():
+                break
+            time.sleep(CLOSE_POLL_S)
+        if waiting:
+            log.warning("gpunet rank %d: closing without word from peer(s) %s after %g s: they "
+                        "still map this rank's heap, which is released now; a store of theirs "
+                        "into it is lost (close every rank of a world together)",
+                        me, sorted(waiting), timeout_s)
+        return sorted(waiting)
 
     def _dead_peer(self, qp, peer, notes):
         if self.nic.qp_error_syndrome(qp) != mlx5.SYNDROME_TRANSPORT_RETRY_EXC_ERR:

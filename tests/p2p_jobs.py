@@ -202,3 +202,90 @@ def init_with_unmappable(state, bad_rank):
 def p2p_and_proxy(a, b):
     """Symmetric per pair: p2p when a + b is even (each rank to itself too), else the proxy."""
     return "proxy" if (a + b) % 2 else "p2p"
+
+
+class _Warnings:
+    """Collects the gpunet logger's warnings while open (a context manager)."""
+
+    def __enter__(self):
+        import logging
+        self.records = []
+        self._h = logging.Handler(logging.WARNING)
+        self._h.emit = self.records.append
+        logging.getLogger("gpunet").addHandler(self._h)
+        return self
+
+    def __exit__(self, *exc):
+        import logging
+        logging.getLogger("gpunet").removeHandler(self._h)
+
+    def text(self):
+        return [r.getMessage() for r in self.records]
+
+
+def close_while_peer_works(state, hold_s):
+    """Rank 0 puts a pattern into rank 1's heap, signals it, and closes at once (timed). Rank 1,
+    once the signal came, spends ``hold_s`` reading rank 0's heap (get of rank 0's src through its
+    mapping) and putting into it (then getting that back), checking every byte, and only then
+    closes. Returns the times (time.time) and what rank 1 saw, and the close warnings."""
+    import time
+    ctx = state["ctx"]
+    me, n = ctx.rank, ctx.world_size
+    src, dst, sig = state["src"], state["dst"], state["sig"]
+    nbytes = 4096
+    out = {"rank": me}
+    if me == 0:
+        src[:nbytes] = mp_jobs._pattern(0, 7, nbytes)
+        gpunet.put_signal(ctx.remote(1, dst, 0), src[:nbytes], ctx.remote(1, sig, 0), 1)
+        gpunet.quiet()
+        with _Warnings() as w:
+            out["close_start"] = time.time()
+            ctx.close()
+            out["close_end"] = time.time()
+        state.pop("ctx")
+        out["warnings"] = w.text()
+        return out
+    gpunet.wait_until(sig, 1, "ge", index=0)
+    out["landed"] = bool((dst[:nbytes] == mp_jobs._pattern(0, 7, nbytes)).all())
+    mine = src[:nbytes]
+    mine[:] = mp_jobs._pattern(1, 7, nbytes)
+    rounds = bad = 0
+    end = time.time() + hold_s
+    while time.time() < end or rounds == 0:
+        back = dst[n * mp_jobs.SLOT_ELEMS:n * mp_jobs.SLOT_ELEMS + nbytes]
+        back.zero_()
+        gpunet.get(back, ctx.remote(0, src, 0))                # rank 0's heap, read here
+        gpunet.quiet()
+        bad += int(not (back == mp_jobs._pattern(0, 7, nbytes)).all())
+        gpunet.put(ctx.remote(0, dst, mp_jobs.SLOT_ELEMS), mine)   # into rank 0's heap
+        gpunet.quiet()
+        back.zero_()
+        gpunet.get(back, ctx.remote(0, dst, mp_jobs.SLOT_ELEMS))
+        gpunet.quiet()
+        bad += int(not (back == mine).all())
+        rounds += 1
+    out.update(rounds=rounds, bad=bad)
+    with _Warnings() as w:
+        out["close_start"] = time.time()
+        ctx.close()
+        out["close_end"] = time.time()
+    state.pop("ctx")
+    out["warnings"] = w.text()
+    return out
+
+
+def close_alone(state, closer, later_s):
+    """Rank ``closer`` closes (timed, its close warnings kept) while the other ranks stay open
+    for ``later_s`` seconds (alive, not closing), then close too (timed)."""
+    import time
+    ctx = state["ctx"]
+    out = {"rank": ctx.rank}
+    if ctx.rank != closer:
+        time.sleep(later_s)
+    with _Warnings() as w:
+        t0 = time.monotonic()
+        ctx.close()
+        out["close_s"] = time.monotonic() - t0
+    state.pop("ctx")
+    out["warnings"] = w.text()
+    return out

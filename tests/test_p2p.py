@@ -263,3 +263,52 @@ def test_put_batch_checks_every_pair_before_posting_and_lands_them():
         gpunet.put_batch([(ctx.remote(0, dst, a), src[a:b]) for a, b in cuts])
         gpunet.quiet()
         assert torch.equal(dst, src)
+
+
+def test_close_waits_for_the_peers_that_map_its_heap():
+    """2 ranks over p2p, a 10 s bound. Rank 0 puts into rank 1, signals it and closes at once;
+    rank 1 goes on reading rank 0's heap and putting into it for 1.5 s, then closes. Rank 0's
+    close returns only after rank 1's close began (it waited for the peer that maps its heap,
+    so its heap stayed alive under rank 1's loads and stores), within the bound and without the
+    warning of an expired one; every byte rank 1 read or wrote back through its mapping was
+    right, and rank 0's put had landed."""
+    r = Ranks(2)
+    try:
+        r.run("init", "p2p", 8 << 20, 10.0)
+        r0, r1 = r.run("p2p_jobs:close_while_peer_works", 1.5)
+        assert r1["landed"] and r1["rounds"] >= 1 and r1["bad"] == 0, r1
+        assert r0["close_end"] >= r1["close_start"], (r0, r1)
+        assert r0["close_end"] - r0["close_start"] < 10.0, r0
+        assert r0["warnings"] == [] and r1["warnings"] == [], (r0, r1)
+    finally:
+        r.close()
+
+
+def test_close_is_bounded_when_a_peer_never_closes_and_prompt_when_it_died():
+    """2 ranks over p2p, a 2 s bound. Rank 1 stays alive and open for 6 s: rank 0's close gives
+    up after the bound (>= 2 s, well before 6 s) with a warning naming peer 1, and rank 1's later
+    close returns at once (rank 0 said it was done with rank 1's heap before it waited). Then a
+    new pair where rank 1 exits without closing (a crash): rank 0's close does not wait for it
+    (its rank is gone: no warning, far below the bound)."""
+    r = Ranks(2)
+    try:
+        r.run("init", "p2p", 8 << 20, 2.0)
+        r0, r1 = r.run("p2p_jobs:close_alone", 0, 6.0)
+        assert 2.0 <= r0["close_s"] < 6.0, r0
+        assert len(r0["warnings"]) == 1 and "peer(s) [1]" in r0["warnings"][0], r0
+        assert r1["close_s"] < 2.0 and r1["warnings"] == [], r1
+        r.run("init", "p2p", 8 << 20, 8.0)
+        for q in r.inboxes:
+            q.put(("die_if", (1,)))
+        assert r.outboxes[0].get(timeout=60) == ("ok", "alive")
+        r.procs[1].join(timeout=30)
+        r.inboxes[0].put(("p2p_jobs:close_alone", (0, 0.0)))
+        status, res = r.outboxes[0].get(timeout=120)
+        assert status == "ok", res
+        assert res["close_s"] < 4.0 and res["warnings"] == [], res
+    finally:
+        if r.procs[1].is_alive():
+            r.procs[1].kill()
+        r.inboxes[1] = r.inboxes[0]           # rank 1 is gone: only rank 0 gets the stop
+        r.inboxes = r.inboxes[:1]
+        r.close()
