@@ -43,7 +43,8 @@ where the NIC's doorbell can be mapped into the device, and logs which and why.
 What the Context owns, in the order it makes them (and closes them in reverse: gpunet.resource):
 the bootstrap, the NIC (host/nic.py open_nic), on CUDA the NIC's GPU mapping and the device
 memory of the descriptors (and with p2p the device heap), the transports (QPs, proxy channels
-and engine, p2p peers' heap mappings: closed before the heap is freed), the launcher
+and engine, p2p peers' heap mappings: closed before the heap is freed), the close barrier with
+the peers that map this heap (Transports.close_barrier: bounded), the launcher
 (gpunet/_launch.py: on CUDA closing it first waits for the stream). The symmetric heap's
 allocator is gpunet/heap.py.
 

@@ -225,12 +225,14 @@ def test_children_close_first_last_adopted_first_and_errors_are_collected(made):
 
 
 def test_the_context_closes_its_children_in_the_stated_order():
-    """Context: launcher first (no kernel still running), then the transports (proxy engine,
-    then its channels), the NIC, the bootstrap last; all closed afterwards."""
+    """Context: launcher first (no kernel still running), then the close barrier with the peers
+    that map its heap (while the transports still map theirs), then the transports (proxy
+    engine, then its channels), the NIC, the bootstrap last; all closed afterwards."""
     import gpunet
     ctx = gpunet.init(transport="proxy", heap_bytes=1 << 20)
     names = [n for n, _ in ctx._children]
-    assert names == ["bootstrap", "NIC", "transports", "launcher"], names
+    assert names == ["bootstrap", "NIC", "transports",
+                     "close barrier with the peers that map this heap", "launcher"], names
     t = ctx._transports
     assert [n for n, _ in t._children] == ["proxy channel 0", "proxy engine"]
     engine, channel, nic = t.engine, t.channels[0], ctx.nic
