@@ -710,6 +710,8 @@ GPUNET_DEVICE void stage_row(const LlParams& P, const Geo& g, uint32_t t) {
   }
 }
 
+constexpr uint32_t kCombineParts = 4;  // combine_send: parts of an item when every peer is mapped
+
 // Every peer other than this rank is mapped here (gpunet::ptr: p2p), so a BF16 row can go from
 // x straight to each destination, unstaged. (Masked peers count too: every block must get the
 // same answer, and mask words may change during the launch.)
@@ -1027,14 +1029,22 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   const int64_t* topk = ptr<const int64_t>(P.topk_idx);
   int64_t* table = ptr<int64_t>(P.table);
   const uint64_t items = uint64_t(EL) * R;
-  for (uint64_t it = g.gw; it < items; it += g.gwarps) {
+  // With every peer mapped, an item (expert, source) is cut in S parts, part p taking its rows
+  // p, p + S, ...: the rows a warp copies itself are then spread over the grid's warps (an item
+  // has ~3.5 rows of 14 KB in DeepEP's workload, and with 2 ranks half the items are this rank's
+  // own, which copy nothing). A put to a NIC peer stays one per item (S = 1).
+  const uint32_t S = all_peers_mapped(P) ? kCombineParts : 1;
+  for (uint64_t u = g.gw; u < items * S; u += g.gwarps) {
+    const uint64_t it = u / S;
+    const uint32_t part = uint32_t(u % S);
     const uint32_t j = uint32_t(it % R), le = uint32_t(it / R);
     if (arch::any(ntot[j] < 0 || out[j])) continue;  // warp-uniform: the warp puts below
     const int64_t v = lr[uint64_t(le) * R + j];
     const uint64_t b = uint64_t(v >> 32), c = uint64_t(v & 0xffffffff);
-    if (c == 0) continue;
+    if (c <= part) continue;
     const uint64_t r0 = uint64_t(le) * rows + b;
     if (j == P.rank) {
+      if (part != 0) continue;
       if (self_reads_source(P)) {
         // the receive of this launch reads these rows from x: their slots go in the table now
         const int64_t ge = int64_t(P.rank) * EL + le;
@@ -1054,14 +1064,17 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     }
     const DevCtx& cx = peer_ctx(P, j);
     const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + uint64_t(pre[uint64_t(le) * R + j]);
-    // a mapped peer: the warp stores the rows (from x, unstaged) and token indices there itself,
-    // published by the last block's fences and signal like a p2p put
+    // a mapped peer: the warp stores its part's rows (from x, unstaged) and their token indices
+    // there itself, published by the last block's fences and signal like a p2p put
     if (void* mapped = gpunet::ptr(cx, ptr<const void>(P.c_recv + dst_row * H * 2), int(j))) {
-      warp_copy(g, uint64_t(uintptr_t(mapped)), P.x + r0 * H * 2, c * H * 2);
+      for (uint64_t r = part; r < c; r += S)
+        warp_copy(g, uint64_t(uintptr_t(mapped)) + r * H * 2, P.x + (r0 + r) * H * 2, uint64_t(H) * 2);
       int32_t* tags = static_cast<int32_t*>(gpunet::ptr(cx, ptr<const void>(P.c_rtags + dst_row * 4), int(j)));
-      for (uint64_t i = g.lane; i < c; i += g.ws) tags[i] = ptr<const int32_t>(P.src_info)[r0 + i];
+      for (uint64_t i = part + uint64_t(g.lane) * S; i < c; i += uint64_t(g.ws) * S)
+        tags[i] = ptr<const int32_t>(P.src_info)[r0 + i];
       continue;
     }
+    if (part != 0) continue;  // (S > 1 only when every peer is mapped: never taken)
     if (!zero_copy) warp_copy(g, P.c_send + r0 * H * 2, P.x + r0 * H * 2, c * H * 2);
     for (uint64_t i = g.lane; i < c; i += g.ws)
       ptr<int32_t>(P.c_stags)[r0 + i] = ptr<const int32_t>(P.src_info)[r0 + i];
