@@ -967,8 +967,19 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     const uint64_t src = (j == P.rank && self_direct) ? P.x + uint64_t(t) * row_bytes : msg;
     if (nd == 1) {
       warp_copy(g, P.out_x + dst[0] * row_bytes, src, row_bytes);
-    } else {
-      for (uint64_t i = uint64_t(g.lane) * 16; i < row_bytes; i += uint64_t(g.ws) * 16) {
+    } else {  // as warp_copy (kCopyUnroll loads in flight), each round stored to every copy
+      const uint64_t step = uint64_t(g.ws) * 16;
+      uint64_t i = uint64_t(g.lane) * 16;
+      for (; i + (kCopyUnroll - 1) * step < row_bytes; i += kCopyUnroll * step) {
+        V16 v[kCopyUnroll];
+#pragma unroll
+        for (uint32_t u = 0; u < kCopyUnroll; ++u) v[u] = *ptr<const V16>(src + i + u * step);
+        for (uint32_t q = 0; q < nd; ++q)
+#pragma unroll
+          for (uint32_t u = 0; u < kCopyUnroll; ++u)
+            *ptr<V16>(P.out_x + dst[q] * row_bytes + i + u * step) = v[u];
+      }
+      for (; i < row_bytes; i += step) {
         const V16 v = *ptr<const V16>(src + i);
         for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + i) = v;
       }
