@@ -209,7 +209,11 @@ enum : uint32_t {
   ST_RECV_TABLE = 5,  // combine: after the slot-table barrier
   ST_RECV_LOOP = 6,   // the block's unpack / reduce is done
   ST_END = 7,         // the block leaves
-  kStamps = 8,
+  ST_QUIET = 8,       // block 0: its quiet of the live peers done
+  ST_PLAN_DONE = 9,   // block 0: the plan / layout computed, before it is published
+  ST_SEND_LAST = 10,  // the last block of the send phase: it knows it is last
+  ST_HDR_FILLED = 11, // the last block: headers written, before the signals
+  kStamps = 12,
 };
 
 // The first EP-level failure of a launch (first wins). 64 B. device/ep.py: EpStatus.
@@ -733,14 +737,18 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   // for it, doing nothing, before any row moved.)
   if (g.bid == 0) {
     quiet_live_peers(P, g);
-    block_publish(P, g, SYNC_SEND_QUIET);
+    stamp(P, g, ST_QUIET);
+    if (stage) block_publish(P, g, SYNC_SEND_QUIET);  // (nothing to stage: nobody waits for it)
     arch::syncthreads();
     plan_tokens(P, g);
+    stamp(P, g, ST_PLAN_DONE);
     block_publish(P, g, SYNC_SEND_READY);
     for (uint32_t t = g.gw; t < T && stage; t += g.gwarps) stage_row(P, g, t);
   } else {
-    if (!block_wait(P, g, SYNC_SEND_QUIET, 1, EP_SITE_PLAN)) return false;
-    for (uint32_t t = g.gw; t < T && stage; t += g.gwarps) stage_row(P, g, t);
+    if (stage) {
+      if (!block_wait(P, g, SYNC_SEND_QUIET, 1, EP_SITE_PLAN)) return false;
+      for (uint32_t t = g.gw; t < T; t += g.gwarps) stage_row(P, g, t);
+    }
     if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) return false;
   }
   stamp(P, g, ST_SEND_PLAN);
@@ -827,18 +835,27 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   }
   stamp(P, g, ST_SEND_LOOP);
   if (last_block(P, g, SYNC_SEND_DONE)) {
+    stamp(P, g, ST_SEND_LAST);
     const int32_t* total = hist + uint64_t(P.ntiles) * C;
     const uint32_t hdr_bytes = (kHdrHead + P.e_loc) * 4;
+    // self: straight into its own header slot
+    auto hdr = [&](uint32_t d) {
+      return ptr<int32_t>(d == P.rank ? P.d_rhdr + uint64_t(P.rank) * P.hdr_stride
+                                      : P.d_shdr + uint64_t(d) * P.hdr_stride);
+    };
+    // the per-expert counts of every header by the whole block (one round of loads), then one
+    // thread per destination finishes its header and signals
+    for (uint32_t i = g.tid; i < P.nranks * P.e_loc; i += g.bdim)
+      hdr(i / P.e_loc)[kHdrHead + i % P.e_loc] = total[i];
+    arch::syncthreads();
+    stamp(P, g, ST_HDR_FILLED);
     for (uint32_t d = g.tid; d < P.nranks; d += g.bdim) {
       if (peer_out(P, d)) continue;
-      const bool self = d == P.rank;  // self: straight into its own header slot
-      int32_t* h = ptr<int32_t>(self ? P.d_rhdr + uint64_t(P.rank) * P.hdr_stride
-                                     : P.d_shdr + uint64_t(d) * P.hdr_stride);
+      const bool self = d == P.rank;
+      int32_t* h = hdr(d);
       h[0] = total[E + d];
       h[1] = int32_t(T);
       fill_header_tail(P, h);
-      batched(P.e_loc, [&](uint32_t le) { return total[d * P.e_loc + le]; },
-              [&](uint32_t le, int64_t v) { h[kHdrHead + le] = int32_t(v); });
       if (self) continue;
       const DevCtx& cx = peer_ctx(P, d);
       const uint64_t rh = P.d_rhdr + uint64_t(P.rank) * P.hdr_stride;
@@ -1014,6 +1031,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   int32_t* ntot = pre + uint64_t(EL) * R;                   // [R]: rows to j (-1: unusable)
   if (g.bid == 0) {
     quiet_live_peers(P, g);
+    stamp(P, g, ST_QUIET);
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
       int64_t run = 0;
       bool fits = true;
@@ -1030,6 +1048,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
       }
       ntot[j] = int32_t(run);
     }
+    stamp(P, g, ST_PLAN_DONE);
     block_publish(P, g, SYNC_SEND_READY);
   } else if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) {
     return false;
@@ -1100,17 +1119,25 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   }
   stamp(P, g, ST_SEND_LOOP);
   if (last_block(P, g, SYNC_SEND_DONE)) {
+    stamp(P, g, ST_SEND_LAST);
     const uint32_t hdr_bytes = (kHdrHead + EL) * 4;
+    auto hdr = [&](uint32_t j) {
+      return ptr<int32_t>(j == P.rank ? P.c_rhdr + uint64_t(P.rank) * P.hdr_stride
+                                      : P.c_shdr + uint64_t(j) * P.hdr_stride);
+    };
+    // the per-expert counts of every header by the whole block (one round of loads), then one
+    // thread per destination finishes its header and signals
+    for (uint32_t i = g.tid; i < R * EL; i += g.bdim)
+      hdr(i % R)[kHdrHead + i / R] = int32_t(lr[i] & 0xffffffff);  // lr is [E_loc][R]
+    arch::syncthreads();
+    stamp(P, g, ST_HDR_FILLED);
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
       if (ntot[j] < 0 || peer_out(P, j)) continue;
       const bool self = j == P.rank;
-      int32_t* h = ptr<int32_t>(self ? P.c_rhdr + uint64_t(P.rank) * P.hdr_stride
-                                     : P.c_shdr + uint64_t(j) * P.hdr_stride);
+      int32_t* h = hdr(j);
       h[0] = ntot[j];
       h[1] = int32_t(P.t_max);
       fill_header_tail(P, h);
-      batched(EL, [&](uint32_t le) { return lr[uint64_t(le) * R + j]; },
-              [&](uint32_t le, int64_t v) { h[kHdrHead + le] = int32_t(v & 0xffffffff); });
       if (self) continue;
       const DevCtx& cx = peer_ctx(P, j);
       const uint64_t rh = P.c_rhdr + uint64_t(P.rank) * P.hdr_stride;
