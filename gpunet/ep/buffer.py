@@ -270,7 +270,8 @@ class Buffer:
         self._lib = dep.load_ep("cuda" if self._gpu else "host")
         self._ws = 32 if self._gpu else ctx.warp_size
         if self._gpu:
-            sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            self._cuda_index = torch.cuda.current_device()      # the device of every LL launch
+            sms = torch.cuda.get_device_properties(self._cuda_index).multi_processor_count
             self._grid = num_blocks or max(1, min(32, sms // 2))
             self._block = block_threads or CUDA_WARPS_PER_BLOCK * 32
         else:
@@ -1033,8 +1034,17 @@ class Buffer:
         self._prof_ref = stamps
         self._prof_addr = int(stamps.data_ptr())
 
+    def _stream(self):
+        """The current CUDA stream of this Buffer's device, as the raw handle: torch's private
+        _cuda_getCurrentRawStream where it exists (~1 us; torch.cuda.current_stream() took 30-44 us
+        of each call's host time on the H200, bench/RESULTS.md), else the public call."""
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return raw(self._cuda_index)
+        return torch.cuda.current_stream(self._cuda_index).cuda_stream
+
     def _launch(self, P, what, grid=None):
-        stream = torch.cuda.current_stream().cuda_stream if self._gpu else None
+        stream = self._stream() if self._gpu else None
         rc = self._lib.gpunet_ep_ll_launch(ctypes.addressof(P), grid or self._grid, self._block,
                                            self._ws, stream, 0)
         if rc != 0:
