@@ -395,16 +395,9 @@ GPUNET_DEVICE bool take_or_hand_over(QpDesc* qp, const Waiter& w) {
 // caller must not publish: a failure is recorded and every wait behind it gives up). `done0`: a
 // done_head the caller read before (relaxed, issued with its other loads so that the reservation
 // costs one round trip): a stale one only sends us to the exact check below.
-GPUNET_DEVICE bool wait_room(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t base,
-                             uint64_t done0);
 GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& base,
                            uint64_t done0) {
   base = arch::atomic_add(&qp->resv_head, uint64_t(n));
-  return wait_room(qp, w, n, base, done0);
-}
-// Step 2 for the reservation [base, base + n) (see reserve).
-GPUNET_DEVICE bool wait_room(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t base,
-                             uint64_t done0) {
   // The WQE stores that follow need the slots' old WQEs read by the NIC: it read them before the
   // CQE that credited done_head (credit_done fences first). A store that depends on the compared
   // value (its address, the branch) is not issued before the load returns.
@@ -557,36 +550,19 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
     off = incl - my_nbb;
     total = arch::shfl(incl, ws - 1);
   }
-  if (total > qp->sq_wqebbs) {  // warp-uniform
-    if (lane == 0 && !failed(w) && !arch::atomic_load(&qp->errored))
-      record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
-    return false;
-  }
-  // The reservation goes out with the loads of done_head, the Status and errored: one round trip
-  // to device memory for all four, not two in a row (bench/device_post.py, one warp). A failure
-  // seen then fills the reserved WQEBBs with NOPs, published as usual, so the ring stays whole.
-  uint64_t base = 0, done0 = 0;
-  if (lane == 0) {
-    done0 = arch::atomic_load(&qp->done_head);
-    base = arch::atomic_add(&qp->resv_head, uint64_t(total));
-  }
+  // Three independent loads in flight at once (no short-circuit between them).
   const bool st_failed = failed(w);
   const bool qp_errored = arch::atomic_load(&qp->errored) != 0;
-  const bool ok = arch::all(!st_failed && !qp_errored);
+  const uint64_t done0 = lane == 0 ? arch::atomic_load(&qp->done_head) : 0;
+  bool ok = !st_failed && !qp_errored && total <= qp->sq_wqebbs;
+  ok = arch::all(ok);
+  if (!ok && lane == 0 && !st_failed && !qp_errored && total > qp->sq_wqebbs)
+    record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
+  uint64_t base = 0;
   bool lane0_ok = true;
-  if (lane == 0) lane0_ok = wait_room(qp, w, total, base, done0);
+  if (ok && lane == 0) lane0_ok = reserve(qp, w, total, base, done0);
   base = arch::shfl(base, 0);
-  if (arch::shfl(uint32_t(lane0_ok), 0) == 0) return false;  // recorded; [base, +total) a hole
-  if (!ok) {
-    Wqe nq;
-    wqe_nop(nq);
-    for (uint64_t i = lane; i < total; i += ws) write_wqe(qp, base + i, nq);
-    const uint64_t nop_word = mlx5::doorbell_word(ctrl_of(qp, base + total - 1, nq));
-    arch::syncwarp();  // the NOPs before lane 0's publish (as below)
-    if (lane == 0 && total > 0) publish(qp, w, base, total, nop_word);
-    arch::syncwarp();
-    return false;
-  }
+  ok = arch::shfl(uint32_t(ok && lane0_ok), 0) != 0;
   // The last posting lane's doorbell word goes to lane 0 BEFORE the WQE stores: after them the
   // only collective is the syncwarp whose ordering the publish relies on (and tests check).
   const mlx5::Seg16 ctrl = ctrl_of(qp, base + off, q);
