@@ -66,7 +66,7 @@ import numpy as np
 from gpunet import mlx5
 from gpunet.errors import ClosedError, CloseError, ConfigError, GpunetError
 from gpunet.host import prm
-from gpunet.host.nic import Access, Nic
+from gpunet.host.nic import Access, Nic, mr_region
 from gpunet.host.verbs import NoRdmaDeviceError
 
 log = logging.getLogger("gpunet.devx")
@@ -725,27 +725,7 @@ class DevxNic(Nic):
         pd = self.default_pd if pd is None else pd
         if not isinstance(pd, DevxPD) or pd.nic is not self:
             raise ConfigError("pd must be a PD of this NIC")
-        keep = None
-        if isinstance(buf_or_addr, (int, np.integer)):
-            if length is None:
-                raise ConfigError("reg_mr(address) needs a length")
-            addr = int(buf_or_addr)
-        else:
-            keep = buf_or_addr
-            if hasattr(buf_or_addr, "data_ptr") and hasattr(buf_or_addr, "numel"):
-                addr, n = int(buf_or_addr.data_ptr()), buf_or_addr.numel() * \
-                    buf_or_addr.element_size()
-            else:
-                arr = np.asarray(buf_or_addr)
-                if not arr.flags.c_contiguous:
-                    raise ConfigError("reg_mr needs contiguous memory")
-                addr, n = int(arr.ctypes.data), arr.nbytes
-            length = n if length is None else int(length)
-            if length > n:
-                raise ConfigError("reg_mr length %d exceeds the buffer's %d bytes" % (length, n))
-        length = int(length)
-        if length <= 0:
-            raise ConfigError("reg_mr length must be > 0")
+        addr, length, keep = mr_region(buf_or_addr, length)
         acc = int(Access(int(access) & 15))
         gpu = kind != "host" and self.platform.name != "cpu" and not self._arena.holds(addr, length)
         tried = []

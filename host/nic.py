@@ -129,6 +129,36 @@ class Nic(Resource, abc.ABC):
         CQs, doorbell records and words, and everything ``alloc`` returns)."""
 
 
+def mr_region(buf_or_addr, length=None):
+    """``reg_mr``'s region: ``(addr, length, keep)`` from an address + ``length`` or from an array /
+    tensor (``length`` defaults to its size; ``keep`` is the object the MR must keep alive, None
+    for a bare address). ConfigError for a missing length, non-contiguous memory, a length past
+    the buffer or one <= 0. Every Nic's ``reg_mr`` parses its arguments here."""
+    import numpy as np
+
+    if isinstance(buf_or_addr, (int, np.integer)):
+        if length is None:
+            raise ConfigError("reg_mr(address) needs a length")
+        addr, keep = int(buf_or_addr), None
+    else:
+        keep = buf_or_addr
+        if hasattr(buf_or_addr, "data_ptr") and hasattr(buf_or_addr, "numel"):   # torch tensor
+            addr = int(buf_or_addr.data_ptr())
+            n = buf_or_addr.numel() * buf_or_addr.element_size()
+        else:
+            arr = np.asarray(buf_or_addr)
+            if not arr.flags.c_contiguous:
+                raise ConfigError("reg_mr needs contiguous memory")
+            addr, n = int(arr.ctypes.data), arr.nbytes
+        length = n if length is None else int(length)
+        if length > n:
+            raise ConfigError("reg_mr length %d exceeds the buffer's %d bytes" % (length, n))
+    length = int(length)
+    if length <= 0:
+        raise ConfigError("reg_mr length must be > 0")
+    return addr, length, keep
+
+
 def open_nic(kind="auto", *, profile="nvidia", arena_bytes=64 << 20, retry_timeout_s=1.0,
              name=None):
     """Open a NIC of ``kind``: "soft" (host/softnic.py: the software mlx5 NIC, shared-memory arena

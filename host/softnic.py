@@ -58,7 +58,7 @@ from numba.extending import intrinsic
 from gpunet import mlx5
 from gpunet.device import abi
 from gpunet.errors import ClosedError, ConfigError, GpunetError
-from gpunet.host.nic import Access, Nic
+from gpunet.host.nic import Access, Nic, mr_region
 from gpunet.resource import Resource
 from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, address_of, atomic_cas_u64, bswap64, c_kill0,
                                 c_memmove, c_sched_yield, clock_ns, i64_at, idle_pause,
@@ -1048,27 +1048,7 @@ class SoftNic(Nic):
         if not isinstance(pd, PD) or pd.nic is not self:
             raise ConfigError("pd must be a PD of this NIC")
         access = Access(int(access) & 15)
-        if isinstance(buf_or_addr, (int, np.integer)):
-            if length is None:
-                raise ConfigError("reg_mr(address) needs a length")
-            addr, keep = int(buf_or_addr), None
-        else:
-            arr = buf_or_addr
-            if hasattr(arr, "data_ptr") and hasattr(arr, "numel"):      # torch tensor
-                addr = int(arr.data_ptr())
-                n = arr.numel() * arr.element_size()
-            else:
-                arr = np.asarray(arr)
-                if not arr.flags.c_contiguous:
-                    raise ConfigError("reg_mr needs contiguous memory")
-                addr, n = address_of(arr), arr.nbytes
-            keep = buf_or_addr
-            length = n if length is None else int(length)
-            if length > n:
-                raise ConfigError("reg_mr length %d exceeds the buffer's %d bytes" % (length, n))
-        length = int(length)
-        if length <= 0:
-            raise ConfigError("reg_mr length must be > 0")
+        addr, length, keep = mr_region(buf_or_addr, length)
         live_off = addr - self._arena.base
         if device_memory or not (HEAP_START <= live_off and live_off + length <= self._arena.size):
             live_off = -1
