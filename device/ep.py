@@ -66,31 +66,45 @@ class EpStatus(ctypes.Structure):
 SIZES = {"LlParams": 384, "EpStatus": 64, "DevCtx": 128}
 
 
-def load_ep(arch="host", defines=None):
-    """Build (cached) and bind device/kernels/ep_ll.cu for ``arch``; checks the struct sizes."""
+def _load(source, kind, abi_size_fn, sizes, mirrors, arch, defines, bind):
+    """Build (cached) ``device/kernels/<source>`` for ``arch``, bind ``gpunet_ep_<kind>_launch`` and
+    run ``bind(lib)`` once (the other argtypes); check that ``abi_size_fn(i)`` equals ``sizes``'
+    i-th entry, and so does the size of this module's ctypes mirror of each struct in ``mirrors``."""
     from gpunet.device import loader
     from gpunet.errors import ToolchainError
 
-    lib = loader.build([loader.kernels_dir() / "ep_ll.cu"], arch=arch, defines=defines or {})
-    if getattr(lib, "_gpunet_ep_bound", False):
+    lib = loader.build([loader.kernels_dir() / source], arch=arch, defines=defines or {})
+    flag = "_gpunet_ep_%s_bound" % kind
+    if getattr(lib, flag, False):
         return lib
+    abi_size = getattr(lib, abi_size_fn)
+    abi_size.argtypes, abi_size.restype = [u32], u32
+    launch = getattr(lib, "gpunet_ep_%s_launch" % kind)
+    launch.argtypes = [ctypes.c_void_p, u32, u32, u32, ctypes.c_void_p, u32]
+    launch.restype = ctypes.c_int
+    bind(lib)
+    for i, (name, want) in enumerate(sizes.items()):
+        got = abi_size(i)
+        if got != want or (name in mirrors and ctypes.sizeof(globals()[name]) != want):
+            raise ToolchainError("%s was built with sizeof(%s) = %d, device/ep.py expects %d"
+                                 % (source, name, got, want))
+    setattr(lib, flag, True)
+    return lib
+
+
+def _bind_ll(lib):
     vp = ctypes.c_void_p
-    lib.gpunet_ep_abi_size.argtypes, lib.gpunet_ep_abi_size.restype = [u32], u32
-    lib.gpunet_ep_ll_launch.argtypes = [vp, u32, u32, u32, vp, u32]
-    lib.gpunet_ep_ll_launch.restype = ctypes.c_int
     lib.gpunet_ep_f32_to_e4m3.argtypes = [vp, vp, u64]
     lib.gpunet_ep_f32_to_bf16.argtypes = [vp, vp, u64]
     lib.gpunet_ep_group_scale.argtypes = [vp, vp, u64, u32]
     for f in (lib.gpunet_ep_f32_to_e4m3, lib.gpunet_ep_f32_to_bf16, lib.gpunet_ep_group_scale):
         f.restype = None
-    for i, (name, want) in enumerate(SIZES.items()):
-        got = lib.gpunet_ep_abi_size(i)
-        if got != want or (name in ("LlParams", "EpStatus") and
-                           ctypes.sizeof(globals()[name]) != want):
-            raise ToolchainError("ep_ll.cu was built with sizeof(%s) = %d, device/ep.py expects %d"
-                                 % (name, got, want))
-    lib._gpunet_ep_bound = True
-    return lib
+
+
+def load_ep(arch="host", defines=None):
+    """Build (cached) and bind device/kernels/ep_ll.cu for ``arch``; checks the struct sizes."""
+    return _load("ep_ll.cu", "ll", "gpunet_ep_abi_size", SIZES, ("LlParams", "EpStatus"), arch,
+                 defines, _bind_ll)
 
 
 # ---- ht.cuh (the high-throughput mode) ---------------------------------------------------------
@@ -124,20 +138,5 @@ HT_SIZES = {"HtParams": 616, "EpStatus": 64, "DevCtx": 128}
 
 def load_ep_ht(arch="host", defines=None):
     """Build (cached) and bind device/kernels/ep_ht.cu for ``arch``; checks the struct sizes."""
-    from gpunet.device import loader
-    from gpunet.errors import ToolchainError
-
-    lib = loader.build([loader.kernels_dir() / "ep_ht.cu"], arch=arch, defines=defines or {})
-    if getattr(lib, "_gpunet_ep_ht_bound", False):
-        return lib
-    vp = ctypes.c_void_p
-    lib.gpunet_ep_ht_abi_size.argtypes, lib.gpunet_ep_ht_abi_size.restype = [u32], u32
-    lib.gpunet_ep_ht_launch.argtypes = [vp, u32, u32, u32, vp, u32]
-    lib.gpunet_ep_ht_launch.restype = ctypes.c_int
-    for i, (name, want) in enumerate(HT_SIZES.items()):
-        got = lib.gpunet_ep_ht_abi_size(i)
-        if got != want or (name in ("HtParams", "EpStatus") and ctypes.sizeof(globals()[name]) != want):
-            raise ToolchainError("ep_ht.cu was built with sizeof(%s) = %d, device/ep.py expects %d"
-                                 % (name, got, want))
-    lib._gpunet_ep_ht_bound = True
-    return lib
+    return _load("ep_ht.cu", "ht", "gpunet_ep_ht_abi_size", HT_SIZES, ("HtParams", "EpStatus"),
+                 arch, defines, lambda lib: None)
