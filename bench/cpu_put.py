@@ -44,18 +44,130 @@ def _rank(rank, world, args):
     import gpunet
     from gpunet.demo import ping_pong, put_quiet, stats_us
 
+    import torch.distributed as dist
+
     out = {t: {"put+quiet": [], "ping-pong": []} for t in args.transports}
-    for _ in range(args.runs):
+    if args.diag:
+        out["diag"] = []
+    for run in range(args.runs):
         for t in args.transports:
             with gpunet.init(transport=t, heap_bytes=4 << 20, timeout_s=30.0) as ctx:
                 buf = ctx.alloc((4096,), torch.uint8)
                 sig = ctx.alloc((2,), torch.int64)
+                roles = _roles(ctx) if args.diag else None
+                s0 = _thread_stats(roles) if args.diag else None
                 pq = put_quiet(ctx, buf, args.iters, args.warmup)
+                s1 = _thread_stats(roles) if args.diag else None
                 pp = ping_pong(ctx, buf, sig, args.iters, args.warmup)
+                s2 = _thread_stats(roles) if args.diag else None
                 if rank == 0:
                     out[t]["put+quiet"].append(stats_us(pq))
                     out[t]["ping-pong"].append(stats_us(pp))
+                if args.diag:
+                    mine = {"put+quiet": _delta(s0, s1), "ping-pong": _delta(s1, s2)}
+                    for row, a, b in (("put+quiet", s0, s1), ("ping-pong", s1, s2)):
+                        mine[row]["wall_ms"] = (b["wall_ns"] - a["wall_ns"]) / 1e6
+                        tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+                        mine[row]["steal_ms"] = (b["steal_ticks"] - a["steal_ticks"]) * tick_ms
+                        mine[row]["idle_ms"] = [(y - x) * tick_ms for x, y in
+                                                zip(a["idle_ticks"], b["idle_ticks"])]
+                    every = [None] * world
+                    dist.all_gather_object(every, mine)
+                    if rank == 0:
+                        med = {"put+quiet": out[t]["put+quiet"][-1]["median_us"],
+                               "ping-pong": out[t]["ping-pong"][-1]["median_us"]}
+                        out["diag"].append(dict(run=run, transport=t, median_us=med,
+                                                ranks=every))
     return out
+
+
+# --- --diag: what each thread of each rank did during a row (Linux /proc; empty elsewhere) ------
+def _roles(ctx):
+    """{Linux thread id: role} of this rank's threads that the rows involve: the caller (this
+    thread), the soft NIC's engine, the proxy threads."""
+    import threading
+
+    roles = {threading.get_native_id(): "caller"}
+    pl = getattr(ctx.nic, "placement", None)
+    if pl:
+        roles[pl["tid"]] = "nic-engine"
+    eng = getattr(getattr(ctx, "_transports", None), "engine", None)
+    for i, p in enumerate(getattr(eng, "placement", None) or []):
+        if p:
+            roles[p["tid"]] = "proxy-%d" % i
+    return roles
+
+
+def _thread_stats(roles):
+    """{role: counters} of the threads in ``roles`` now: run_ns and wait_ns (on a CPU / runnable
+    on a run queue but not running: /proc schedstat), voluntary and involuntary switches (a
+    sched_yield that gives the core away counts as involuntary), migrations and the CPU it last
+    ran on."""
+    out = {"wall_ns": time.monotonic_ns(), "steal_ticks": 0, "idle_ticks": []}
+    try:
+        with open("/proc/stat") as f:     # cpu user nice system idle iowait irq softirq steal
+            out["steal_ticks"] = int(f.readline().split()[8])
+            for line in f:                # cpuN ...: the idle ticks of each CPU
+                if not line.startswith("cpu"):
+                    break
+                out["idle_ticks"].append(int(line.split()[4]))
+    except (OSError, ValueError, IndexError):
+        pass
+    for tid, role in roles.items():
+        d = "/proc/self/task/%d/" % tid
+        try:
+            with open(d + "schedstat") as f:
+                run_ns, wait_ns, _ = (int(x) for x in f.read().split())
+            c = {"run_ns": run_ns, "wait_ns": wait_ns}
+            with open(d + "status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        c["vcsw"] = int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches"):
+                        c["ivcsw"] = int(line.split()[1])
+            try:
+                with open(d + "sched") as f:
+                    for line in f:
+                        if line.startswith("se.nr_migrations"):
+                            c["migrations"] = int(line.split(":")[1])
+            except OSError:
+                pass
+            with open(d + "stat") as f:
+                c["cpu"] = int(f.read().rsplit(")", 1)[1].split()[36])
+            out[role] = c
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _delta(a, b):
+    """Counters of ``b`` minus ``a`` per role (the CPU: the one it ran on last, in ``b``)."""
+    out = {}
+    for role, cb in b.items():
+        if not isinstance(cb, dict):
+            continue
+        ca = a.get(role, {})
+        out[role] = {k: (v if k == "cpu" else v - ca.get(k, 0)) for k, v in cb.items()}
+    return out
+
+
+def _print_diag(diag):
+    print("per-thread during each row (--diag): run / runnable-but-waiting ms, voluntary / "
+          "involuntary switches, migrations, last CPU")
+    for d in diag:
+        for test in ("put+quiet", "ping-pong"):
+            w = d["ranks"][0][test]
+            cells = ["wall %.1f ms, steal %.1f, idle per CPU %s ms" % (
+                w["wall_ms"], w["steal_ms"], "/".join("%.0f" % x for x in w["idle_ms"]))]
+            for r, threads in enumerate(d["ranks"]):
+                for role, c in sorted(threads[test].items()):
+                    if not isinstance(c, dict):
+                        continue
+                    cells.append("r%d %s %.1f/%.1f ms %d/%d sw %d mig cpu%d" % (
+                        r, role, c["run_ns"] / 1e6, c["wait_ns"] / 1e6, c.get("vcsw", 0),
+                        c.get("ivcsw", 0), c.get("migrations", 0), c["cpu"]))
+            print("  run %d %-6s %-10s %6.1f us | %s" % (d["run"], d["transport"], test,
+                                                        d["median_us"][test], "; ".join(cells)))
 
 
 def _timed(fn, iters, warmup):
@@ -122,6 +234,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--transports", default="ibgda,proxy")
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--diag", action="store_true",
+                    help="per thread of each rank and row: CPU time, time runnable but waiting, "
+                         "context switches, migrations (Linux /proc)")
     ap.add_argument("--json", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                    "results", datetime.date.today().isoformat(),
                                                    "cpu_put.json"))
@@ -152,6 +267,8 @@ def main(argv=None):
     for r in rows:
         print(f"{r['row']:<32}{r['transport']:>10}{r['median_us']:>11.1f}"
               f"{'[%.1f, %.1f]' % (r['min_median_us'], r['max_median_us']):>28}{r['p99_us']:>9.1f}")
+    if args.diag:
+        _print_diag(two["diag"])
     pq = [r for r in rows if r["row"] == "put+quiet"]
     for r in pq:
         r["target_us"] = TARGET_US
@@ -164,7 +281,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"bench": "cpu_put", "machine": m, "argv": sys.argv[1:], "loadavg_start": load0,
-                   "loadavg_end": load1, "rows": rows}, f, indent=2)
+                   "loadavg_end": load1, "rows": rows,
+                   "diag": two.get("diag")}, f, indent=2)
     print(f"wrote {args.json}")
     return 0
 
