@@ -112,7 +112,8 @@ def _expert_out(spec, recv_x):
 
 def round_(state, spec):
     """Layout, dispatch (and the cached / worst-case variants the spec asks for), combine, all
-    checked on this rank. Returns {bad, calc_diff, weights_diff, n_recv, hashes, masked, raised}."""
+    checked on this rank. Returns {bad, calc_diff, weights_diff, n_recv, hashes, masked, raised,
+    host_failed}."""
     buf = state["ep_buf"]
     world, rank = buf.group_size, buf.rank
     masked = tuple(spec.get("masked", ()))
@@ -249,6 +250,7 @@ def round_(state, spec):
     except EPTimeout as ex:
         out["raised"] = {"phase": ex.phase, "peers_silent": ex.peers_silent,
                          "counts_seen": ex.counts_seen, "msg": str(ex)[:400]}
+        out["host_failed"] = _host_failed(buf)
         return out
     # the exact reference: every rank's dispatch reference gives its expert outputs
     refs = [_dispatch_ref(spec, inputs, d, masked_d) for d in range(world)]
@@ -285,7 +287,14 @@ def round_(state, spec):
     out["hashes"] = {"recv_x": ref.hash_tensor(rx[0] if isinstance(rx, tuple) else rx),
                      "combined": ref.hash_tensor(comb)}
     out["masked"] = buf.masked_ranks() if buf.enable_shrink else []
+    out["host_failed"] = _host_failed(buf)
     return out
+
+
+def _host_failed(buf):
+    """The peers the kernels marked failed in the host-mapped mirror (LlParams::host_flags), the
+    words the host checks after a call on GPUs without copying a device-memory heap."""
+    return [p for p in range(buf.group_size) if buf._hflags_np[1 + p]]
 
 
 def ll_round(state, spec):

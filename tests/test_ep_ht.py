@@ -354,13 +354,16 @@ def _close_survivors(r):
 def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
     """enable_shrink: rank 2 exits at the start of dispatch (or combine). The survivors finish the
     round within the timeout with rank 2 masked (nothing received from it; combine leaves its rows
-    out) and match the reference with rank 2 masked; the next round among the survivors too."""
+    out) and marked failed in the host-mapped flags (what the host reads on GPUs), and match the
+    reference with rank 2 masked; the next round among the survivors too."""
     outs, r, spec = _kill_round(transport, True, stage)
     try:
         for status, o in outs:
             assert status == "ok", o
         _assert_round([o for _, o in outs], spec)
         assert all(o["masked"] == [VICTIM] for _, o in outs), outs
+        # the failure is mirrored into host memory (what _check reads on GPUs, no heap copy)
+        assert all(o["host_failed"] == [VICTIM] for _, o in outs), outs
         nxt = _spec(3, seed=62, masked=(VICTIM,), fp8=True)
         _assert_round(r.run("ep_ht_jobs:round_", nxt), nxt)
     finally:
@@ -370,13 +373,15 @@ def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
 @pytest.mark.parametrize("transport,stage", [("mixed", "dispatch")])
 def test_a_dead_rank_raises_ep_timeout_without_shrink(transport, stage):
     """Without enable_shrink every survivor raises gpunet.EPTimeout from that call naming rank 2
-    as silent and the phase, within a bounded time (never a hang)."""
+    as silent and the phase, within a bounded time (never a hang); rank 2 is marked failed in the
+    host-mapped flags."""
     outs, r, spec = _kill_round(transport, False, stage)
     try:
         for status, o in outs:
             assert status == "ok", o
             assert o["raised"] is not None, "no EPTimeout: %r" % (o,)
             assert o["raised"]["phase"] == stage and o["raised"]["peers_silent"] == [VICTIM], o["raised"]
+            assert o["host_failed"] == [VICTIM], o
     finally:
         _close_survivors(r)
 

@@ -505,12 +505,19 @@ class Buffer:
         kind = 1 if op == dep.OP_HT_COMBINE else 0
         P.sig, P.shdr, P.rhdr = base + layout.sig, base + layout.shdr, base + layout.rhdr
         P.send_ring, P.recv_ring = base + layout.send[kind], base + layout.recv[kind]
+        # failures mirrored into host memory (as the LL kernels: _check reads them without a
+        # device sync or a copy of a device-memory heap), and the profile stamps
+        B.host_flags = self._hflags_mem.ptr
+        B.prof = self._prof_addr
         return P
 
     def _ht_launch(self, P, grid, block, what):
         if self._ht_lib is None:
             self._ht_lib = dep.load_ep_ht("cuda" if self._gpu else "host")
-        stream = torch.cuda.current_stream().cuda_stream if self._gpu else None
+        if P.base.prof and self._prof_ref.numel() < grid * dep.STAMPS:
+            raise ConfigError("%s: the profile stamps tensor holds %d blocks, this launch has %d"
+                              % (what, self._prof_ref.numel() // dep.STAMPS, grid))
+        stream = self._stream() if self._gpu else None
         rc = self._ht_lib.gpunet_ep_ht_launch(ctypes.addressof(P), grid, block, self._ws, stream, 0)
         if rc != 0:
             raise GpunetError("%s: EP kernel launch failed (error %d)" % (what, rc))
@@ -642,7 +649,7 @@ class Buffer:
             P.num_recv_max = rows
             keep = (xq, xs, recv_x, recv_s, src) + tuple(handle)
             self._ht_launch(P, 2 * nc, block, what)
-            self._check(what, "dispatch")
+            self._check(what, "dispatch", mirrored=True)
             out_x = (recv_x, recv_s) if fp8 else recv_x
             return out_x, None, None, None, None, self._event(async_finish, keep)
         if is_token_in_rank is None:
@@ -695,8 +702,8 @@ class Buffer:
             rows = num_worst_tokens
         else:
             self._ht_launch(P, 1, block, what + " (notify)")
-            host = info.cpu()                       # the one host sync of a dispatch (GPUs: the
-            self._check(what, "dispatch")           # notify kernel is done: its failures are seen)
+            host = info.cpu()        # the one host sync of a dispatch (GPUs: the notify kernel
+            self._check(what, "dispatch", mirrored=True)  # is done: its failures are seen)
             rows = int(host[r])
         recv_x, recv_s = self._ht_recv_x(fp8, rows, hidden)
         src = torch.empty(rows, dtype=torch.int32, device=dev)
@@ -711,7 +718,7 @@ class Buffer:
         P.out_x, P.out_scales, P.out_src_idx = _addr(recv_x), _addr(recv_s), _addr(src)
         P.out_topk_idx, P.out_weights = _addr(recv_topk), _addr(recv_w)
         self._ht_launch(P, 2 * nc, block, what)
-        self._check(what, "dispatch")
+        self._check(what, "dispatch", mirrored=True)
         counts = [] if worst else [int(v) for v in host[r + 1:].tolist()]
         handle = (info[:r + 1], chan_prefix, src, in_rank, send_pos, send_cnt,
                   {"nc": nc, "rows": rows, "num_tokens": num_tokens, "hidden": hidden, "topk": k,
@@ -794,7 +801,7 @@ class Buffer:
         P.bias1 = _addr(biases[1]) if len(biases) > 1 else 0
         P.num_recv_max = rows
         self._ht_launch(P, 2 * nc, block, what)
-        self._check(what, "combine")
+        self._check(what, "combine", mirrored=True)
         keep = (x, topk_weights, out, out_w) + biases + tuple(handle[:6])
         return out, out_w, self._event(async_finish, keep)
 
@@ -1017,12 +1024,34 @@ class Buffer:
         P.host_flags = self._hflags_mem.ptr
         if self.enable_shrink:
             P.flags |= dep.F_SHRINK
+        P.flags |= self._ll_world_flags()
         return P
 
+    def _ll_world_flags(self):
+        """LlParams flags that follow from the peers' transports (fixed for the Context's life):
+        F_ALL_MAPPED when every other rank is a p2p peer (its heap mapped here: BF16 rows go
+        unstaged), and F_GPU_SCOPE when, besides, every rank (this one too) is p2p with its heap
+        on this GPU (P2P_SAME_DEVICE): the kernels' grid-internal hand-offs and header signals
+        then fence at device scope (ll.cuh grid_fence). A NIC peer anywhere clears both."""
+        flags = getattr(self, "_world_flags", None)
+        if flags is not None:
+            return flags
+        peers = self._ctx._dev.peers
+        kinds = [(int(peers[p].kind), int(peers[p].rkey)) for p in range(self.group_size)]
+        others = [k for p, k in enumerate(kinds) if p != self.rank]
+        flags = 0
+        if all(kind == abi.TRANSPORT_P2P for kind, _ in others):
+            flags |= dep.F_ALL_MAPPED
+            if all(kind == abi.TRANSPORT_P2P and rkey & abi.P2P_SAME_DEVICE for kind, rkey in kinds):
+                flags |= dep.F_GPU_SCOPE
+        self._world_flags = flags
+        return flags
+
     def _set_profile(self, stamps):
-        """(bench/ep_profile.py) Record phase stamps of every later LL launch into ``stamps``, an
-        int64 tensor of at least [num_blocks, device/ep.py STAMPS] on this Buffer's device (each
-        launch overwrites the rows of its blocks), or stop with None."""
+        """(bench/ep_profile.py, bench/ep_ht.py) Record phase stamps of every later LL / HT launch
+        into ``stamps``, an int64 tensor of at least [num_blocks, device/ep.py STAMPS] on this
+        Buffer's device (each launch overwrites the rows of its blocks; an HT launch of more
+        blocks than the tensor holds is refused), or stop with None."""
         if stamps is None:
             self._prof_addr = 0
             return
