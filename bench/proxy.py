@@ -440,13 +440,18 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
     else:
         eng = P.ProxyEngine(a, [ch], [[qa]], a.reg_mr(lh), [b.reg_mr(rh)], spin_us=pspin,
                             cpus=pcpu)
+    status, out = np.zeros(128, np.uint8), np.zeros(8 * iters, np.uint8)
     if arch == "cuda":
-        status_m, out_m = plat.alloc("host", 128), plat.alloc("host", 8 * iters)
+        # Where a Context puts them: the Status per the coherence policy (device memory on the
+        # GPUs), the timings in device memory too. In host memory every read of the Status (each
+        # push checks it) and the timing store before the next push's system-scope release
+        # would each cost a PCIe transaction inside the measured round trip.
+        status_m = plat.alloc(plat.policy("status").kind, status.nbytes)
+        out_m = plat.alloc("device", out.nbytes)
+        plat.memcpy(status_m.ptr, status.ctypes.data, status.nbytes)     # zeroed: no failure
         status_ptr, out_ptr = status_m.ptr, out_m.ptr
-        status, out = status_m.view(), out_m.view()
     else:
         status_m = out_m = None
-        status, out = np.zeros(128, np.uint8), np.zeros(8 * iters, np.uint8)
         status_ptr, out_ptr = status.ctypes.data, out.ctypes.data
     mask = os.sched_getaffinity(0)
     try:
@@ -466,6 +471,9 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
                    "nic_b": thread_record(b.placement["tid"])}
         if rc != 0:
             raise SystemExit(f"kernel launch failed: error {rc}")
+        if arch == "cuda":                    # synchronous copies: after the kernel finished
+            plat.memcpy(status.ctypes.data, status_ptr, status.nbytes)
+            plat.memcpy(out.ctypes.data, out_ptr, out.nbytes)
         code = int(status.view(np.uint64)[0])
         if code:
             raise SystemExit(f"device recorded a failure: Status = {status.view(np.uint32)[:12]}")

@@ -175,9 +175,19 @@ static_assert(sizeof(ProxyChannel) == 32, "ProxyChannel layout is mirrored in de
 // reads; the proxy drains a full 1024-slot ring in ~100+ us, so a longer sleep would not cost
 // throughput, a shorter one would cost PCIe bandwidth).
 constexpr uint32_t kMaxBackoff = 64;
-// Quiet polls HostCtrl over PCIe (~1.4 us a read, half the 2.85 us round trip of FACTS.md): a
-// short backoff keeps the latency near the floor without flooding PCIe.
+// Quiet: the first kQuietEagerPolls polls of `completed` go back to back, with nothing else
+// between them (no Status read, no pause): each is one PCIe read (~1.4 us on the H200, half the
+// 2.85 us round trip of FACTS.md), so a poll's own latency paces the loop, and anything added
+// between two polls is added to every round trip whose completion lands during it (a Status read
+// there made the first two polls ~2.8 us apart). Two eager polls cover a round trip (the first
+// returns before the proxy can have answered, the second is the one that sees a prompt answer);
+// then each poll is followed by kQuietBackoff spin_pause()s, which leave issue slots to other
+// warps and, on the HOST arm, yield the core to the proxy and let the emulated store buffer drain
+// (P1). The Status and the clock are read every kQuietCheckEvery polls (never among the eager
+// ones). bench/proxy.py --gpu measures it (the round trip rows).
+constexpr uint32_t kQuietEagerPolls = 2;
 constexpr uint32_t kQuietBackoff = 2;
+constexpr uint32_t kQuietCheckEvery = 8;
 
 // ---- encoding ------------------------------------------------------------------------------------
 GPUNET_HOST_DEVICE Command encode(uint32_t op, uint32_t peer, uint64_t arg, uint64_t local_off,
@@ -399,19 +409,21 @@ GPUNET_DEVICE void proxy_record_error(const ProxyChannel& ch, const Waiter& w, u
 GPUNET_DEVICE bool proxy_quiet(const ProxyChannel& ch, const Waiter& w, uint64_t issued,
                                uint32_t peer = PEER_NONE) {
   HostCtrl* h = detail::hctrl(ch);
-  uint64_t t0 = 0;
-  uint32_t n = 0;
-  for (;;) {
-    const uint64_t done = arch::load_acquire_sys(&h->completed);   // the one PCIe read of a poll
+  const uint64_t t0 = arch::now_ns();   // a clock register on the GPU: no memory access
+  for (uint32_t n = 1;; ++n) {
+    // The one PCIe read of a poll. An acquire: what the proxy wrote before `completed` (the
+    // error words; a GET's or fetch-add's data landed by the NIC before its CQE) is visible to
+    // the caller's later loads without a separate fence.
+    const uint64_t done = arch::load_acquire_sys(&h->completed);
     if (done & COMPLETED_ERROR) {
       proxy_record_error(ch, w, arch::load_acquire_sys(&h->error));
       return false;
     }
     if (done >= issued) return true;
-    if ((n++ & 7) == 0) {
+    if (n < kQuietEagerPolls) continue;   // back to back: see kQuietEagerPolls
+    if (n % kQuietCheckEvery == 0) {
       if (failed(w)) return false;
       const uint64_t now = arch::now_ns();
-      if (t0 == 0) t0 = now;
       if (now - t0 > w.timeout_ns) {
         Failure f(STATUS_TIMEOUT, SITE_PROXY_QUIET);
         f.peer = peer;
