@@ -31,9 +31,14 @@ TARGET_RATIO = 1.5
 RANK_TIMEOUT_S = 1500
 CPU_DEFAULTS = dict(ranks="2", tokens=96, hidden=256, topk=4, experts=8, iters=5, warmup=1)
 GPU_DEFAULTS = dict(ranks="2", tokens=4096, hidden=7168, topk=8, experts=256, iters=10, warmup=2)
-# (num_sms, send chunk, receive ring): the sweep; the HOST arm caps channels at 2
-GPU_CONFIGS = [(20, 6, 256), (24, 8, 128), (32, 16, 256), (48, 8, 128)]
-CPU_CONFIGS = [(4, 4, 48), (4, 8, 64)]
+# (num_sms, send chunk, receive ring, warps per block): the sweep; the HOST arm caps channels at 2.
+# The warps are gpunet's own knob (Buffer._ht_warps; DeepEP's Config has none): with 128 registers
+# a thread (nvcc -Xptxas -v) a block of 16 warps fills an SM's register file, so 2 ranks sharing
+# the GPU fit 132 SMs up to num_sms 64 each.
+GPU_CONFIGS = [(24, 8, 128, 8), (48, 8, 128, 8), (48, 8, 128, 16), (48, 16, 128, 16), (64, 8, 128, 8),
+               (64, 16, 128, 16)]
+CPU_CONFIGS = [(4, 4, 48, 2), (4, 8, 64, 2)]
+PROFILE_CALLS = 5       # per op, with the device stamps on (after the sweep, best Config)
 
 
 def _rank_bench(rank, world, cfg):
@@ -55,7 +60,8 @@ def _rank_bench(rank, world, cfg):
         if 2 <= world <= ngpu and not cfg["no_nccl"]:
             nccl = dist.new_group(backend="nccl")
     T, H, K, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
-    configs = [Config(*c) for c in cfg["configs"]]
+    configs = [Config(*c[:3]) for c in cfg["configs"]]
+    warps = [c[3] for c in cfg["configs"]]
     nbytes = max(c.get_nvl_buffer_size_hint(H * 2, world) for c in configs)
     buf = Buffer(dist.group.WORLD, num_nvl_bytes=nbytes, low_latency_mode=False,
                  explicitly_destroy=True, transport=cfg["transport"], timeout_s=cfg["timeout_s"])
@@ -95,15 +101,27 @@ def _rank_bench(rank, world, cfg):
                 cpu.append(timer(fn)[1])
             return timer.resolve(cpu)[cfg["warmup"]:]
 
-        sweep = {"dispatch bf16": [], "combine bf16": []}
-        for c in configs:
-            sweep["dispatch bf16"].append(laps(lambda: buf.dispatch(x, config=c, **kw)))
-        for c in configs:
+        sweep = {"dispatch bf16": [], "combine bf16": [], "dispatch fp8": []}
+        calls = {}
+        for c, wp in zip(configs, warps):
+            buf._ht_warps = wp
             # combine uses the dispatch's channels: a handle made with this Config's num_sms
             y, _, _, _, h, _ = buf.dispatch(x, config=c, **kw)
-            sweep["combine bf16"].append(laps(lambda: buf.combine(y, h, config=c)))
-        sweep["dispatch fp8"] = [laps(lambda: buf.dispatch(xq, config=c, **kw)) for c in configs]
+            calls[(c, wp)] = {"dispatch bf16": lambda c=c: buf.dispatch(x, config=c, **kw),
+                              "combine bf16": lambda c=c, y=y, h=h: buf.combine(y, h, config=c),
+                              "dispatch fp8": lambda c=c: buf.dispatch(xq, config=c, **kw)}
+            for op, fn in calls[(c, wp)].items():
+                sweep[op].append(laps(fn))
         res["sweep"] = sweep
+        # where the time goes, per op, at the Config this rank found fastest (the ranks agree
+        # closely; each profiles its own best): device stamps of every block (ht.cuh HT_ST_*)
+        res["profile"] = {}
+        for op, lapsets in sweep.items():
+            i = min(range(len(configs)), key=lambda i: statistics.median(lapsets[i]))
+            buf._ht_warps = warps[i]
+            res["profile"][op] = _profile(buf, calls[(configs[i], warps[i])][op], align, gpu,
+                                          cfg["configs"][i])
+        buf._ht_warps = None
         if nccl is not None:
             res["nccl"] = _nccl(x, in_rank, world, cfg, align, nccl, timer)
     finally:
@@ -111,6 +129,70 @@ def _rank_bench(rank, world, cfg):
     everyone = [None] * world
     dist.all_gather_object(everyone, res)
     return everyone if rank == 0 else None
+
+
+def _profile(buf, fn, align, gpu, config):
+    """PROFILE_CALLS calls of fn with the HT kernels' stamps on (gpunet/ep/buffer.py
+    _set_profile; names in device/ep.py HT_ST_NAMES). Per call: host (perf_counter around the
+    Python call), notify (block 0 of the notify launch: begin .. headers posted .. every source's
+    header seen), gap (notify end .. the data launch's first block in: the host's sync and
+    allocations between the two launches), kernel (the data launch's first block in .. last block
+    out), and per role (sender blocks = even, receiver blocks = odd) the medians over blocks of
+    what thread 0 summed: move (staging / p2p stores; receiver: copies / reduction), post (puts +
+    signals; receiver: credits), idle (steps that moved nothing: waiting for credit / data), steps,
+    idle steps, items, and first (block in .. first chunk moved). Medians over the calls, us."""
+    import torch
+
+    from gpunet.device import ep as dep
+    names = dep.HT_ST_NAMES
+    col = {n: i for i, n in enumerate(names)}
+    dev = "cuda" if gpu else "cpu"
+    stamps = torch.zeros(2 * dep.HT_MAX_CHANNELS * dep.STAMPS, dtype=torch.int64, device=dev)
+    per_call = []
+    buf._set_profile(stamps)
+    try:
+        for _ in range(PROFILE_CALLS):
+            stamps.zero_()
+            align()
+            t0 = time.perf_counter()
+            fn()
+            host = time.perf_counter() - t0
+            if gpu:
+                torch.cuda.synchronize()
+            st = stamps.view(-1, dep.STAMPS)[:, :len(names)].cpu().tolist()
+            per_call.append(_phases(st, col, host))
+    finally:
+        buf._set_profile(None)
+    keys = sorted({k for c in per_call for k in c})
+    return {"config": config, **{k: statistics.median([c[k] for c in per_call if k in c]) for k in keys}}
+
+
+def _phases(st, col, host_s):
+    """One call's figures (us, counts) from its stamp rows [blocks][HT_ST_NAMES]."""
+    us = lambda ns: ns / 1e3  # noqa: E731
+    out = {"host": host_s * 1e6}
+    blocks = [r for r in st if r[col["begin"]]]
+    r0 = st[0]
+    if r0[col["notify_begin"]]:
+        out["notify"] = us(r0[col["notify_end"]] - r0[col["notify_begin"]])
+        out["notify.hdr"] = us(r0[col["notify_sent"]] - r0[col["notify_begin"]])
+        if blocks:
+            out["gap"] = us(min(r[col["begin"]] for r in blocks) - r0[col["notify_end"]])
+    if not blocks:
+        return out
+    out["kernel"] = us(max(r[col["end"]] for r in blocks) - min(r[col["begin"]] for r in blocks))
+    for role, parity in (("send", 0), ("recv", 1)):
+        rows = [r for i, r in enumerate(st) if i % 2 == parity and r[col["begin"]]]
+        if not rows:
+            continue
+        med = lambda v: statistics.median(v)  # noqa: E731
+        for k in ("t_move", "t_post", "t_idle"):
+            out["%s.%s" % (role, k[2:])] = us(med([r[col[k]] for r in rows]))
+        for k in ("steps", "idle_steps", "items"):
+            out["%s.%s" % (role, k)] = med([r[col[k]] for r in rows])
+        out["%s.first" % role] = us(med([r[col["first"]] - r[col["begin"]] for r in rows if r[col["first"]]] or [0]))
+        out["%s.span" % role] = us(med([r[col["end"]] - r[col["begin"]] for r in rows]))
+    return out
 
 
 def _nccl(x, in_rank, world, cfg, align, group, timer):
@@ -238,7 +320,9 @@ def run(args):
                          "figure": "%.1f us = %.2fx the gather (%.1f us), %.3g GB/s"
                          % (r["median_us"], r["vs_torch_gather"], gather_s * 1e6, r["GBps"]),
                          "goal": "<= %.1fx" % TARGET_RATIO})
+        profile = {op: [p["profile"][op] for p in per] for op in ops}
         runs.append({"ranks": world, "align": per[0]["align"], "transport": per[0]["transport"],
+                     "profile": profile,
                      "buffer_bytes": per[0]["buffer_bytes"], "best": {k: cfg["configs"][v] for k, v in best.items()},
                      "wall_s": time.monotonic() - t0})
     m = machine(gpu=args.gpu)
@@ -262,6 +346,12 @@ def run(args):
     if args.transport != "auto":
         for g in gate:
             g["name"] += " [%s]" % args.transport
+    for run_ in runs:
+        for op, ranks_ in run_.get("profile", {}).items():
+            for rk, pr in enumerate(ranks_):
+                print("profile %d ranks, rank %d, %s %s: %s" % (
+                    run_["ranks"], rk, op, tuple(pr["config"]),
+                    ", ".join("%s %.4g" % (k, v) for k, v in pr.items() if k != "config")))
     for g in gate:
         print("%-6s %-7s %s  %s" % (g["kind"], g["result"], g["name"], g["figure"]))
     path = Path(args.json) if args.json else (Path(__file__).resolve().parent / "results" /

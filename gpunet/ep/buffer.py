@@ -459,11 +459,12 @@ class Buffer:
         2 blocks per channel, so never more blocks than num_sms); the HOST arm caps the channels
         at HOST_HT_MAX_CHANNELS (every device thread is an OS thread there)."""
         nc = config.num_sms // 2
+        warps = getattr(self, "_ht_warps", None)    # bench/ep_ht.py sweeps it (private knob)
         if self._gpu:
-            block = CUDA_HT_WARPS * 32
+            block = (warps or CUDA_HT_WARPS) * 32
         else:
             nc = min(nc, HOST_HT_MAX_CHANNELS)
-            block = HOST_HT_WARPS * self._ws
+            block = (warps or HOST_HT_WARPS) * self._ws
         nc = max(1, min(nc, dep.HT_MAX_CHANNELS))
         ring = config.num_max_nvl_chunked_recv_tokens
         chunk = config.num_max_nvl_chunked_send_tokens

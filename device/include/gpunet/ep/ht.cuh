@@ -89,6 +89,66 @@ enum : uint32_t { HT_SYNC_NOTIFY = 0, HT_SYNC_END = 1 };
 // EpStatus codes and sites of this mode (device/ep.py: EP_ERR_WORST, EP_SITE_HT_*)
 enum : uint32_t { EP_ERR_WORST = 5 };
 enum : uint32_t { EP_SITE_HT_HEADER = 8, EP_SITE_HT_NOTIFY = 9, EP_SITE_HT_WORST = 10 };
+// LlParams::prof (HtParams::base.prof; bench/ep_ht.py --profile): per block, thread 0 stores
+// now_ns() at the points below and, at the block's end, what it summed over its loop (ns and
+// counts, thread 0's view: it takes part in every step). 0 = not reached. Slots below ll.cuh's
+// kStamps; device/ep.py HT_ST_NAMES names them.
+enum : uint32_t {
+  HT_ST_BEGIN = 0,         // data launch: the block enters
+  HT_ST_END = 1,           // data launch: the block's loop is over (before the end-of-op barrier)
+  HT_ST_NOTIFY_BEGIN = 2,  // block 0: notify starts
+  HT_ST_NOTIFY_SENT = 3,   // block 0: send_pos / counts computed and the headers posted
+  HT_ST_NOTIFY_END = 4,    // block 0: every source's header seen, prefixes written
+  HT_ST_FIRST = 5,         // sender: first chunk posted; receiver: first rows seen
+  HT_ST_T_MOVE = 6,        // sum ns: sender staging (+ p2p stores); receiver copying / reducing
+  HT_ST_T_POST = 7,        // sum ns: sender puts + tail signals; receiver credits
+  HT_ST_T_IDLE = 8,        // sum ns: steps that moved nothing (no credit / nothing arrived)
+  HT_ST_STEPS = 9,         // count: loop steps (receiver combine: rounds)
+  HT_ST_IDLE_STEPS = 10,   // count: steps that moved nothing
+  HT_ST_ITEMS = 11,        // count: messages moved by the block
+};
+static_assert(uint32_t(HT_ST_ITEMS) < uint32_t(kStamps), "HT stamps share LlParams::prof's rows");
+
+// Thread 0's phase clock for the stamps: lap() returns the ns since the previous lap (0 without
+// a profile: no clock reads).
+struct HtClock {
+  bool on;
+  uint64_t t;
+  GPUNET_DEVICE uint64_t lap() {
+    if (!on) return 0;
+    const uint64_t n = arch::now_ns(), d = n - t;
+    t = n;
+    return d;
+  }
+};
+GPUNET_DEVICE HtClock ht_clock(const LlParams& B, const Geo& g) {
+  HtClock c;
+  c.on = B.prof != 0 && g.tid == 0;
+  c.t = c.on ? arch::now_ns() : 0;
+  return c;
+}
+// The sums go straight to the block's row (the host zeroes it before the call): counters kept in
+// registers across the loops took nvcc from 128 to 198 registers a thread.
+GPUNET_DEVICE void ht_stamp_add(const LlParams& B, const Geo& g, uint32_t which, uint64_t v) {
+  if (B.prof && g.tid == 0) ptr<uint64_t>(B.prof)[uint64_t(g.bid) * kStamps + which] += v;
+}
+// One loop step of a sender or dispatch receiver: it moved `items` messages (0: it waited).
+GPUNET_DEVICE void ht_step_stamps(const LlParams& B, const Geo& g, const HtClock& clk, uint64_t items,
+                                  uint64_t dt_move, uint64_t dt_post) {
+  if (!clk.on) return;
+  uint64_t* row = ptr<uint64_t>(B.prof) + uint64_t(g.bid) * kStamps;
+  row[HT_ST_STEPS] += 1;
+  if (items) {
+    row[HT_ST_T_MOVE] += dt_move;
+    row[HT_ST_T_POST] += dt_post;
+    if (!row[HT_ST_ITEMS]) row[HT_ST_FIRST] = clk.t;
+    row[HT_ST_ITEMS] += items;
+  } else {
+    row[HT_ST_T_IDLE] += dt_move + dt_post;
+    row[HT_ST_IDLE_STEPS] += 1;
+  }
+}
+
 // per-(channel, peer) state words in HtParams::ws (device memory, set up at every launch)
 enum : uint32_t { WS_SENT = 0, WS_CURSOR = 1, WS_TLAST = 2, WS_CREDIT = 3, WS_DONE = 4, WS_TOTAL = 5,
                   WS_AVAIL = 6, WS_MAXP = 7, WS_WORDS = 8 };
@@ -228,6 +288,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
   int32_t* send_pos = ptr<int32_t>(P.send_pos);
   int32_t* send_cnt = ptr<int32_t>(P.send_cnt);
   const uint64_t below = g.lane == 0 ? 0 : (~uint64_t(0) >> (64 - g.lane));
+  stamp(B, g, HT_ST_NOTIFY_BEGIN);
   // send_pos / send_cnt: a warp per (channel, destination), ws tokens per ballot
   for (uint32_t it = g.wid; it < nc * R; it += g.nwarps) {
     const uint32_t c = it / R, d = it % R;
@@ -273,6 +334,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
       peer_fail(B, d);
   }
   arch::syncthreads();  // this rank's own header (stored above) is complete
+  stamp(B, g, HT_ST_NOTIFY_SENT);
   // every live source's header (bounded per source: headers go out unconditionally first)
   int32_t* info = ptr<int32_t>(P.recv_info);
   int32_t* pre = ptr<int32_t>(P.chan_prefix);
@@ -330,6 +392,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     info[R + 1 + le] = int32_t((n + a - 1) / a * a);
   }
   arch::syncthreads();
+  stamp(B, g, HT_ST_NOTIFY_END);
 }
 
 // ---- the sender (block 2c): dispatch tokens or combine rows to every destination ------------------
@@ -398,11 +461,22 @@ GPUNET_DEVICE void ht_stage(const HtParams& P, const Geo& g, uint64_t msg, uint6
   }
 }
 
+// Where message `idx` of channel c for destination d is written by this block: the slot in d's
+// own receive ring when d's heap is mapped here (a p2p peer: gpunet::ptr), so the warp's stores
+// ARE the transfer (one copy, x -> the peer's ring, instead of x -> staging -> the peer's ring);
+// else the staging slot in this rank's heap, which a put then carries. 0: stage (not mapped).
+GPUNET_DEVICE uint64_t ht_mapped_slot(const HtParams& P, uint32_t c, uint32_t d, uint64_t idx) {
+  if (d == P.base.rank) return 0;
+  void* m = gpunet::ptr(peer_ctx(P.base, d), ptr<const void>(slot_addr(P, P.recv_ring, c, P.base.rank, idx)),
+                        int(d));
+  return uint64_t(uintptr_t(m));
+}
+
 // The sender works in block-wide steps: (1) the warp that owns a destination (d % nwarps) decides,
 // from d's credit, whether d gets n more messages now and lists their tokens (rows); (2) every warp
 // of the block stages the listed messages of every destination (a 2-rank world has 1 remote
-// destination: all warps stage its rows, not one); (3) the owner posts them and the tail. Lane 0 of
-// the owner reads and writes d's state words, so every lane takes the same branches (the ballots
+// destination: all warps stage its rows, not one); (3) the owner posts them (a mapped peer: nothing
+// to post, the stores were the transfer) and the tail. Lane 0 of the owner reads and writes d's state words, so every lane takes the same branches (the ballots
 // and shuffles need that).
 GPUNET_DEVICE int32_t* tok_list(const HtParams& P, uint32_t c, uint32_t d) {
   const uint64_t scratch = P.ws + uint64_t(2) * P.nchannels * P.base.nranks * WS_WORDS * 8;
@@ -421,6 +495,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
   const int32_t* pre = ptr<const int32_t>(P.chan_prefix);
   const uint64_t self_row = uint64_t(pre[uint64_t(B.rank) * (nc + 1) + c]);
   const uint64_t t_start = arch::now_ns();
+  HtClock clk = ht_clock(B, g);
   if (g.lane == 0) {
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {
       // combine to itself: nothing to send (its receiver reads x in place)
@@ -508,16 +583,22 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       while (i >= *ws_word(P, 0, c, d, WS_AVAIL)) i -= *ws_word(P, 0, c, d, WS_AVAIL), ++d;
       const uint64_t idx = *ws_word(P, 0, c, d, WS_SENT) + i;
       const uint64_t src = uint64_t(tok_list(P, c, d)[i]);
-      if (d == B.rank && !combine) ht_deliver_self(P, g, self_row + idx, src);
-      else ht_stage(P, g, slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
+      if (d == B.rank && !combine) {
+        ht_deliver_self(P, g, self_row + idx, src);
+      } else {
+        const uint64_t m = ht_mapped_slot(P, c, d, idx);
+        ht_stage(P, g, m ? m : slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
+      }
     }
     arch::syncthreads();  // every staging store before the puts read them
+    const uint64_t dt_move = clk.lap();
     // (3) the puts, by the whole block: on p2p every thread copies (put_nbi_block), on the NIC
     // transports it is a few WQEs (ibgda) or one command (proxy); then the owners SET the tails
     for (uint32_t d = 0; d < R; ++d) {  // block-uniform
       const uint64_t n = *ws_word(P, 0, c, d, WS_AVAIL);
       if (!n || d == B.rank) continue;
       const uint64_t sent = *ws_word(P, 0, c, d, WS_SENT);
+      if (ht_mapped_slot(P, c, d, sent)) continue;  // stored in place above
       // the slots [sent, sent + n) of the ring: one put, two when they wrap
       const uint64_t s0 = sent % P.ring;
       const uint64_t n1 = P.ring - s0 < n ? P.ring - s0 : n;
@@ -544,6 +625,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
         *ws_word(P, 0, c, d, WS_DONE) = 1;
       }
     }
+    ht_step_stamps(B, g, clk, items, dt_move, clk.lap());
     if (!more) break;
     if (!items) arch::spin_pause();
     arch::syncthreads();  // the owners' state words before the next step reads them
@@ -574,6 +656,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
     *ws_word(P, 1, c, j, WS_DONE) = total == 0 ? 1 : 0;
   }
   arch::syncthreads();
+  HtClock clk = ht_clock(B, g);
   for (;;) {
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
       uint64_t avail = 0;
@@ -619,6 +702,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
       }
     }
     arch::syncthreads();  // every copy out of the ring is done before the credit frees its slots
+    const uint64_t dt_move = clk.lap();
     bool left = false;
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
       const uint64_t avail = *ws_word(P, 1, c, j, WS_AVAIL);
@@ -638,7 +722,9 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
       }
       left = left || !*ws_word(P, 1, c, j, WS_DONE);
     }
-    if (!arch::block_any(left)) break;
+    const bool more = arch::block_any(left);
+    ht_step_stamps(B, g, clk, items, dt_move, clk.lap());
+    if (!more) break;
     arch::spin_pause();
   }
 }
@@ -660,6 +746,8 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
     arch::atomic_store(ws_word(P, 1, c, d, WS_AVAIL), uint64_t(0));  // the tail seen (below)
   }
   arch::syncthreads();
+  HtClock clk = ht_clock(B, g);
+  ht_stamp_add(B, g, HT_ST_ITEMS, ce - cb);
   for (uint64_t base = cb; base < ce; base += g.nwarps) {
     const uint64_t t = base + g.wid;
     if (t < ce) {
@@ -751,6 +839,9 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
       if (P.out_weights && g.lane < K) ptr<float>(P.out_weights)[t * K + g.lane] = wsum;
     }
     arch::syncthreads();  // the round's rows are read: credit them
+    ht_stamp_add(B, g, HT_ST_T_MOVE, clk.lap());
+    if (clk.on && !ptr<uint64_t>(B.prof)[uint64_t(g.bid) * kStamps + HT_ST_STEPS]) stamp(B, g, HT_ST_FIRST);
+    ht_stamp_add(B, g, HT_ST_STEPS, 1);
     for (uint32_t d = g.tid; d < R; d += g.bdim) {
       if (out[d] || d == B.rank) continue;
       const uint64_t m = arch::atomic_load(ws_word(P, 1, c, d, WS_MAXP));
@@ -762,6 +853,7 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
       }
     }
     arch::syncthreads();
+    ht_stamp_add(B, g, HT_ST_T_POST, clk.lap());
   }
 }
 
@@ -778,6 +870,7 @@ GPUNET_DEVICE void run_ht(const HtParams& P) {
     else ok = block_wait(B, g, HT_SYNC_NOTIFY, 1, EP_SITE_HT_NOTIFY);
   }
   if (ok && (B.phases & PH_DATA) && !ep_failed(B)) {
+    stamp(B, g, HT_ST_BEGIN);
     uint8_t* out = load_peer_view(B, g);
     const uint32_t c = g.bid / 2;
     if (c < P.nchannels) {
@@ -785,6 +878,7 @@ GPUNET_DEVICE void run_ht(const HtParams& P) {
       else if (B.op == OP_HT_COMBINE) ht_recv_combine(P, g, c, epoch, out);
       else ht_recv_dispatch(P, g, c, epoch, out);
     }
+    stamp(B, g, HT_ST_END);
   }
   if (last_block(B, g, HT_SYNC_END)) {
     if (g.tid == 0 && (B.flags & F_HT_BUMP)) {
