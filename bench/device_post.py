@@ -3,6 +3,7 @@
     python bench/device_post.py [--quick] [--json PATH]     # needs an NVIDIA GPU (CUDA arm)
     python bench/device_post.py --compile-only              # builds the CUDA kernels, runs nothing
     python bench/device_post.py --cpu-smoke                 # the same script on the HOST arm (CI box)
+    python bench/device_post.py --phases ...                # + where lane 0's time per post goes
 
 The device code is gpunet's own (device/include/gpunet/qp.cuh through gpunet.device.testing's
 kernels/schedule.cu and kernels/post_rate.cu), built with device/loader.py for arch "cuda"
@@ -28,8 +29,8 @@ Rows (the table says which is which):
 - ``store ceiling``: k_store, each lane stores 64-byte records (8 relaxed 8-byte stores) into a
   host-mapped ring, no protocol: the upper bound any posting path can reach here.
 - ``post, sink``: k_post, W warps each post rounds of 32 64-byte RDMA WRITEs through qp.cuh's
-  post_warp (one reservation per warp, ordered publish, doorbell at db_batch boundaries: DBR,
-  fence, 64-bit doorbell store) on Q QPs (warp w uses QP w % Q), then quiet. The consumer is a
+  post_warp (one reservation per warp; the doorbell turn's owner rings for every ready
+  reservation: ready_head, fence, DBR, fence, 64-bit doorbell store) on Q QPs (warp w uses QP w % Q), then quiet. The consumer is a
   numba nogil CPU thread (the sink) that watches each QP's DBR and answers every change with one
   CQE naming the last WQE (owner-bit CQ of sq_wqebbs entries by default, never overrunning it) —
   it executes nothing, so the ring never blocks on execution. WQE/s = WQEs / kernel time (CUDA
@@ -44,6 +45,11 @@ Rows (the table says which is which):
   (exactly once), no signal before its payload (in-kernel receiver check), heads equal and the
   NIC's consumer index at them, QP in RTS, no failure in the Status. PASS / FAIL per launch (each
   launch = ROUNDS schedules).
+
+Phases (``--phases``): the kernels are built with GPUNET_BENCH_PHASES; lane 0 of every warp
+clocks qp.cuh's GPUNET_POST_STAMP points and each sink row also prints where a warp post's time
+went (cycles per post per phase, their share, and that share of the measured time per post).
+The stamps cost a clock read each, so those rows are a little slower than a plain build's.
 
 Target (the device-API issue): >= 100 M WQE/s posted by many warps with batched doorbells.
 Prints a table with the machine last; writes JSON (default bench/out/device_post.json).
@@ -101,6 +107,8 @@ def build(arch, defines=None):
     b.gpunet_bench_post.restype = ctypes.c_int
     b.gpunet_bench_store.argtypes = [u32, u32, ctypes.c_uint64, u32, u32, ctypes.POINTER(ctypes.c_float)]
     b.gpunet_bench_store.restype = ctypes.c_int
+    b.gpunet_bench_phases.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
+    b.gpunet_bench_phases.restype = ctypes.c_int
     if b.gpunet_bench_post_args_size() != ctypes.sizeof(PostArgs):
         raise errors.ToolchainError("post_rate.cu PostArgs is %d bytes, the mirror %d"
                                     % (b.gpunet_bench_post_args_size(), ctypes.sizeof(PostArgs)))
@@ -110,6 +118,31 @@ def build(arch, defines=None):
 # --- device memory helpers (shared with the Python API: device/descriptors.py) ---------------------
 Dev = DeviceMemory          # device-memory copies of ctypes objects / numpy arrays
 Mapped = NicMapping         # a NIC's mapped_ranges() (the soft NIC: its arena) registered with the GPU
+
+
+# post_rate.cu's phases: k ends at qp.cuh's GPUNET_POST_STAMP(k) (lane 0 of each warp).
+PHASES = ("reserve: atomic + Status/errored/done/db_head loads, room",
+          "WQE stores + syncwarp",
+          "publish: turn / tag CAS / scan",
+          "ready_head + fence_sys #1",
+          "DBR + fence_sys #2 + doorbell",
+          "db_head + leave-CAS",
+          "return (syncwarp, shfl)",
+          "caller between posts (WQE build, loop)")
+
+
+def read_phases(blib):
+    """The summed phase clocks since the last call (cleared), or None for a build without them."""
+    v = (ctypes.c_uint64 * len(PHASES))()
+    return list(v) if blib.gpunet_bench_phases(v) == 0 else None
+
+
+def phase_table(sums, posts, secs_per_post):
+    """Rows (phase, clocks per post, share, ns per post): ``sums`` from read_phases over ``posts``
+    warp posts; the share of ``secs_per_post`` (a warp's measured time per post) is the ns."""
+    total = float(sum(sums)) or 1.0
+    return [{"phase": name, "clk_per_post": c / max(1, posts), "share": c / total,
+             "ns_per_post": c / total * secs_per_post * 1e9} for name, c in zip(PHASES, sums)]
 
 
 def heads(d):
@@ -211,7 +244,7 @@ class SinkWorld:
     """``nqps`` QPs (rings of ``sq`` WQEBBs) on a soft NIC that never executes them, the sink thread,
     device QpDescs, device payload buffers."""
 
-    def __init__(self, plat, nqps, sq, collapsed, db_batch):
+    def __init__(self, plat, nqps, sq, collapsed):
         from gpunet.host.softnic import SoftNic
         self.plat, self.nqps, self.sq = plat, nqps, sq
         need = nqps * sq * 64 * (1 if collapsed else 2) + (4 << 20)
@@ -225,19 +258,13 @@ class SinkWorld:
         self.dev = Dev(plat)
         arr = (abi.QpDesc * nqps)()
         for i, (qp, cq) in enumerate(self.pairs):
-            arr[i] = device_qpdesc(self.m, self.dev, qp, cq, 1, db_batch)
+            arr[i] = device_qpdesc(self.m, self.dev, qp, cq, 1)
         self.qds = arr
         self.qds_dev = self.dev.put(arr)
         self.status_dev = self.dev.zeros(ctypes.sizeof(abi.Status))
         self.src = plat.alloc("device", PAYLOAD_SPAN)
         self.dst = plat.alloc("device", PAYLOAD_SPAN)
         self.sink = Sink(self.pairs)
-
-    def set_batch(self, db_batch):
-        self.dev.get(self.qds, self.qds_dev)
-        for i in range(self.nqps):
-            self.qds[i].db_batch = db_batch
-        self.dev.write(self.qds_dev, self.qds)
 
     def run(self, blib, warps, iters, per_lane=1):
         before = [heads(d) for d in self.dev.get(self.qds, self.qds_dev)]
@@ -287,13 +314,12 @@ class NicWorld:
         self.m = Mapped(plat, self.nic)          # registered before any allocation: covers them all
         self.lbs = {}
 
-    def loopback(self, depth, collapsed, batch, heap=2 << 20):
-        key = (depth, collapsed, batch, heap)
+    def loopback(self, depth, collapsed, heap=2 << 20):
+        key = (depth, collapsed, heap)
         if key not in self.lbs:
-            lb = L.Loopback(self.nic, sq_wqebbs=depth, collapsed=collapsed, db_batch=batch, timeout_s=5.0,
-                            heap_bytes=heap)
+            lb = L.Loopback(self.nic, sq_wqebbs=depth, collapsed=collapsed, timeout_s=5.0, heap_bytes=heap)
             lb.keep = lb._top
-            lb.dm = DeviceLoopback(self.plat, self.m, lb, batch)
+            lb.dm = DeviceLoopback(self.plat, self.m, lb)
             self.lbs[key] = lb
         lb = self.lbs[key]
         lb.reset_heap(lb.keep)
@@ -309,9 +335,9 @@ class NicWorld:
 class DeviceLoopback:
     """Device-memory copies of a Loopback's QpDesc (+ slots), PeerDesc[2], Status, DevCtx."""
 
-    def __init__(self, plat, m, lb, batch):
+    def __init__(self, plat, m, lb):
         self.dev = Dev(plat)
-        self.qd = device_qpdesc(m, self.dev, lb.a, lb.cq, L.PEER, batch)
+        self.qd = device_qpdesc(m, self.dev, lb.a, lb.cq, L.PEER)
         self.qd_dev = self.dev.put(self.qd)
         self.status_dev = self.dev.zeros(ctypes.sizeof(abi.Status))
         peers = (abi.PeerDesc * 2)()
@@ -330,8 +356,8 @@ class DeviceLoopback:
         return self.dev.get(abi.Status(), self.status_dev)
 
 
-def e2e_row(blib, world, warps, iters, depth, batch, collapsed=False, per_lane=1):
-    lb = world.loopback(depth, collapsed, batch, heap=4 << 20)
+def e2e_row(blib, world, warps, iters, depth, collapsed=False, per_lane=1):
+    lb = world.loopback(depth, collapsed, heap=4 << 20)
     src_off, dst_off = lb.sym(PAYLOAD_SPAN), lb.sym(PAYLOAD_SPAN)
     pattern = np.random.default_rng(warps).integers(0, 256, PAYLOAD_SPAN, dtype=np.uint8)
     lb.local[src_off:src_off + PAYLOAD_SPAN] = pattern
@@ -352,14 +378,14 @@ def e2e_row(blib, world, warps, iters, depth, batch, collapsed=False, per_lane=1
 
 
 # --- the ordering schedules on the GPU -------------------------------------------------------------
-def schedule_case(sched, world, seed, blocks, wpb, nops, depth, batch, collapsed, ws=32, check_every=4):
+def schedule_case(sched, world, seed, blocks, wpb, nops, depth, collapsed, ws=32, check_every=4):
     """One launch (ROUNDS schedules) of schedule.cu's k_schedule; returns (ok, message, seconds)."""
     T, nwarps, R, mix = blocks * wpb * ws, blocks * wpb, ROUNDS, S.MIX_ALL
     sizes = schedule_sizes(R, T, nwarps)
     heap = 1 << 20
     while heap < sum(sizes.values()) + len(sizes) * 64 + (64 << 10):
         heap <<= 1
-    lb = world.loopback(depth, collapsed, batch, heap=heap)
+    lb = world.loopback(depth, collapsed, heap=heap)
     dm, dev = lb.dm, lb.dm.dev
     p = S.SchedParams()
     o, sources = prepare_schedule(lb, p, seed, R, T, nwarps, nops, mix, check_every, L.PEER)
@@ -388,14 +414,14 @@ def schedule_case(sched, world, seed, blocks, wpb, nops, depth, batch, collapsed
     return True, "%d WQEs, %d schedules" % (wqes, R), secs
 
 
-SCHEDULES = [  # (blocks, warps per block, ops, depth, db_batch, collapsed CQ)
-    (1, 1, 8, 16, 1, False),
-    (2, 2, 6, 8, 2, False),
-    (2, 2, 8, 64, 32, False),
-    (4, 4, 8, 64, 8, False),
-    (8, 4, 6, 256, 32, False),
-    (1, 1, 8, 16, 2, True),
-    (2, 2, 8, 64, 8, True),
+SCHEDULES = [  # (blocks, warps per block, ops, depth, collapsed CQ)
+    (1, 1, 8, 16, False),
+    (2, 2, 6, 8, False),
+    (2, 2, 8, 64, False),
+    (4, 4, 8, 64, False),
+    (8, 4, 6, 256, False),
+    (1, 1, 8, 16, True),
+    (2, 2, 8, 64, True),
 ]
 
 
@@ -415,21 +441,31 @@ def _timed_row(row, n, runs):
 
 def _fmt_table(rows, mach, ordering):
     lines = []
-    lines.append("| row | warps | QPs | ring | db_batch | CQ | WQEs | median time (ms) | M WQE/s median "
+    lines.append("| row | warps | QPs | ring | CQ | WQEs | median time (ms) | M WQE/s median "
                  "[min, max] | note |")
-    lines.append("|---|---:|---:|---:|---:|---|---:|---:|---:|---|")
+    lines.append("|---|---:|---:|---:|---|---:|---:|---:|---|")
     for r in rows:
         spread = " [%.1f, %.1f]" % (r["mwqes_min"], r["mwqes_max"]) if "mwqes_min" in r else ""
-        lines.append("| %s | %d | %s | %s | %s | %s | %d | %.2f | %.1f%s | %s |" % (
-            r["row"], r["warps"], r.get("qps", "-"), r.get("ring", "-"), r.get("db_batch", "-"),
+        lines.append("| %s | %d | %s | %s | %s | %d | %.2f | %.1f%s | %s |" % (
+            r["row"], r["warps"], r.get("qps", "-"), r.get("ring", "-"),
             r.get("cq", "-"), r["wqes"], r["seconds"] * 1e3, r["mwqes"], spread, r.get("note", "")))
+    for r in rows:
+        if r.get("phases"):
+            lines.append("")
+            lines.append("phases of a warp post (lane 0; %s, %d warps, %s QPs): %.0f ns per post measured"
+                         % (r["row"], r["warps"], r.get("qps", "-"), r["ns_per_post"]))
+            lines.append("| phase | clocks / post | share | ns / post |")
+            lines.append("|---|---:|---:|---:|")
+            for p in r["phases"]:
+                lines.append("| %s | %.0f | %.1f%% | %.0f |" % (p["phase"], p["clk_per_post"],
+                                                          100 * p["share"], p["ns_per_post"]))
     if ordering:
         lines.append("")
-        lines.append("| ordering launch | blocks x warps | ops | depth | db_batch | CQ | result | detail |")
-        lines.append("|---|---|---:|---:|---:|---|---|---|")
+        lines.append("| ordering launch | blocks x warps | ops | depth | CQ | result | detail |")
+        lines.append("|---|---|---:|---:|---|---|---|")
         for o in ordering:
-            lines.append("| seed %d | %dx%d | %d | %d | %d | %s | %s | %s |" % (
-                o["seed"], o["blocks"], o["wpb"], o["ops"], o["depth"], o["db_batch"],
+            lines.append("| seed %d | %dx%d | %d | %d | %s | %s | %s |" % (
+                o["seed"], o["blocks"], o["wpb"], o["ops"], o["depth"],
                 "collapsed" if o["collapsed"] else "owner", "PASS" if o["ok"] else "FAIL", o["detail"]))
     lines.append("")
     lines.append("machine: %s" % ", ".join("%s=%s" % kv for kv in mach.items()))
@@ -445,7 +481,6 @@ def main(argv=None):
     ap.add_argument("--json", default=str(ROOT / "bench" / "out" / "device_post.json"))
     ap.add_argument("--warps", default=",".join(map(str, WARPS)))
     ap.add_argument("--qps", default="1,8", help="QP counts of the sink rows")
-    ap.add_argument("--batches", default="32,256", help="db_batch values of the sink rows")
     ap.add_argument("--sq", type=int, default=4096, help="ring depth (WQEBBs) of the sink rows")
     ap.add_argument("--cq", choices=["owner", "collapsed", "both"], default="owner")
     ap.add_argument("--wqes", type=int, default=1 << 22, help="WQEs per sink row (about)")
@@ -455,9 +490,13 @@ def main(argv=None):
     ap.add_argument("--skip", default="", help="comma list of: store,sink,e2e,ordering")
     ap.add_argument("--per-lane", type=int, default=1,
                     help="WQEs each lane writes per warp post: 1 = post_warp, k > 1 = post_warp_k")
+    ap.add_argument("--phases", action="store_true",
+                    help="build with GPUNET_BENCH_PHASES and print where a warp post's time goes")
     ap.add_argument("--define", action="append", default=[],
                     help="NAME[=VALUE] for the device build (a protocol variant); repeatable")
     args = ap.parse_args(argv)
+    if args.phases:
+        args.define.append("GPUNET_BENCH_PHASES")
     defines = dict((d.split("=", 1) + [""])[:2] for d in args.define) or None
 
     if args.compile_only:
@@ -507,32 +546,38 @@ def main(argv=None):
         cqs = ["owner", "collapsed"] if args.cq == "both" else [args.cq]
         for cqmode in cqs:
             for nq in [int(q) for q in args.qps.split(",")]:
-                world = SinkWorld(plat, nq, args.sq, cqmode == "collapsed", 32)
+                world = SinkWorld(plat, nq, args.sq, cqmode == "collapsed")
                 try:
-                    for batch in [int(b) for b in args.batches.split(",")]:
-                        world.set_batch(batch)
-                        for w in warps_list:
-                            if nq > w:
-                                continue
-                            iters = max(16, total // (w * 32 * args.per_lane))
-                            try:
-                                world.run(blib, w, min(iters, 16), args.per_lane)     # warm-up
-                                runs, n = [], 0
-                                for _ in range(args.repeat):
-                                    s, n = world.run(blib, w, iters, args.per_lane)
-                                    runs.append(s)
-                            except errors.GpunetError as e:
-                                rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
-                                             "db_batch": batch, "cq": cqmode, "wqes": 0, "seconds": 1.0,
-                                             "mwqes": 0.0, "note": "FAIL: %s" % str(e)[:300]})
-                                print(rows[-1], flush=True)
-                                raise _Abandon()
-                            rows.append(_timed_row(
-                                {"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
-                                 "db_batch": batch, "cq": cqmode, "wqes": n,
-                                 "note": "sink CQEs %d, %d WQEs/lane/post" % (
-                                     int(world.sink.stats[0]), args.per_lane)}, n, runs))
+                    for w in warps_list:
+                        if nq > w:
+                            continue
+                        iters = max(16, total // (w * 32 * args.per_lane))
+                        try:
+                            world.run(blib, w, min(iters, 16), args.per_lane)     # warm-up
+                            read_phases(blib)                                   # cleared
+                            runs, n = [], 0
+                            for _ in range(args.repeat):
+                                s, n = world.run(blib, w, iters, args.per_lane)
+                                runs.append(s)
+                        except errors.GpunetError as e:
+                            rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
+                                         "cq": cqmode, "wqes": 0, "seconds": 1.0,
+                                         "mwqes": 0.0, "note": "FAIL: %s" % str(e)[:300]})
                             print(rows[-1], flush=True)
+                            raise _Abandon()
+                        row = _timed_row(
+                            {"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
+                             "cq": cqmode, "wqes": n,
+                             "note": "sink CQEs %d, %d WQEs/lane/post%s" % (
+                                 int(world.sink.stats[0]), args.per_lane,
+                                 ", phases build" if args.phases else "")}, n, runs)
+                        sums = read_phases(blib)
+                        if sums is not None:
+                            # every warp posts `iters` times per run; a warp's time per post
+                            row["ns_per_post"] = row["seconds"] / iters * 1e9
+                            row["phases"] = phase_table(sums, w * iters * len(runs), row["seconds"] / iters)
+                        rows.append(row)
+                        print(rows[-1], flush=True)
                 except _Abandon:
                     pass                  # this world's QPs are in an unknown state: next config
                 finally:
@@ -548,28 +593,28 @@ def main(argv=None):
                   n_e2e = (1 << 20) // (8 if args.quick else 1) if not args.cpu_smoke else 1024
                   iters = max(4, n_e2e // (w * 32 * args.per_lane))
                   try:
-                      s, n, ok, note = e2e_row(blib, world, w, iters, 4096, 64, coll, args.per_lane)
+                      s, n, ok, note = e2e_row(blib, world, w, iters, 4096, coll, args.per_lane)
                   except errors.GpunetError as e:
                       s, n, ok, note = 1.0, 0, False, str(e)[:300]
-                  rows.append({"row": "post, soft NIC", "warps": w, "qps": 1, "ring": 4096, "db_batch": 64,
+                  rows.append({"row": "post, soft NIC", "warps": w, "qps": 1, "ring": 4096,
                                "cq": "collapsed" if coll else "owner", "wqes": n, "seconds": s,
                                "mwqes": n / s / 1e6,
                                "note": ("OK " if ok else "FAIL ") + note})
                   print(rows[-1], flush=True)
         if "ordering" not in skip:
             if not world.m.identity:
-                ordering.append({"seed": 0, "blocks": 0, "wpb": 0, "ops": 0, "depth": 0, "db_batch": 0,
+                ordering.append({"seed": 0, "blocks": 0, "wpb": 0, "ops": 0, "depth": 0,
                                  "collapsed": False, "ok": False,
                                  "detail": "SKIPPED: the registered arena's device pointers != its host "
                                            "addresses %r" % (world.m.ranges,)})
             else:
                 scheds = SCHEDULES[:2] + SCHEDULES[5:6] if args.cpu_smoke else SCHEDULES
-                for k, (bl, wpb, nops, depth, batch, coll) in enumerate(scheds):
+                for k, (bl, wpb, nops, depth, coll) in enumerate(scheds):
                     for s_i in range(1 if args.cpu_smoke else args.seeds):
                         seed = 1000003 * (k + 1) + s_i
-                        ok, detail, secs = schedule_case(sched, world, seed, bl, wpb, nops, depth, batch, coll)
+                        ok, detail, secs = schedule_case(sched, world, seed, bl, wpb, nops, depth, coll)
                         ordering.append({"seed": seed, "blocks": bl, "wpb": wpb, "ops": nops, "depth": depth,
-                                         "db_batch": batch, "collapsed": coll, "ok": ok,
+                                         "collapsed": coll, "ok": ok,
                                          "detail": "%s (%.1f ms)" % (detail, secs * 1e3)})
                         print("ordering", ordering[-1], flush=True)
     finally:

@@ -41,8 +41,6 @@ FAILURE_COHERENCE = 0x100
 
 SITE_NONE = 0
 SITE_SQ_SPACE = 1
-SITE_READY = 2
-SITE_DOORBELL = 3
 SITE_QUIET = 4
 SITE_CQE = 5
 SITE_WAIT_UNTIL = 6
@@ -59,8 +57,6 @@ SITE_P2P_STORE_ONLY = 33
 SITE_NAMES = {
     SITE_NONE: "nothing",
     SITE_SQ_SPACE: "a post waiting for send-queue space (completions)",
-    SITE_READY: "a post waiting for earlier posts to publish (ready_head)",
-    SITE_DOORBELL: "a doorbell flush",
     SITE_QUIET: "quiet waiting for completions",
     SITE_CQE: "the CQ poller (error CQE)",
     SITE_WAIT_UNTIL: "wait_until on a signal word",
@@ -168,11 +164,11 @@ class CqDesc(ctypes.Structure):
 
 class QpDesc(ctypes.Structure):
     _fields_ = [("sq", u64), ("dbrec", u64), ("db", u64), ("slot_db", u64), ("slot_nbb", u64),
-                ("sq_wqebbs", u32), ("qpn", u32), ("peer", u32), ("db_batch", u32),
-                ("max_inline", u32), ("pad0", u32), ("cq", CqDesc), ("slot_ready", u64),
+                ("sq_wqebbs", u32), ("qpn", u32), ("peer", u32),
+                ("max_inline", u32), ("pad0", u32 * 2), ("cq", CqDesc), ("slot_ready", u64),
                 ("pad1", u64 * 3),
                 ("resv_head", u64), ("ready_head", u64), ("db_head", u64), ("done_head", u64),
-                ("db_lock", u64), ("poll_lock", u64), ("errored", u64), ("pad2", u64)]
+                ("poll_lock", u64), ("errored", u64), ("pad2", u64 * 2)]
 
 
 class PeerDesc(ctypes.Structure):

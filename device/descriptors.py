@@ -133,37 +133,36 @@ def proxy_channel_desc(ch):
     return d
 
 
-def fill_qpdesc(d, qp, peer, db_batch, slot_db, slot_nbb, slot_ready, g=int):
+def fill_qpdesc(d, qp, peer, slot_db, slot_nbb, slot_ready, g=int):
     """Fill QpDesc ``d`` for NIC ``qp`` (host/nic.py's QP attributes): ring addresses through
     ``g``, slot arrays given (zeroed; qp.cuh says what each holds)."""
     cq = qp.send_cq
     d.sq, d.dbrec, d.db = g(qp.sq_addr), g(qp.dbrec_addr), g(qp.db_addr)
     d.slot_db, d.slot_nbb, d.slot_ready = slot_db, slot_nbb, slot_ready
-    d.sq_wqebbs, d.qpn, d.peer, d.db_batch = qp.sq_wqebbs, qp.qpn, peer, db_batch
+    d.sq_wqebbs, d.qpn, d.peer = qp.sq_wqebbs, qp.qpn, peer
     d.max_inline = qp.max_inline
     d.cq.buf, d.cq.dbrec, d.cq.cqe_cnt = g(cq.buf_addr), g(cq.dbrec_addr), cq.cqe_cnt
     d.cq.collapsed = int(cq.collapsed)
     return d
 
 
-def device_qpdesc(m, dev, nic_qp, cq, peer, db_batch):
+def device_qpdesc(m, dev, nic_qp, cq, peer):
     """A host QpDesc for ``nic_qp`` whose ring pointers are GPU addresses (``m``: NicMapping) and
     whose slot arrays are in device memory (``dev``: DeviceMemory). ``cq`` must be its send CQ."""
     assert cq is nic_qp.send_cq
-    return fill_qpdesc(abi.QpDesc(), nic_qp, peer, db_batch, dev.zeros(nic_qp.sq_wqebbs * 8),
+    return fill_qpdesc(abi.QpDesc(), nic_qp, peer, dev.zeros(nic_qp.sq_wqebbs * 8),
                        dev.zeros(nic_qp.sq_wqebbs * 4), dev.zeros(nic_qp.sq_wqebbs * 8), m.g)
 
 
 class QpDescriptor:
     """A QpDesc (plus its per-slot arrays) for one NIC QP whose send CQ the device polls.
 
-    ``qp``: a NIC QP (host/nic.py); ``peer``: the PE it reaches; ``db_batch``: ring the doorbell every
-    that many WQEBBs at most (1 = every post). The CQ must hold at least ``qp.sq_wqebbs`` CQEs in
-    owner-bit mode (every device WQE is signalled), or be collapsed. ``mem``/``mapped``: on a GPU,
+    ``qp``: a NIC QP (host/nic.py); ``peer``: the PE it reaches. The CQ must hold at least
+    ``qp.sq_wqebbs`` CQEs in owner-bit mode (every device WQE is signalled), or be collapsed. ``mem``/``mapped``: on a GPU,
     a DeviceMemory for the descriptor and slot arrays and the NicMapping holding the rings.
     """
 
-    def __init__(self, qp, peer, db_batch=1, mem=None, mapped=None):
+    def __init__(self, qp, peer, mem=None, mapped=None):
         cq = qp.send_cq
         if not cq.collapsed and cq.cqe_cnt < qp.sq_wqebbs:
             raise ValueError("device QPs signal every WQE: the CQ needs >= %d CQEs (has %d)"
@@ -174,11 +173,11 @@ class QpDescriptor:
             self.slot_db = np.zeros(qp.sq_wqebbs, dtype=np.uint64)
             self.slot_nbb = np.zeros(qp.sq_wqebbs, dtype=np.uint32)
             self.slot_ready = np.zeros(qp.sq_wqebbs, dtype=np.uint64)
-            fill_qpdesc(self.desc, qp, peer, db_batch, address_of(self.slot_db),
+            fill_qpdesc(self.desc, qp, peer, address_of(self.slot_db),
                         address_of(self.slot_nbb), address_of(self.slot_ready))
             self._dptr = None
         else:
-            fill_qpdesc(self.desc, qp, peer, db_batch, mem.zeros(qp.sq_wqebbs * 8),
+            fill_qpdesc(self.desc, qp, peer, mem.zeros(qp.sq_wqebbs * 8),
                         mem.zeros(qp.sq_wqebbs * 4), mem.zeros(qp.sq_wqebbs * 8),
                         mapped.g if mapped is not None else int)
             self._dptr = mem.put(self.desc)
@@ -203,14 +202,14 @@ class QpDescriptor:
     def needs_reset(self):
         """True when device posting on this QP cannot go on as is: an error CQE was seen
         (``errored``: every post fails fast), or a post reserved WQEBBs it never published
-        (resv_head != ready_head with no kernel running: every later publish waits behind it)."""
+        (resv_head != ready_head with no kernel running: nothing reserved after it is ever rung)."""
         s = self.state()
         return bool(s["errored"]) or s["resv_head"] != s["ready_head"]
 
     def reset(self, cq_ci):
         """Restart device posting after the NIC QP was reset (``Nic.reset_qp``, which returns
-        ``cq_ci``): its send queue restarts at WQE counter 0, so the heads restart at 0, the locks
-        are free and ``errored`` is clear. The CQ, owned by this QP alone, resumes at ``cq_ci``:
+        ``cq_ci``): its send queue restarts at WQE counter 0, so the heads restart at 0, the poll
+        lock is free and ``errored`` is clear. The CQ, owned by this QP alone, resumes at ``cq_ci``:
         every CQE before it is of the old life (its consumer record says so to the NIC). A
         collapsed CQ's single slot is marked invalid instead, so that its old wqe_counter cannot
         be read as a completion of the new life. No kernel may be running on this QP.
@@ -220,9 +219,9 @@ class QpDescriptor:
             self._mem.get(self.desc, self._dptr)
         d = self.desc
         d.resv_head = d.ready_head = d.db_head = d.done_head = 0
-        d.db_lock = d.poll_lock = d.errored = 0
-        # The publish tags hold ends of the old life's reservations: zero, or a restarted
-        # ready_head would read them as ready (qp.cuh "Why a tag is exact").
+        d.poll_lock = d.errored = 0
+        # The publish tags hold ends (and turn markers) of the old life's reservations: zero, or
+        # a restarted ring would read them as ready (qp.cuh "Why a tag is exact").
         if self._dptr is None:
             self.slot_ready[:] = 0
         else:

@@ -1,12 +1,13 @@
-"""Several warps publishing on ONE QP through qp.cuh's doorbell lock, on the HOST arm.
+"""Several warps publishing on ONE QP through qp.cuh's doorbell turn, on the HOST arm.
 
 The kernel is gpunet.device.testing's post_rate.cu k_post (the one bench/device_post.py times on
 the H200) against the soft NIC, which executes every WQE it is rung for. Its mixed mode makes the
 warps' reservations differ in size (inline WRITEs of 1 to 4 WQEBBs, a few lanes idle per post), so
-the doorbell lock's holder scans reservations of other warps, tagged or not yet written, and
+the turn's owner scans reservations of other warps, tagged or not yet written, and
 rings for several warps at once.
 """
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -120,15 +121,30 @@ def test_many_warps_on_one_small_ring(nic, post_lib, ws):
 
 
 def test_a_failed_status_makes_posts_fail_fast(nic, post_lib):
-    """A failure already recorded in the Status: k_post's posts return false without reserving
-    (the heads stay where they were) and the host raises that failure."""
+    """A failure already recorded in the Status: each warp's first post sees it with its
+    reservation in flight, fills the reserved WQEBBs with NOPs and publishes them (the ring stays
+    whole and the doorbell turn moves on), returns false and posts nothing more. So the heads stop
+    at the two reservations, the NIC consumes exactly those WQEBBs, no byte reaches the peer, and
+    the host raises the failure."""
+    span = 1 << 16
     lb = L.Loopback(nic, sq_wqebbs=128, timeout_s=5.0, heap_bytes=1 << 20)
+    lb.remote[:span] = 0
     lb.status.code, lb.status.valid, lb.status.site = abi.STATUS_TIMEOUT, 1, abi.SITE_QUIET
     a = PostArgs(qps=lb.qpd.addr, status=ctypes.addressof(lb.status), timeout_ns=int(5e9),
-                 raddr=lb.remote_base, laddr=lb.local_base, span=1 << 16, nqps=1, iters=2,
+                 raddr=lb.remote_base, laddr=lb.local_base, span=span, nqps=1, iters=2,
                  rkey=lb.remote_mr.rkey, lkey=lb.local_mr.lkey, nbytes=0, do_quiet=1, per_lane=1, mixed=1)
+    w0 = nic.stats()["wqes"]
     assert post_lib.gpunet_test_post(2, 32, 32, 0, 0, ctypes.addressof(a)) == 0
-    assert lb.heads() == (0, 0, 0, 0)
+    first = {k: n for k, n in _expected(2, 32, 2).items() if (k // 32) % 2 == 0}   # it == 0 of each warp
+    nops = sum((36 + n + 63) // 64 for n in first.values())
+    resv, ready, db, _ = lb.heads()
+    assert resv == ready == db == nops, (lb.heads(), nops)
+    deadline = time.monotonic() + 10
+    while nic.qp_sq_ci(lb.a) != nops and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert nic.qp_sq_ci(lb.a) == nops and nic.stats()["wqes"] - w0 == nops
+    assert nic.qp_state(lb.a) == "RTS"
+    assert not lb.remote[:span].any()
     with pytest.raises(errors.GpunetError):
         abi.raise_for_status(lb.status, "post kernel")
 

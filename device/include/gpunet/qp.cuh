@@ -10,46 +10,52 @@
 // slot of counter c is c & (sq_wqebbs - 1), the WQE index in the ctrl segment c & 0xffff):
 //
 //   post(n WQEBBs)
-//     1. base = atomic_add(resv_head, n)                       reservation, in reservation order
+//     1. base = atomic_add(resv_head, n), with db_head (and the Status, errored, done_head) read
+//        in the same round trip; turn = (db_head read == base)
 //     2. wait until base + n - done_head <= sq_wqebbs          space; the waiter polls the CQ
 //     3. write the WQE words with arch::store_relaxed          the NIC reads them
 //        slot_nbb[base & mask] = n (per WQE); slot_db[(base+n) & mask] = doorbell word of the last
-//     4. publish: hand [base, base+n) to the doorbell lock's holder, or become it (below). A post
-//        never waits for earlier posts: it returns once its WQEs are rung or handed over.
+//     4. publish: ring [base, base+n) if the doorbell turn is ours, else hand it to the turn's
+//        owner with a tag (below). A post never waits for another post's publish.
 //
-//   The doorbell lock (db_lock: 0 free, 1 held, 3 held and asked to scan again). Only its holder
-//   moves ready_head / db_head and writes the DBR and the doorbell, so the DBR never goes back.
+//   The doorbell turn. Only its owner moves ready_head / db_head and writes the DBR and the
+//   doorbell, so the DBR never goes back. The turn sits at the first position not yet rung; the
+//   publisher of the reservation starting there owns it, unless the owner before it takes that
+//   reservation over (its tag seen). slot_ready[p & mask] holds, for position p: a tag p + n
+//   (that reservation is written: release at device scope) or the marker p | kLeft (the turn left
+//   at p, for p's publisher).
 //     publisher (its WQEs written):
-//       if CAS(db_lock, 0 -> 1) and ready_head == base: hold, with [base, base+n) ready (no tag)
-//       else: tag: slot_ready[base & mask] = base + n (release, device scope); fence_gpu (SC);
-//             loop: CAS(0 -> 1): hold | saw 3: return | CAS(1 -> 3) saw 1 or 3: return | retry
-//     holder:
-//       r = ready_head; while slot_ready[r & mask] > r: r = slot_ready[r & mask]   (scan)
-//       if r moved: ready_head = db_head = r; fence_sys; DBR[1] = htobe32(r & 0xffff);
-//                   fence_sys; doorbell_store64(db, slot_db[r & mask])              (ONE ring)
-//       else fence_gpu (what we stored before the lock is free);
-//       release: CAS(1 -> 0); if it saw 3: CAS(3 -> 1), fence_gpu, scan again.
-//   So one doorbell covers every reservation that became ready while the previous ring was in
-//   flight, whichever warp wrote it: the in-order publish per warp is gone (bench/RESULTS.md).
-//   Why no ready WQE is left unrung: a tagged publisher either holds the lock (and scans after its
-//   tag), or its CAS saw the lock held and left 3 in it, which the holder sees at its release and
-//   answers with a scan ordered after the tag (the tag store, the SC fence and the CAS are in that
-//   order; the holder's CAS(3 -> 1) and fence_gpu come before its scan). A scan stops at the first
-//   reservation not yet tagged; that reservation's own publish scans again. The shortcut (hold
-//   with ready_head == base: no tag at all) needs no tag because the holder moves ready_head past
-//   the reservation itself.
-//   Why a tag is exact: slot_ready[p] holds the end of the last reservation that STARTED at p. For
-//   a ready_head r, a value written in an earlier lap is <= r (it started at <= r - sq_wqebbs and
-//   spans <= sq_wqebbs); a reservation of the current lap starting at r writes r + n > r; no
-//   later lap can start at r + sq_wqebbs before r completes, i.e. before r is rung. So "ready at r"
-//   is exactly slot_ready[r & mask] > r. The tag is a release: a holder that reads it and fences
-//   (fence_sys before the DBR) has the WQEs, slot_nbb and slot_db it covers. The holder's fence_sys
-//   is cumulative over them (the tag is read at device scope, the DBR written at system scope).
-//   The doorbell word is a wake-up: the NIC reads the producer index from the DBR, which only
-//   holders write, after a fence_sys, in increasing order; two holders' doorbell stores may land
-//   in either order (the soft NIC re-reads the DBR on any doorbell change).
-//   db_batch is not used by this protocol: every ring covers what was ready (the field stays in
-//   the descriptor for the descriptor mirror).
+//       turn (db_head == base at step 1): own at base, no tag
+//       else: fence_gpu (release); CAS(slot_ready[base], e, base + n) with e the slot as read
+//             (retried while e was stale): if the slot holds base | kLeft, own at base; else the
+//             tag is in and the post returns
+//     owner at r (everything below `rung` rung, [rung, r) ready):
+//       while slot_ready[r] is a tag t > r: r = t                                  (scan)
+//       if r > rung: ready_head = r; fence_sys; DBR[1] = htobe32(r & 0xffff); fence_sys;
+//                    doorbell_store64(db, slot_db[r & mask]); db_head = r           (ONE ring)
+//       leave: CAS(slot_ready[r], t, r | kLeft): done if it held t, else the tag found is
+//              taken over (scan on, ring again)
+//   Why no ready WQE is left unrung: a reservation at p is either owned by its publisher (fast
+//   path, or the marker found) or its tag CAS came before the owner's leave-CAS at p (both RMWs
+//   on one word: one of them is first), and an owner reaching p takes a tag it finds, by its scan
+//   or by that CAS failing. An owner leaves only through the CAS that put the marker at p, and
+//   p's publisher then owns p. Exactly one owner: the marker is the only hand-over besides the
+//   fast path, and the fast path is taken only by p's publisher when db_head == p, i.e. after the
+//   owner before it rang up to p; that owner's leave-CAS at p then finds no tag (a fast-path
+//   publisher never tags) and leaves. db_head is stored after the doorbell's fence, so a
+//   fast-path owner's fence_sys (before its DBR) comes after the last DBR; a marker's reader
+//   likewise (fence_sys, the leave-CAS, the publisher's CAS reading it, its fence_sys).
+//   Why a tag is exact: for a position r, a value written in an earlier lap is a tag <= r or a
+//   marker of another position; a reservation of the current lap starting at r writes r + n > r;
+//   no later lap can start at r + sq_wqebbs before r completes, i.e. before r is rung. So "ready
+//   at r" is exactly a tag > r without kLeft. The tag follows a release fence: an owner that reads
+//   it (scan load or CAS) and fences (fence_sys before the DBR) has the WQEs, slot_nbb and slot_db
+//   it covers. The doorbell word is a wake-up: the NIC reads the producer index from the DBR,
+//   which only owners write, after a fence_sys, in increasing order; two owners' doorbell stores
+//   may land in either order (the soft NIC re-reads the DBR on any doorbell change).
+//   One warp alone on a QP (the turn always its own): one round trip to reserve, the WQE stores,
+//   two system fences, one round trip to leave (the leave-CAS); the tag slots that CAS and the
+//   scan compare with are read while the WQEs are written.
 //
 //   Every WQE is signalled (CQ_UPDATE) and completes in order, so one CQE tells how far the ring
 //   is done (one poller at a time: try-lock poll_lock). Owner-bit CQ: that poller consumes every valid CQE
@@ -75,8 +81,8 @@
 //   test_collapsed_cq_credits_the_newest_cqe_exactly[rung_before_db_head]).
 //
 // Memory orders (arch.cuh's atomics are RELAXED, like CUDA's): the poll lock is CAS then
-// fence_sys, the doorbell lock CAS then fence_gpu (its holder fences at system scope before the
-// DBR anyway); credits to done_head follow a fence_sys, so a thread that reads done_head with acquire also
+// fence_sys; the doorbell turn's hand-overs are RMWs on the tag slots ordered by the fences named
+// above (a release fence before a tag, fence_sys before every DBR); credits to done_head follow a fence_sys, so a thread that reads done_head with acquire also
 // sees what the NIC wrote for those WQEs (READ data, atomic results) — the CQE was read with
 // acquire, the NIC publishes op_own / the CQE's last 4 bytes with a release store.
 //
@@ -84,14 +90,15 @@
 //
 // Test-only switches (tests/test_device_qp.py builds them to prove its fence test can fail):
 //   GPUNET_TEST_DROP_DOORBELL_FENCE   no fence between the DBR store and the doorbell store
-//   GPUNET_TEST_RELAXED_PUBLISH       a publisher's tag (slot_ready) stored relaxed, not a release
-//   GPUNET_TEST_DROP_PUBLISH_FENCE    no SC fence between a publisher's tag and its lock attempt
+//   GPUNET_TEST_RELAXED_PUBLISH       no release fence before a publisher's tag (slot_ready)
+//   GPUNET_TEST_PLAIN_HANDOFF         an owner leaves the turn with a plain store of the marker,
+//                                     not the CAS (a tag stored meanwhile is never rung)
 //   GPUNET_TEST_DELAY_POINTS          status.cuh's GPUNET_DELAY_POINT(): a stall where real
 //                                     hardware may stall a thread (widens the weak model's windows)
 //
 // Warp-cooperative posting (post_warp): one reservation per warp (lane 0's atomic_add, shfl of
-// the base), lane i writes WQE i, syncwarp, lane 0 publishes (and rings if it gets the lock). Correct for warps of 32
-// and 64; every lane of the warp must call it (arch's *_sync rule).
+// the base), lane i writes WQE i, syncwarp, lane 0 publishes (and rings if the turn is its own).
+// Correct for warps of 32 and 64; every lane of the warp must call it (arch's *_sync rule).
 //
 // Per-thread posting from divergent lanes of one warp needs independent thread scheduling
 // (CUDA sm_70+, the HOST arm): lane B may wait for ring space that lane A's posts hold. Where lanes of one warp do
@@ -103,6 +110,12 @@
 #include "arch.cuh"
 #include "mlx5.cuh"
 #include "status.cuh"
+
+// A phase stamp of the posting path (bench/device_post.py --phases defines it to read the clock;
+// nothing by default).
+#ifndef GPUNET_POST_STAMP
+#define GPUNET_POST_STAMP(k) ((void)0)
+#endif
 
 namespace gpunet {
 
@@ -131,21 +144,19 @@ struct QpDesc {
   uint32_t sq_wqebbs;   // power of two, 8 .. 32768 (16-bit WQE counters)
   uint32_t qpn;
   uint32_t peer;        // the PE this QP reaches (for Status)
-  uint32_t db_batch;    // not used by the posting protocol (every ring covers what is ready)
   uint32_t max_inline;  // bytes of inline payload the QP accepts
-  uint32_t pad0;
+  uint32_t pad0[2];
   CqDesc cq;            // at 64
   uint64_t slot_ready;  // device memory, uint64[sq_wqebbs]: end of the reservation STARTING there
   uint64_t pad1[3];     // to 128
   // ---- state (device memory; only device threads touch it), at 128 ----
   uint64_t resv_head;   // WQEBBs reserved
-  uint64_t ready_head;  // WQEBBs written and handed to the NIC, in order (doorbell lock holder)
-  uint64_t db_head;     // == ready_head once the holder's ring is out (kept for the mirror)
+  uint64_t ready_head;  // WQEBBs handed to the NIC, stored before the DBR (the turn's owner)
+  uint64_t db_head;     // WQEBBs rung, stored after the doorbell (the turn's owner): the turn
   uint64_t done_head;   // WQEBBs completed (credited from CQEs)
-  uint64_t db_lock;     // 0 free, 1 held, 3 held + scan again: ready_head, the DBR, the doorbell
   uint64_t poll_lock;   // 0 free, 1 held: the one CQ poller (either mode)
   uint64_t errored;     // 1 once an error CQE was seen: posts fail fast
-  uint64_t pad2;
+  uint64_t pad2[2];
 };
 static_assert(sizeof(QpDesc) == 192, "QpDesc layout is mirrored in device/abi.py");
 static_assert(__builtin_offsetof(QpDesc, resv_head) == 128, "QpDesc state at 128");
@@ -320,69 +331,70 @@ GPUNET_DEVICE void poll_cq(QpDesc* qp, const Waiter& w) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Doorbell (the protocol: header comment, "The doorbell lock")
+// The doorbell turn (the protocol: header comment, "The doorbell turn")
 // ------------------------------------------------------------------------------------------------
 namespace qpd {
-constexpr uint64_t kDbFree = 0, kDbHeld = 1, kDbRescan = 3;
+// slot_ready marker: the turn left at position p is stored there as p | kLeft (a tag never has
+// bit 63: counters stay below 2^63).
+constexpr uint64_t kLeft = uint64_t(1) << 63;
 
-// Holder only: ready_head = db_head = r, then ONE ring for everything below r. `word`: the
-// doorbell word of the WQE ending at r when the caller has it, else 0 (read from slot_db; a
-// doorbell word is never 0: ds >= 1).
+// "The reservation starting at r is written and handed over": tags[r & mask] read as t.
+GPUNET_DEVICE bool tagged(uint64_t t, uint64_t r) { return (t & kLeft) == 0 && t > r; }
+
+// Owner only: ready_head = r, then ONE ring for everything below r. `word`: the doorbell word of
+// the WQE ending at r when the caller has it, else 0 (read from slot_db; a doorbell word is never
+// 0: ds >= 1). Two system fences: the WQEs (ours, or others' through their tags), slot_db and
+// ready_head before the DBR; the DBR before the doorbell (the NIC reads the DBR when it sees the
+// doorbell; tests/test_device_qp.py test_fence_test_weak_memory[drop_doorbell_fence]).
 GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
   arch::atomic_store(&qp->ready_head, r);  // before the DBR: bounds collapsed-CQ credits (poll_cq)
-  arch::atomic_store(&qp->db_head, r);
-  arch::fence_sys();  // the WQEs (ours, or others' through their tags), slot_db, heads before the DBR
+  arch::fence_sys();
+  GPUNET_POST_STAMP(3);
   if (word == 0) word = arch::load_relaxed(&u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)]);
   arch::store_relaxed(u32p(qp->dbrec + 4 * mlx5::DBREC_SND), mlx5::sq_dbrec_value(r));
 #if !defined(GPUNET_TEST_DROP_DOORBELL_FENCE)
-  arch::fence_sys();  // the DBR before the doorbell: the NIC reads the DBR when it sees it
+  arch::fence_sys();
 #endif
   arch::doorbell_store64(reinterpret_cast<volatile uint64_t*>(uintptr_t(qp->db)), word);
+  GPUNET_POST_STAMP(4);
   GPUNET_DELAY_POINT();
 }
 
-// Holder only (db_lock taken and acquired): [r0, r) is ready (r0: ready_head as read after the
-// lock; `word` as ring_to's, for r); `scan`: false when tags[r] was already seen not ready.
-// Scans on, rings once, releases; scans again while publishers ask for it (kDbRescan).
-GPUNET_DEVICE void hold_and_ring(QpDesc* qp, uint64_t r0, uint64_t r, uint64_t word, bool scan) {
+// The turn's owner, with everything below `rung` rung and [rung, r) ready (`word` as ring_to's,
+// for r). `t`: a value of tags[r & mask] read earlier, of any age (a stale one costs one more
+// CAS). Takes every tagged reservation from r on, rings once, stores db_head, then leaves the
+// turn at the first position not tagged with ONE CAS on its tag slot: the CAS that finds a tag
+// instead (its publisher tagged after our read) keeps the turn and rings on.
+GPUNET_DEVICE void own_and_ring(QpDesc* qp, uint64_t rung, uint64_t r, uint64_t word, uint64_t t) {
   const uint64_t mask = qp->sq_wqebbs - 1;
-  const uint64_t* tags = u64p(qp->slot_ready);
+  uint64_t* tags = u64p(qp->slot_ready);
   for (;;) {
-    // Each step moves r forward by one reservation; r - r0 <= sq_wqebbs (ring space), so the
-    // scan ends within sq_wqebbs steps.
-    for (uint32_t i = 0; scan && i < qp->sq_wqebbs; ++i) {
-      const uint64_t t = arch::load_relaxed(&tags[r & mask]);
-      if (t <= r) break;
+    // Each step moves r past one reservation; r - rung <= sq_wqebbs (ring space bounds what is
+    // reserved ahead of the turn), so the scan ends within sq_wqebbs steps.
+    for (uint32_t i = 0; tagged(t, r) && i < qp->sq_wqebbs; ++i) {
       r = t;
       word = 0;
+      t = arch::load_relaxed(&tags[r & mask]);
     }
-    if (r > r0) ring_to(qp, r, word);
-    else arch::fence_gpu();  // release: our tag (if any) before the lock is free
-    if (arch::atomic_cas(&qp->db_lock, kDbHeld, kDbFree) == kDbHeld) return;
-    arch::atomic_cas(&qp->db_lock, kDbRescan, kDbHeld);  // only the holder clears kDbRescan
-    arch::fence_gpu();  // acquire: the tags of the publishers that asked
-    r0 = r = arch::atomic_load(&qp->ready_head);
-    word = 0;
-    scan = true;
-  }
-}
-
-// Hand what is tagged to the holder, or become it. Never waits for the holder. false only when a
-// failure is recorded (the lock flipping for timeout_ns without settling).
-GPUNET_DEVICE bool take_or_hand_over(QpDesc* qp, const Waiter& w) {
-  Spin spin;
-  spin.progress = false;
-  for (;;) {
-    const uint64_t old = arch::atomic_cas(&qp->db_lock, kDbFree, kDbHeld);
-    if (old == kDbFree) {
-      arch::fence_gpu();  // acquire: ready_head and the tags the last holder saw
-      const uint64_t r0 = arch::atomic_load(&qp->ready_head);
-      hold_and_ring(qp, r0, r0, 0, true);
-      return true;
+    GPUNET_POST_STAMP(2);
+    if (r > rung) {
+      ring_to(qp, r, word);
+      // After the doorbell's fence: an owner that reads db_head == its base (post's fast path)
+      // rings after our DBR.
+      arch::atomic_store(&qp->db_head, r);
+      rung = r;
     }
-    if (old == kDbRescan) return true;
-    if (arch::atomic_cas(&qp->db_lock, kDbHeld, kDbRescan) != kDbFree) return true;
-    if (!spin.keep_going(w, 0, on_qp(qp, SITE_DOORBELL, 0, 0))) return false;
+    GPUNET_DELAY_POINT();
+#if defined(GPUNET_TEST_PLAIN_HANDOFF)
+    arch::atomic_store(&tags[r & mask], r | kLeft);  // broken on purpose: misses a tag stored now
+    GPUNET_POST_STAMP(5);
+    return;
+#else
+    const uint64_t old = arch::atomic_cas(&tags[r & mask], t, r | kLeft);
+    GPUNET_POST_STAMP(5);
+    if (old == t) return;  // left: the publisher at r finds the marker and takes the turn
+    t = old;               // tagged meanwhile (ring on), or t was stale (CAS again)
+#endif
   }
 }
 }  // namespace qpd
@@ -391,18 +403,36 @@ GPUNET_DEVICE bool take_or_hand_over(QpDesc* qp, const Waiter& w) {
 // Posting
 // ------------------------------------------------------------------------------------------------
 
-// Step 1+2: reserve n WQEBBs and wait for their space. base is set even on failure (then the
-// caller must not publish: a failure is recorded and every wait behind it gives up). `done0`: a
-// done_head the caller read before (relaxed, issued with its other loads so that the reservation
-// costs one round trip): a stale one only sends us to the exact check below.
-GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& base,
-                           uint64_t done0) {
-  base = arch::atomic_add(&qp->resv_head, uint64_t(n));
+// A reservation: [base, base + n) of the ring, and whether its publisher owns the doorbell turn.
+struct Resv {
+  uint64_t base = 0;
+  uint32_t n = 0;
+  bool turn = false;    // db_head read == base: every earlier WQE is rung and the turn is ours
+  uint64_t t_base = 0;  // tags[base], tags[base + n]: read while the WQEs are written (hints)
+  uint64_t t_next = 0;
+};
+
+// Step 1: reserve n WQEBBs. The atomic goes out with the load of db_head (one round trip): a
+// db_head read before the atomic is at most base (ours is not rung), so reading base means it IS
+// base, and nobody else takes the turn at a position whose publisher never tags (the fast path).
+GPUNET_DEVICE Resv reserve_start(QpDesc* qp, uint32_t n) {
+  Resv v;
+  const uint64_t dh = arch::atomic_load(&qp->db_head);
+  v.base = arch::atomic_add(&qp->resv_head, uint64_t(n));
+  v.n = n;
+  v.turn = dh == v.base;
+  return v;
+}
+
+// Step 2: wait for the reservation's space. `done0`: a done_head read before (relaxed, issued with
+// the reservation): a stale one only sends us to the exact check. false only when a failure is
+// recorded (the caller still publishes: the turn may be its own; post's NOP fill).
+GPUNET_DEVICE bool wait_room(QpDesc* qp, const Waiter& w, const Resv& v, uint64_t done0) {
   // The WQE stores that follow need the slots' old WQEs read by the NIC: it read them before the
   // CQE that credited done_head (credit_done fences first). A store that depends on the compared
   // value (its address, the branch) is not issued before the load returns.
-  if (base + n <= done0 + qp->sq_wqebbs) return true;
-  const uint64_t need = base + n - qp->sq_wqebbs;  // done_head must reach this
+  if (v.base + v.n <= done0 + qp->sq_wqebbs) return true;
+  const uint64_t need = v.base + v.n - qp->sq_wqebbs;  // done_head must reach this
   uint64_t done = arch::load_acquire_gpu(&qp->done_head);
   if (done >= need) return true;
   Spin spin;
@@ -411,63 +441,47 @@ GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& ba
     poll_cq(qp, w);
     done = arch::load_acquire_gpu(&qp->done_head);
     if (done >= need) break;
-    if (!spin.keep_going(w, done, qpd::on_qp(qp, SITE_SQ_SPACE, base, need))) return false;
+    if (!spin.keep_going(w, done, qpd::on_qp(qp, SITE_SQ_SPACE, v.base, need))) return false;
   }
   return true;
 }
-GPUNET_DEVICE bool reserve(QpDesc* qp, const Waiter& w, uint32_t n, uint64_t& base) {
-  return reserve(qp, w, n, base, arch::atomic_load(&qp->done_head));
+
+// The tag slots publish() reads, loaded while the WQEs are written (their age does not matter).
+GPUNET_DEVICE void read_hints(const QpDesc* qp, Resv& v) {
+  const uint64_t mask = qp->sq_wqebbs - 1;
+  const uint64_t* tags = qpd::u64p(qp->slot_ready);
+  v.t_base = arch::load_relaxed(&tags[v.base & mask]);
+  v.t_next = arch::load_relaxed(&tags[(v.base + v.n) & mask]);
 }
 
-// Step 4 for the WQE(s) [base, base+n) whose words (and slot_nbb) are already stored by this
-// thread (or by lanes that then passed a syncwarp with it). `last_word0` is the doorbell word of
-// the last WQE. Returns once they are rung or handed to the doorbell lock's holder.
-GPUNET_DEVICE bool publish(QpDesc* qp, const Waiter& w, uint64_t base, uint32_t n,
-                           uint64_t last_word0) {
+// Step 4 for the reservation v whose WQE words (and slot_nbb) are already stored by this thread
+// (or by lanes that then passed a syncwarp with it). `last_word0` is the doorbell word of the
+// last WQE. Returns once they are rung or handed to the turn's owner; never waits for another
+// thread.
+GPUNET_DEVICE void publish(QpDesc* qp, const Resv& v, uint64_t last_word0) {
   const uint64_t mask = qp->sq_wqebbs - 1;
   uint64_t* tags = qpd::u64p(qp->slot_ready);
-  arch::store_relaxed(&qpd::u64p(qp->slot_db)[(base + n) & mask], last_word0);
+  const uint64_t end = v.base + v.n;
+  arch::store_relaxed(&qpd::u64p(qp->slot_db)[end & mask], last_word0);
   GPUNET_DELAY_POINT();
-  // The lock attempt and the holder's first two reads go out together (one round trip). Read
-  // before the lock is acquired, ready_head may be stale, but only low: it cannot pass our
-  // untagged reservation, so reading `base` means it IS base. A stale "not ready" tag at base + n
-  // only leaves that reservation to its own publish (its CAS then finds the lock held, or free).
-  const uint64_t old = arch::atomic_cas(&qp->db_lock, qpd::kDbFree, qpd::kDbHeld);
-  const uint64_t r_seen = arch::atomic_load(&qp->ready_head);
-  const uint64_t t_next = arch::load_relaxed(&tags[(base + n) & mask]);
-  if (old == qpd::kDbFree) {
-    // The previous holder's DBR is ordered before ours by its fence_sys before its release and
-    // ours (ring_to) after the CAS that read it.
-    if (r_seen == base) {  // next in line: ours needs no tag
-      if (t_next > base + n) qpd::hold_and_ring(qp, base, t_next, 0, true);
-      else qpd::hold_and_ring(qp, base, base + n, last_word0, false);
-      return true;
-    }
-    arch::fence_gpu();  // acquire: ready_head as the last holder left it
-    const uint64_t r0 = arch::atomic_load(&qp->ready_head);
-    if (r0 == base) {
-      qpd::hold_and_ring(qp, base, base + n, last_word0, true);
-      return true;
-    }
-    // Behind a reservation not yet ready: tag ours; the scan (now, or that reservation's own
-    // publish after our release) covers it.
-    arch::store_release_gpu(&tags[base & mask], base + n);
-    qpd::hold_and_ring(qp, r0, r0, 0, true);
-    return true;
+  if (v.turn) {  // fast path: no tag (nobody looks for one at base), ring
+    qpd::own_and_ring(qp, v.base, end, last_word0, v.t_next);
+    return;
   }
-#if defined(GPUNET_TEST_RELAXED_PUBLISH)
-  arch::store_relaxed(&tags[base & mask], base + n);
-#else
-  arch::store_release_gpu(&tags[base & mask], base + n);  // the WQEs, slot_nbb, slot_db first
+#if !defined(GPUNET_TEST_RELAXED_PUBLISH)
+  arch::fence_gpu();  // release: the WQEs, slot_nbb, slot_db before the tag
 #endif
-  GPUNET_DELAY_POINT();
-#if !defined(GPUNET_TEST_DROP_PUBLISH_FENCE)
-  arch::fence_gpu();  // SC: the tag before the lock attempt (the holder's release reads the lock)
-#endif
-  if (old == qpd::kDbRescan) {  // still asked? then the holder scans after our tag
-    if (arch::atomic_load(&qp->db_lock) == qpd::kDbRescan) return true;
+  uint64_t e = v.t_base;
+  for (;;) {
+    if (e == (v.base | qpd::kLeft)) {  // the turn left at base: ours
+      qpd::own_and_ring(qp, v.base, end, last_word0, v.t_next);
+      return;
+    }
+    const uint64_t old = arch::atomic_cas(&tags[v.base & mask], e, end);
+    if (old == e) return;  // tagged before the owner left at base: the owner rings it
+    e = old;               // the marker (loop: ours), or e was stale (CAS again)
+    GPUNET_DELAY_POINT();
   }
-  return qpd::take_or_hand_over(qp, w);
 }
 
 // The ctrl segment of WQE `q` at producer index `pi` on this QP (mlx5.cuh's ctrl_seg).
@@ -498,39 +512,76 @@ GPUNET_DEVICE uint64_t write_wqe(const QpDesc* qp, uint64_t base, const Wqe& q) 
   return write_wqe(qp, base, q, ctrl_of(qp, base, q));
 }
 
-// Post `count` (1 or 2) WQEs as one reservation, in order (put_signal: WRITE then ATOMIC).
-// `end` (optional) receives the counter just past the last WQE (for wait_done).
-GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
-                        uint64_t* end = nullptr) {
-  if (failed(w)) return false;
-  if (arch::atomic_load(&qp->errored)) {
-    Failure f(STATUS_QP_ERROR, SITE_POST_ARG);
-    f.qpn = qp->qpn;
-    f.peer = qp->peer;
-    record_failure(w.st, f);
+// A post that saw a failure after reserving fills its WQEBBs [base + from, base + to) with
+// signalled NOPs, `step` apart (1 per thread, warp_size per lane), and still publishes, so the
+// ring stays whole and the turn moves on. Returns the doorbell word of the NOP at base + to - 1.
+GPUNET_DEVICE uint64_t fill_nops(const QpDesc* qp, uint64_t base, uint64_t from, uint64_t to,
+                                 uint32_t step) {
+  Wqe nop;
+  wqe_nop(nop);
+  for (uint64_t i = from; i < to; i += step) write_wqe(qp, base + i, nop);
+  return mlx5::doorbell_word(ctrl_of(qp, base + to - 1, nop));
+}
+
+// What a post checks against the Status and the QP, read with its reservation in flight: records
+// posting on a QP in error; true when the post may go on.
+GPUNET_DEVICE bool post_allowed(const QpDesc* qp, const Waiter& w, bool st_failed, bool errored,
+                                bool record) {
+  if (st_failed) return false;
+  if (errored) {
+    if (record) {
+      Failure f(STATUS_QP_ERROR, SITE_POST_ARG);
+      f.qpn = qp->qpn;
+      f.peer = qp->peer;
+      record_failure(w.st, f);
+    }
     return false;
   }
+  return true;
+}
+
+// Post `count` (1 or 2) WQEs as one reservation, in order (put_signal: WRITE then ATOMIC).
+// `end` (optional) receives the counter just past the last WQE (for wait_done). A failure seen
+// (in the Status, or the QP in error) makes it return false having posted NOPs, or nothing when
+// seen before reserving.
+GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
+                        uint64_t* end = nullptr) {
   uint32_t n = 0;
   for (uint32_t i = 0; i < count; ++i) n += wqes[i].nbb;
   if (n > qp->sq_wqebbs) {
-    record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, n);
+    if (!failed(w)) record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, n);
     return false;
   }
-  uint64_t base;
-  if (!reserve(qp, w, n, base)) return false;
-  uint64_t at = base, word = 0;
-  for (uint32_t i = 0; i < count; ++i) {
-    word = write_wqe(qp, at, wqes[i]);
-    at += wqes[i].nbb;
+  // One round trip: the Status, errored, done_head, db_head and the reservation together.
+  const bool st_failed = failed(w);
+  const bool qp_errored = arch::atomic_load(&qp->errored) != 0;
+  const uint64_t done0 = arch::atomic_load(&qp->done_head);
+  Resv v = reserve_start(qp, n);
+  if (!wait_room(qp, w, v, done0)) return false;  // recorded: every wait gives up, [base, +n) a hole
+  read_hints(qp, v);
+  const bool ok = post_allowed(qp, w, st_failed, qp_errored, true);
+  uint64_t word;
+  if (ok) {
+    uint64_t at = v.base;
+    for (uint32_t i = 0; i < count; ++i) {
+      word = write_wqe(qp, at, wqes[i]);
+      at += wqes[i].nbb;
+    }
+  } else {
+    word = fill_nops(qp, v.base, 0, n, 1);
   }
-  if (end) *end = base + n;
-  return publish(qp, w, base, n, word);
+  if (end) *end = v.base + n;
+  publish(qp, v, word);
+  return ok;
 }
 
 // Warp-cooperative post: every lane of the warp calls it (converged); lane i < nposts posts
 // wqe (its own), lanes >= nposts pass a dummy. One reservation for the warp; returns the same
-// answer on every lane.
+// answer on every lane. Lane 0's chain (one warp alone on the QP, the turn its own): one round
+// trip for the reservation (with the Status, errored, done_head, db_head), the WQE stores, the
+// ring's two system fences, one round trip for leaving the turn (own_and_ring's CAS).
 GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t nposts) {
+  GPUNET_POST_STAMP(7);
   const uint32_t lane = arch::lane_id();
   const bool mine = lane < nposts;
   // Offsets of each lane's WQE: an exclusive prefix sum of nbb over lanes. Every posting lane
@@ -550,39 +601,55 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
     off = incl - my_nbb;
     total = arch::shfl(incl, ws - 1);
   }
-  // Three independent loads in flight at once (no short-circuit between them).
-  const bool st_failed = failed(w);
-  const bool qp_errored = arch::atomic_load(&qp->errored) != 0;
-  const uint64_t done0 = lane == 0 ? arch::atomic_load(&qp->done_head) : 0;
-  bool ok = !st_failed && !qp_errored && total <= qp->sq_wqebbs;
-  ok = arch::all(ok);
-  if (!ok && lane == 0 && !st_failed && !qp_errored && total > qp->sq_wqebbs)
-    record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
-  uint64_t base = 0;
-  bool lane0_ok = true;
-  if (ok && lane == 0) lane0_ok = reserve(qp, w, total, base, done0);
-  base = arch::shfl(base, 0);
-  ok = arch::shfl(uint32_t(ok && lane0_ok), 0) != 0;
-  // The last posting lane's doorbell word goes to lane 0 BEFORE the WQE stores: after them the
-  // only collective is the syncwarp whose ordering the publish relies on (and tests check).
-  const mlx5::Seg16 ctrl = ctrl_of(qp, base + off, q);
-  uint64_t word = mine ? mlx5::doorbell_word(ctrl) : 0;
-  const uint32_t last_lane = nposts ? (nposts < ws ? nposts : ws) - 1 : 0;
-  word = arch::shfl(word, last_lane);
-  if (ok && mine) write_wqe(qp, base + off, q, ctrl);
-  arch::syncwarp();  // lanes' WQE stores happen-before lane 0's release below (cumulative)
-  uint32_t res = 1;
-  if (lane == 0 && total > 0) res = ok && publish(qp, w, base, total, word);
-  res = arch::shfl(res, 0);
-  return ok && res != 0;
+  if (total == 0) return !failed(w);
+  if (total > qp->sq_wqebbs) {  // warp-uniform; refused before reserving
+    if (lane == 0 && !failed(w))
+      record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
+    return false;
+  }
+  // Lane 0: one round trip for the Status, errored, done_head, db_head and the reservation.
+  bool st_failed = false, qp_errored = false, room = true;
+  Resv v;
+  if (lane == 0) {
+    st_failed = failed(w);
+    qp_errored = arch::atomic_load(&qp->errored) != 0;
+    const uint64_t done0 = arch::atomic_load(&qp->done_head);
+    v = reserve_start(qp, total);
+    room = wait_room(qp, w, v, done0);
+    read_hints(qp, v);
+  }
+  GPUNET_POST_STAMP(0);
+  const uint64_t base = arch::shfl(v.base, 0);
+  // No room: a failure is recorded and every wait gives up; [base, +total) stays a hole (its
+  // slots may still be the NIC's, so nothing is written there).
+  if (arch::shfl(uint32_t(room), 0) == 0) return false;
+  const bool ok = arch::shfl(uint32_t(lane != 0 || post_allowed(qp, w, st_failed, qp_errored, true)),
+                             0) != 0;
+  uint64_t word;
+  if (ok) {
+    // The last posting lane's doorbell word goes to lane 0 BEFORE the WQE stores: after them the
+    // only collective is the syncwarp whose ordering the publish relies on (and tests check).
+    const mlx5::Seg16 ctrl = ctrl_of(qp, base + off, q);
+    word = mine ? mlx5::doorbell_word(ctrl) : 0;
+    const uint32_t last_lane = (nposts < ws ? nposts : ws) - 1;
+    word = arch::shfl(word, last_lane);
+    if (mine) write_wqe(qp, base + off, q, ctrl);
+  } else {
+    word = fill_nops(qp, base, lane, total, ws);
+  }
+  arch::syncwarp();  // lanes' WQE stores happen-before lane 0's publish (cumulative fences)
+  GPUNET_POST_STAMP(1);
+  if (lane == 0) publish(qp, v, word);
+  arch::syncwarp();
+  GPUNET_POST_STAMP(6);
+  return ok;
 }
 
 // Warp-cooperative posting of warp_size * k single-WQEBB WQEs with ONE reservation and ONE
-// publish (fewer publishes per WQE: bench/RESULTS.md measured k = 8 at 108 M WQE/s on 32 QPs
-// when each publish cost a system-scope release). Lane l builds WQE j
-// (0 <= j < k) with make(j, wqe) and writes it at base + j * warp_size + l, so every store
-// instruction of the warp covers warp_size consecutive WQEBBs. All lanes call it converged with
-// the same k (1 <= k, warp_size * k <= sq_wqebbs); a WQE of more than one WQEBB is a bad argument.
+// publish (fewer publishes per WQE). Lane l builds WQE j (0 <= j < k) with make(j, wqe) and
+// writes it at base + j * warp_size + l, so every store instruction of the warp covers warp_size
+// consecutive WQEBBs. All lanes call it converged with the same k (1 <= k, warp_size * k <=
+// sq_wqebbs); a WQE of more than one WQEBB is a bad argument.
 template <class Make>
 GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make make) {
   const uint32_t lane = arch::lane_id(), ws = arch::warp_size();
@@ -590,37 +657,48 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
   // The last WQE's doorbell word travels to lane 0 before any WQE store (see post_warp).
   Wqe last;
   make(k - 1, last);
-  const bool st_failed = failed(w);
-  const bool qp_errored = arch::atomic_load(&qp->errored) != 0;
-  const uint64_t done0 = lane == 0 ? arch::atomic_load(&qp->done_head) : 0;
-  bool ok = !st_failed && !qp_errored && k >= 1 && total <= qp->sq_wqebbs && last.nbb == 1;
-  ok = arch::all(ok);
-  if (!ok) {
-    if (lane == 0 && !failed(w) && !arch::atomic_load(&qp->errored))
+  const bool args_ok = arch::all(k >= 1 && total <= qp->sq_wqebbs && last.nbb == 1);
+  if (!args_ok) {
+    if (lane == 0 && !failed(w))
       record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
     return false;
   }
-  uint64_t base = 0;
-  bool lane0_ok = true;
-  if (lane == 0) lane0_ok = reserve(qp, w, uint32_t(total), base, done0);
-  base = arch::shfl(base, 0);
-  ok = arch::shfl(uint32_t(lane0_ok), 0) != 0;
-  const mlx5::Seg16 last_ctrl = ctrl_of(qp, base + total - ws + lane, last);
-  const uint64_t word = arch::shfl(mlx5::doorbell_word(last_ctrl), ws - 1);
-  for (uint32_t j = 0; ok && j < k; ++j) {
-    if (j + 1 == k) {
-      write_wqe(qp, base + uint64_t(j) * ws + lane, last, last_ctrl);
-    } else {
-      Wqe q;
-      make(j, q);
-      write_wqe(qp, base + uint64_t(j) * ws + lane, q);
-    }
+  bool st_failed = false, qp_errored = false, room = true;
+  Resv v;
+  if (lane == 0) {
+    st_failed = failed(w);
+    qp_errored = arch::atomic_load(&qp->errored) != 0;
+    const uint64_t done0 = arch::atomic_load(&qp->done_head);
+    v = reserve_start(qp, uint32_t(total));
+    room = wait_room(qp, w, v, done0);
+    read_hints(qp, v);
   }
-  arch::syncwarp();  // every lane's WQE stores happen-before lane 0's release (cumulative)
-  uint32_t res = 1;
-  if (lane == 0) res = ok && publish(qp, w, base, uint32_t(total), word);
-  res = arch::shfl(res, 0);
-  return ok && res != 0;
+  const uint64_t base = arch::shfl(v.base, 0);
+  // No room: a failure is recorded and every wait gives up; [base, +total) stays a hole (its
+  // slots may still be the NIC's, so nothing is written there).
+  if (arch::shfl(uint32_t(room), 0) == 0) return false;
+  const bool ok = arch::shfl(uint32_t(lane != 0 || post_allowed(qp, w, st_failed, qp_errored, true)),
+                             0) != 0;
+  uint64_t word;
+  if (ok) {
+    const mlx5::Seg16 last_ctrl = ctrl_of(qp, base + total - ws + lane, last);
+    word = arch::shfl(mlx5::doorbell_word(last_ctrl), ws - 1);
+    for (uint32_t j = 0; j < k; ++j) {
+      if (j + 1 == k) {
+        write_wqe(qp, base + uint64_t(j) * ws + lane, last, last_ctrl);
+      } else {
+        Wqe q;
+        make(j, q);
+        write_wqe(qp, base + uint64_t(j) * ws + lane, q);
+      }
+    }
+  } else {
+    word = fill_nops(qp, base, lane, total, ws);
+  }
+  arch::syncwarp();  // every lane's WQE stores happen-before lane 0's publish (cumulative)
+  if (lane == 0) publish(qp, v, word);
+  arch::syncwarp();
+  return ok;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -628,7 +706,7 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
 // ------------------------------------------------------------------------------------------------
 
 // Wait until the WQEBB counter `end` is completed (a specific post: atomic results, reads).
-// It rings nothing: every publish sees to its own ring (the doorbell lock), and a helping ring
+// It rings nothing: every publish sees to its own ring (the doorbell turn), and a helping ring
 // here would hide a lost hand-over from tests/test_device_qp.py's weak-memory test.
 GPUNET_DEVICE bool wait_done(QpDesc* qp, const Waiter& w, uint64_t end, uint32_t site) {
   Spin spin;

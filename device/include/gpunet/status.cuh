@@ -31,14 +31,12 @@ enum : uint32_t {
 };
 
 // What waited / failed (Status::site): the one registry of every transport's sites. abi.py: SITE_*.
-// Numbers are stable (they appear in logs); 16..31 are the proxy transport's, 32.. the next
-// transport's.
+// Numbers are stable (they appear in logs; 2 and 3 are retired, never reused); 16..31 are the
+// proxy transport's, 32.. the next transport's.
 enum : uint32_t {
   SITE_NONE = 0,
   // ibgda (qp.cuh)
   SITE_SQ_SPACE = 1,     // post: waiting for ring space (done_head)
-  SITE_READY = 2,        // post: waiting for earlier reservations to publish (ready_head)
-  SITE_DOORBELL = 3,     // flush_doorbell: waiting for db_head to reach the ready head
   SITE_QUIET = 4,        // quiet: waiting for done_head to reach the ready head
   SITE_CQE = 5,          // an error CQE (a QP's CQ, or the proxy's QP behind a channel)
   SITE_WAIT_UNTIL = 6,   // wait_until on a signal word (no transport: a local word)

@@ -1,7 +1,7 @@
 // Test and benchmark support, not the API.
 // Post-rate kernels for bench/device_post.py: how fast GPU warps put RDMA-WRITE WQEs into a
 // host-mapped send queue through qp.cuh's warp-cooperative path (post_warp: one reservation per
-// warp, lane i writes WQE i, lane 0 publishes in order and rings at db_batch boundaries).
+// warp, lane i writes WQE i, lane 0 publishes: rings when the doorbell turn is its own, else tags).
 //
 //   k_post   warp w posts `iters` rounds of warp_size * per_lane 64-byte RDMA WRITEs on
 //            qps[w % nqps] (post_warp, or post_warp_k when per_lane > 1), then lane 0 quiets that
@@ -13,6 +13,59 @@
 //            (no reservation, publish, doorbell or completion), as FACTS.md's 200 M/s row.
 //
 // Launchers time the kernel with CUDA events (HOST arm: steady_clock) and return 0 or the error.
+//
+// GPUNET_BENCH_PHASES (bench/device_post.py --phases): lane 0 of every warp clocks the posting
+// path at qp.cuh's GPUNET_POST_STAMP(k) points (k = the phase that ENDS there; kPhases below) and
+// k_post adds its warp's sums to g_phase; gpunet_bench_phases reads and clears them. Off by
+// default: the stamps cost a clock read and a shared-memory add each.
+#include <gpunet/arch.cuh>
+
+#if defined(GPUNET_BENCH_PHASES) && defined(GPUNET_ARM_HOST)
+#include <atomic>
+#endif
+#if defined(GPUNET_BENCH_PHASES)
+namespace bench_phases {
+constexpr int kPhases = 8;
+#if defined(GPUNET_ARM_HOST)
+thread_local uint64_t t_last, t_acc[kPhases];
+std::atomic<uint64_t> g_phase[kPhases];
+GPUNET_DEVICE uint64_t* acc() { return t_acc; }
+GPUNET_DEVICE uint64_t* last() { return &t_last; }
+GPUNET_DEVICE uint64_t clock() { return gpunet::arch::now_ns(); }
+GPUNET_DEVICE void flush() {
+  for (int k = 0; k < kPhases; ++k) g_phase[k] += t_acc[k];
+}
+#else
+constexpr int kMaxWarps = 32;  // per block
+__shared__ unsigned long long s_acc[kMaxWarps][kPhases];
+__shared__ unsigned long long s_last[kMaxWarps];
+__device__ unsigned long long g_phase[kPhases];
+GPUNET_DEVICE uint64_t* acc() {
+  return reinterpret_cast<uint64_t*>(s_acc[gpunet::arch::warp_id() % kMaxWarps]);
+}
+GPUNET_DEVICE uint64_t* last() {
+  return reinterpret_cast<uint64_t*>(&s_last[gpunet::arch::warp_id() % kMaxWarps]);
+}
+GPUNET_DEVICE uint64_t clock() { return uint64_t(clock64()); }
+GPUNET_DEVICE void flush() {
+  for (int k = 0; k < kPhases; ++k) atomicAdd(&g_phase[k], (unsigned long long)acc()[k]);
+}
+#endif
+GPUNET_DEVICE void start() {
+  if (gpunet::arch::lane_id() != 0) return;
+  for (int k = 0; k < kPhases; ++k) acc()[k] = 0;
+  *last() = clock();
+}
+GPUNET_DEVICE void stamp(int k) {
+  if (gpunet::arch::lane_id() != 0) return;
+  const uint64_t now = clock();
+  acc()[k] += now - *last();
+  *last() = now;
+}
+}  // namespace bench_phases
+#define GPUNET_POST_STAMP(k) ::bench_phases::stamp(k)
+#endif
+
 #include <gpunet/qp.cuh>
 
 #if defined(GPUNET_ARM_HOST)
@@ -51,6 +104,9 @@ GPUNET_GLOBAL void k_post(PostArgs a) {
   gpunet::QpDesc* qp = reinterpret_cast<gpunet::QpDesc*>(uintptr_t(a.qps)) + (gwarp % a.nqps);
   const gpunet::Waiter w{reinterpret_cast<gpunet::Status*>(uintptr_t(a.status)), a.timeout_ns};
   const uint64_t slots = a.span / 64 ? a.span / 64 : 1;
+#if defined(GPUNET_BENCH_PHASES)
+  bench_phases::start();
+#endif
   bool ok = true;
   const uint32_t per = a.per_lane ? a.per_lane : 1;
   for (uint32_t it = 0; it < a.iters && ok; ++it) {
@@ -78,6 +134,9 @@ GPUNET_GLOBAL void k_post(PostArgs a) {
       });
     }
   }
+#if defined(GPUNET_BENCH_PHASES)
+  if (lane == 0) bench_phases::flush();
+#endif
   if (a.do_quiet && lane == 0 && ok) gpunet::quiet(qp, w);
   arch::syncwarp();
 }
@@ -148,6 +207,28 @@ int gpunet_test_post(uint32_t grid, uint32_t block, uint32_t warp_size, uint32_t
   s.weak_seed = seed;
   s.weak_spin_sleep_ns = weak ? 2000 : 0;
   return gpunet::launch_kernel(s, k_post, *static_cast<const PostArgs*>(a));
+}
+
+// GPUNET_BENCH_PHASES builds: out[k] = the summed clock of phase k over every warp's lane 0
+// since the last call (cycles on GPUs, ns on the HOST arm), then cleared. 0, or -1 when the build
+// has no phase stamps.
+int gpunet_bench_phases(uint64_t* out) {
+#if defined(GPUNET_BENCH_PHASES)
+#if defined(GPUNET_ARM_HOST)
+  for (int k = 0; k < bench_phases::kPhases; ++k) out[k] = bench_phases::g_phase[k].exchange(0);
+  return 0;
+#else
+  unsigned long long v[bench_phases::kPhases] = {};
+  int rc = int(cudaMemcpyFromSymbol(v, bench_phases::g_phase, sizeof(v)));
+  const unsigned long long zero[bench_phases::kPhases] = {};
+  if (rc == 0) rc = int(cudaMemcpyToSymbol(bench_phases::g_phase, zero, sizeof(zero)));
+  for (int k = 0; k < bench_phases::kPhases; ++k) out[k] = v[k];
+  return rc;
+#endif
+#else
+  (void)out;
+  return -1;
+#endif
 }
 
 int gpunet_bench_store(uint32_t grid, uint32_t block, uint64_t ring, uint32_t ring_slots, uint32_t iters,
