@@ -51,7 +51,7 @@ import weakref
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -76,6 +76,10 @@ H_ATOMIC_BE = 25                     # 1: atomics big-endian (atomic_endianness 
 # The copy engine (attach_copy_engine): how this NIC's engine reaches device memory.
 H_DMA_COPY, H_DMA_SYNC, H_DMA_KIND, H_DMA_STREAM, H_DMA_SETDEV, H_DMA_DEVICE, H_DMA_ERR, \
     H_DMA_LOCK, H_DMA_COPIES = range(26, 35)
+# The executor lock: whoever executes WQEs (the engine thread, or a waiting caller through the
+# progress hook, SoftNic.register_progress) holds it for one engine_step pass, so one thread at a
+# time runs the engine's tables, scratch and QPs. 0 free, 1 held; only ever try-locked.
+H_EXEC = 35
 DEVMAP_BASE = 160                    # words: per peer slot (addr, nbytes, mapped) of its device
 DEVMAP_WORDS = 3                     # memory as reachable in this process (add_peer_memory)
 H_NAME_BYTE = 1024                   # arena name, NUL-terminated, 256 bytes at most
@@ -628,8 +632,9 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
             store_release_u64(base + H_HEARTBEAT * 8, now)
             last_beat = now
         did = 0
-        if load_acquire_u64(base + H_DOWN * 8) == 0:
+        if load_acquire_u64(base + H_DOWN * 8) == 0 and atomic_cas_u64(base + H_EXEC * 8, 0, 1) == 0:
             did = engine_step(base, peer_bases, now, ENGINE_BUDGET, scratch, segs)
+            store_release_u64(base + H_EXEC * 8, 0)
         it += 1
         T[H_ITERS] = it
         if max_iters > 0 and it >= max_iters:
@@ -641,6 +646,39 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
         # to spare: on the H200 host even one sched_yield every 64 passes took the proxy round trip
         # from 4.7 to 8.0 us, bench/RESULTS.md), then yield, then sleep with a bounded back-off
         idle_pause(now - last_work, T[H_SPIN_NS])
+
+
+@njit(cache=True, nogil=True)
+def _exec_trylock(base):
+    """Take the executor lock (H_EXEC) if it is free; True when taken."""
+    return atomic_cas_u64(base + H_EXEC * 8, 0, 1) == 0
+
+
+@njit(cache=True, nogil=True)
+def _exec_unlock(base):
+    store_release_u64(base + H_EXEC * 8, 0)
+
+
+# The progress hook's argument: int64 words [arena base, peer_bases, scratch, segs] (addresses).
+PROGRESS_ARG_WORDS = 4
+
+
+@cfunc(types.int64(types.uint64), nopython=True, cache=True)
+def progress_hook(arg):
+    """One engine pass on the calling thread, if no other thread is executing (the H_EXEC
+    try-lock) and the NIC is up: what a HOST-arm device thread runs while it spins (host_simt.h
+    progress hooks). Returns the WQEs done."""
+    a = i64_at(arg, PROGRESS_ARG_WORDS)
+    base = a[0]
+    if load_acquire_u64(base + H_DOWN * 8) != 0 or load_acquire_u64(base + H_STOP * 8) != 0:
+        return 0
+    lock = base + H_EXEC * 8
+    if load_acquire_u64(lock) != 0 or atomic_cas_u64(lock, 0, 1) != 0:
+        return 0
+    did = engine_step(base, i64_at(a[1], MAX_PEERS), clock_ns(), ENGINE_BUDGET,
+                      u8_at(a[2], mlx5.CQE_SIZE), i64_at(a[3], 2 * (mlx5.MAX_DS + 1)))
+    store_release_u64(lock, 0)
+    return did
 
 
 @njit(cache=True)
@@ -898,6 +936,10 @@ class SoftNic(Nic):
             self._segs = np.zeros(2 * (mlx5.MAX_DS + 1), dtype=np.int64)
             # compile (or load from cache) before the thread starts, then run GIL-free
             engine_run(self._arena.base, self._peer_bases, self._scratch, self._segs, 1)
+            self._progress_arg = np.array([self._arena.base, self._peer_bases.ctypes.data,
+                                           self._scratch.ctypes.data, self._segs.ctypes.data],
+                                          dtype=np.int64)
+            self._progress_slots = {}    # id(lib) -> (lib, slot): register_progress
             self._cpus = None if cpus is None else sorted(int(c) for c in cpus)
             self.placement = None          # {"tid", "cpus"} of the engine thread once it runs
             self._thread = threading.Thread(target=self._engine_thread, name="softnic-engine-%s" % tag,
@@ -912,9 +954,43 @@ class SoftNic(Nic):
         self.placement = engine_thread_start(self._cpus)
         engine_run(self._arena.base, self._peer_bases, self._scratch, self._segs, -1)
 
+    def register_progress(self, lib):
+        """Let the HOST-arm device threads of ``lib`` (a library built for arch "host": it
+        exports gpunet_host_progress_add / _remove, device/include/gpunet/host_simt.h) execute
+        this NIC's work while they spin, under the executor lock (``progress_hook``): a caller
+        waiting for its completion then runs the WQEs on its own thread rather than waiting for
+        the engine thread to be scheduled. The engine thread keeps running (for work nobody waits
+        for). Idempotent per library; undone by close(). Returns True when registered (False: the
+        library has no hook table or all its slots are taken)."""
+        self._check_open()
+        key = id(lib)
+        with self._lock:
+            if key in self._progress_slots:
+                return True
+            add = getattr(lib, "gpunet_host_progress_add", None)
+            if add is None:
+                return False
+            import ctypes
+            add.argtypes, add.restype = [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_int
+            lib.gpunet_host_progress_remove.argtypes = [ctypes.c_int]
+            lib.gpunet_host_progress_remove.restype = ctypes.c_int
+            slot = add(progress_hook.address, self._progress_arg.ctypes.data)
+            if slot < 0:
+                return False
+            self._progress_slots[key] = (lib, slot)
+            return True
+
+    def _unregister_progress(self):
+        """Remove this NIC's progress hooks; returns once no thread is inside one."""
+        slots = getattr(self, "_progress_slots", None) or {}
+        for lib, slot in list(slots.values()):
+            lib.gpunet_host_progress_remove(slot)
+        slots.clear()
+
     # --- lifecycle (gpunet.resource.Resource: close() is idempotent and runs this once) ---
     def _release(self):
         """Stop the engine, tell peers this NIC is gone, unlink the arena."""
+        self._unregister_progress()      # no caller's thread executes for this NIC from here
         T = self._arena.T
         T[H_DOWN] = 1
         T[H_STOP] = 1
@@ -1309,10 +1385,15 @@ class SoftNic(Nic):
         wait(lambda: int(db[0]) == int(T[qe + Q_LAST_DB])
              and int(T[qe + Q_SQ_CI]) == int(T[qe + Q_TARGET]),
              "the engine did not finish the WQEs rung before the reset")
+        base = self._arena.base
         for _ in range(3):               # an engine pass in flight may still store ERR over RESET
             T[qe + Q_STATE] = QPS_RESET
             it = int(T[H_ITERS])
             wait(lambda: int(T[H_ITERS]) >= it + 2, "the engine did not complete a pass")
+            # a pass of a progress hook (a waiting caller's thread) may be in flight too: once
+            # the executor lock is ours, every pass that began before the RESET store has ended
+            wait(lambda: _exec_trylock(base), "the executor lock was not released")
+            _exec_unlock(base)
             if int(T[qe + Q_STATE]) == QPS_RESET:
                 break
         else:

@@ -70,3 +70,59 @@ def test_put_opdesc_is_the_op_list_one(ctx, nbytes):
     src = ctx.heap_base + ctx._heap.offset_of(x, "test")    # an empty view's data_ptr() is 0
     want = _launch.op_list(dict(kind=abi.OP_PUT, pe=0, dst=y.data_ptr() + 128, src=src, nbytes=nbytes))
     assert seen == [bytes(want)]
+
+
+def _stop_engine_thread(nic):
+    """End the soft NIC's engine thread but leave the NIC up: from then on only a progress hook
+    (a waiting HOST-arm device thread) executes its WQEs."""
+    from gpunet.host import softnic
+
+    T = nic._arena.T
+    T[softnic.H_STOP] = 1
+    nic._thread.join(timeout=10)
+    assert not nic._thread.is_alive()
+    T[softnic.H_STOP] = 0
+
+
+def test_a_waiting_caller_executes_its_nics_work(ctx):
+    """With the NIC's engine thread stopped, put + quiet, put_signal + wait_until and an atomic
+    still complete with the right bytes: the caller's thread, spinning in the ops kernel,
+    executes its NIC's WQEs through the progress hook (host_simt.h; SoftNic.register_progress).
+    Over the proxy the proxy thread posts them and the waiting caller executes them. Without the
+    hook each of these waits times out."""
+    x = ctx.alloc((256,), torch.uint8)
+    y = ctx.alloc((256,), torch.uint8)
+    sig = ctx.alloc((2,), torch.int64)
+    word = ctx.alloc((1,), torch.int64)
+    _stop_engine_thread(ctx.nic)
+    wqes = ctx.nic.stats()["wqes"]
+    for i in range(20):
+        x.copy_(torch.randint(0, 256, (256,), dtype=torch.uint8))
+        gpunet.put(ctx.remote(0, y), x)
+        gpunet.quiet()
+        assert torch.equal(x, y)
+        gpunet.put_signal(ctx.remote(0, y, 128), x[:64], ctx.remote(0, sig, 1))
+        gpunet.wait_until(sig, i + 1, "ge", index=1)
+        assert torch.equal(y[128:192], x[:64])
+        assert gpunet.atomic_add(ctx.remote(0, word), 3) == 3 * i
+    assert ctx.nic.stats()["wqes"] >= wqes + 60
+
+
+def test_closed_nics_hooks_are_gone(ctx):
+    """close() removes the NIC's progress hook before its arena is unmapped: a later Context's
+    waits run the hooks of the ops library again (a stale hook would touch the unmapped arena
+    and crash the process) and complete."""
+    lib = ctx._launcher.lib
+    ctx.close()
+    assert ctx.nic._progress_slots == {}
+    c2 = gpunet.init(transport="ibgda", heap_bytes=4 << 20, timeout_s=20.0)
+    try:
+        assert c2._launcher.lib is lib
+        x = c2.alloc((64,), torch.uint8)
+        y = c2.alloc((64,), torch.uint8)
+        x.fill_(7)
+        gpunet.put(c2.remote(0, y), x)
+        gpunet.quiet()
+        assert torch.equal(x, y)
+    finally:
+        c2.close()

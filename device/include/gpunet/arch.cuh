@@ -23,6 +23,9 @@
 //   T load_relaxed(const T*)                         void store_relaxed(T*, T)
 //   void store_relaxed_v2(u64* p, u64 w0, u64 w1)    (16 bytes at a 16-byte aligned p: one
 //              vector store on the GPUs; a WQE segment is written with one of them)
+//   void store_weak_v2(u64* p, u64 w0, u64 w1)       (the same 16 bytes as a WEAK vector store:
+//              a bulk copy's, visible at the kernel's end or a later fence; never for words
+//              another thread polls)
 //   void fence_sys()
 //   u32/u64 atomic_add(p, v) -> old                  u32/u64 atomic_cas(p, expected, desired) -> old
 //   u32/u64 atomic_load(const p)                     void atomic_store(p, v)
@@ -121,6 +124,11 @@ GPUNET_DEVICE void fence_gpu() { asm volatile("fence.sc.gpu;" ::: "memory"); }
 // store_relaxed; p must be 16-byte aligned (SQ slots are).
 GPUNET_DEVICE void store_relaxed_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
   asm volatile("st.volatile.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(w0), "l"(w1) : "memory");
+}
+// A weak (non-volatile) st.global.v2.u64: what a copy kernel stores; the asm stays in place for
+// the compiler (memory clobber), the hardware may combine it like any weak store.
+GPUNET_DEVICE void store_weak_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
+  asm volatile("st.global.v2.u64 [%0], {%1, %2};" ::"l"(p), "l"(w0), "l"(w1) : "memory");
 }
 
 GPUNET_DEVICE uint32_t atomic_add(uint32_t* p, uint32_t v) { return atomicAdd(p, v); }
@@ -265,6 +273,7 @@ GPUNET_DEVICE void store_relaxed_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
   store_relaxed(p, w0);
   store_relaxed(p + 1, w1);
 }
+GPUNET_DEVICE void store_weak_v2(uint64_t* p, uint64_t w0, uint64_t w1) { store_relaxed_v2(p, w0, w1); }
 
 GPUNET_DEVICE uint32_t atomic_add(uint32_t* p, uint32_t v) { return atomicAdd(p, v); }
 GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
@@ -373,6 +382,8 @@ GPUNET_DEVICE void store_relaxed_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
   host_store(p, w0, __ATOMIC_RELAXED);
   host_store(p + 1, w1, __ATOMIC_RELAXED);
 }
+// Weak or relaxed is one thing in the model: two buffered relaxed stores.
+GPUNET_DEVICE void store_weak_v2(uint64_t* p, uint64_t w0, uint64_t w1) { store_relaxed_v2(p, w0, w1); }
 GPUNET_DEVICE void fence_sys() {
   if (hd::ThreadCtx* c = hd::weak_ctx()) hd::drain_all(c);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -423,7 +434,8 @@ GPUNET_DEVICE uint64_t now_ns() {
   return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
 }
 // Yield so spin loops do not starve the emulator's other threads or the soft NIC (P1 in weak
-// mode: one pending store becomes visible per turn).
+// mode: one pending store becomes visible per turn). In strong mode the registered progress
+// hooks (host_simt.h: the soft NIC's engine pass) run first; when they did work, no yield.
 GPUNET_DEVICE void spin_pause() {
   if (hd::ThreadCtx* c = hd::weak_ctx()) {
     hd::pop_some(c);
@@ -431,6 +443,8 @@ GPUNET_DEVICE void spin_pause() {
       std::this_thread::sleep_for(std::chrono::nanoseconds(c->weak->spin_sleep_ns));
       return;
     }
+  } else if (hd::run_progress() > 0) {
+    return;
   }
   std::this_thread::yield();
 }

@@ -672,6 +672,49 @@ void launch(const LaunchOptions& opts, Kernel kernel, Args... args) {
   if (first_err) std::rethrow_exception(first_err);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Progress hooks: while a device thread spins (arch::spin_pause, strong mode), each registered
+// hook gets one call before the thread yields. Rule: a hook is `int64_t fn(uint64_t arg)`, safe
+// to call from any thread at any time, returning the work it did (> 0: the spinner looks again at
+// once instead of yielding); the soft NIC registers its engine pass (host/softnic.py
+// SoftNic.register_progress, under the NIC's executor try-lock), so a caller waiting for its own
+// completion executes its NIC's WQEs on its own thread. Why: on the 2-core CI machine the caller,
+// each NIC's engine thread and the other ranks' threads all poll, and every hand-off to an engine
+// thread cost a context switch behind the others or a sleep (bench/cpu_put.py --diag: a run of
+// put + quiet at 33 us instead of 12 us with caller and engine on one CPU). Not in weak mode, so
+// the weak model's interleavings stay those its tests choose. The table is per library (hidden):
+// a library runs hooks only where Python registered them (gpunet/_launch.py: the Context's ops
+// library). tests/test_cpu_put.py::test_a_waiting_caller_executes_its_nics_work.
+namespace detail {
+constexpr int kProgressSlots = 16;
+struct ProgressSlot {
+  std::atomic<int64_t (*)(uint64_t)> fn{nullptr};
+  std::atomic<uint64_t> arg{0};
+  std::atomic<uint32_t> busy{0};  // callers inside fn: remove waits for 0
+};
+struct ProgressTable {
+  std::mutex m;                    // add / remove
+  std::atomic<uint32_t> top{0};    // slots [0, top) may be in use
+  ProgressSlot slot[kProgressSlots];
+};
+__attribute__((visibility("hidden"))) inline ProgressTable progress_table;
+
+// One call of every registered hook; returns the work they did.
+inline int64_t run_progress() {
+  ProgressTable& t = progress_table;
+  const uint32_t top = t.top.load(std::memory_order_acquire);
+  int64_t did = 0;
+  for (uint32_t i = 0; i < top; ++i) {
+    ProgressSlot& s = t.slot[i];
+    if (!s.fn.load(std::memory_order_relaxed)) continue;
+    s.busy.fetch_add(1, std::memory_order_seq_cst);
+    if (auto fn = s.fn.load(std::memory_order_seq_cst)) did += fn(s.arg.load(std::memory_order_relaxed));
+    s.busy.fetch_sub(1, std::memory_order_release);
+  }
+  return did;
+}
+}  // namespace detail
+
 // The short form: a 1-D or dim3 launch with no shared memory and strong memory.
 template <class Kernel, class... Args>
 void launch(Dim3 grid, Dim3 block, uint32_t warp_size, Kernel kernel, Args... args) {
@@ -683,3 +726,33 @@ void launch(Dim3 grid, Dim3 block, uint32_t warp_size, Kernel kernel, Args... ar
 }
 
 }  // namespace gpunet::host
+
+// Registration of progress hooks (see above), bound by host/softnic.py. Returns the slot, or -1
+// when all kProgressSlots are taken (the caller then relies on its engine thread alone).
+extern "C" __attribute__((used, visibility("default"))) inline int gpunet_host_progress_add(
+    int64_t (*fn)(uint64_t), uint64_t arg) {
+  auto& t = gpunet::host::detail::progress_table;
+  std::lock_guard<std::mutex> g(t.m);
+  for (int i = 0; i < gpunet::host::detail::kProgressSlots; ++i) {
+    auto& s = t.slot[i];
+    if (s.fn.load(std::memory_order_relaxed)) continue;
+    s.arg.store(arg, std::memory_order_relaxed);
+    s.fn.store(fn, std::memory_order_seq_cst);
+    if (uint32_t(i) >= t.top.load(std::memory_order_relaxed)) t.top.store(i + 1, std::memory_order_release);
+    return i;
+  }
+  return -1;
+}
+
+// Unregister slot `i`; returns once no thread is inside its hook (0), or -1 for a bad slot. A
+// hook call is one bounded pass, so the wait ends; after it the hook's memory may be freed.
+extern "C" __attribute__((used, visibility("default"))) inline int gpunet_host_progress_remove(int i) {
+  auto& t = gpunet::host::detail::progress_table;
+  if (i < 0 || i >= gpunet::host::detail::kProgressSlots) return -1;
+  std::lock_guard<std::mutex> g(t.m);
+  auto& s = t.slot[i];
+  s.fn.store(nullptr, std::memory_order_seq_cst);
+  while (s.busy.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
+  s.arg.store(0, std::memory_order_relaxed);
+  return 0;
+}
