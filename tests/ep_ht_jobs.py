@@ -18,6 +18,8 @@ import torch.distributed as dist
 from gpunet.ep import Buffer, Config, EPTimeout
 from gpunet.ep import reference as ref
 
+import ep_jobs  # tests/ep_jobs.py: make_buffer, close, the LL round
+
 BF16_BOUND = 5e-6       # DeepEP's intranode test: combined / fan-out vs x (tagged or random BF16)
 FP8_BOUND = 5e-4        # with random FP8 rows
 WEIGHT_BOUND = 1e-9     # the reduced top-k weights vs the originals
@@ -26,24 +28,13 @@ WEIGHT_BOUND = 1e-9     # the reduced top-k weights vs the originals
 def init(state, transport, num_nvl_bytes, timeout_s=20.0, shrink=False, warp_size=32,
          num_rdma_bytes=0, low_latency_mode=False):
     """Make this rank's Buffer with an HT buffer of num_nvl_bytes (and an LL buffer of
-    num_rdma_bytes when low_latency_mode). ``transport`` as ep_jobs.init's (incl. "mixed")."""
-    if transport == "mixed":
-        transport = lambda a, b: "proxy" if (a + b) % 2 else "ibgda"  # noqa: E731 - symmetric per pair
-    elif transport == "p2p+proxy":
-        import p2p_jobs
-        transport = p2p_jobs.p2p_and_proxy
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
-                 low_latency_mode=low_latency_mode, explicitly_destroy=True, enable_shrink=shrink,
-                 transport=transport, timeout_s=timeout_s, warp_size=warp_size)
-    state["ep_buf"] = buf
-    return {"rank": buf.rank, "transports": dict(buf.runtime.transports), "pid": os.getpid()}
+    num_rdma_bytes when low_latency_mode). ``transport`` as ep_jobs.make_buffer's."""
+    return ep_jobs.make_buffer(state, transport, num_nvl_bytes=num_nvl_bytes,
+                               num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
+                               enable_shrink=shrink, timeout_s=timeout_s, warp_size=warp_size)
 
 
-def close(state):
-    buf = state.pop("ep_buf", None)
-    if buf is not None:
-        buf.destroy()
-    return "closed"
+close = ep_jobs.close
 
 
 def _inputs(spec, world):
@@ -299,7 +290,6 @@ def _host_failed(buf):
 
 def ll_round(state, spec):
     """An LL round (tests/ep_jobs.py) on this Buffer, after clean_low_latency_buffer."""
-    import ep_jobs
     buf = state["ep_buf"]
     buf.clean_low_latency_buffer(spec["t_max"], spec["hidden"], spec["num_experts"])
     return ep_jobs.round_(state, spec)

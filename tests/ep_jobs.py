@@ -18,17 +18,27 @@ from gpunet.ep import Buffer, EPTimeout
 from gpunet.ep import reference as ref
 
 
-def init(state, transport, num_rdma_bytes, timeout_s=20.0, shrink=False, warp_size=32,
-         num_blocks=None):
-    """Make this rank's Buffer (low-latency mode). ``transport`` is gpunet.init's, or "mixed": the
-    pair (a, b) uses the proxy when a + b is odd, ibgda otherwise."""
+def make_buffer(state, transport, **kwargs):
+    """This rank's Buffer (explicitly destroyed: close()) in state["ep_buf"], with Buffer's
+    ``kwargs``; ``transport`` is gpunet.init's, or "mixed" (the pair (a, b) uses the proxy when
+    a + b is odd, ibgda otherwise), or "p2p+proxy" (tests/p2p_jobs.py's p2p_and_proxy). Returns
+    the rank, its transports per peer and its pid. The LL and HT jobs' init both come here."""
     if transport == "mixed":
         transport = lambda a, b: "proxy" if (a + b) % 2 else "ibgda"  # noqa: E731 - symmetric per pair
-    buf = Buffer(dist.group.WORLD, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
-                 explicitly_destroy=True, enable_shrink=shrink, transport=transport,
-                 timeout_s=timeout_s, warp_size=warp_size, num_blocks=num_blocks)
+    elif transport == "p2p+proxy":
+        import p2p_jobs
+        transport = p2p_jobs.p2p_and_proxy
+    buf = Buffer(dist.group.WORLD, explicitly_destroy=True, transport=transport, **kwargs)
     state["ep_buf"] = buf
     return {"rank": buf.rank, "transports": dict(buf.runtime.transports), "pid": os.getpid()}
+
+
+def init(state, transport, num_rdma_bytes, timeout_s=20.0, shrink=False, warp_size=32,
+         num_blocks=None):
+    """Make this rank's Buffer (low-latency mode); ``transport`` as make_buffer's."""
+    return make_buffer(state, transport, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
+                       enable_shrink=shrink, timeout_s=timeout_s, warp_size=warp_size,
+                       num_blocks=num_blocks)
 
 
 def close(state):

@@ -78,6 +78,29 @@ class Ranks:
             raise AssertionError("\n".join(errs))
         return out
 
+    def run_losing(self, victim, name, *args, timeout=JOB_TIMEOUT_S):
+        """Run a job in which the last rank, ``victim``, exits (a killed-rank test): the survivors'
+        (status, value) pairs, unchecked; the victim is joined (bounded) and the pool keeps only
+        the survivors' queues. End it with close_losing."""
+        assert victim == len(self.inboxes) - 1, "the victim must be the last rank"
+        for q in self.inboxes:
+            q.put((name, args))
+        outs = [self.outboxes[i].get(timeout=timeout) for i in range(victim)]
+        self.procs[victim].join(timeout=30)
+        self.inboxes, self.outboxes = self.inboxes[:victim], self.outboxes[:victim]
+        return outs
+
+    def close_losing(self, victim, close_job):
+        """After run_losing: run ``close_job`` on the survivors, kill the victim if it is still
+        there, and close the pool."""
+        try:
+            self.run(close_job, timeout=60)
+        finally:
+            if self.procs[victim].is_alive():
+                self.procs[victim].kill()
+            self.procs = self.procs[:victim]
+            self.close()
+
     def close(self):
         for q in self.inboxes:
             try:

@@ -331,23 +331,11 @@ KILL_TIMEOUT_S = 6.0
 def _kill_round(transport, shrink, stage):
     r = _pool(3, transport, 32, shrink=shrink, timeout_s=KILL_TIMEOUT_S)
     spec = _spec(3, seed=61, die=(VICTIM, stage))
-    for q in r.inboxes:
-        q.put(("ep_ht_jobs:round_", (spec,)))
-    outs = [r.outboxes[i].get(timeout=120) for i in (0, 1)]
-    r.procs[VICTIM].join(timeout=30)
-    r.inboxes, r.outboxes = r.inboxes[:VICTIM], r.outboxes[:VICTIM]
-    return outs, r, spec
+    return r.run_losing(VICTIM, "ep_ht_jobs:round_", spec), r, spec
 
 
 def _close_survivors(r):
-    try:
-        r.run("ep_ht_jobs:close", timeout=60)
-    finally:
-        victim = r.procs[VICTIM]
-        if victim.is_alive():
-            victim.kill()
-        r.procs = r.procs[:VICTIM]
-        r.close()
+    r.close_losing(VICTIM, "ep_ht_jobs:close")
 
 
 @pytest.mark.parametrize("transport,stage", [("proxy", "combine")])

@@ -596,26 +596,11 @@ def _kill_round(transport, shrink, stage, warp_size=32):
     spec) with the pool reduced to the survivors (the caller closes it)."""
     r = _pool(3, transport, warp_size, shrink=shrink, timeout_s=3.0)
     spec = _spec(3, seed=91, die=(VICTIM, stage))
-    for q in r.inboxes:
-        q.put(("ep_jobs:round_", (spec,)))
-    outs = []
-    for i in (0, 1):
-        status, val = r.outboxes[i].get(timeout=120)
-        outs.append((status, val))
-    r.procs[VICTIM].join(timeout=30)
-    r.inboxes, r.outboxes = r.inboxes[:VICTIM], r.outboxes[:VICTIM]
-    return outs, r, spec
+    return r.run_losing(VICTIM, "ep_jobs:round_", spec), r, spec
 
 
 def _close_survivors(r):
-    try:
-        r.run("ep_jobs:close", timeout=60)
-    finally:
-        victim = r.procs[VICTIM]
-        if victim.is_alive():
-            victim.kill()
-        r.procs = r.procs[:VICTIM]
-        r.close()
+    r.close_losing(VICTIM, "ep_jobs:close")
 
 
 @pytest.mark.parametrize("transport,stage", [("ibgda", "dispatch"), ("proxy", "combine")])
