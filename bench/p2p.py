@@ -14,7 +14,12 @@ transport="p2p": device-memory heaps opened by CUDA IPC, the kernels store into 
 - ping-pong: device/testing/kernels/p2p_bench.cu on both ranks, one thread each: put_signal_nbi
   (8 bytes, SET) and wait_until, timed inside the kernel (%globaltimer) over ``--pp-iters`` round
   trips after a warm-up. Target: <= 2 us a round trip (a plain CUDA IPC flag ping-pong measured
-  0.73 us, FACTS.md).
+  0.73 us, FACTS.md). Mode 0 (the verbs on the kernel's copy of the DevCtx) is the figure; the
+  other modes (PP_MODES: the verbs on the DevCtx pointer, and raw stores / polls with no verb)
+  run in the same run beside it, to say where the time goes.
+- copy sweep (GPU): ops.cu k_put_p2p at 1, 8, 16 and 64 MiB with the variants and geometries of
+  SWEEP (16-byte loads in flight per thread, weak or volatile stores, bytes and threads per
+  block), timed as the put rows; gpunet.put uses _launch.BULK_P2P_VARIANT and bulk_geometry.
 - correctness: before the timing rank 0 puts its pattern into rank 1's zeroed buffer through the
   API (one bulk put of the largest size) and rank 1 checks every byte (a "test" row).
 Each figure is the median of ``--runs`` (>= 3) runs, with the min and max of the run figures.
@@ -45,6 +50,21 @@ TARGET_RATIO_FROM = 1 << 20
 TARGET_RTT_US = 2.0          # issue 9: put_signal ping-pong round trip
 MEMCPY_D2D = 3               # cudaMemcpyDeviceToDevice
 RANK_TIMEOUT_S = 900
+# device/testing/kernels/p2p_bench.cu's modes; 0 is the figure held to TARGET_RTT_US.
+PP_MODES = {0: "verbs", 1: "verbs, DevCtx by pointer", 2: "raw: acquire poll",
+            3: "raw: relaxed poll + acquire", 4: "raw: acquire poll + pause"}
+# The copy sweep (GPU): ops.cu k_put_p2p at a few sizes with other variants and geometries than
+# gpunet.put's (gpunet/_launch.py BULK_P2P_VARIANT, bulk_geometry): (name, variant, bytes per
+# block, blocks per SM, threads per block); variant bit 0: Unroll 8, bit 1: weak stores.
+SWEEP = [("u4 volatile 16K/256", 0, 16 << 10, 4, 256),
+         ("u8 volatile 32K/256", 1, 32 << 10, 4, 256),
+         ("u4 weak 16K/256", 2, 16 << 10, 4, 256),
+         ("u8 weak 16K/256", 3, 16 << 10, 4, 256),
+         ("u8 weak 32K/256", 3, 32 << 10, 4, 256),
+         ("u8 weak 32K/256 x8/SM", 3, 32 << 10, 8, 256),
+         ("u8 weak 64K/512", 3, 64 << 10, 4, 512),
+         ("u8 weak 8K/256 x8/SM", 3, 8 << 10, 8, 256)]
+SWEEP_SIZES = [1 << 20, 8 << 20, 16 << 20, 64 << 20]
 HOLD_GPU_HZ = 2.0e9          # cycles per second assumed for torch.cuda._sleep (an upper bound:
                              # a slower clock only holds the stream longer)
 
@@ -150,6 +170,37 @@ def _bandwidth_rows(ctx, src, dst, dst_mapped, cfg):
     return rows
 
 
+def _sweep_rows(ctx, src, dst_mapped, cfg):
+    """GPU: ops.cu k_put_p2p of SWEEP_SIZES bytes from ``src`` to ``dst_mapped`` with each SWEEP
+    variant and geometry, timed as the bandwidth rows are (stream time, held)."""
+    import torch
+
+    from gpunet._launch import bulk_geometry
+
+    lib = ctx._launcher.lib
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    rows = []
+    for n in [x for x in SWEEP_SIZES if x <= max(cfg["sizes"])]:
+        it = _iters(n, True)
+        for name, variant, per_block, per_sm, block in SWEEP:
+            grid, block, chunk = bulk_geometry(n, True, 32, sms, per_block, per_sm, block)
+
+            def put(grid=grid, block=block, chunk=chunk, variant=variant, n=n):
+                rc = lib.gpunet_put_p2p_launch(grid, block, 32, dst_mapped, src.data_ptr(), n,
+                                               chunk, variant,
+                                               torch.cuda.current_stream().cuda_stream, 0)
+                if rc != 0:
+                    raise RuntimeError("k_put_p2p launch failed (%d)" % rc)
+            put()
+            ctx.quiet()
+            ts = [_time_batch(ctx, put, it, True) for _ in range(cfg["runs"])]
+            rows.append({"bytes": n, "name": name, "variant": variant, "grid": grid,
+                         "block": block, "chunk": chunk, "held": all(t[1] for t in ts),
+                         "put_us": statistics.median(t[0] for t in ts) * 1e6,
+                         "put_us_runs": [t[0] * 1e6 for t in ts]})
+    return rows
+
+
 def _pingpong(ctx, cfg):
     import torch
 
@@ -159,7 +210,7 @@ def _pingpong(ctx, cfg):
     lib = loader.build([testing.kernels_dir() / "p2p_bench.cu"], arch="cuda" if gpu else "host")
     f = lib.gpunet_bench_pingpong
     u32, u64, vp = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
-    f.argtypes = [u32, vp, vp, vp, u64, u32, u32, u32, ctypes.c_int32, u32, vp, vp]
+    f.argtypes = [u32, vp, vp, vp, u64, u32, u32, u32, ctypes.c_int32, u32, u32, vp, vp]
     f.restype = ctypes.c_int
     buf = ctx.alloc((64,), torch.uint8)
     sig = ctx.alloc((2,), torch.int64)
@@ -167,21 +218,24 @@ def _pingpong(ctx, cfg):
     h = ctx.device_context()
     me = ctx.rank
     iters, warmup = cfg["pp_iters"], cfg["pp_warmup"]
-    runs, base = [], 0
+    runs, base = {m: [] for m in cfg["pp_modes"]}, 0
     try:
         for _ in range(cfg["runs"]):
-            ctx.barrier()
-            rc = f(h.warp_size, h.ptr, buf.data_ptr(), sig.data_ptr(), base, iters + warmup,
-                   warmup, 8, 1 - me, 1 if me == 0 else 0, out.data_ptr(), h.stream or None)
-            if rc != 0:
-                raise RuntimeError("ping-pong kernel launch failed (%d)" % rc)
-            ctx.check("ping-pong kernel")
-            ns, n, ok = (int(v) for v in out.cpu())
-            if not ok:
-                raise RuntimeError("ping-pong kernel: a call returned false without a recorded failure")
-            if me == 0:
-                runs.append(ns / n / 1000.0)
-            base += iters + warmup
+            for mode in cfg["pp_modes"]:          # every mode in each run: same conditions
+                ctx.barrier()
+                rc = f(h.warp_size, h.ptr, buf.data_ptr(), sig.data_ptr(), base, iters + warmup,
+                       warmup, 8, 1 - me, 1 if me == 0 else 0, mode, out.data_ptr(),
+                       h.stream or None)
+                if rc != 0:
+                    raise RuntimeError("ping-pong kernel launch failed (%d)" % rc)
+                ctx.check("ping-pong kernel (%s)" % PP_MODES[mode])
+                ns, n, ok = (int(v) for v in out.cpu())
+                if not ok:
+                    raise RuntimeError("ping-pong kernel (%s): a call returned false without a "
+                                       "recorded failure" % PP_MODES[mode])
+                if me == 0:
+                    runs[mode].append(ns / n / 1000.0)
+                base += iters + warmup
         ctx.barrier()
     finally:
         ctx.free(sig)
@@ -217,10 +271,12 @@ def _rank(rank, world, cfg):
         wrong = int((dst.cpu() != ((torch.arange(maxn) * 7) % 251).to(torch.uint8)).sum()) \
             if rank == 1 else 0
         ctx.barrier()
-        rows = []
+        rows, sweep = [], []
         if rank == 0:
             mapped = ctx._transports.peer_heaps[1].base + (dst.data_ptr() - ctx.heap_base)
             rows = _bandwidth_rows(ctx, src, dst, mapped, cfg)
+            if gpu:
+                sweep = _sweep_rows(ctx, src, mapped, cfg)
         # a host barrier: rank 1 must not spin in a device wait (bounded by timeout_s, and an SM
         # polling memory) while rank 0 measures
         dist.barrier()
@@ -232,7 +288,7 @@ def _rank(rank, world, cfg):
                 "peer_same_device": bool(flags & abi.P2P_SAME_DEVICE)}
         every = [None] * world
         dist.all_gather_object(every, info)
-        return {"rows": rows, "rtt_us": rtt, "ranks": every}
+        return {"rows": rows, "sweep": sweep, "rtt_us": rtt, "ranks": every}
     finally:
         ctx.close()
 
@@ -274,12 +330,16 @@ def _summarize(res, cfg):
                                % (worst[1], _size(worst[0]),
                                   ", ".join("%s %.2f" % (_size(n), x) for n, x in ratios_from)),
                      "goal": ">= %.2f at every size from %s" % (TARGET_RATIO, _size(TARGET_RATIO_FROM))})
-    rtt = res["rtt_us"]
+    modes = {int(m): xs for m, xs in res["rtt_us"].items() if xs}
+    rtt = modes.get(0)
     pp = None
     if rtt:
         med, lo, hi = _stats(rtt)
         pp = {"rtt_us": med, "rtt_us_min": lo, "rtt_us_max": hi, "runs": rtt,
-              "round_trips_per_run": cfg["pp_iters"]}
+              "round_trips_per_run": cfg["pp_iters"],
+              "modes": [{"mode": m, "name": PP_MODES[m], "rtt_us": _stats(xs)[0],
+                         "rtt_us_min": _stats(xs)[1], "rtt_us_max": _stats(xs)[2], "runs": xs}
+                        for m, xs in sorted(modes.items())]}
         gate.append({"kind": "target", "name": "p2p put_signal ping-pong round trip",
                      "result": "met" if hi <= TARGET_RTT_US else "NOT met",
                      "figure": "median of %d runs %.2f us [%.2f, %.2f]" % (len(rtt), med, lo, hi),
@@ -289,6 +349,25 @@ def _summarize(res, cfg):
 
 def _size(n):
     return "%d MiB" % (n >> 20) if n >= (1 << 20) else "%d KiB" % (n >> 10)
+
+
+def _details(pp, sweep):
+    """The ping-pong's modes and the copy sweep (printed before the main table, which a gate log's
+    tail keeps)."""
+    lines = []
+    if pp:
+        lines.append("put_signal ping-pong modes (device/testing/kernels/p2p_bench.cu), round trip:")
+        for m in pp["modes"]:
+            lines.append("  mode %d %-30s %.2f us [%.2f, %.2f]" % (m["mode"], m["name"], m["rtt_us"],
+                                                                  m["rtt_us_min"], m["rtt_us_max"]))
+    if sweep:
+        lines.append("copy sweep (ops.cu k_put_p2p; variant, bytes per block / threads): put us, "
+                     "median of the runs")
+        for r in sweep:
+            lines.append("  %7s  %-24s %4d x %4d  %9.2f us  %s" % (
+                _size(r["bytes"]), r["name"], r["grid"], r["block"], r["put_us"],
+                "" if r["held"] else "(not held)"))
+    return "\n".join(lines)
 
 
 def _table(rows, pp, head, yard):
@@ -335,6 +414,7 @@ def main(argv=None):
     cfg = dict(gpu=args.gpu, runs=args.runs, sizes=_sizes(max_bytes), timeout_s=args.timeout_s,
                pp_iters=args.pp_iters or (10000 if args.gpu else 200),
                pp_warmup=100 if args.gpu else 20,
+               pp_modes=sorted(PP_MODES) if args.gpu else [0, 2],
                yardstick="cudaMemcpyAsync D2D" if args.gpu else "memmove")
     from gpunet.demo import run_ranks
     from gpunet.errors import GpunetError
@@ -367,6 +447,8 @@ def main(argv=None):
             "the same bytes between the same addresses; medians of %d runs"
             % ("GPU " + m.get("gpu", "?") if args.gpu else "CPU", m["date"], mps_note,
                cfg["yardstick"], args.runs))
+    sweep = res.get("sweep", []) if res else []
+    print(_details(pp, sweep))
     print(_table(rows, pp, head, cfg["yardstick"]))
     for g in gate:
         print("%-6s %-7s %s  %s" % (g["kind"], g["result"], g["name"], g["figure"]))
@@ -376,7 +458,8 @@ def main(argv=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     out = {"what": "gpunet p2p put bandwidth and put_signal ping-pong", "config": cfg,
            "ranks": res["ranks"] if res else None,
-           "mps": mps_note, "rows": rows, "pingpong": pp, "gate": gate, "machine": m,
+           "mps": mps_note, "rows": rows, "pingpong": pp, "sweep": sweep, "gate": gate,
+           "machine": m,
            "wall_s": time.monotonic() - t0}
     with open(path, "w") as f:
         json.dump(out, f, indent=1)

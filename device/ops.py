@@ -19,9 +19,8 @@ def load_ops(arch="host", defines=None):
     lib.gpunet_ops_launch.restype = ctypes.c_int
     lib.gpunet_put_bulk_launch.argtypes = [u32, u32, u32, u32, u64, u32, u32, vp, vp, u32, u64, vp, u32]
     lib.gpunet_put_bulk_launch.restype = ctypes.c_int
-    lib.gpunet_put_bulk1_launch.argtypes = [u32, u32, u32, u32, u64, u32, u32, vp, u64, u64, u64,
-                                            ctypes.c_int32, u64, vp, u32]
-    lib.gpunet_put_bulk1_launch.restype = ctypes.c_int
+    lib.gpunet_put_p2p_launch.argtypes = [u32, u32, u32, u64, u64, u64, u64, u32, vp, u32]
+    lib.gpunet_put_p2p_launch.restype = ctypes.c_int
     for i, name in enumerate(["Status", "CqDesc", "QpDesc", "PeerDesc", "DevCtx", "OpDesc"]):
         got = lib.gpunet_ops_abi_size(i)
         if got != abi.SIZES[name]:

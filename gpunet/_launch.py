@@ -38,17 +38,22 @@ BULK_CHUNK_ALIGN = 256            # chunk boundaries keep 16-byte (vector) align
 BULK_MIN_BYTES_CPU = 256 << 10    # HOST arm: a block of one warp per 256 KiB, at most
 BULK_MAX_BLOCKS_CPU = 2           # 2 blocks (every emulated thread is an OS thread; the CPU
                                   # gains nothing from more, but the bulk path runs in CI)
+# One p2p put (ops.cu k_put_p2p, the peer's mapped address resolved here): its variant, bit 0
+# Unroll 8 16-byte loads in flight per thread (else 4), bit 1 weak vector stores (else volatile);
+# bench/p2p.py's copy sweep measures all four on the GPU.
+BULK_P2P_VARIANT = 3
 
 
-def bulk_geometry(nbytes, gpu, warp_size, sms=0):
+def bulk_geometry(nbytes, gpu, warp_size, sms=0, per_block=BULK_BYTES_PER_BLOCK,
+                  per_sm=BULK_BLOCKS_PER_SM, block=BULK_BLOCK_GPU):
     """(grid, block, chunk) of ops.cu's bulk put for ``nbytes`` in all, or None where the op-list
     kernel's single thread is the right launch (the CPU below BULK_MIN_BYTES_CPU). GPU: a block of
-    BULK_BLOCK_GPU threads per BULK_BYTES_PER_BLOCK, at most BULK_BLOCKS_PER_SM per SM (``sms``);
-    chunk: the bytes each block moves per turn (a multiple of BULK_CHUNK_ALIGN)."""
+    ``block`` threads per ``per_block`` bytes, at most ``per_sm`` blocks per SM (``sms``; the
+    defaults are the BULK_* constants, bench/p2p.py's copy sweep tries others); chunk: the bytes
+    each block moves per turn (a multiple of BULK_CHUNK_ALIGN)."""
     nbytes = int(nbytes)
     if gpu:
-        grid = max(1, min(-(-nbytes // BULK_BYTES_PER_BLOCK), max(1, sms) * BULK_BLOCKS_PER_SM))
-        block = BULK_BLOCK_GPU
+        grid = max(1, min(-(-nbytes // per_block), max(1, sms) * per_sm))
     else:
         if nbytes < BULK_MIN_BYTES_CPU:
             return None
@@ -116,12 +121,8 @@ class Launcher(Resource):
         if st.code:                   # recorded by a kernel nobody checked (see the module doc)
             return ops, self._take_failure("an earlier device kernel (not followed by "
                                            "ctx.check()), reported before %s" % what), False
-        if bulk is not None and len(ops) == 1:   # one put: by value, as on a GPU
-            grid, block, chunk = bulk
-            o = ops[0]
-            rc = self.lib.gpunet_put_bulk1_launch(grid, block, self.warp_size, 0, 0, 0, 0,
-                                                  self.dev.addr, o.dst, o.src, o.nbytes, o.pe,
-                                                  chunk, None, 1)
+        if bulk is not None and len(ops) == 1:   # one put: the p2p copy kernel, as on a GPU
+            rc = self._launch_put_p2p(ops[0], bulk, None, 1)
         elif bulk is not None:
             grid, block, chunk = bulk
             rc = self.lib.gpunet_put_bulk_launch(grid, block, self.warp_size, 0, 0, 0, 0,
@@ -162,18 +163,24 @@ class Launcher(Resource):
         return dops, None, False
 
     def _run_gpu_put1(self, ops, what, blocking, bulk):
-        """One bulk put with its fields as kernel arguments (ops.cu k_put_bulk1): no OpDesc in the
-        ring, nothing the kernel reads from host memory."""
-        o = ops[0]
-        grid, block, chunk = bulk
-        rc = self.lib.gpunet_put_bulk1_launch(grid, block, self.warp_size, 0, 0, 0, 0,
-                                              self.dev.addr, o.dst, o.src, o.nbytes, o.pe, chunk,
-                                              self.stream() or None, 0)
+        """One bulk put as the p2p copy kernel (ops.cu k_put_p2p): no OpDesc in the ring,
+        nothing the kernel reads but the source."""
+        rc = self._launch_put_p2p(ops[0], bulk, self.stream() or None, 0)
         if rc != 0:
             raise GpunetError("%s: CUDA kernel launch failed (cudaError %d)" % (what, rc))
         if blocking:
             return ops, self.sync(what), True
         return ops, None, False
+
+    def _launch_put_p2p(self, o, bulk, stream, sync):
+        """ops.cu k_put_p2p for OP_PUT ``o`` to a p2p peer: its destination as mapped here (the
+        PeerDesc's remote_base, the host shadow of what the device reads), so the kernel reads
+        no descriptor. The range was checked against the peer's live allocation
+        (Context._check_remote), as the verb's in_heap would have."""
+        grid, block, chunk = bulk
+        dst = self.dev.peers[o.pe].remote_base + (o.dst - self.dev.ctx.local_base)
+        return self.lib.gpunet_put_p2p_launch(grid, block, self.warp_size, dst, o.src, o.nbytes,
+                                              chunk, BULK_P2P_VARIANT, stream, sync)
 
     def stream(self):
         """The stream launches go on: torch's current CUDA stream handle (0 on the CPU)."""

@@ -125,3 +125,17 @@ def close(state):
         ctx.barrier()              # no peer still stores into this heap when it is freed
         ctx.close()
     return "closed"
+
+
+def pointer_type(state, ptr):
+    """(cudaPointerGetAttributes' return code, the type it gives) for ``ptr``, with no assertion:
+    0 / 2 for a live device allocation (a CUDA IPC mapping too); after the mapping was closed the
+    runtime no longer knows the address (type 0, unregistered, or an error code)."""
+    rt = get_platform().runtime()
+    a = _PointerAttributes()
+    fn = rt.lib.cudaPointerGetAttributes
+    fn.argtypes, fn.restype = (ctypes.POINTER(_PointerAttributes), ctypes.c_void_p), ctypes.c_int
+    rc = fn(ctypes.byref(a), ctypes.c_void_p(ptr))
+    if rc != 0:
+        rt.lib.cudaGetLastError()          # a failed query leaves the error; clear it
+    return rc, int(a.type) if rc == 0 else None

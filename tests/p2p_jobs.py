@@ -153,6 +153,11 @@ def _maps_naming(names):
     return {n: text.count("/dev/shm/" + n) for n in names}
 
 
+def maps_naming(state, names):
+    """How many of this process's mappings name each arena file in ``names``."""
+    return _maps_naming(names)
+
+
 def close_and_count_mappings(state, peer_arenas):
     """Counts this process's mappings of every other rank's arena file before and after
     ctx.close() (/proc/self/maps)."""
@@ -289,3 +294,63 @@ def close_alone(state, closer, later_s):
     state.pop("ctx")
     out["warnings"] = w.text()
     return out
+
+
+# --- a dead peer, then a new world (test_p2p.py / test_p2p_cuda.py ..._a_new_world_...) ----------
+def _mapped_ranges(ctx):
+    """{peer: (base, nbytes, name)} of this Context's p2p mappings (name: the arena on the CPU,
+    None for a CUDA IPC mapping)."""
+    return {p: (int(m.base), int(m.nbytes), getattr(m, "arena", None))
+            for p, m in ctx._transports.peer_heaps.items()}
+
+
+def survive_dead_peer(state, peer):
+    """``peer`` has exited without closing anything. This rank joins a barrier it can never
+    complete (bounded: a gpunet error naming the peer), then closes its Context (the close
+    barrier skips or waits out the dead peer; every mapping is closed). Nothing is stored into the
+    dead peer's heap (on a GPU under MPS its memory may be gone). Returns the barrier's outcome,
+    the close's, and the mappings before."""
+    ctx = state["ctx"]
+    before = _mapped_ranges(ctx)
+    out = {"barrier": mp_jobs._outcome(ctx.barrier), "before": before}
+
+    def close():
+        state.pop("ctx").close()
+    out["close"] = mp_jobs._outcome(close)
+    return out
+
+
+def rejoin(state, port, world, rank):
+    """Leave this process's torch.distributed group (a member died) and join a new one of
+    ``world`` ranks on 127.0.0.1:``port`` as ``rank`` (the new members are new processes)."""
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
+                            world_size=world)
+    return "joined"
+
+
+def put_both_ways(state, rnd):
+    """Every rank puts its pattern ``rnd`` (1000 bytes, then 600 KiB: the bulk kernel on both
+    arms) into the next rank's dst slot ``me`` and quiets; after a barrier each checks what landed
+    from the previous rank. Returns the wrong byte counts and this rank's p2p mappings."""
+    import torch
+    ctx = state["ctx"]
+    me, n = ctx.rank, ctx.world_size
+    nxt, prv = (me + 1) % n, (me - 1) % n
+    src, dst = state["src"], state["dst"]
+    slot = src.numel()
+    dev = src.device
+    wrong = {}
+    for nbytes in (1000, min(slot, 600 << 10)):
+        dst.zero_()
+        ctx.barrier()
+        src[:nbytes] = mp_jobs._pattern(me, rnd + nbytes, nbytes).to(dev)
+        gpunet.put(ctx.remote(nxt, dst, me * slot), src[:nbytes])
+        gpunet.quiet()
+        ctx.barrier()
+        want = mp_jobs._pattern(prv, rnd + nbytes, nbytes)
+        got = dst[prv * slot: prv * slot + nbytes].cpu()
+        wrong[nbytes] = int((got != want).sum())
+        ctx.barrier()
+    return {"wrong": wrong, "mapped": _mapped_ranges(ctx), "pid": __import__("os").getpid()}

@@ -312,3 +312,67 @@ def test_close_is_bounded_when_a_peer_never_closes_and_prompt_when_it_died():
         r.inboxes[1] = r.inboxes[0]           # rank 1 is gone: only rank 0 gets the stop
         r.inboxes = r.inboxes[:1]
         r.close()
+
+
+def replace_rank(r, rank, env=None):
+    """Start a new process for ``rank`` of ``r`` (its old one is gone) in a NEW torch.distributed
+    group on a new port, and move ``r``'s other ranks there (p2p_jobs.rejoin); ``r`` then runs
+    jobs on the new world. Returns the new process."""
+    import multiprocessing as mp
+    import os
+
+    from gpunet.host.bootstrap import free_port
+    from mp_ranks import _worker
+
+    port = free_port()
+    sp = mp.get_context("spawn")
+    inbox, outbox = sp.Queue(), sp.Queue()
+    e = dict(env or {})
+    e["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
+    for i, q in enumerate(r.inboxes):
+        if i != rank:
+            q.put(("p2p_jobs:rejoin", (port, r.world, i)))
+    proc = sp.Process(target=_worker, args=(rank, r.world, port, inbox, outbox, e), daemon=True)
+    proc.start()
+    for i, q in enumerate(r.outboxes):
+        if i != rank:
+            status, res = q.get(timeout=120)
+            assert status == "ok" and res == "joined", (i, status, res)
+    r.inboxes[rank], r.outboxes[rank], r.procs[rank] = inbox, outbox, proc
+    return proc
+
+
+def test_a_dead_peers_mapping_is_closed_and_a_new_world_maps_the_new_peer():
+    """2 ranks over p2p, a 2 s device timeout; rank 1 exits without closing anything. Rank 0's
+    barrier raises a gpunet error within the bound, its close() returns cleanly and leaves no
+    mapping of rank 1's arena in /proc/self/maps. Then rank 0 (the same process) and a NEW rank
+    1 process form a new world: rank 0 maps the new rank 1's arena (not the dead one's, whose
+    file is still in /dev/shm), and puts both ways land byte for byte."""
+    r = Ranks(2)
+    try:
+        info = r.run("init", "p2p", 8 << 20, 2.0)
+        old_arena = info[1]["arena"]
+        for q in r.inboxes:
+            q.put(("die_if", (1,)))
+        assert r.outboxes[0].get(timeout=60) == ("ok", "alive")
+        r.procs[1].join(timeout=30)
+        r.inboxes[0].put(("p2p_jobs:survive_dead_peer", (1,)))
+        status, res = r.outboxes[0].get(timeout=120)
+        assert status == "ok", res
+        assert res["barrier"]["raised"] == "TimeoutError" and res["barrier"]["seconds"] < 20, res
+        assert res["close"]["raised"] is None, res["close"]
+        assert res["before"][1][2] == old_arena, res["before"]
+        r.inboxes[0].put(("p2p_jobs:maps_naming", ([old_arena],)))
+        assert r.outboxes[0].get(timeout=60) == ("ok", {old_arena: 0})
+        replace_rank(r, 1)
+        info2 = r.run("init", "p2p", 8 << 20, 10.0)
+        assert info2[0]["pid"] == info[0]["pid"] and info2[1]["pid"] != info[1]["pid"]
+        assert info2[1]["arena"] != old_arena
+        out = r.run("p2p_jobs:put_both_ways", 7)
+        for rank, o in enumerate(out):
+            assert all(v == 0 for v in o["wrong"].values()), (rank, o["wrong"])
+        assert out[0]["mapped"][1][2] == info2[1]["arena"], out[0]["mapped"]
+        maps = r.run("p2p_jobs:maps_naming", [old_arena])
+        assert maps[0][old_arena] == 0, maps
+    finally:
+        r.close()

@@ -437,3 +437,44 @@ def test_ipc_mappings_opened_before_a_failed_open_are_closed_with_the_transports
         assert len(closed) == 1
     finally:
         nic.close()
+
+
+@needs_gpu
+def test_a_dead_peers_ipc_mapping_is_closed_and_a_new_world_maps_the_new_peer(mps):
+    """Two rank processes on one GPU over p2p (CUDA IPC), a 2 s device timeout; rank 1 exits
+    without closing anything. Rank 0 (storing nothing into the dead peer's heap) gets a gpunet
+    error from its barrier within the bound; its close() returns without an error (the IPC
+    mapping of the dead exporter's heap is closed: cudaPointerGetAttributes no longer reports
+    device memory there). Then rank 0 (the same process) and a NEW rank 1 process form a new
+    world over p2p: rank 0 opens the new peer's handle and puts both ways (1000 bytes and 256 KiB,
+    the bulk kernel) land byte for byte."""
+    from test_p2p import replace_rank
+
+    env = dict(mps, GPUNET_PLATFORM="cuda")
+    r = Ranks(2, env=env)
+    try:
+        info = r.run("p2p_cuda_jobs:init", 8 << 20, 2.0, timeout=300)
+        for q in r.inboxes:
+            q.put(("die_if", (1,)))
+        assert r.outboxes[0].get(timeout=60) == ("ok", "alive")
+        r.procs[1].join(timeout=60)
+        r.inboxes[0].put(("p2p_jobs:survive_dead_peer", (1,)))
+        status, res = r.outboxes[0].get(timeout=120)
+        assert status == "ok", res
+        assert res["barrier"]["raised"] in ("TimeoutError", "CompletionError"), res
+        assert res["barrier"]["seconds"] < 30, res
+        assert res["close"]["raised"] is None, res["close"]
+        old_base = res["before"][1][0]
+        r.inboxes[0].put(("p2p_cuda_jobs:pointer_type", (old_base,)))
+        status, (rc, kind) = r.outboxes[0].get(timeout=60)
+        assert status == "ok" and (rc != 0 or kind != MEMORY_TYPE_DEVICE), (rc, kind)
+        replace_rank(r, 1, env)
+        info2 = r.run("p2p_cuda_jobs:init", 8 << 20, 20.0, timeout=300)
+        assert info2[0]["pid"] == info[0]["pid"] and info2[1]["pid"] != info[1]["pid"]
+        assert info2[0]["mapped_peers"] == [1] and info2[1]["mapped_peers"] == [0], info2
+        out = r.run("p2p_jobs:put_both_ways", 11, timeout=300)
+        for rank, o in enumerate(out):
+            assert o["wrong"] == {1000: 0, SLOT: 0}, (rank, o["wrong"])
+        r.run("p2p_cuda_jobs:close", timeout=120)
+    finally:
+        r.close()

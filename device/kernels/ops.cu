@@ -1,7 +1,7 @@
 // The op-list kernel over gpunet.cuh behind the Python API's host wrappers (gpunet/_launch.py):
-// each thread runs its own OpDesc list, then quiet; and the bulk put (k_put_bulk), where the whole
-// grid shares one list of puts. One source for every arm: g++ -x c++ (HOST)
-// and nvcc (CUDA). The test kernels are in device/testing/kernels/.
+// each thread runs its own OpDesc list, then quiet; the bulk put (k_put_bulk), where the whole
+// grid shares one list of puts; and one put to a p2p peer (k_put_p2p), a plain copy kernel. One
+// source for every arm: g++ -x c++ (HOST) and nvcc (CUDA). The test kernels are in device/testing/kernels/.
 #include <gpunet/gpunet.cuh>
 
 namespace arch = gpunet::arch;
@@ -137,14 +137,18 @@ GPUNET_GLOBAL void k_put_bulk(const DevCtx* ctx, OpDesc* ops, uint32_t nops, uin
   if (ok && arch::thread_rank() == 0) gpunet::quiet(*ctx);
 }
 
-// One put, its fields passed by value: nothing to read from the host (on a GPU every load of an
-// OpDesc in host-mapped memory is a PCIe round trip, ~1.5 us, before the first store: the H200
-// measured a 5.5 us floor per 4 KiB put through the list).
-GPUNET_GLOBAL void k_put_bulk1(const DevCtx* ctx, uint64_t dst, uint64_t src, uint64_t nbytes,
-                               int32_t pe, uint64_t chunk) {
-  const bool ok = put_chunks(*ctx, dst, src, nbytes, pe, chunk, 0);
-  arch::syncthreads();
-  if (ok && arch::thread_rank() == 0) gpunet::quiet(*ctx);
+// One put to a p2p peer whose mapping the host resolved: `dst` is the peer's bytes as mapped in
+// this process (PeerDesc::remote_base + offset), the range checked on the host (gpunet/_launch.py
+// Launcher). The grid copies it (transport/p2p.cuh P2p::copy_grid: nothing read but the source,
+// no fence; complete at the kernel's end). Unroll: 16-byte loads in flight per thread; Plain:
+// weak vector stores (bench/p2p.py's copy sweep measures the four).
+// It names P2p below the verbs on purpose: a verb would read the DevCtx, the PeerDesc and the
+// Status first, three dependent memory round trips for what the host already knows.
+template <uint32_t Unroll, bool Plain>
+GPUNET_GLOBAL void k_put_p2p(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t chunk) {
+  gpunet::transport::P2p::copy_grid<Unroll, Plain>(reinterpret_cast<uint8_t*>(dst),
+                                                   reinterpret_cast<const uint8_t*>(src), nbytes,
+                                                   chunk);
 }
 
 inline gpunet::LaunchSpec spec(uint32_t grid, uint32_t block, uint32_t ws, uint32_t weak, uint64_t seed,
@@ -213,16 +217,22 @@ int gpunet_put_bulk_launch(uint32_t grid, uint32_t block, uint32_t ws, uint32_t 
   return gpunet::launch_kernel(s, k_put_bulk, ctx, static_cast<OpDesc*>(ops), nops, chunk);
 }
 
-// k_put_bulk1 (one put by value; failures only in the Status block), as gpunet_put_bulk_launch.
-int gpunet_put_bulk1_launch(uint32_t grid, uint32_t block, uint32_t ws, uint32_t weak, uint64_t seed,
-                            uint32_t order, uint32_t sleep_ns, const DevCtx* ctx, uint64_t dst,
-                            uint64_t src, uint64_t nbytes, int32_t pe, uint64_t chunk, void* stream,
-                            uint32_t sync) {
-  if (chunk == 0) return -1;
-  gpunet::LaunchSpec s = spec(grid, block, ws, weak, seed, order, sleep_ns);
+// k_put_p2p (see there) on grid x block threads: `dst` mapped, `src` local, chunk > 0 bytes (a
+// multiple of 256). variant: bit 0 Unroll 8 (else 4), bit 1 weak stores (else volatile).
+// HOST: ws = the emulated warp; GPUs: `stream` and `sync` as gpunet_ops_launch_stream.
+int gpunet_put_p2p_launch(uint32_t grid, uint32_t block, uint32_t ws, uint64_t dst, uint64_t src,
+                          uint64_t nbytes, uint64_t chunk, uint32_t variant, void* stream,
+                          uint32_t sync) {
+  if (chunk == 0 || (chunk & 255) != 0 || variant > 3) return -1;
+  gpunet::LaunchSpec s = spec(grid, block, ws, 0, 0, 0, 0);
   s.stream = stream;
   s.sync = sync != 0;
-  return gpunet::launch_kernel(s, k_put_bulk1, ctx, dst, src, nbytes, pe, chunk);
+  switch (variant) {
+    case 0: return gpunet::launch_kernel(s, k_put_p2p<4, false>, dst, src, nbytes, chunk);
+    case 1: return gpunet::launch_kernel(s, k_put_p2p<8, false>, dst, src, nbytes, chunk);
+    case 2: return gpunet::launch_kernel(s, k_put_p2p<4, true>, dst, src, nbytes, chunk);
+    default: return gpunet::launch_kernel(s, k_put_p2p<8, true>, dst, src, nbytes, chunk);
+  }
 }
 
 }  // extern "C"

@@ -164,6 +164,11 @@ GPUNET_DEVICE bool compare(uint64_t v, uint32_t cmp, uint64_t value) {
 }
 }  // namespace api
 
+// Polls of a wait_until before it pauses between polls (status.cuh Spin::fast): about 0.3-0.5 ms
+// on a GPU (a poll is one round trip to L2), so a signal that comes within a round trip's
+// latency is seen at once; a longer wait backs off and leaves issue slots to other warps.
+constexpr uint32_t kWaitFastPolls = 1024;
+
 // Wait (bounded by ctx.timeout_ns) until signal_read(ctx, sig_addr) `cmp` value holds. true when it
 // holds; false on timeout or an earlier failure. A timeout records what waited: SITE_WAIT_UNTIL,
 // the word's address and heap offset, the comparison, expected = value, observed = the last value
@@ -173,6 +178,7 @@ GPUNET_DEVICE bool wait_until(const DevCtx& ctx, const uint64_t* sig_addr, uint3
   const Waiter w = api::waiter(ctx);
   Spin spin;
   spin.progress = false;  // a user's word under any comparison: a plain bound (status.cuh Spin)
+  spin.fast = kWaitFastPolls;
   uint64_t v = signal_read(ctx, sig_addr);
   while (!api::compare(v, cmp, value)) {
     if (!spin.keep_going(w, v, [&](Failure& f) {

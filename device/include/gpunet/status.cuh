@@ -160,15 +160,20 @@ GPUNET_DEVICE void record_bad_argument(const Waiter& w, uint32_t site, uint32_t 
 // ring (no completion for timeout_ns) still fails. The distance to the target is finite and every
 // step restarts a finite clock, so the wait stays bounded. Status::waited_ns is the time since the
 // last progress. wait_until (a user's word, any comparison) sets progress = false: a plain bound.
+// `fast`: spins before the first pause (0: pause from the first). A wait whose word is in device
+// memory and whose latency is the point (wait_until: a p2p signal's round trip) polls at the
+// load's own pace first: each poll is one memory round trip, and a pause there adds its sleep
+// to the moment the word changes.
 struct Spin {
   uint64_t t0 = 0;
   uint64_t last = 0;
   uint32_t n = 0;
+  uint32_t fast = 0;
   bool progress = true;
   template <class Describe>
   GPUNET_DEVICE bool keep_going(const Waiter& w, uint64_t observed, Describe describe) {
     if ((n++ % kCheckEvery) != 0) {
-      arch::spin_pause();
+      if (n > fast) arch::spin_pause();
       return true;
     }
     if (failed(w)) return false;
@@ -185,7 +190,7 @@ struct Spin {
       record_failure(w.st, f);
       return false;
     }
-    arch::spin_pause();
+    if (n > fast) arch::spin_pause();
     return true;
   }
 };

@@ -79,32 +79,49 @@ struct P2p {
   struct alignas(16) V2 {
     uint64_t a, b;
   };
-  template <class T>
+  // Plain = false: the stores are store_relaxed(_v2) (volatile: strong at system scope on CUDA);
+  // Plain = true: store_weak_v2 for the 16-byte units, the weak vector store a copy kernel uses
+  // (only the host-resolved bulk put, whose visibility is the kernel's end, takes it; which one
+  // is faster is measured by bench/p2p.py's copy sweep).
+  template <bool Plain = false, class T>
   static GPUNET_DEVICE void store_unit(uint8_t* dst, uint64_t i, const T& v) {
-    if constexpr (sizeof(T) == 16)
+    if constexpr (sizeof(T) == 16 && Plain)
+      arch::store_weak_v2(reinterpret_cast<uint64_t*>(dst) + 2 * i, v.a, v.b);
+    else if constexpr (sizeof(T) == 16)
       arch::store_relaxed_v2(reinterpret_cast<uint64_t*>(dst) + 2 * i, v.a, v.b);
     else
       arch::store_relaxed(reinterpret_cast<T*>(dst) + i, v);
   }
-  // Rounds of kUnroll units per thread: the loads of a round are issued before its stores, so a
-  // thread has kUnroll loads in flight instead of one (the stores are volatile asm with a memory
+  // Rounds of Unroll units per thread: the loads of a round are issued before its stores, so a
+  // thread has Unroll loads in flight instead of one (the stores are volatile asm with a memory
   // clobber: nothing moves across them, and one load per store would expose the whole load
-  // latency per unit; bench/p2p.py measures the bandwidth this buys).
+  // latency per unit; bench/p2p.py measures the bandwidth this buys, and its copy sweep the
+  // bulk put's Unroll 4 vs 8).
   static constexpr uint32_t kUnroll = 4;
-  template <class T>
+  template <class T, uint32_t Unroll = kUnroll, bool Plain = false>
   static GPUNET_DEVICE void copy_units(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t me,
                                        uint32_t count) {
     const uint64_t units = n / sizeof(T);
     const T* s = reinterpret_cast<const T*>(src);
     uint64_t i = me;
-    for (; i + (kUnroll - 1) * uint64_t(count) < units; i += kUnroll * uint64_t(count)) {
-      T v[kUnroll];
+    for (; i + (Unroll - 1) * uint64_t(count) < units; i += Unroll * uint64_t(count)) {
+      T v[Unroll];
 #pragma unroll
-      for (uint32_t u = 0; u < kUnroll; ++u) v[u] = s[i + u * uint64_t(count)];
+      for (uint32_t u = 0; u < Unroll; ++u) v[u] = s[i + u * uint64_t(count)];
 #pragma unroll
-      for (uint32_t u = 0; u < kUnroll; ++u) store_unit(dst, i + u * uint64_t(count), v[u]);
+      for (uint32_t u = 0; u < Unroll; ++u) store_unit<Plain>(dst, i + u * uint64_t(count), v[u]);
     }
-    for (; i < units; i += count) store_unit(dst, i, s[i]);
+    // the last partial round (fewer than Unroll units left for this thread): guarded, but still
+    // every load before the first store
+    if (i < units) {
+      T v[Unroll];
+#pragma unroll
+      for (uint32_t u = 0; u < Unroll; ++u)
+        if (i + u * uint64_t(count) < units) v[u] = s[i + u * uint64_t(count)];
+#pragma unroll
+      for (uint32_t u = 0; u < Unroll; ++u)
+        if (i + u * uint64_t(count) < units) store_unit<Plain>(dst, i + u * uint64_t(count), v[u]);
+    }
   }
   static GPUNET_DEVICE void copy_bytes(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t me,
                                        uint32_t count) {
@@ -113,6 +130,7 @@ struct P2p {
   // The cooperative copy every put and get uses: bytes up to dst's alignment of the widest unit
   // dst and src share that is not wider than n, that unit (16 bytes when they share 16-byte
   // alignment: one vector store), then the tail bytes.
+  template <uint32_t Unroll = kUnroll, bool Plain = false>
   static GPUNET_DEVICE void copy(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t me,
                                  uint32_t count) {
     const uintptr_t mis = uintptr_t(dst) ^ uintptr_t(src);
@@ -126,7 +144,7 @@ struct P2p {
     uint8_t* d = dst + head;
     const uint8_t* s = src + head;
     switch (unit) {
-      case 16: copy_units<V2>(d, s, body, me, count); break;
+      case 16: copy_units<V2, Unroll, Plain>(d, s, body, me, count); break;
       case 8: copy_units<uint64_t>(d, s, body, me, count); break;
       case 4: copy_units<uint32_t>(d, s, body, me, count); break;
       case 2: copy_units<uint16_t>(d, s, body, me, count); break;
@@ -135,11 +153,38 @@ struct P2p {
     copy_bytes(d + body, s + body, n - head - body, me, count);
   }
 
+  // The Status word is read FIRST and its value used last: its load is in flight with the
+  // source's, not one more memory round trip after the stores (a p2p put's latency is a chain
+  // of such round trips: bench/p2p.py's ping-pong). A failure recorded meanwhile by another
+  // thread is seen by this thread's next call or wait.
+  // The bulk put whose peer mapping the HOST resolved (ops.cu k_put_p2p; gpunet/_launch.py
+  // checked the range against the peer's live allocation and took `dst` from the PeerDesc's
+  // remote_base): block b of the grid copies chunks b, b + blocks, ... of `chunk` bytes (a
+  // multiple of 256, so every chunk keeps the put's alignment) of [src, src + n) to dst, its
+  // threads together (copy). It reads nothing but the source: no DevCtx, no PeerDesc, no Status
+  // (a copy between two valid ranges cannot fail), and it ends without a fence: a grid's
+  // memory operations are performed before its stream sees it complete, and that completion is
+  // what quiet (a stream synchronisation) waits for. Each of those reads or a fence was one more
+  // memory round trip per put in the H200's 4.3 us vs 2.2 us for cudaMemcpyAsync of 4 KiB.
+  template <uint32_t Unroll, bool Plain>
+  static GPUNET_DEVICE void copy_grid(uint8_t* dst, const uint8_t* src, uint64_t n,
+                                      uint64_t chunk) {
+    const arch::Dim3 g = arch::grid_dim(), b = arch::block_idx(), bd = arch::block_dim();
+    const uint64_t blocks = uint64_t(g.x) * g.y * g.z;
+    const uint64_t me = b.x + uint64_t(g.x) * (b.y + uint64_t(g.y) * b.z);
+    const uint32_t threads = bd.x * bd.y * bd.z, t = arch::thread_rank();
+    for (uint64_t off = me * chunk; off < n; off += blocks * chunk) {
+      const uint64_t len = n - off < chunk ? n - off : chunk;
+      copy<Unroll, Plain>(dst + off, src + off, len, t, threads);
+    }
+  }
+
   static GPUNET_DEVICE bool put_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p, int pe,
                                     void* dst_sym, const void* src, uint64_t nbytes) {
+    const bool was_failed = failed(w);
     if (!in_heap(ctx, w, pe, dst_sym, nbytes)) return false;
     copy(mapped(ctx, p, dst_sym), static_cast<const uint8_t*>(src), nbytes, 0, 1);
-    return !failed(w);
+    return !was_failed;
   }
 
   // Every put reads its source before it returns: the inline promise holds as is.
@@ -214,16 +259,20 @@ struct P2p {
   static GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, const Waiter& w, const PeerDesc& p,
                                            int pe, void* dst_sym, const void* src, uint64_t nbytes,
                                            uint64_t* sig_sym, uint64_t value, uint32_t sig_op) {
+    const bool was_failed = failed(w);  // read first, used before the signal (see put_nbi)
     if (sig_op != SIGNAL_SET && !may_load(w, p, pe, 3)) return false;
-    if (!in_heap(ctx, w, pe, sig_sym, 8, true) || !put_nbi(ctx, w, p, pe, dst_sym, src, nbytes))
+    if (!in_heap(ctx, w, pe, sig_sym, 8, true) || !in_heap(ctx, w, pe, dst_sym, nbytes))
       return false;
+    copy(mapped(ctx, p, dst_sym), static_cast<const uint8_t*>(src), nbytes, 0, 1);
+    if (was_failed) return false;  // no signal once the context failed: the waiter fails too
     uint64_t* sig = reinterpret_cast<uint64_t*>(mapped(ctx, p, sig_sym));
     if (sig_op == SIGNAL_SET) {
       // a release store: the payload stores before it (and, being cumulative, those other
-      // threads made before a barrier with this one) are visible before it; one system-scope
-      // release per signal, not a fence and then a release (bench/p2p.py's round trip)
+      // threads made before a barrier with this one) are visible before it; one release per
+      // signal, not a fence and then a release, and no Status read after it (bench/p2p.py's
+      // round trip)
       signal_store(p, sig, api::signal_order(ctx, value));
-      return !failed(w);
+      return true;
     }
     signal_release(p);  // the CAS is a relaxed RMW: this fence orders the payload before it
     uint64_t old = 0;
