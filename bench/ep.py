@@ -138,6 +138,29 @@ def _aligner(gpu, nccl_group, ctx):
     return align, "gpunet device barrier on the stream (Context.barrier(blocking=False))"
 
 
+def _rank_start(rank, world, cfg, **buffer_kwargs):
+    """A bench rank's start (bench/ep.py, bench/ep_ht.py): on the GPU its device (rank % the device
+    count) and, with one rank per GPU (and not cfg["no_nccl"]), an NCCL group; the Buffer with
+    ``buffer_kwargs`` (explicitly destroyed; cfg's transport and timeout_s) and the aligner.
+    Returns (buf, dev, nccl group or None, align, how it aligns)."""
+    import torch
+    import torch.distributed as dist
+
+    from gpunet.ep import Buffer
+
+    dev, nccl = "cpu", None
+    if cfg["gpu"]:
+        ngpu = torch.cuda.device_count()
+        torch.cuda.set_device(rank % ngpu)
+        dev = "cuda"
+        if 2 <= world <= ngpu and not cfg["no_nccl"]:
+            nccl = dist.new_group(backend="nccl")
+    buf = Buffer(dist.group.WORLD, explicitly_destroy=True, transport=cfg["transport"],
+                 timeout_s=cfg["timeout_s"], **buffer_kwargs)
+    align, how = _aligner(cfg["gpu"], nccl, buf.runtime)
+    return buf, dev, nccl, align, how
+
+
 def _expert_scale(num_experts, device):
     """Per global expert, a power of two (0.5, 1, 2) so scaled bf16 rows stay exact and combine
     shows which expert a row came back from."""
@@ -185,21 +208,12 @@ def _rank_bench(rank, world, cfg):
     from gpunet.ep.demo import buffer_transport
 
     gpu = cfg["gpu"]
-    dev = "cpu"
-    nccl = None
-    if gpu:
-        ngpu = torch.cuda.device_count()
-        torch.cuda.set_device(rank % ngpu)
-        dev = "cuda"
-        if 2 <= world <= ngpu and not cfg["no_nccl"]:
-            nccl = dist.new_group(backend="nccl")
     H, K, E = cfg["hidden"], cfg["topk"], cfg["experts"]
     e_loc = E // world
     t_cap = max(cfg["sweep"])
     hint = Buffer.get_low_latency_rdma_size_hint(t_cap, H, world, E)
-    buf = Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=e_loc,
-                 explicitly_destroy=True, transport=cfg["transport"], timeout_s=cfg["timeout_s"])
-    align, align_how = _aligner(gpu, nccl, buf.runtime)
+    buf, dev, nccl, align, align_how = _rank_start(rank, world, cfg, num_rdma_bytes=hint,
+                                                   low_latency_mode=True, num_qps_per_rank=e_loc)
     scale = _expert_scale(E, dev)
     results = {"rank": rank, "points": [], "align": align_how,
                "transport": buffer_transport(buf)}

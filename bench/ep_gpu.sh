@@ -8,8 +8,10 @@
 #                                        kernel): 2 ranks over p2p, then over the soft NIC; extra
 #                                        arguments in EP_PROFILE_ARGS (e.g. "--blocks 64")
 #
-# The MPS daemon is this script's own (private pipe and log folders); it changes no GPU setting
-# and is stopped on exit, whatever happens. The JSON files also land in bench/results/<date>/.
+# Each 1-GPU run gets its own private MPS daemon (python3 -m gpunet.device.testing.mps --: fresh
+# pipe and log folders, stopped when the command ends, whatever happens; it changes no GPU
+# setting; a daemon that does not start fails the run instead of timing time-sliced ranks). The
+# JSON files also land in bench/results/<date>/.
 # scripts/gpu-check.sh runs this and reads the "gate" rows of $OUT/ep_*.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,20 +29,9 @@ if [ "${NGPU:-0}" -lt 1 ]; then
 fi
 rc=0
 
-# --- ranks sharing one GPU, under a private MPS daemon ------------------------------------------
-export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d)
-stop_mps() {
-  if [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] && [ -e "$CUDA_MPS_PIPE_DIRECTORY/control" ]; then
-    echo quit | nvidia-cuda-mps-control >/dev/null 2>&1 || true
-    sleep 1
-  fi
-}
-trap stop_mps EXIT
-if nvidia-cuda-mps-control -d; then
-  MPS="MPS (private daemon)"
-else
-  MPS="NO MPS (nvidia-cuda-mps-control -d failed: ranks are time-sliced, figures meaningless)"
-fi
+# --- ranks sharing one GPU, each run under a private MPS daemon ---------------------------------
+MPSRUN="python3 -m gpunet.device.testing.mps --"
+MPS="MPS (private daemon per run)"
 if [ "${1:-}" = "profile" ]; then
   PARGS=${EP_PROFILE_ARGS:-}
   # p2p: the default grid and 64 blocks (is the grid too small?); then the soft NIC, default grid
@@ -49,7 +40,7 @@ if [ "${1:-}" = "profile" ]; then
     tr=$1 lim=$2
     shift 2
     echo "=== EP profile: 2 ranks on GPU 0, transport $tr, $MPS ==="
-    CUDA_VISIBLE_DEVICES=0 timeout $lim python3 bench/ep_profile.py --gpu --ranks 2 --transport $tr \
+    CUDA_VISIBLE_DEVICES=0 $MPSRUN timeout $lim python3 bench/ep_profile.py --gpu --ranks 2 --transport $tr \
         "$@" $PARGS --json "$OUT/ep_profile_$tr.json" 2>&1 | tee "$OUT/ep_profile_$tr.log"
     rc=$(( rc | ${PIPESTATUS[0]} ))
   done
@@ -57,17 +48,15 @@ if [ "${1:-}" = "profile" ]; then
   exit $rc
 fi
 echo "=== EP bench: 2 and 4 ranks on GPU 0, $MPS ==="
-CUDA_VISIBLE_DEVICES=0 python3 bench/ep.py --gpu --ranks 2,4 $EXTRA \
+CUDA_VISIBLE_DEVICES=0 $MPSRUN python3 bench/ep.py --gpu --ranks 2,4 $EXTRA \
     --json "$OUT/${PREFIX}_1gpu.json" --plot "$OUT/${PREFIX}_1gpu.png" 2>&1 | tee "$OUT/${PREFIX}_1gpu.log"
 rc=$(( rc | ${PIPESTATUS[0]} ))
 # the same over p2p: device-memory heaps opened by CUDA IPC, the kernels store into the peers'
 echo "=== EP bench: 2 and 4 ranks on GPU 0 over p2p, $MPS ==="
-CUDA_VISIBLE_DEVICES=0 python3 bench/ep.py --gpu --ranks 2,4 --transport p2p $EXTRA \
+CUDA_VISIBLE_DEVICES=0 $MPSRUN python3 bench/ep.py --gpu --ranks 2,4 --transport p2p $EXTRA \
     --json "$OUT/${PREFIX}_1gpu_p2p.json" --plot "$OUT/${PREFIX}_1gpu_p2p.png" 2>&1 \
     | tee "$OUT/${PREFIX}_1gpu_p2p.log"
 rc=$(( rc | ${PIPESTATUS[0]} ))
-stop_mps
-CUDA_MPS_PIPE_DIRECTORY= ; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 
 # --- one rank per GPU, with NCCL all_to_all_single in the same run --------------------------------
 if [ "$NGPU" -ge 2 ]; then

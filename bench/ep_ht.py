@@ -45,27 +45,18 @@ def _rank_bench(rank, world, cfg):
     import torch
     import torch.distributed as dist
 
-    from gpunet.ep import Buffer, Config
+    from gpunet.ep import Config
     from gpunet.ep import reference as ref
     from gpunet.ep.demo import buffer_transport
-    import ep as ll_bench                       # bench/ep.py: the timer and the aligner
+    import ep as ll_bench                       # bench/ep.py: the rank start, the timer
 
     gpu = cfg["gpu"]
-    dev = "cpu"
-    nccl = None
-    if gpu:
-        ngpu = torch.cuda.device_count()
-        torch.cuda.set_device(rank % ngpu)
-        dev = "cuda"
-        if 2 <= world <= ngpu and not cfg["no_nccl"]:
-            nccl = dist.new_group(backend="nccl")
     T, H, K, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
     configs = [Config(*c[:3]) for c in cfg["configs"]]
     warps = [c[3] for c in cfg["configs"]]
     nbytes = max(c.get_nvl_buffer_size_hint(H * 2, world) for c in configs)
-    buf = Buffer(dist.group.WORLD, num_nvl_bytes=nbytes, low_latency_mode=False,
-                 explicitly_destroy=True, transport=cfg["transport"], timeout_s=cfg["timeout_s"])
-    align, align_how = ll_bench._aligner(gpu, nccl, buf.runtime)
+    buf, dev, nccl, align, align_how = ll_bench._rank_start(rank, world, cfg, num_nvl_bytes=nbytes,
+                                                            low_latency_mode=False)
     res = {"rank": rank, "align": align_how, "transport": buffer_transport(buf), "fail": [],
            "buffer_bytes": nbytes}
     try:

@@ -314,6 +314,21 @@ def test_four_ranks_mixed_transports(mixed4, mode):
     _assert_round(mixed4.run("ep_ht_jobs:round_", spec), spec)
 
 
+def test_four_ranks_p2p_and_proxy_peers():
+    """4 ranks, pairs with an even sum p2p (rows stored straight into the peer's mapped ring, tails
+    and credits SET with no fence before them), the others through the proxy (staged, put, fenced):
+    every rank has both kinds of peer. BF16 tagged with varying tokens and a hot expert, then FP8
+    with a cached dispatch and two biases; every check of the round holds on every rank."""
+    r = _pool(4, "p2p+proxy", 32)
+    try:
+        assert {t for i in r.info for t in i["transports"].values()} == {"p2p", "proxy"}
+        for spec in (_spec(4, seed=45, vary_tokens=True, hot_expert=5, tagged=True),
+                     _spec(4, seed=46, fp8=True, cached=True, biases=2)):
+            _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
+    finally:
+        _close(r)
+
+
 def test_a_too_small_buffer_is_refused_on_every_rank(mixed4):
     """A Config whose rings do not fit the HT buffer is refused on every rank, before anything is
     sent, with a ConfigError naming the size hint."""

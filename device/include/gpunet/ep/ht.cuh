@@ -2,7 +2,8 @@
 // "normal" mode: training and prefill), on the user device API alone: it includes
 // <gpunet/gpunet.cuh> (through ll.cuh, whose helpers it reuses: Geo, the per-peer contexts, the
 // mask / failed words, EpStatus, the grid sync words) and moves data only with its verbs
-// (put_nbi, put_signal_nbi with SIGNAL_SET, wait_until, signal_read, quiet_pe, fence).
+// (put_nbi, put_signal_nbi with SIGNAL_SET, wait_until, signal_read, quiet_pe, fence) and plain
+// stores through gpunet::ptr into a mapped (p2p) peer's ring.
 //
 // The host side is gpunet/ep/buffer.py (addresses, sizes, the Config); device/ep.py mirrors
 // HtParams; tests/test_ep_ht.py checks it against gpunet/ep/reference.py (ht_dispatch_ref /
@@ -29,10 +30,11 @@
 //          next chunk gets up to `chunk` messages (the row — bf16, or fp8 + scales — then the
 //          meta: source token, local expert ids (-1 elsewhere), weights (0 elsewhere)), staged by
 //          all warps of the block into consecutive staging slots and put (one put, two when the
-//          ring wraps) with a SET of the tail word tail[c][me] on d to (epoch << 32 | sent). A
-//          destination without room (the receiver's credit, head[c][d] on this rank, SET by d) is
-//          only skipped for that step: a sender never blocks on one destination, so no cycle of
-//          waits can form across ranks.
+//          ring wraps; a mapped peer's messages are stored straight into its ring instead, no
+//          staging and no put), then a SET of the tail word tail[c][me] on d to
+//          (epoch << 32 | sent). A destination without room (the receiver's credit, head[c][d]
+//          on this rank, SET by d) is only skipped for that step: a sender never blocks on one
+//          destination, so no cycle of waits can form across ranks.
 //          receiver block c: polls every live source's tail, copies whatever arrived to its rows
 //          (chan_prefix[j][c] + index), SETs its credit back every `chunk` messages and at the end.
 //          A sender finishes once every destination has CONSUMED all of its messages (its final
@@ -189,22 +191,6 @@ static_assert(sizeof(HtParams) == 616, "HtParams layout is mirrored in device/ep
 
 // ---- small helpers ------------------------------------------------------------------------------
 
-// warp_copy (ll.cuh) with four 16-byte loads in flight per lane: the rings are host memory on GPUs
-// (the soft NIC's heap), where one load at a time leaves a warp waiting a PCIe round trip per step.
-GPUNET_DEVICE void warp_copy4(const Geo& g, uint64_t dst, uint64_t src, uint64_t n) {
-  const uint64_t step = uint64_t(g.ws) * 16;
-  uint64_t i = uint64_t(g.lane) * 16;
-  for (; i + 3 * step < n; i += 4 * step) {
-    const V16 a = *ptr<const V16>(src + i), b = *ptr<const V16>(src + i + step);
-    const V16 c = *ptr<const V16>(src + i + 2 * step), d = *ptr<const V16>(src + i + 3 * step);
-    *ptr<V16>(dst + i) = a;
-    *ptr<V16>(dst + i + step) = b;
-    *ptr<V16>(dst + i + 2 * step) = c;
-    *ptr<V16>(dst + i + 3 * step) = d;
-  }
-  for (; i < n; i += step) *ptr<V16>(dst + i) = *ptr<const V16>(src + i);
-}
-
 GPUNET_HOST_DEVICE uint32_t ctz64(uint64_t x) { return popc64((x & (~x + 1)) - 1); }
 
 // The count a SET word holds for this op's epoch: 0 when the word is from an earlier op.
@@ -263,8 +249,14 @@ GPUNET_DEVICE uint64_t read_count(const HtParams& P, uint32_t kind, uint32_t hea
 }
 
 // SET peer p's word (tail of channel c for this rank as source, or head as destination) to
-// (epoch << 32 | n), after the payload put before it (same QP / channel: in order). The caller
-// fenced its stores. false: the verb failed (the caller marks the peer).
+// (epoch << 32 | n), after the payload put before it (same QP / channel: in order), and after
+// what the block stored or loaded before its last barrier (the rows staged or stored into p's
+// ring, the rows read out of this rank's ring before a credit). A NIC peer: fence() first (the
+// NIC reads the staging from memory). A mapped peer (p2p): the SET is itself a release store
+// (transport/p2p.cuh signal_store; device scope when p's heap is on this GPU), cumulative over
+// the block barrier, so the system fence (~1-2 us on the H200, one per step and destination) is
+// not needed: the p2p rounds of tests/test_ep_ht.py (ht_then_ll) and the bench's bit-exact
+// check on the H200 guard it. false: the verb failed (the caller marks the peer).
 GPUNET_DEVICE bool write_count(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c,
                                uint32_t p, uint64_t epoch, uint64_t n) {
   const uint64_t v = (epoch << 32) | n;
@@ -275,7 +267,8 @@ GPUNET_DEVICE bool write_count(const HtParams& P, uint32_t kind, uint32_t head, 
   }
   uint64_t* w = head ? ht_head(P, kind, c, P.base.rank) : ht_tail(P, kind, c, P.base.rank);
   const DevCtx& cx = peer_ctx(P.base, p);
-  return fence(cx) && put_signal_nbi(cx, w, w, 0, w, v, int(p), SIGNAL_SET);
+  const bool mapped = gpunet::ptr(cx, w, int(p)) != nullptr;
+  return (mapped || fence(cx)) && put_signal_nbi(cx, w, w, 0, w, v, int(p), SIGNAL_SET);
 }
 
 // ---- notify (dispatch, block 0) ---------------------------------------------------------------
@@ -688,7 +681,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
       const uint64_t idx = *ws_word(P, 1, c, j, WS_SENT) + m;
       const uint64_t msg = slot_addr(P, P.recv_ring, c, j, idx);
       const uint64_t pos = uint64_t(pre[uint64_t(j) * (nc + 1) + c]) + idx;
-      warp_copy4(g, P.out_x + pos * row_bytes, msg, row_bytes);
+      warp_copy(g, P.out_x + pos * row_bytes, msg, row_bytes);
       if (fp8)
         for (uint32_t q = g.lane; q < G; q += g.ws)
           ptr<float>(P.out_scales)[pos * G + q] = ptr<const float>(msg + H)[q];
