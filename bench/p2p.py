@@ -110,7 +110,7 @@ def _memcpy_async(gpu):
 
 def _time_batch(ctx, fn, iters, gpu):
     """Seconds per call of ``fn`` over a batch of ``iters`` (GPU: stream time of a batch queued
-    while the stream was held; returns (seconds, held))."""
+    while the stream was held); returns (seconds, held, host seconds per call to queue it)."""
     import torch
 
     if not gpu:
@@ -118,7 +118,8 @@ def _time_batch(ctx, fn, iters, gpu):
         for _ in range(iters):
             fn()
         ctx.quiet()
-        return (time.perf_counter() - t0) / iters, True
+        dt = (time.perf_counter() - t0) / iters
+        return dt, True, dt
     ctx.quiet()                       # every earlier launch done: the ops ring is empty
     hold = 0.002
     for _ in range(6):
@@ -127,17 +128,19 @@ def _time_batch(ctx, fn, iters, gpu):
         torch.cuda._sleep(int(hold * HOLD_GPU_HZ))
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
+        t1 = time.perf_counter()
         for _ in range(iters):
             fn()
+        queue = (time.perf_counter() - t1) / iters
         e1.record()
         held = not e0.query()         # the stream had not reached e0 when queuing finished
         issue = time.perf_counter() - t0
         e1.synchronize()
         ctx.quiet()
         if held:
-            return e0.elapsed_time(e1) * 1e-3 / iters, True
+            return e0.elapsed_time(e1) * 1e-3 / iters, True, queue
         hold = max(2 * hold, 3 * issue)
-    return e0.elapsed_time(e1) * 1e-3 / iters, False
+    return e0.elapsed_time(e1) * 1e-3 / iters, False, queue
 
 
 def _bandwidth_rows(ctx, src, dst, dst_mapped, cfg):
@@ -164,10 +167,39 @@ def _bandwidth_rows(ctx, src, dst, dst_mapped, cfg):
             for fn in order:
                 t[fn] = _time_batch(ctx, fn, it, gpu)
             runs.append({"put_s": t[put][0], "memcpy_s": t[mem][0],
-                         "held": bool(t[put][1] and t[mem][1])})
+                         "held": bool(t[put][1] and t[mem][1]),
+                         "put_host_s": t[put][2], "memcpy_host_s": t[mem][2]})
         rows.append({"bytes": n, "iters": it, "runs": runs,
                      "bulk_geometry": ctx._launcher.bulk("p2p", n)})
     return rows
+
+
+def _profile_put(ctx, src, dst, n=4096, calls=2000):
+    """cProfile of ``calls`` gpunet.put of ``n`` bytes (the host side: Python, the ctypes launch;
+    the GPU runs them as they come): the top functions by own time, as text lines."""
+    import cProfile
+    import io
+    import pstats
+
+    import gpunet
+
+    remote = ctx.remote(1, dst)
+    part = src[:n]
+    gpunet.put(remote, part)
+    ctx.quiet()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(calls):
+        gpunet.put(remote, part)
+    prof.disable()
+    dt = time.perf_counter() - t0
+    ctx.quiet()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+    lines = [x for x in buf.getvalue().splitlines() if x.strip()]
+    return {"bytes": n, "calls": calls, "us_per_call_profiled": dt / calls * 1e6,
+            "top": lines[-14:]}
 
 
 def _sweep_rows(ctx, src, dst_mapped, cfg):
@@ -271,12 +303,13 @@ def _rank(rank, world, cfg):
         wrong = int((dst.cpu() != ((torch.arange(maxn) * 7) % 251).to(torch.uint8)).sum()) \
             if rank == 1 else 0
         ctx.barrier()
-        rows, sweep = [], []
+        rows, sweep, profile = [], [], None
         if rank == 0:
             mapped = ctx._transports.peer_heaps[1].base + (dst.data_ptr() - ctx.heap_base)
             rows = _bandwidth_rows(ctx, src, dst, mapped, cfg)
             if gpu:
                 sweep = _sweep_rows(ctx, src, mapped, cfg)
+            profile = _profile_put(ctx, src, dst)
         # a host barrier: rank 1 must not spin in a device wait (bounded by timeout_s, and an SM
         # polling memory) while rank 0 measures
         dist.barrier()
@@ -288,7 +321,7 @@ def _rank(rank, world, cfg):
                 "peer_same_device": bool(flags & abi.P2P_SAME_DEVICE)}
         every = [None] * world
         dist.all_gather_object(every, info)
-        return {"rows": rows, "sweep": sweep, "rtt_us": rtt, "ranks": every}
+        return {"rows": rows, "sweep": sweep, "profile": profile, "rtt_us": rtt, "ranks": every}
     finally:
         ctx.close()
 
@@ -319,6 +352,9 @@ def _summarize(res, cfg):
             row[k], row[k + "_min"], row[k + "_max"] = _stats(xs)
         row["put_us"] = statistics.median(x["put_s"] for x in r["runs"]) * 1e6
         row["memcpy_us"] = statistics.median(x["memcpy_s"] for x in r["runs"]) * 1e6
+        # host time to queue one call (Python + launch), not part of the GPU figures above
+        row["put_host_us"] = statistics.median(x["put_host_s"] for x in r["runs"]) * 1e6
+        row["memcpy_host_us"] = statistics.median(x["memcpy_host_s"] for x in r["runs"]) * 1e6
         rows.append(row)
         if n >= TARGET_RATIO_FROM:
             ratios_from.append((n, row["ratio"]))
@@ -351,7 +387,7 @@ def _size(n):
     return "%d MiB" % (n >> 20) if n >= (1 << 20) else "%d KiB" % (n >> 10)
 
 
-def _details(pp, sweep):
+def _details(pp, sweep, profile=None):
     """The ping-pong's modes and the copy sweep (printed before the main table, which a gate log's
     tail keeps)."""
     lines = []
@@ -360,6 +396,11 @@ def _details(pp, sweep):
         for m in pp["modes"]:
             lines.append("  mode %d %-30s %.2f us [%.2f, %.2f]" % (m["mode"], m["name"], m["rtt_us"],
                                                                   m["rtt_us_min"], m["rtt_us_max"]))
+    if profile:
+        lines.append("host side of gpunet.put (%d B; cProfile of %d calls, %.1f us a call under "
+                     "the profiler), top by own time:" % (profile["bytes"], profile["calls"],
+                                                          profile["us_per_call_profiled"]))
+        lines.extend("  " + x for x in profile["top"])
     if sweep:
         lines.append("copy sweep (ops.cu k_put_p2p; variant, bytes per block / threads): put us, "
                      "median of the runs")
@@ -372,16 +413,17 @@ def _details(pp, sweep):
 
 def _table(rows, pp, head, yard):
     lines = [head, ""]
-    fmt = "%9s %6s  %12s %12s  %12s %12s  %6s %12s  %s"
+    fmt = "%9s %6s  %10s %10s  %12s %10s  %6s %12s  %5s  %s"
     lines.append(fmt % ("bytes", "iters", "put us", "put GB/s", yard[:12] + " us", "GB/s",
-                        "ratio", "ratio range", "held"))
-    lines.append("-" * 104)
+                        "ratio", "ratio range", "held", "host us/call (put, copy)"))
+    lines.append("-" * 112)
     for r in rows:
         lines.append(fmt % (_size(r["bytes"]), r["iters"], "%.2f" % r["put_us"],
                             "%.1f" % r["put_GBps"], "%.2f" % r["memcpy_us"],
                             "%.1f" % r["memcpy_GBps"], "%.2f" % r["ratio"],
                             "[%.2f, %.2f]" % (r["ratio_min"], r["ratio_max"]),
-                            "yes" if r["held"] else "NO"))
+                            "yes" if r["held"] else "NO",
+                            "%.1f, %.1f" % (r["put_host_us"], r["memcpy_host_us"])))
     if pp:
         lines.append("")
         lines.append("put_signal ping-pong (8 bytes, SET), round trip: median %.2f us [%.2f, %.2f] "
@@ -448,7 +490,8 @@ def main(argv=None):
             % ("GPU " + m.get("gpu", "?") if args.gpu else "CPU", m["date"], mps_note,
                cfg["yardstick"], args.runs))
     sweep = res.get("sweep", []) if res else []
-    print(_details(pp, sweep))
+    profile = res.get("profile") if res else None
+    print(_details(pp, sweep, profile))
     print(_table(rows, pp, head, cfg["yardstick"]))
     for g in gate:
         print("%-6s %-7s %s  %s" % (g["kind"], g["result"], g["name"], g["figure"]))
@@ -458,7 +501,8 @@ def main(argv=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     out = {"what": "gpunet p2p put bandwidth and put_signal ping-pong", "config": cfg,
            "ranks": res["ranks"] if res else None,
-           "mps": mps_note, "rows": rows, "pingpong": pp, "sweep": sweep, "gate": gate,
+           "mps": mps_note, "rows": rows, "pingpong": pp, "sweep": sweep, "put_profile": profile,
+           "gate": gate,
            "machine": m,
            "wall_s": time.monotonic() - t0}
     with open(path, "w") as f:

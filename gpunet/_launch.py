@@ -63,6 +63,17 @@ def bulk_geometry(nbytes, gpu, warp_size, sms=0, per_block=BULK_BYTES_PER_BLOCK,
     return grid, block, chunk
 
 
+def current_stream_handle(device=None):
+    """The raw cudaStream_t of torch's current stream on ``device`` (None: the current device):
+    torch's private _cuda_getCurrentRawStream where it exists (about 1 us), else the public
+    torch.cuda.current_stream(device).cuda_stream, which took 30-44 us of each call's host time
+    on the H200 (bench/RESULTS.md, the EP LL profile)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(torch.cuda.current_device() if device is None else device)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 class Launcher(Resource):
     """Runs op lists for one Context. ``nic``: where the CUDA ring lives (``nic.alloc``);
     ``gpu``: launch on CUDA (else the HOST arm); ``warp_size``: the launches' warp size. ``dev``
@@ -77,6 +88,7 @@ class Launcher(Resource):
 
         self._gpu = gpu
         self._sms = 0                 # GPU: the device's SM count, read at the first bulk put
+        self._device = torch.cuda.current_device() if gpu else None   # the Context's GPU
         self.dev = None
         self.warp_size = warp_size
         self.launch = Launch(grid=1, block=1, warp_size=warp_size)
@@ -183,8 +195,9 @@ class Launcher(Resource):
                                               chunk, BULK_P2P_VARIANT, stream, sync)
 
     def stream(self):
-        """The stream launches go on: torch's current CUDA stream handle (0 on the CPU)."""
-        return torch.cuda.current_stream().cuda_stream if self._gpu else 0
+        """The stream launches go on: torch's current CUDA stream handle (0 on the CPU), read
+        per call (the caller may switch streams between puts) through current_stream_handle."""
+        return current_stream_handle(self._device) if self._gpu else 0
 
     def sync(self, what):
         """Wait until every kernel launched so far is done (CUDA: the current stream), then take

@@ -40,6 +40,29 @@ def ctx(cuda_platform_module):                                   # tests/conftes
 
 
 @needs_gpu
+def test_launches_follow_the_callers_current_stream(ctx):
+    """The launcher's stream (gpunet/_launch.py current_stream_handle, torch's raw getter) is
+    torch's current stream, also inside ``with torch.cuda.stream(s)``; a put issued there runs
+    on s (it has landed once s is synchronized)."""
+    x = ctx.alloc((1 << 16,), torch.uint8)
+    y = ctx.alloc((1 << 16,), torch.uint8)
+    try:
+        assert ctx._launcher.stream() == torch.cuda.current_stream().cuda_stream
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            assert ctx._launcher.stream() == s.cuda_stream != torch.cuda.default_stream().cuda_stream
+            x.fill_(9)
+            gpunet.put(ctx.remote(0, y), x)
+        s.synchronize()
+        assert int((y == 9).sum()) == y.numel()
+        assert ctx._launcher.stream() == torch.cuda.current_stream().cuda_stream
+        ctx.quiet()
+    finally:
+        ctx.free(y)
+        ctx.free(x)
+
+
+@needs_gpu
 def test_alloc_is_device_memory_outside_the_nic(ctx):
     """With transport='p2p' the heap is a device allocation (cudaPointerGetAttributes: device
     memory), not inside any range the soft NIC maps, and alloc returns zeroed CUDA tensors on it
