@@ -71,6 +71,10 @@ from gpunet.resource import Resource
 from gpunet.transports import Transports, check_transport, peer_transport
 
 _OPS1 = abi.OpDesc * 1
+_SIGNAL_OPS = {"add": abi.SIGNAL_ADD, "set": abi.SIGNAL_SET}
+_CMPS = {"eq": abi.CMP_EQ, "ne": abi.CMP_NE, "ge": abi.CMP_GE, "gt": abi.CMP_GT,
+         "le": abi.CMP_LE, "lt": abi.CMP_LT}
+_SIGNAL_DTYPES = (torch.int64, torch.uint64)
 
 
 __all__ = ["Context", "Remote", "DeviceHandle", "current", "read_signal", "ALIGN", "RESERVED_BYTES"]
@@ -144,15 +148,23 @@ class Remote:
     __slots__ = ("rank", "offset", "nbytes", "_ctx", "_alloc")
 
     def __init__(self, rank, offset, nbytes, _ctx=None, _alloc=None):
-        for k, v in (("rank", rank), ("offset", offset), ("nbytes", nbytes), ("_ctx", _ctx),
-                     ("_alloc", _alloc)):
-            object.__setattr__(self, k, v)
+        # the slots' own setters (immutability is __setattr__'s): a fifth of a loop of
+        # object.__setattr__ calls, on the hot path of ctx.remote (bench/cpu_put.py's ping-pong)
+        _SET_RANK(self, rank)
+        _SET_OFFSET(self, offset)
+        _SET_NBYTES(self, nbytes)
+        _SET_CTX(self, _ctx)
+        _SET_ALLOC(self, _alloc)
 
     def __setattr__(self, name, value):
         raise AttributeError("a gpunet Remote is immutable: make another with ctx.remote()")
 
     def __repr__(self):
         return "Remote(rank=%r, offset=%r, nbytes=%r)" % (self.rank, self.offset, self.nbytes)
+
+
+_SET_RANK, _SET_OFFSET, _SET_NBYTES, _SET_CTX, _SET_ALLOC = (
+    getattr(Remote, k).__set__ for k in Remote.__slots__)
 
 
 class DeviceHandle(NamedTuple):
@@ -472,11 +484,13 @@ class Context(Resource):
         """The copy of symmetric ``tensor`` on ``rank``, from element ``offset`` on: a Remote tied
         to this Context and to ``tensor``'s allocation (checked again at every use)."""
         self._check_open()
-        rank = self._rank(rank, "remote")
+        if type(rank) is not int or not 0 <= rank < self.world_size:   # plain ints: checked
+            rank = self._rank(rank, "remote")
         a, base = self._heap.locate(tensor, "remote")
         if not tensor.is_contiguous():
             raise ConfigError("remote: tensor is not contiguous")
-        offset = _index(offset, "remote: offset")
+        if type(offset) is not int:
+            offset = _index(offset, "remote: offset")
         if not 0 <= offset <= tensor.numel():
             raise ConfigError("remote: offset %d out of range for a tensor of %d elements"
                               % (offset, tensor.numel()))
@@ -627,22 +641,24 @@ class Context(Resource):
         receiver's ``sig[i]`` is the count), in the NICs' atomic order in general
         (``atomic_endianness``), whichever transport reaches the peer: p2p, ibgda and proxy
         updates of one word agree."""
-        ops = {"add": abi.SIGNAL_ADD, "set": abi.SIGNAL_SET}
-        if not isinstance(op, str) or op not in ops:
+        if not isinstance(op, str) or op not in _SIGNAL_OPS:
             raise ConfigError("put_signal: op must be 'add' or 'set', not %r" % (op,))
         off = self._heap.offset_of(tensor, "put_signal")
-        self._check_remote(remote, tensor.nbytes, "put_signal")
+        nbytes = tensor.nbytes
+        self._check_remote(remote, nbytes, "put_signal")
         self._check_remote(signal, 8, "put_signal (signal)")
-        value = _word(value, "put_signal: value")
+        if type(value) is not int or not 0 <= value <= U64:     # plain words: checked
+            value = _word(value, "put_signal: value")
         if signal.rank != remote.rank:
             raise ConfigError("put_signal: payload and signal must be on the same rank")
         if signal.offset % 8:
             raise ConfigError("put_signal: the signal word must be 8-byte aligned")
-        self._run(self._ops(dict(kind=abi.OP_PUT_SIGNAL, pe=remote.rank,
-                                 dst=self.heap_base + remote.offset, src=self.heap_base + off,
-                                 nbytes=tensor.nbytes, sig=self.heap_base + signal.offset,
-                                 value=value, cmp=ops[op])), "put_signal",
-                  blocking=False)
+        ops = _OPS1()                 # field by field, as put() (bench/cpu_put.py's ping-pong)
+        o = ops[0]
+        o.kind, o.pe, o.dst = abi.OP_PUT_SIGNAL, remote.rank, self.heap_base + remote.offset
+        o.src, o.nbytes, o.sig = self.heap_base + off, nbytes, self.heap_base + signal.offset
+        o.value, o.cmp = value, _SIGNAL_OPS[op]
+        self._run(ops, "put_signal", blocking=False)
 
     def atomic_add(self, remote, value):
         """Atomically add ``value`` to the 8-byte word at ``remote``; returns the old value (int,
@@ -668,21 +684,23 @@ class Context(Resource):
         (an integer in -2**63 .. 2**64 - 1, compared as unsigned 64-bit):
         "eq" | "ne" | "ge" | "gt" | "le" | "lt". After it returns, every payload the signalling
         peer put before the signal is visible. Raises gpunet.TimeoutError on timeout."""
-        cmps = {"eq": abi.CMP_EQ, "ne": abi.CMP_NE, "ge": abi.CMP_GE, "gt": abi.CMP_GT,
-                "le": abi.CMP_LE, "lt": abi.CMP_LT}
-        if not isinstance(cmp, str) or cmp not in cmps:
-            raise ConfigError("wait_until: cmp must be one of %s, not %r" % (sorted(cmps), cmp))
+        if not isinstance(cmp, str) or cmp not in _CMPS:
+            raise ConfigError("wait_until: cmp must be one of %s, not %r" % (sorted(_CMPS), cmp))
         off = self._heap.offset_of(signal, "wait_until")
-        if signal.dtype not in (torch.int64, torch.uint64):
+        if signal.dtype not in _SIGNAL_DTYPES:
             raise ConfigError("wait_until: the signal tensor must be int64 (or uint64), not %s: "
                               "the NIC's atomics update 64-bit integer words" % (signal.dtype,))
-        index = _index(index, "wait_until: index")
+        if type(index) is not int:
+            index = _index(index, "wait_until: index")
         if not 0 <= index < signal.numel():
             raise ConfigError("wait_until: index %d out of range" % index)
-        value = _word(value, "wait_until: value")
-        off += 8 * index
-        self._run(self._ops(dict(kind=abi.OP_WAIT_UNTIL, pe=self.rank, dst=self.heap_base + off,
-                                 cmp=cmps[cmp], value=value)), "wait_until")
+        if type(value) is not int or not 0 <= value <= U64:     # plain words: checked
+            value = _word(value, "wait_until: value")
+        ops = _OPS1()                 # field by field, as put() (bench/cpu_put.py's ping-pong)
+        o = ops[0]
+        o.kind, o.pe, o.dst = abi.OP_WAIT_UNTIL, self.rank, self.heap_base + off + 8 * index
+        o.cmp, o.value = _CMPS[cmp], value
+        self._run(ops, "wait_until")
 
     def quiet(self):
         """Wait until every put/get/put_signal this rank issued has completed."""

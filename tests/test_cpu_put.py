@@ -126,3 +126,54 @@ def test_closed_nics_hooks_are_gone(ctx):
         assert torch.equal(x, y)
     finally:
         c2.close()
+
+
+@pytest.mark.parametrize("op,value", [("add", 1), ("set", 2**64 - 1), ("add", -1), ("set", 2**63)])
+def test_put_signal_opdesc_is_the_op_list_one(ctx, op, value):
+    """put_signal() builds its OpDesc field by field: byte for byte the op_list OpDesc of the
+    same put_signal (payload, signal address, the value as an unsigned word, ADD / SET)."""
+    x = ctx.alloc((64,), torch.uint8)
+    y = ctx.alloc((64,), torch.uint8)
+    sig = ctx.alloc((4,), torch.int64)
+    seen = []
+    ctx._launcher.run = lambda ops, *a, **k: seen.append(bytes(ops)) or (ops, None, True)
+    gpunet.put_signal(ctx.remote(0, y, 8), x[:16], ctx.remote(0, sig, 2), value, op=op)
+    want = _launch.op_list(dict(
+        kind=abi.OP_PUT_SIGNAL, pe=0, dst=y.data_ptr() + 8, src=x.data_ptr(), nbytes=16,
+        sig=sig.data_ptr() + 16, value=value % 2**64,
+        cmp=abi.SIGNAL_ADD if op == "add" else abi.SIGNAL_SET))
+    assert seen == [bytes(want)]
+
+
+@pytest.mark.parametrize("cmp,value,index", [("ge", 3, 1), ("eq", 2**64 - 1, 0), ("lt", -5, 2)])
+def test_wait_until_opdesc_is_the_op_list_one(ctx, cmp, value, index):
+    """wait_until() builds its OpDesc field by field: byte for byte the op_list OpDesc (own
+    rank, the word's address, the comparison, the value as an unsigned word)."""
+    sig = ctx.alloc((4,), torch.int64)
+    seen = []
+    ctx._launcher.run = lambda ops, *a, **k: seen.append(bytes(ops)) or (ops, None, True)
+    gpunet.wait_until(sig, value, cmp, index=index)
+    cmps = {"ge": abi.CMP_GE, "eq": abi.CMP_EQ, "lt": abi.CMP_LT}
+    want = _launch.op_list(dict(kind=abi.OP_WAIT_UNTIL, pe=ctx.rank, dst=sig.data_ptr() + 8 * index,
+                                cmp=cmps[cmp], value=value % 2**64))
+    assert seen == [bytes(want)]
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, 2**64, -(2**63) - 1, "1"])
+def test_fast_paths_still_refuse_bad_operands(ctx, bad):
+    """The plain-int fast paths of remote / put_signal / wait_until leave every other operand to
+    the full checks: a bool, a float, a string or an int outside [-2**63, 2**64) raises
+    ConfigError (never a TypeError or a silent wrap)."""
+    x = ctx.alloc((64,), torch.uint8)
+    sig = ctx.alloc((2,), torch.int64)
+    with pytest.raises(gpunet.ConfigError):
+        gpunet.put_signal(ctx.remote(0, x), x[:8], ctx.remote(0, sig, 0), bad)
+    with pytest.raises(gpunet.ConfigError):
+        gpunet.wait_until(sig, bad, "ge")
+    if not (type(bad) is int and bad >= 0):
+        with pytest.raises(gpunet.ConfigError):
+            ctx.remote(bad, x)
+        with pytest.raises(gpunet.ConfigError):
+            ctx.remote(0, x, bad)
+        with pytest.raises(gpunet.ConfigError):
+            gpunet.wait_until(sig, 0, "ge", index=bad)
