@@ -1,12 +1,26 @@
-"""Ground floor: addresses, aligned buffers and deadlines. Imports nothing from gpunet.
+"""Ground floor: addresses, aligned buffers, deadlines and process liveness. Imports nothing
+from gpunet.
 
 Every layer may use these (host/, device/, gpunet/), so this module may import only the standard
 library and numpy: importing it can never close an import cycle. tests/test_layers.py guards that
 rule (with gpunet/errors.py, gpunet/config.py and gpunet/resource.py, the floor's other modules).
 """
+import os
 import time
 
 import numpy as np
+
+
+def pid_alive(pid):
+    """False once no process ``pid`` exists on this machine (a rank that exited or was killed);
+    True while one does (also one of another user: kill(pid, 0) is then refused, not missing)."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def address_of(arr):

@@ -28,6 +28,7 @@ transport somewhere: a QP whose peer made no partner for it is left unconnected 
 (tests/test_transports.py::test_a_rank_that_never_uses_the_proxy_beside_one_that_does).
 """
 import logging
+import os
 import time
 
 import numpy as np
@@ -63,7 +64,8 @@ def _gpu_identity():
 
 def _maybe_alive(mapping):
     """False when ``mapping`` (a peer heap mapped here) says its owner's rank is gone
-    (PeerHeap.owner_alive); True when it cannot tell (CUDA IPC, or no mapping here)."""
+    (PeerHeap.owner_alive, IpcMapping.owner_alive: the exporting process exited); True when it
+    cannot tell (no mapping here)."""
     alive = getattr(mapping, "owner_alive", None)
     return alive is None or bool(alive())
 
@@ -190,7 +192,7 @@ class Transports(Resource):
                    else self.nic.export_heap(*self._heap))
         return {"qps": {k: q.info() for k, q in self._qps.items()},
                 "transports": dict(self.kinds), "p2p": p2p, "device_heap": self._device_heap,
-                "gpu": _gpu_identity() if self._gpu else None}
+                "gpu": _gpu_identity() if self._gpu else None, "pid": os.getpid()}
 
     def connect(self, everyone, dev, local_heap, mem=None, mapping=None):
         """Connect every QP to its partner on the peer and fill ``dev`` (a DeviceContext): per
@@ -235,7 +237,8 @@ class Transports(Resource):
         from gpunet.host.platform import VendorRuntimeError
         try:
             if self._gpu:
-                m = self.platform.ipc_open(everyone[p]["p2p"], everyone[p]["heap_bytes"])
+                m = self.platform.ipc_open(everyone[p]["p2p"], everyone[p]["heap_bytes"],
+                                           pid=everyone[p].get("pid"))
             else:
                 m = self.nic.map_peer_heap(everyone[p]["p2p"])
         except (ConfigError, VendorRuntimeError) as e:
@@ -259,7 +262,8 @@ class Transports(Resource):
                               "process; use transport='p2p' for it" % (p, type(self.nic).__name__))
         from gpunet.host.platform import VendorRuntimeError
         try:
-            m = self.platform.ipc_open(everyone[p]["p2p"], everyone[p]["heap_bytes"])
+            m = self.platform.ipc_open(everyone[p]["p2p"], everyone[p]["heap_bytes"],
+                                       pid=everyone[p].get("pid"))
         except (ConfigError, VendorRuntimeError) as e:
             raise ConfigError("peer %d (%s): its heap is device memory and this rank cannot map "
                               "it for the soft NIC (%s); the peer must be on this machine, alive"
@@ -367,7 +371,10 @@ class Transports(Resource):
         mapped.update(self.dma_heaps)
         one = np.ones(1, dtype=np.uint64)
         for p, m in sorted(mapped.items()):
-            self.platform.memcpy(m.base + CLOSE_SLOTS_OFF + 8 * me, one.ctypes.data, 8)
+            # never into the heap of a rank known gone: its memory may be freed (CUDA IPC: the
+            # exporter exited), the mapping is only closed (test_p2p_cuda.py's dead-peer test)
+            if _maybe_alive(m):
+                self.platform.memcpy(m.base + CLOSE_SLOTS_OFF + 8 * me, one.ctypes.data, 8)
         waiting = {p for p in range(n) if p != me and (self.kinds[p] == "p2p" or
                                                         self._device_heap)}
         if not waiting:

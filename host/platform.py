@@ -35,6 +35,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from gpunet import config
+from gpunet._floor import pid_alive
 from gpunet.errors import ClosedError, ConfigError, GpunetError, ToolchainError
 from gpunet.resource import Resource
 
@@ -466,11 +467,17 @@ class Allocation(Resource):
 
 class IpcMapping(Resource):
     """A peer process's device allocation opened here (``Platform.ipc_open``): ``base`` is its
-    first byte's device address in this process, ``nbytes`` its size; ``close()`` unmaps it
-    (cudaIpcCloseMemHandle), idempotently."""
+    first byte's device address in this process, ``nbytes`` its size, ``pid`` the exporting
+    process (None: not known); ``close()`` unmaps it (cudaIpcCloseMemHandle), idempotently."""
 
-    def __init__(self, platform, base, nbytes):
-        self.platform, self.base, self.nbytes = platform, base, nbytes
+    def __init__(self, platform, base, nbytes, pid=None):
+        self.platform, self.base, self.nbytes, self.pid = platform, base, nbytes, pid
+
+    def owner_alive(self):
+        """False once the exporting process is gone (it exited or was killed): nothing may be
+        stored into the mapping any more (gpunet/transports.py close_barrier), only closed. True
+        while it lives or when its pid is not known."""
+        return not self.closed and (self.pid is None or pid_alive(self.pid))
 
     def _release(self):
         rt = self.platform.runtime()
@@ -883,9 +890,10 @@ class Platform:
                 hint=" The address must be the start of a device allocation (cudaMalloc).")
         return bytes(h.reserved)
 
-    def ipc_open(self, handle, nbytes, device=None):
+    def ipc_open(self, handle, nbytes, device=None, pid=None):
         """Open a peer process's ``ipc_export`` handle here (lazily enabling peer access where
-        the allocation is on another GPU): an :class:`IpcMapping` of ``nbytes``. Opening a
+        the allocation is on another GPU): an :class:`IpcMapping` of ``nbytes`` (``pid``: the
+        exporting process, for IpcMapping.owner_alive). Opening a
         handle of this same process fails (the driver refuses it): use the pointer itself.
         CUDA cudaIpcOpenMemHandle (MACA mcIpcOpenMemHandle, *unverified*)."""
         if self.name == "cpu":
@@ -903,7 +911,7 @@ class Platform:
         rt.call(rt.api.ipc_open_mem_handle, ctypes.byref(p), h, rt.api.ipc_lazy_enable_peer_access,
                 hint=" The exporting process must be alive, on this node, and (several processes "
                      "on one GPU) running under one MPS daemon or the driver's IPC rules.")
-        return IpcMapping(self, p.value, int(nbytes))
+        return IpcMapping(self, p.value, int(nbytes), pid)
 
 
 _platform = None

@@ -56,6 +56,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from gpunet import mlx5
+from gpunet._floor import pid_alive
 from gpunet.device import abi
 from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.host.nic import Access, Nic, mr_region
@@ -696,16 +697,6 @@ _instance_counter = itertools.count()
 _open_nics = weakref.WeakSet()
 
 
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_arenas(min_age_s=STALE_MIN_AGE_S):
     """Unlink the /dev/shm/gpunet-<pid>-* arenas whose owner process is gone (a crashed or killed
     rank); returns their names. SoftNic calls it when it starts and when it closes, so the next
@@ -733,7 +724,7 @@ def remove_stale_arenas(min_age_s=STALE_MIN_AGE_S):
             pid = int(n.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if _pid_alive(pid):
+        if pid_alive(pid):
             continue
         path = os.path.join("/dev/shm", n)
         try:
@@ -1458,7 +1449,7 @@ class PeerHeap(Resource):
     def owner_alive(self):
         """False once the exporting rank is gone: its process exited (a killed rank leaves its
         arena file, and this mapping, behind) or its NIC was closed / marked down."""
-        return not self.closed and _pid_alive(self.pid) and int(self._a.T[H_DOWN]) == 0
+        return not self.closed and pid_alive(self.pid) and int(self._a.T[H_DOWN]) == 0
 
     def _release(self):
         self._a.close()

@@ -438,7 +438,7 @@ def test_ipc_mappings_opened_before_a_failed_open_are_closed_with_the_transports
     plat = types.SimpleNamespace(name="cuda", profile="nvidia")
     plat.runtime = lambda: rt
 
-    def ipc_open(handle, nbytes):
+    def ipc_open(handle, nbytes, pid=None):
         if handle == b"\2" * 64:
             raise VendorRuntimeError("cudaIpcOpenMemHandle failed with error 201", call="x", code=201)
         return IpcMapping(plat, 0x7f0000100000, nbytes)
@@ -501,3 +501,55 @@ def test_a_dead_peers_ipc_mapping_is_closed_and_a_new_world_maps_the_new_peer(mp
         r.run("p2p_cuda_jobs:close", timeout=120)
     finally:
         r.close()
+
+
+def _dead_pid():
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_an_ipc_mapping_knows_when_its_exporter_is_gone_and_close_stores_nothing_into_it():
+    """IpcMapping.owner_alive (host/platform.py): True for a live exporter pid or an unknown one,
+    False for an exited process or once closed. Transports.close_barrier (platform stand-in, no
+    GPU needed) then writes its close word into the live peer's mapped heap only, never into the
+    heap of the exporter that exited (its memory may be freed), and still closes that mapping."""
+    import types
+
+    from gpunet.device.descriptors import DeviceContext
+    from gpunet.host.platform import _CUDA_API, IpcMapping
+    from gpunet.host.softnic import SoftNic
+    from gpunet.transports import CLOSE_SLOTS_OFF, Transports
+
+    closed, stores = [], []
+    rt = types.SimpleNamespace(api=_CUDA_API, call=lambda name, *a: closed.append((name, a[0].value)))
+    plat = types.SimpleNamespace(name="cuda", profile="nvidia")
+    plat.runtime = lambda: rt
+    dead = _dead_pid()
+    m = IpcMapping(plat, 0x7f0000100000, 1 << 20, pid=dead)
+    assert not m.owner_alive()
+    assert IpcMapping(plat, 0x7f0000200000, 1 << 20, pid=os.getpid()).owner_alive()
+    assert IpcMapping(plat, 0x7f0000300000, 1 << 20).owner_alive()
+    bases = {1: 0x7f0000100000, 2: 0x7f0000200000}
+    pids = {1: dead, 2: os.getpid()}
+    plat.ipc_open = lambda handle, nbytes, pid=None: IpcMapping(plat, bases[handle[0]], nbytes, pid)
+    plat.ipc_export = lambda ptr: b"\0" * 64
+    plat.memcpy = lambda dst, src, n: stores.append(dst) if n == 8 else None
+    nic = SoftNic(arena_bytes=8 << 20)
+    try:
+        t = Transports(nic, plat, 0, 3, "p2p", None, heap=(0x7f0000000000, 1 << 20))
+        everyone = [dict(qps={}, p2p=bytes([r]) * 64, heap_bytes=1 << 20, pid=pids.get(r))
+                    for r in range(3)]
+        dev = DeviceContext(0x7f0000000000, 1 << 20, 0, 3, 0, 0x7f0000001000, 16, 0x7f0000002000, 1.0)
+        t.connect(everyone, dev, (0x7f0000000000, 0))
+        assert sorted(t.peer_heaps) == [1, 2]
+        silent = t.close_barrier(0.2)
+        assert stores == [bases[2] + CLOSE_SLOTS_OFF], [hex(x) for x in stores]
+        assert 1 not in silent, silent          # a gone rank is not waited for
+        t.close()
+        assert sorted(a for _, a in closed) == [bases[1], bases[2]]
+    finally:
+        nic.close()
