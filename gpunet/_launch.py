@@ -20,6 +20,7 @@ import torch
 from gpunet.device import abi
 from gpunet.device.ops import op_list  # noqa: F401 - the Context builds its op lists with it
 from gpunet.errors import ConfigError, GpunetError
+from gpunet.host import progress
 from gpunet.resource import Resource
 
 OPS_RING = 1024                   # GPU: OpDesc slots for launches in flight (64 KiB, mapped arena)
@@ -94,11 +95,11 @@ class Launcher(Resource):
         self.launch = Launch(grid=1, block=1, warp_size=warp_size)
         self._args, self._args_dev = None, None   # launch.args() + (dev.addr,), for self.dev
         self.lib = load_ops("cuda" if gpu else "host")
-        if not gpu and hasattr(nic, "register_progress"):
-            # HOST arm: a launch that waits (a quiet, a wait_until) executes this NIC's work on
-            # the caller's thread instead of waiting for the engine thread to be scheduled
-            # (host/softnic.py SoftNic.register_progress; bench/cpu_put.py).
-            nic.register_progress(self.lib)
+        if not gpu:
+            # HOST arm: a launch that waits (a quiet, a wait_until) runs the CPU engines' passes
+            # (the soft NIC's) on the caller's thread instead of waiting for their threads to be
+            # scheduled (gpunet/host/progress.py; bench/cpu_put.py)
+            progress.add_library(self.lib)
         if gpu:
             u32, vp = ctypes.c_uint32, ctypes.c_void_p
             f = self.lib.gpunet_ops_launch_stream

@@ -59,6 +59,7 @@ from gpunet import mlx5
 from gpunet._floor import pid_alive
 from gpunet.device import abi
 from gpunet.errors import ClosedError, ConfigError, GpunetError
+from gpunet.host import progress
 from gpunet.host.nic import Access, Nic, mr_region
 from gpunet.resource import Resource
 from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, address_of, atomic_cas_u64, bswap64, c_kill0,
@@ -78,7 +79,7 @@ H_ATOMIC_BE = 25                     # 1: atomics big-endian (atomic_endianness 
 H_DMA_COPY, H_DMA_SYNC, H_DMA_KIND, H_DMA_STREAM, H_DMA_SETDEV, H_DMA_DEVICE, H_DMA_ERR, \
     H_DMA_LOCK, H_DMA_COPIES = range(26, 35)
 # The executor lock: whoever executes WQEs (the engine thread, or a waiting caller through the
-# progress hook, SoftNic.register_progress) holds it for one engine_step pass, so one thread at a
+# progress hook, host/progress.py) holds it for one engine_step pass, so one thread at a
 # time runs the engine's tables, scratch and QPs. 0 free, 1 held; only ever try-locked.
 H_EXEC = 35
 DEVMAP_BASE = 160                    # words: per peer slot (addr, nbytes, mapped) of its device
@@ -667,8 +668,8 @@ PROGRESS_ARG_WORDS = 4
 @cfunc(types.int64(types.uint64), nopython=True, cache=True)
 def progress_hook(arg):
     """One engine pass on the calling thread, if no other thread is executing (the H_EXEC
-    try-lock) and the NIC is up: what a HOST-arm device thread runs while it spins (host_simt.h
-    progress hooks). Returns the WQEs done."""
+    try-lock) and the NIC is up: what a HOST-arm device thread runs while it spins (host/progress.py;
+    SoftNic registers it for its whole life). Returns the WQEs done."""
     a = i64_at(arg, PROGRESS_ARG_WORDS)
     base = a[0]
     if load_acquire_u64(base + H_DOWN * 8) != 0 or load_acquire_u64(base + H_STOP * 8) != 0:
@@ -930,7 +931,9 @@ class SoftNic(Nic):
             self._progress_arg = np.array([self._arena.base, self._peer_bases.ctypes.data,
                                            self._scratch.ctypes.data, self._segs.ctypes.data],
                                           dtype=np.int64)
-            self._progress_slots = {}    # id(lib) -> (lib, slot): register_progress
+            # waiting HOST-arm device threads run this NIC's engine pass (host/progress.py)
+            self._progress = progress.register(progress_hook.address,
+                                               self._progress_arg.ctypes.data)
             self._cpus = None if cpus is None else sorted(int(c) for c in cpus)
             self.placement = None          # {"tid", "cpus"} of the engine thread once it runs
             self._thread = threading.Thread(target=self._engine_thread, name="softnic-engine-%s" % tag,
@@ -945,43 +948,11 @@ class SoftNic(Nic):
         self.placement = engine_thread_start(self._cpus)
         engine_run(self._arena.base, self._peer_bases, self._scratch, self._segs, -1)
 
-    def register_progress(self, lib):
-        """Let the HOST-arm device threads of ``lib`` (a library built for arch "host": it
-        exports gpunet_host_progress_add / _remove, device/include/gpunet/host_simt.h) execute
-        this NIC's work while they spin, under the executor lock (``progress_hook``): a caller
-        waiting for its completion then runs the WQEs on its own thread rather than waiting for
-        the engine thread to be scheduled. The engine thread keeps running (for work nobody waits
-        for). Idempotent per library; undone by close(). Returns True when registered (False: the
-        library has no hook table or all its slots are taken)."""
-        self._check_open()
-        key = id(lib)
-        with self._lock:
-            if key in self._progress_slots:
-                return True
-            add = getattr(lib, "gpunet_host_progress_add", None)
-            if add is None:
-                return False
-            import ctypes
-            add.argtypes, add.restype = [ctypes.c_void_p, ctypes.c_uint64], ctypes.c_int
-            lib.gpunet_host_progress_remove.argtypes = [ctypes.c_int]
-            lib.gpunet_host_progress_remove.restype = ctypes.c_int
-            slot = add(progress_hook.address, self._progress_arg.ctypes.data)
-            if slot < 0:
-                return False
-            self._progress_slots[key] = (lib, slot)
-            return True
-
-    def _unregister_progress(self):
-        """Remove this NIC's progress hooks; returns once no thread is inside one."""
-        slots = getattr(self, "_progress_slots", None) or {}
-        for lib, slot in list(slots.values()):
-            lib.gpunet_host_progress_remove(slot)
-        slots.clear()
-
     # --- lifecycle (gpunet.resource.Resource: close() is idempotent and runs this once) ---
     def _release(self):
         """Stop the engine, tell peers this NIC is gone, unlink the arena."""
-        self._unregister_progress()      # no caller's thread executes for this NIC from here
+        if getattr(self, "_progress", None) is not None:
+            progress.unregister(self._progress)   # no caller's thread executes for it from here
         T = self._arena.T
         T[H_DOWN] = 1
         T[H_STOP] = 1

@@ -87,7 +87,7 @@ def _stop_engine_thread(nic):
 def test_a_waiting_caller_executes_its_nics_work(ctx):
     """With the NIC's engine thread stopped, put + quiet, put_signal + wait_until and an atomic
     still complete with the right bytes: the caller's thread, spinning in the ops kernel,
-    executes its NIC's WQEs through the progress hook (host_simt.h; SoftNic.register_progress).
+    executes its NIC's WQEs through the progress hook (host_simt.h; host/progress.py).
     Over the proxy the proxy thread posts them and the waiting caller executes them. Without the
     hook each of these waits times out."""
     x = ctx.alloc((256,), torch.uint8)
@@ -112,9 +112,12 @@ def test_closed_nics_hooks_are_gone(ctx):
     """close() removes the NIC's progress hook before its arena is unmapped: a later Context's
     waits run the hooks of the ops library again (a stale hook would touch the unmapped arena
     and crash the process) and complete."""
+    from gpunet.host import progress
+
     lib = ctx._launcher.lib
+    assert progress.registered(ctx.nic._progress) >= 1
     ctx.close()
-    assert ctx.nic._progress_slots == {}
+    assert progress.registered(ctx.nic._progress) == 0
     c2 = gpunet.init(transport="ibgda", heap_bytes=4 << 20, timeout_s=20.0)
     try:
         assert c2._launcher.lib is lib

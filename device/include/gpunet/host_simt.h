@@ -676,17 +676,17 @@ void launch(const LaunchOptions& opts, Kernel kernel, Args... args) {
 // Progress hooks: while a device thread spins (arch::spin_pause, strong mode), each registered
 // hook gets one call before the thread yields. Rule: a hook is `int64_t fn(uint64_t arg)`, safe
 // to call from any thread at any time, returning the work it did (> 0: the spinner looks again at
-// once instead of yielding); the soft NIC registers its engine pass (host/softnic.py
-// SoftNic.register_progress, under the NIC's executor try-lock), so a caller waiting for its own
-// completion executes its NIC's WQEs on its own thread. Why: on the 2-core CI machine the caller,
+// once instead of yielding); the soft NIC registers its engine pass (host/progress.py; under the
+// NIC's executor try-lock), so a caller waiting for its own completion executes its NIC's WQEs on
+// its own thread. Why: on the 2-core CI machine the caller,
 // each NIC's engine thread and the other ranks' threads all poll, and every hand-off to an engine
 // thread cost a context switch behind the others or a sleep (bench/cpu_put.py --diag: a run of
 // put + quiet at 33 us instead of 12 us with caller and engine on one CPU). Not in weak mode, so
 // the weak model's interleavings stay those its tests choose. The table is per library (hidden):
-// a library runs hooks only where Python registered them (gpunet/_launch.py: the Context's ops
-// library). tests/test_cpu_put.py::test_a_waiting_caller_executes_its_nics_work.
+// a library runs hooks only where Python added it (host/progress.py add_library; gpunet/_launch.py:
+// the Context's ops library). tests/test_cpu_put.py::test_a_waiting_caller_executes_its_nics_work.
 namespace detail {
-constexpr int kProgressSlots = 16;
+constexpr int kProgressSlots = 64;    // engines per process (a NIC each, ...)
 struct ProgressSlot {
   std::atomic<int64_t (*)(uint64_t)> fn{nullptr};
   std::atomic<uint64_t> arg{0};
@@ -727,7 +727,7 @@ void launch(Dim3 grid, Dim3 block, uint32_t warp_size, Kernel kernel, Args... ar
 
 }  // namespace gpunet::host
 
-// Registration of progress hooks (see above), bound by host/softnic.py. Returns the slot, or -1
+// Registration of progress hooks (see above), bound by host/progress.py. Returns the slot, or -1
 // when all kProgressSlots are taken (the caller then relies on its engine thread alone).
 extern "C" __attribute__((used, visibility("default"))) inline int gpunet_host_progress_add(
     int64_t (*fn)(uint64_t), uint64_t arg) {
