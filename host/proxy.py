@@ -70,8 +70,9 @@ from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import wq
 from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_u64, clock_ns,
-                                engine_thread_start, idle_pause, load_acquire_u64,
-                                store_release_u64, u64_at, u8_at, wire_njit)
+                                engine_thread_start, i32_ptr, i64_ptr, idle_pause,
+                                load_acquire_u64, store_release_u64, u64_at, u8_at, u8_ptr,
+                                wire_njit)
 from gpunet.resource import Resource
 
 # ---- engine tuning (named, with the reason) --------------------------------------------------
@@ -286,265 +287,318 @@ def cpu_wait_completed(hctrl, issued, timeout_ns):
 
 
 # ---- the drain step ----------------------------------------------------------------------------
-# The per-command helpers are inline="always" (numba's IR inlining; and so are the mlx5 builders
-# they call): numba compiles each njit function on its own and does not inline across them, and a
-# call passing the state arrays cost more than the WQE build (bench/proxy.py drain-only prefilled,
-# CI machine: 9.7 -> 20 M commands per CPU-second; tests/test_proxy.py guards the behaviour).
+# Rule: the per-command path reaches the engine's state through typed pointers (rawmem.i64_ptr,
+# i32_ptr, u8_ptr), never through numpy arrays. Why: numba increments and decrements the
+# reference count of every array handed to a helper, inlined or not, each an out-of-line call
+# with an atomic on the array's meminfo, and with the state arrays passed down three helper
+# levels that was ~20 such calls and the register spills around them per command: most of the
+# drain's cost (H200 host: ~113 ns a command, a locked add costing more on its CPU than on the CI
+# machine's). The arrays become pointers once per engine thread (_state) and every helper below
+# takes the state tuple ``S`` and scalars. The helpers are inline="always" (numba's IR inlining:
+# numba compiles each njit function on its own and does not inline across them), and so are the
+# mlx5 builders they call. tests/test_proxy.py::test_drain_loop_makes_no_reference_count_calls
+# guards the rule; bench/proxy.py's drain-only rows measure it.
+#
+# The state tuple S (_state): (ch, done, done_stride, qp, side_ch, side_seq, side_stride,
+# peer_qp, npeer, qps_per_peer, lbase, lkey), the arrays as pointers to their first element; a
+# row r of a 2-D array starts at r * its row length (CH_NFIELDS, QP_NFIELDS, the strides).
 @wire_njit(cache=True, inline="always")
-def _record_error(ch, c, word, seq, peer):
-    """The channel's first failure: err_seq, err_peer, error, then COMPLETED_ERROR in the published
-    completed (this one and every later one: _published), which is what proxy_quiet polls."""
-    if ch[c, CH_ERR] == 0:                       # first failure wins
-        ch[c, CH_ERR] = 1
-        h = ch[c, CH_HCTRL]
-        store_release_u64(h + 8 * HC_ERR_SEQ, np.uint64(seq))
-        store_release_u64(h + 8 * HC_ERR_PEER, np.uint64(peer))
-        store_release_u64(h + 8 * HC_ERROR, word)
-        store_release_u64(h + 8 * HC_COMPLETED, _published(ch, c, ch[c, CH_PUB_COMPLETED]))
+def _state(ch, done, qp, side_ch, side_seq, peer_qp, heap):
+    return (i64_ptr(ch.ctypes.data), u8_ptr(done.ctypes.data), done.shape[1],
+            i64_ptr(qp.ctypes.data), i32_ptr(side_ch.ctypes.data), i64_ptr(side_seq.ctypes.data),
+            side_ch.shape[1], i64_ptr(peer_qp.ctypes.data), peer_qp.shape[0], peer_qp.shape[1],
+            heap[HP_LBASE], heap[HP_LKEY])
 
 
 @wire_njit(cache=True, inline="always")
-def _published(ch, c, comp):
+def _published(chp, cb, comp):
     """The HostCtrl.completed word for ``comp`` completed commands: with COMPLETED_ERROR once the
     channel recorded a failure (proxy.cuh: quiet reads this one word per poll)."""
     v = np.uint64(comp)
-    if ch[c, CH_ERR] != 0:
+    if chp[cb + CH_ERR] != 0:
         v |= np.uint64(COMPLETED_ERROR)
     return v
 
 
 @wire_njit(cache=True, inline="always")
-def _mark_done(ch, done, c, seq):
-    done[c, seq & (ch[c, CH_DEPTH] - 1)] = 1
+def _record_error(chp, c, word, seq, peer):
+    """The channel's first failure: err_seq, err_peer, error, then COMPLETED_ERROR in the published
+    completed (this one and every later one: _published), which is what proxy_quiet polls."""
+    cb = c * CH_NFIELDS
+    if chp[cb + CH_ERR] == 0:                    # first failure wins
+        chp[cb + CH_ERR] = 1
+        h = chp[cb + CH_HCTRL]
+        store_release_u64(h + 8 * HC_ERR_SEQ, np.uint64(seq))
+        store_release_u64(h + 8 * HC_ERR_PEER, np.uint64(peer))
+        store_release_u64(h + 8 * HC_ERROR, word)
+        store_release_u64(h + 8 * HC_COMPLETED, _published(chp, cb, chp[cb + CH_PUB_COMPLETED]))
 
 
 @wire_njit(cache=True, inline="always")
-def _post(qp, q, side_ch, side_seq, c, seq, last, opcode, raddr, rkey, laddr, lkey, nbytes,
-          value, inline_set):
+def _mark_done(S, c, seq):
+    """Command ``seq`` of channel ``c`` completed. The next one in order (the common case: one QP
+    completes in order, drain-only at once) advances CH_COMPLETED directly; any other waits in
+    ``done`` for _advance_completed."""
+    chp, donep, dstride = S[0], S[1], S[2]
+    cb = c * CH_NFIELDS
+    if seq == chp[cb + CH_COMPLETED]:
+        chp[cb + CH_COMPLETED] = seq + 1
+    else:
+        donep[c * dstride + (seq & (chp[cb + CH_DEPTH] - 1))] = 1
+
+
+@wire_njit(cache=True, inline="always")
+def _post(S, q, c, seq, last, opcode, raddr, rkey, laddr, lkey, nbytes, value, inline_set):
     """Build one WQE at the QP's producer index through host/wq.py (gpunet.mlx5's builders).
 
     Signalling: every SIGNAL_EVERY-th WQE asks for a CQE; the last WQE of a drained batch gets
     CQ_UPDATE set in ``_ring`` before the doorbell (the ring is not rung yet, so editing the ctrl
     byte is safe), so nothing posted is ever left without a CQE behind it.
     """
-    nbb = qp[q, QP_WQEBBS]
-    pi = qp[q, QP_PI]
-    sq = qp[q, QP_SQ]
-    qpn = qp[q, QP_QPN]
+    qpp, side_ch, side_seq, sstride = S[3], S[4], S[5], S[6]
+    qb = q * QP_NFIELDS
+    nbb = qpp[qb + QP_WQEBBS]
+    pi = qpp[qb + QP_PI]
+    sq = qpp[qb + QP_SQ]
+    qpn = qpp[qb + QP_QPN]
     fm = 0
-    qp[q, QP_UNSIG] += 1
-    if qp[q, QP_UNSIG] >= SIGNAL_EVERY:
+    unsig = qpp[qb + QP_UNSIG] + 1
+    if unsig >= SIGNAL_EVERY:
         fm = mlx5.WQE_CTRL_CQ_UPDATE
-        qp[q, QP_UNSIG] = 0
-        qp[q, QP_LAST_UNSIG] = -1
+        qpp[qb + QP_UNSIG] = 0
+        qpp[qb + QP_LAST_UNSIG] = -1
     else:
-        qp[q, QP_LAST_UNSIG] = (pi & (nbb - 1)) * mlx5.WQEBB
+        qpp[qb + QP_UNSIG] = unsig
+        qpp[qb + QP_LAST_UNSIG] = (pi & (nbb - 1)) * mlx5.WQEBB
     if opcode == mlx5.OPCODE_ATOMIC_FA:
         wq.post_atomic(sq, nbb, pi, qpn, opcode, fm, raddr, rkey, laddr, lkey, value, 0)
     elif inline_set:
         # SIGNAL_SET: the value's 8 bytes in the order of the NIC's atomics (native, or
         # big-endian with QP_SIGNAL_BE: Nic.atomic_endianness "big"), so an ADD and a SET on one
         # word agree; carried inline from the QP's scratch line. tests/test_signal_endian.py
-        src = qp[q, QP_SCRATCH] + 8
-        if qp[q, QP_SIGNAL_BE] != 0:
+        src = qpp[qb + QP_SCRATCH] + 8
+        if qpp[qb + QP_SIGNAL_BE] != 0:
             mlx5.put_be64(u8_at(src, 8), 0, value)
         else:
             u64_at(src, 1)[0] = np.uint64(value)
         wq.post_write_inline(sq, nbb, pi, qpn, mlx5.OPCODE_RDMA_WRITE, fm, raddr, rkey, src, 8, 0)
     else:
         wq.post_rdma(sq, nbb, pi, qpn, opcode, fm, raddr, rkey, laddr, lkey, nbytes, 0)
-    idx = pi & (nbb - 1)
-    side_ch[q, idx] = c
-    side_seq[q, idx] = seq if last else -1 - seq   # < 0: a non-final chunk of command seq
-    qp[q, QP_PI] = pi + 1                          # every proxy WQE is one WQEBB (ds <= 4)
-    qp[q, QP_DIRTY] = 1
+    i = q * sstride + (pi & (nbb - 1))
+    side_ch[i] = c
+    side_seq[i] = seq if last else -1 - seq        # < 0: a non-final chunk of command seq
+    qpp[qb + QP_PI] = pi + 1                       # every proxy WQE is one WQEBB (ds <= 4)
+    qpp[qb + QP_DIRTY] = 1
 
 
 @wire_njit(cache=True, inline="always")
-def _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, seq, w0, w1, operand, width):
+def _issue(S, c, seq, w0, w1, operand, width):
     """Turn one command into WQE(s). Returns 1 if consumed, 0 if the QP's SQ is full (retry).
     ``width`` 2: an ATOMIC_FA whose OPERAND (``operand``) was in the next slot."""
+    chp, qpp, peer_qp, npeer, kq, lbase, lkey = S[0], S[3], S[7], S[8], S[9], S[10], S[11]
     op = cmd_op(w0)
     peer = cmd_peer(w0)
     if op == OP_NOP:
-        _mark_done(ch, done, c, seq)
+        _mark_done(S, c, seq)
         return 1
-    if op > OP_MAX or peer >= peer_qp.shape[0] or op == OP_OPERAND \
-            or (op == OP_ATOMIC_FA and width != 2):
-        _record_error(ch, c, pack_error(ERR_BAD_COMMAND, op, 0, 0, peer), seq, peer)
-        _mark_done(ch, done, c, seq)
+    if op > OP_MAX or peer >= npeer or op == OP_OPERAND or (op == OP_ATOMIC_FA and width != 2):
+        _record_error(chp, c, pack_error(ERR_BAD_COMMAND, op, 0, 0, peer), seq, peer)
+        _mark_done(S, c, seq)
         return 1
-    q = peer_qp[peer, ch[c, CH_QPSLOT]]
+    q = peer_qp[peer * kq + chp[c * CH_NFIELDS + CH_QPSLOT]]
+    qb = q * QP_NFIELDS
     size = cmd_arg(w0)
     nwqe = 1
     if op == OP_PUT or op == OP_GET:
         nwqe = max(1, (size + MAX_WQE_BYTES - 1) // MAX_WQE_BYTES)
-    if qp[q, QP_PI] + nwqe - qp[q, QP_SQ_CI] > qp[q, QP_WQEBBS]:
+    if qpp[qb + QP_PI] + nwqe - qpp[qb + QP_SQ_CI] > qpp[qb + QP_WQEBBS]:
         return 0
-    roff = cmd_remote_off(w0, w1)
-    raddr = qp[q, QP_RBASE] + roff
-    rkey = qp[q, QP_RKEY]
+    raddr = qpp[qb + QP_RBASE] + cmd_remote_off(w0, w1)
+    rkey = qpp[qb + QP_RKEY]
     if op == OP_PUT or op == OP_GET:
         opcode = mlx5.OPCODE_RDMA_WRITE if op == OP_PUT else mlx5.OPCODE_RDMA_READ
-        laddr = heap[HP_LBASE] + cmd_local_off(w0, w1)
-        for k in range(nwqe):
-            n = min(MAX_WQE_BYTES, size - k * MAX_WQE_BYTES)
-            _post(qp, q, side_ch, side_seq, c, seq, k == nwqe - 1, opcode,
-                  raddr + k * MAX_WQE_BYTES, rkey, laddr + k * MAX_WQE_BYTES, heap[HP_LKEY],
-                  max(n, 0), 0, False)
+        laddr = lbase + cmd_local_off(w0, w1)
+        if nwqe == 1:
+            _post(S, q, c, seq, True, opcode, raddr, rkey, laddr, lkey, size, 0, False)
+        else:
+            for k in range(nwqe):
+                n = min(MAX_WQE_BYTES, size - k * MAX_WQE_BYTES)
+                _post(S, q, c, seq, k == nwqe - 1, opcode, raddr + k * MAX_WQE_BYTES, rkey,
+                      laddr + k * MAX_WQE_BYTES, lkey, max(n, 0), 0, False)
     elif op == OP_ATOMIC_FA:
-        _post(qp, q, side_ch, side_seq, c, seq, True, mlx5.OPCODE_ATOMIC_FA, raddr, rkey,
-              heap[HP_LBASE] + cmd_local_off(w0, w1), heap[HP_LKEY], 8, np.uint64(operand), False)
+        _post(S, q, c, seq, True, mlx5.OPCODE_ATOMIC_FA, raddr, rkey,
+              lbase + cmd_local_off(w0, w1), lkey, 8, np.uint64(operand), False)
     elif op == OP_SIGNAL_ADD:
-        _post(qp, q, side_ch, side_seq, c, seq, True, mlx5.OPCODE_ATOMIC_FA, raddr, rkey,
-              qp[q, QP_SCRATCH], qp[q, QP_SCRATCH_LKEY], 8, cmd_signal_value(w0, w1), False)
+        _post(S, q, c, seq, True, mlx5.OPCODE_ATOMIC_FA, raddr, rkey, qpp[qb + QP_SCRATCH],
+              qpp[qb + QP_SCRATCH_LKEY], 8, cmd_signal_value(w0, w1), False)
     else:  # OP_SIGNAL_SET
-        _post(qp, q, side_ch, side_seq, c, seq, True, mlx5.OPCODE_RDMA_WRITE, raddr, rkey,
-              0, 0, 8, cmd_signal_value(w0, w1), True)
-    if qp[q, QP_NULL] != 0:
+        _post(S, q, c, seq, True, mlx5.OPCODE_RDMA_WRITE, raddr, rkey, 0, 0, 8,
+              cmd_signal_value(w0, w1), True)
+    if qpp[qb + QP_NULL] != 0:
         # drain-only mode: no NIC behind this QP; the WQE is built and counts as completed now
-        qp[q, QP_SQ_CI] = qp[q, QP_PI]
-        qp[q, QP_DIRTY] = 0
-        _mark_done(ch, done, c, seq)
+        qpp[qb + QP_SQ_CI] = qpp[qb + QP_PI]
+        qpp[qb + QP_DIRTY] = 0
+        _mark_done(S, c, seq)
     return 1
 
 
 @wire_njit(cache=True, inline="always")
-def _ring(qp, q):
+def _ring(qpp, q):
     """One doorbell for everything posted on the QP in this pass (wq.ring_doorbell: release; DBR;
     release; 64-bit doorbell word), after asking for a CQE on the last WQE if it had none."""
-    nbb = qp[q, QP_WQEBBS]
-    last = qp[q, QP_LAST_UNSIG]
+    qb = q * QP_NFIELDS
+    nbb = qpp[qb + QP_WQEBBS]
+    last = qpp[qb + QP_LAST_UNSIG]
     if last >= 0:
-        ring = u8_at(qp[q, QP_SQ], nbb * mlx5.WQEBB)
+        ring = u8_ptr(qpp[qb + QP_SQ])
         ring[last + mlx5.CTRL_FM_CE_SE] |= mlx5.WQE_CTRL_CQ_UPDATE
-        qp[q, QP_LAST_UNSIG] = -1
-        qp[q, QP_UNSIG] = 0
-    pi = qp[q, QP_PI]
-    wq.ring_doorbell(qp[q, QP_SQ], nbb, qp[q, QP_DBREC], qp[q, QP_DB], pi, pi - 1)
-    qp[q, QP_DIRTY] = 0
+        qpp[qb + QP_LAST_UNSIG] = -1
+        qpp[qb + QP_UNSIG] = 0
+    pi = qpp[qb + QP_PI]
+    wq.ring_doorbell(qpp[qb + QP_SQ], nbb, qpp[qb + QP_DBREC], qpp[qb + QP_DB], pi, pi - 1)
+    qpp[qb + QP_DIRTY] = 0
 
 
 @wire_njit(cache=True, inline="always")
-def _poll_cq(ch, done, qp, side_ch, side_seq, q, out):
-    """Consume the QP's new CQEs (wq.poll_cq); every WQE up to a CQE's wqe_counter has completed,
-    in order (one RC QP completes in posting order)."""
-    nbb = qp[q, QP_WQEBBS]
+def _poll_cq(S, q, out_addr, out_n):
+    """Consume the QP's new CQEs (wq.poll_cq, into the CQE_POLL_BATCH * 64-byte buffer at
+    ``out_addr``); every WQE up to a CQE's wqe_counter has completed, in order (one RC QP
+    completes in posting order)."""
+    chp, qpp, side_ch, side_seq, sstride = S[0], S[3], S[4], S[5], S[6]
+    out = u8_at(out_addr, out_n * mlx5.CQE_SIZE)
+    qb = q * QP_NFIELDS
+    nbb = qpp[qb + QP_WQEBBS]
     total = 0
     while True:
-        n = wq.poll_cq(qp[q, QP_CQ], qp[q, QP_CQE_CNT], qp[q, QP_CQ_DBREC], qp[q, QP_CQ_CI], out,
-                       out.shape[0] // mlx5.CQE_SIZE)
+        n = wq.poll_cq(qpp[qb + QP_CQ], qpp[qb + QP_CQE_CNT], qpp[qb + QP_CQ_DBREC],
+                       qpp[qb + QP_CQ_CI], out, out_n)
         for k in range(n):
             off = k * mlx5.CQE_SIZE
             opcode = mlx5.cqe_opcode(out, off)
             wc = np.int64(mlx5.cqe_wqe_counter(out, off))
-            sq_ci = qp[q, QP_SQ_CI]
+            sq_ci = qpp[qb + QP_SQ_CI]
             upto = sq_ci + ((wc - sq_ci) & 0xFFFF)    # the WQE's full producer index
-            if upto >= qp[q, QP_PI]:
+            if upto >= qpp[qb + QP_PI]:
                 continue                              # not a WQE we have outstanding: ignore
             is_err = opcode == mlx5.CQE_REQ_ERR or opcode == mlx5.CQE_RESP_ERR
             p = sq_ci
             while p <= upto:
-                idx = p & (nbb - 1)
-                c = side_ch[q, idx]
-                s = side_seq[q, idx]
+                i = q * sstride + (p & (nbb - 1))
+                c = side_ch[i]
+                s = side_seq[i]
                 if s >= 0:
-                    _mark_done(ch, done, c, s)
+                    _mark_done(S, c, s)
                 if is_err and p == upto:
                     word = pack_error(ERR_CQE, mlx5.cqe_syndrome(out, off),
                                       mlx5.cqe_vendor_syndrome(out, off), wc, mlx5.cqe_qpn(out, off))
-                    _record_error(ch, c, word, s if s >= 0 else -1 - s, qp[q, QP_PEER])
+                    _record_error(chp, c, word, s if s >= 0 else -1 - s, qpp[qb + QP_PEER])
                 p += 1
-            qp[q, QP_SQ_CI] = upto + 1
-        qp[q, QP_CQ_CI] += n
+            qpp[qb + QP_SQ_CI] = upto + 1
+        qpp[qb + QP_CQ_CI] += n
         total += n
-        if n < out.shape[0] // mlx5.CQE_SIZE:
+        if n < out_n:
             return total
 
 
 @wire_njit(cache=True, inline="always")
-def _advance_completed(ch, done, c):
-    depth = ch[c, CH_DEPTH]
-    comp = ch[c, CH_COMPLETED]
-    tail = ch[c, CH_TAIL]
-    while comp < tail and done[c, comp & (depth - 1)] != 0:
-        done[c, comp & (depth - 1)] = 0
+def _advance_completed(S, c):
+    """Completed over every command ``done`` holds in order behind it; publish it if it moved."""
+    chp, donep, dstride = S[0], S[1], S[2]
+    cb = c * CH_NFIELDS
+    mask = chp[cb + CH_DEPTH] - 1
+    comp = chp[cb + CH_COMPLETED]
+    tail = chp[cb + CH_TAIL]
+    row = c * dstride
+    while comp < tail and donep[row + (comp & mask)] != 0:
+        donep[row + (comp & mask)] = 0
         comp += 1
-    ch[c, CH_COMPLETED] = comp
-    if comp != ch[c, CH_PUB_COMPLETED]:
-        store_release_u64(ch[c, CH_HCTRL] + 8 * HC_COMPLETED, _published(ch, c, comp))
-        ch[c, CH_PUB_COMPLETED] = comp
+    chp[cb + CH_COMPLETED] = comp
+    if comp != chp[cb + CH_PUB_COMPLETED]:
+        store_release_u64(chp[cb + CH_HCTRL] + 8 * HC_COMPLETED, _published(chp, cb, comp))
+        chp[cb + CH_PUB_COMPLETED] = comp
 
 
 @wire_njit(cache=True, inline="always")
-def _publish_tail(ch, c):
-    t = ch[c, CH_TAIL]
-    if t != ch[c, CH_PUB_TAIL]:
-        store_release_u64(ch[c, CH_HCTRL] + 8 * HC_TAIL, t)
-        ch[c, CH_PUB_TAIL] = t
+def _publish_tail(chp, c):
+    cb = c * CH_NFIELDS
+    t = chp[cb + CH_TAIL]
+    if t != chp[cb + CH_PUB_TAIL]:
+        store_release_u64(chp[cb + CH_HCTRL] + 8 * HC_TAIL, t)
+        chp[cb + CH_PUB_TAIL] = t
+
+
+@wire_njit(cache=True, inline="always")
+def _drain(S, c):
+    """Take up to DRAIN_BATCH commands of channel ``c`` from its FIFO into WQEs; returns how
+    many. Stops at the first slot not yet written, when the in-order window is full, or when a
+    QP's SQ is full (the doorbell, the CQ poll and a later pass make room)."""
+    chp = S[0]
+    cb = c * CH_NFIELDS
+    fifo = chp[cb + CH_FIFO]
+    depth = chp[cb + CH_DEPTH]
+    mask = depth - 1
+    lg = _log2(depth)
+    tail = chp[cb + CH_TAIL]
+    n = 0
+    while n < DRAIN_BATCH:
+        if tail - chp[cb + CH_COMPLETED] >= depth:
+            break                                  # in-order window full: wait for completions
+        slot = fifo + (tail & mask) * CMD_BYTES
+        w0 = load_acquire_u64(slot)
+        if (w0 >> np.uint64(VALID_SHIFT)) != valid_bit(tail, lg):
+            break                                  # not written yet (or the ring is empty)
+        w1 = load_acquire_u64(slot + 8)
+        operand = np.uint64(0)
+        width = 1
+        if cmd_op(w0) == OP_ATOMIC_FA:
+            # its OPERAND is the next slot of the same reservation: take the pair or wait
+            if tail + 1 - chp[cb + CH_COMPLETED] >= depth:
+                break
+            slot2 = fifo + ((tail + 1) & mask) * CMD_BYTES
+            x0 = load_acquire_u64(slot2)
+            if (x0 >> np.uint64(VALID_SHIFT)) != valid_bit(tail + 1, lg):
+                break                              # not written yet
+            if cmd_op(x0) == OP_OPERAND:
+                operand = load_acquire_u64(slot2 + 8)
+                width = 2
+        if _issue(S, c, tail, w0, w1, operand, width) == 0:
+            break                                  # SQ full: ring, poll, retry next pass
+        if width == 2:
+            _mark_done(S, c, tail + 1)             # the operand completes with its header
+        tail += width
+        n += 1
+        chp[cb + CH_TAIL] = tail
+        if tail - chp[cb + CH_PUB_TAIL] >= TAIL_PUBLISH_EVERY:
+            _publish_tail(chp, c)
+    return n
 
 
 @wire_njit(cache=True)
-def _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out):
-    """One pass over this thread's channels and QPs. Returns the work done (commands + CQEs)."""
+def _pass(S, my_ch, nch, my_qp, nqp, stats, out_addr, out_n):
+    """One pass over this thread's ``nch`` channels and ``nqp`` QPs (``my_ch``, ``my_qp``,
+    ``stats``: i64 pointers). Returns the work done (commands + CQEs)."""
+    chp, qpp = S[0], S[3]
     work = 0
-    for i in range(my_ch.shape[0]):
-        c = my_ch[i]
-        fifo = ch[c, CH_FIFO]
-        depth = ch[c, CH_DEPTH]
-        lg = _log2(depth)
-        tail = ch[c, CH_TAIL]
-        n = 0
-        while n < DRAIN_BATCH:
-            if tail - ch[c, CH_COMPLETED] >= depth:
-                break                              # in-order window full: wait for completions
-            slot = fifo + (tail & (depth - 1)) * CMD_BYTES
-            w0 = load_acquire_u64(slot)
-            if (w0 >> np.uint64(VALID_SHIFT)) != valid_bit(tail, lg):
-                break                              # not written yet (or the ring is empty)
-            w1 = load_acquire_u64(slot + 8)
-            operand = np.uint64(0)
-            width = 1
-            if cmd_op(w0) == OP_ATOMIC_FA:
-                # its OPERAND is the next slot of the same reservation: take the pair or wait
-                if tail + 1 - ch[c, CH_COMPLETED] >= depth:
-                    break
-                slot2 = fifo + ((tail + 1) & (depth - 1)) * CMD_BYTES
-                x0 = load_acquire_u64(slot2)
-                if (x0 >> np.uint64(VALID_SHIFT)) != valid_bit(tail + 1, lg):
-                    break                          # not written yet
-                if cmd_op(x0) == OP_OPERAND:
-                    operand = load_acquire_u64(slot2 + 8)
-                    width = 2
-            if _issue(ch, done, qp, side_ch, side_seq, peer_qp, heap, c, tail, w0, w1, operand,
-                      width) == 0:
-                break                              # SQ full: ring, poll, retry next pass
-            if width == 2:
-                _mark_done(ch, done, c, tail + 1)  # the operand completes with its header
-            tail += width
-            n += 1
-            ch[c, CH_TAIL] = tail
-            if tail - ch[c, CH_PUB_TAIL] >= TAIL_PUBLISH_EVERY:
-                _publish_tail(ch, c)
-        work += n
+    for i in range(nch):
+        work += _drain(S, my_ch[i])
     ndb = 0
-    for j in range(my_qp.shape[0]):
+    for j in range(nqp):
         q = my_qp[j]
-        if qp[q, QP_DIRTY] != 0:
-            _ring(qp, q)
+        if qpp[q * QP_NFIELDS + QP_DIRTY] != 0:
+            _ring(qpp, q)
             ndb += 1
     ncqe = 0
-    for j in range(my_qp.shape[0]):
-        q = my_qp[j]
-        if qp[q, QP_NULL] == 0 and qp[q, QP_PI] != qp[q, QP_SQ_CI]:
-            ncqe += _poll_cq(ch, done, qp, side_ch, side_seq, q, out)
+    for j in range(nqp):
+        qb = my_qp[j] * QP_NFIELDS
+        if qpp[qb + QP_NULL] == 0 and qpp[qb + QP_PI] != qpp[qb + QP_SQ_CI]:
+            ncqe += _poll_cq(S, my_qp[j], out_addr, out_n)
     # completed before tail: both live in the HostCtrl line a device quiet polls over PCIe, and
     # the first store to it waits for the line (x86 stores leave in order); a quiet waits for
     # completed, a producer reads tail only when its cached tail says the ring is full.
-    for i in range(my_ch.shape[0]):
-        _advance_completed(ch, done, my_ch[i])
-    for i in range(my_ch.shape[0]):
-        _publish_tail(ch, my_ch[i])
+    for i in range(nch):
+        _advance_completed(S, my_ch[i])
+    for i in range(nch):
+        _publish_tail(chp, my_ch[i])
     stats[ST_COMMANDS] += work
     stats[ST_DOORBELLS] += ndb
     stats[ST_CQES] += ncqe
@@ -558,10 +612,14 @@ def proxy_run(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stat
     """A proxy thread's whole life, without the GIL: drain passes until the word at ``stop_addr``
     is non-zero. A pass that found no work is followed by rawmem.idle_pause (spin ``spin_ns``
     after the last work, then yield, then sleep with a back-off of at most IDLE_SLEEP_MAX_US)."""
+    S = _state(ch, done, qp, side_ch, side_seq, peer_qp, heap)
+    mc, nch = i64_ptr(my_ch.ctypes.data), my_ch.shape[0]
+    mq, nqp = i64_ptr(my_qp.ctypes.data), my_qp.shape[0]
+    sp, oa, on = i64_ptr(stats.ctypes.data), out.ctypes.data, out.shape[0] // mlx5.CQE_SIZE
     busy = True
     last_work = 0
     while load_acquire_u64(stop_addr) == 0:
-        if _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out) != 0:
+        if _pass(S, mc, nch, mq, nqp, sp, oa, on) != 0:
             busy = True
             continue
         now = clock_ns()
@@ -577,12 +635,16 @@ def proxy_step(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, sta
     """Drain passes until idle for ``spin_ns`` or busy for ``max_ns``; returns the work done.
     ``ProxyEngine.step`` drives an engine made with start=False through it (benchmarks, tests).
     """
+    S = _state(ch, done, qp, side_ch, side_seq, peer_qp, heap)
+    mc, nch = i64_ptr(my_ch.ctypes.data), my_ch.shape[0]
+    mq, nqp = i64_ptr(my_qp.ctypes.data), my_qp.shape[0]
+    sp, oa, on = i64_ptr(stats.ctypes.data), out.ctypes.data, out.shape[0] // mlx5.CQE_SIZE
     t0 = clock_ns()
     last_work = t0
     total = 0
     k = 0
     while True:
-        w = _pass(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out)
+        w = _pass(S, mc, nch, mq, nqp, sp, oa, on)
         total += w
         k += 1
         if (k & 15) == 0 or w == 0:

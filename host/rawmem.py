@@ -126,6 +126,29 @@ store_release_u32 = _make_store(32, "release")
 store_release_u64 = _make_store(64, "release")
 
 
+def _make_ptr(nbty):
+    @intrinsic
+    def _ptr(typingctx, addr):
+        if not isinstance(addr, types.Integer):
+            return None
+        sig = types.CPointer(nbty)(addr)
+
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+        return sig, codegen
+    return _ptr
+
+
+# Typed pointers at an address: ``p = i64_ptr(addr); p[i]; p[i] = v`` are plain loads and stores
+# (no bounds, no negative-index wrap). Unlike an array view (u8_at / u64_at), a pointer carries no
+# reference count, so passing one to a helper costs nothing: numba increments and decrements the
+# count of every array passed to a helper, inlined or not, each an out-of-line call (the proxy's
+# drain loop, host/proxy.py, keeps its per-command path on pointers for that reason).
+i64_ptr = _make_ptr(types.int64)
+i32_ptr = _make_ptr(types.int32)
+u8_ptr = _make_ptr(types.uint8)
+
+
 @intrinsic
 def atomic_fetch_add_u64(typingctx, addr, val):
     """Atomically add ``val`` to the uint64 at ``addr``; returns the old value."""
