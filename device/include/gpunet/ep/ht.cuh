@@ -152,8 +152,9 @@ GPUNET_DEVICE void ht_step_stamps(const LlParams& B, const Geo& g, const HtClock
 }
 
 // per-(channel, peer) state words in HtParams::ws (device memory, set up at every launch)
+// (WS_MAXP: the combine receiver's; WS_MAPPED: the sender's, d's ring slot 0 as mapped here)
 enum : uint32_t { WS_SENT = 0, WS_CURSOR = 1, WS_TLAST = 2, WS_CREDIT = 3, WS_DONE = 4, WS_TOTAL = 5,
-                  WS_AVAIL = 6, WS_MAXP = 7, WS_WORDS = 8 };
+                  WS_AVAIL = 6, WS_MAXP = 7, WS_MAPPED = 7, WS_WORDS = 8 };
 
 // One launch's arguments, by value. `base` carries what ll.cuh's helpers read (op, flags, rank,
 // nranks, experts, hidden, topk, num_tokens, msg_stride, payload_bytes, hdr_stride, ctxs,
@@ -458,11 +459,18 @@ GPUNET_DEVICE void ht_stage(const HtParams& P, const Geo& g, uint64_t msg, uint6
 // own receive ring when d's heap is mapped here (a p2p peer: gpunet::ptr), so the warp's stores
 // ARE the transfer (one copy, x -> the peer's ring, instead of x -> staging -> the peer's ring);
 // else the staging slot in this rank's heap, which a put then carries. 0: stage (not mapped).
-GPUNET_DEVICE uint64_t ht_mapped_slot(const HtParams& P, uint32_t c, uint32_t d, uint64_t idx) {
+// The sender looks the mapping up once per launch (WS_MAPPED: slot 0; a ring is contiguous in
+// the heap, so slot i is i message strides on), not per message (a chain of dependent loads
+// through the peer's context).
+GPUNET_DEVICE uint64_t ht_mapped_ring(const HtParams& P, uint32_t c, uint32_t d) {
   if (d == P.base.rank) return 0;
-  void* m = gpunet::ptr(peer_ctx(P.base, d), ptr<const void>(slot_addr(P, P.recv_ring, c, P.base.rank, idx)),
+  void* m = gpunet::ptr(peer_ctx(P.base, d), ptr<const void>(slot_addr(P, P.recv_ring, c, P.base.rank, 0)),
                         int(d));
   return uint64_t(uintptr_t(m));
+}
+GPUNET_DEVICE uint64_t ht_mapped_slot(const HtParams& P, uint32_t c, uint32_t d, uint64_t idx) {
+  const uint64_t m0 = *ws_word(P, 0, c, d, WS_MAPPED);
+  return m0 ? m0 + (idx % P.ring) * P.base.msg_stride : 0;
 }
 
 // The sender works in block-wide steps: (1) the warp that owns a destination (d % nwarps) decides,
@@ -496,6 +504,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
                                                                    pre[uint64_t(d) * (nc + 1) + c]))
                                      : uint64_t(ptr<const int32_t>(P.send_cnt)[uint64_t(c) * R + d]);
       *ws_word(P, 0, c, d, WS_SENT) = 0;
+      *ws_word(P, 0, c, d, WS_MAPPED) = ht_mapped_ring(P, c, d);
       *ws_word(P, 0, c, d, WS_CURSOR) = combine ? uint64_t(pre[uint64_t(d) * (nc + 1) + c]) : cb;
       *ws_word(P, 0, c, d, WS_TLAST) = t_start;
       *ws_word(P, 0, c, d, WS_TOTAL) = total;
