@@ -296,7 +296,7 @@ def cpu_wait_completed(hctrl, issued, timeout_ns):
 # machine's). The arrays become pointers once per engine thread (_state) and every helper below
 # takes the state tuple ``S`` and scalars. The helpers are inline="always" (numba's IR inlining:
 # numba compiles each njit function on its own and does not inline across them), and so are the
-# mlx5 builders they call. tests/test_proxy.py::test_drain_loop_makes_no_reference_count_calls
+# mlx5 builders they call. tests/test_proxy.py::test_drain_helpers_make_no_reference_count_calls
 # guards the rule; bench/proxy.py's drain-only rows measure it.
 #
 # The state tuple S (_state): (ch, done, done_stride, qp, side_ch, side_seq, side_stride,

@@ -680,3 +680,46 @@ def test_host_arm_push_after_a_failure_fills_its_slots_with_nops(kernels):
         assert f(ctypes.addressof(desc), status.ctypes.data, int(5e9), 2, 64, out.ctypes.data) == 0
         assert int(status.view(np.uint64)[0]) == 0 and ch.head == 3 and ch.completed == 3
         assert out[0] > 0 and out[1] > 0
+
+
+def _nrt_calls(fn, sig):
+    """Calls to numba's reference-count functions in the LLVM IR of ``fn`` compiled for ``sig``
+    (a fresh, uncached compile: numba does not keep the IR of cached code)."""
+    import re
+
+    import numba
+    probe = numba.njit(cache=False)(fn)
+    probe.compile(sig)
+    return len(re.findall(r"call [^\n]*@\"?NRT_(?:incref|decref)", probe.inspect_llvm(sig)))
+
+
+def test_drain_helpers_make_no_reference_count_calls():
+    """host/proxy.py's drain rule: the per-command helpers get the engine state as the pointer
+    tuple (_state) and scalars, so building a WQE (_post), completing a command (_mark_done) and
+    publishing the counters (_advance_completed, _publish_tail) compile to code with no NRT
+    incref / decref call (each an out-of-line call with a locked add when an array is passed,
+    ~20 per command before the rule). Control: the same check counts the calls of a helper that
+    takes an array, so it can see them. (_issue, which only calls these with S, is left out: its
+    five inlined _post sites take ~45 s of CPU to compile afresh.)"""
+    from numba import types as T
+    p64, p32, p8, i64 = (T.CPointer(T.int64), T.CPointer(T.int32), T.CPointer(T.uint8), T.int64)
+    state = T.Tuple((p64, p8, i64, p64, p32, p64, i64, p64, i64, i64, i64, i64))
+    mark, post, adv, pub = P._mark_done, P._post, P._advance_completed, P._publish_tail
+
+    def per_command(S, c, q, seq):
+        post(S, q, c, seq, True, mlx5.OPCODE_RDMA_WRITE, 1, 2, 3, 4, 64, 0, False)
+        mark(S, c, seq)
+        adv(S, c)
+        pub(S[0], c)
+        return 0
+    assert _nrt_calls(per_command, (state, i64, i64, i64)) == 0
+
+    @njit(inline="always")
+    def bump(a, i):
+        a[i] += 1
+
+    def with_an_array(a, i):
+        bump(a, i)
+        bump(a, i + 1)
+        return a[i]
+    assert _nrt_calls(with_an_array, (T.int64[::1], i64)) > 0
