@@ -45,6 +45,7 @@ import threading
 import weakref
 
 import numpy as np
+from numba import cfunc, types
 
 from gpunet import mlx5
 from gpunet.device import abi
@@ -68,7 +69,7 @@ from gpunet.device.abi import (  # noqa: F401
     PROXY_ERR_CQE as ERR_CQE, PROXY_ERR_BAD_COMMAND as ERR_BAD_COMMAND)
 from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
-from gpunet.host import wq
+from gpunet.host import progress, wq
 from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_u64, clock_ns,
                                 engine_thread_start, i32_ptr, i64_ptr, idle_pause,
                                 load_acquire_u64, store_release_u64, u64_at, u8_at, u8_ptr,
@@ -304,10 +305,18 @@ def cpu_wait_completed(hctrl, issued, timeout_ns):
 # row r of a 2-D array starts at r * its row length (CH_NFIELDS, QP_NFIELDS, the strides).
 @wire_njit(cache=True, inline="always")
 def _state(ch, done, qp, side_ch, side_seq, peer_qp, heap):
-    return (i64_ptr(ch.ctypes.data), u8_ptr(done.ctypes.data), done.shape[1],
-            i64_ptr(qp.ctypes.data), i32_ptr(side_ch.ctypes.data), i64_ptr(side_seq.ctypes.data),
-            side_ch.shape[1], i64_ptr(peer_qp.ctypes.data), peer_qp.shape[0], peer_qp.shape[1],
-            heap[HP_LBASE], heap[HP_LKEY])
+    return _state_at(ch.ctypes.data, done.ctypes.data, done.shape[1], qp.ctypes.data,
+                     side_ch.ctypes.data, side_seq.ctypes.data, side_ch.shape[1],
+                     peer_qp.ctypes.data, peer_qp.shape[0], peer_qp.shape[1], heap[HP_LBASE],
+                     heap[HP_LKEY])
+
+
+@wire_njit(cache=True, inline="always")
+def _state_at(ch, done, done_stride, qp, side_ch, side_seq, side_stride, peer_qp, npeer, k, lbase,
+              lkey):
+    """S from the arrays' addresses and sizes (_state; the progress hook's packed words)."""
+    return (i64_ptr(ch), u8_ptr(done), done_stride, i64_ptr(qp), i32_ptr(side_ch),
+            i64_ptr(side_seq), side_stride, i64_ptr(peer_qp), npeer, k, lbase, lkey)
 
 
 @wire_njit(cache=True, inline="always")
@@ -608,10 +617,11 @@ def _pass(S, my_ch, nch, my_qp, nqp, stats, out_addr, out_n):
 
 @wire_njit(cache=True, nogil=True)
 def proxy_run(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out, spin_ns,
-              stop_addr):
+              stop_addr, lock_addr):
     """A proxy thread's whole life, without the GIL: drain passes until the word at ``stop_addr``
     is non-zero. A pass that found no work is followed by rawmem.idle_pause (spin ``spin_ns``
-    after the last work, then yield, then sleep with a back-off of at most IDLE_SLEEP_MAX_US)."""
+    after the last work, then yield, then sleep with a back-off of at most IDLE_SLEEP_MAX_US).
+    Each pass holds the thread's pass lock (``lock_addr``), which the progress hook takes too."""
     S = _state(ch, done, qp, side_ch, side_seq, peer_qp, heap)
     mc, nch = i64_ptr(my_ch.ctypes.data), my_ch.shape[0]
     mq, nqp = i64_ptr(my_qp.ctypes.data), my_qp.shape[0]
@@ -619,7 +629,11 @@ def proxy_run(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stat
     busy = True
     last_work = 0
     while load_acquire_u64(stop_addr) == 0:
-        if _pass(S, mc, nch, mq, nqp, sp, oa, on) != 0:
+        w = 0
+        if atomic_cas_u64(lock_addr, 0, 1) == 0:
+            w = _pass(S, mc, nch, mq, nqp, sp, oa, on)
+            store_release_u64(lock_addr, 0)
+        if w != 0:
             busy = True
             continue
         now = clock_ns()
@@ -627,6 +641,37 @@ def proxy_run(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stat
             last_work = now
             busy = False
         idle_pause(now - last_work, spin_ns)
+
+
+# The progress hook (host/progress.py): a HOST-arm device thread that waits, on the CPU, runs one
+# pass of a proxy thread's drain itself, so a put + quiet over the proxy is drained, executed (the
+# soft NIC's hook) and completed on the caller's thread, with no hand-off to the proxy thread
+# (bench/cpu_put.py: each hand-off cost a context switch on the 2-core CI machine). Rule: a pass
+# of thread t runs under t's pass lock, whoever runs it (proxy_run or this hook); the hook only
+# tries it. Its argument: HK_WORDS int64 words per thread (ProxyEngine._hook_args).
+HK_STOP, HK_LOCK, HK_CH, HK_DONE, HK_DONE_STRIDE, HK_QP, HK_SIDE_CH, HK_SIDE_SEQ, \
+    HK_SIDE_STRIDE, HK_PEER_QP, HK_NPEER, HK_K, HK_LBASE, HK_LKEY, HK_MY_CH, HK_NCH, HK_MY_QP, \
+    HK_NQP, HK_STATS, HK_OUT, HK_OUT_N = range(21)
+HK_WORDS = 24
+
+
+@cfunc(types.int64(types.uint64), nopython=True, cache=True)
+def proxy_progress_hook(arg):
+    """One drain pass of one proxy thread on the calling thread, if that thread's pass lock is
+    free and the engine is not stopping; returns the work done."""
+    a = i64_ptr(arg)
+    if load_acquire_u64(a[HK_STOP]) != 0:
+        return 0
+    lock = a[HK_LOCK]
+    if load_acquire_u64(lock) != 0 or atomic_cas_u64(lock, 0, 1) != 0:
+        return 0
+    S = _state_at(a[HK_CH], a[HK_DONE], a[HK_DONE_STRIDE], a[HK_QP], a[HK_SIDE_CH],
+                  a[HK_SIDE_SEQ], a[HK_SIDE_STRIDE], a[HK_PEER_QP], a[HK_NPEER], a[HK_K],
+                  a[HK_LBASE], a[HK_LKEY])
+    w = _pass(S, i64_ptr(a[HK_MY_CH]), a[HK_NCH], i64_ptr(a[HK_MY_QP]), a[HK_NQP],
+              i64_ptr(a[HK_STATS]), a[HK_OUT], a[HK_OUT_N])
+    store_release_u64(lock, 0)
+    return w
 
 
 @wire_njit(cache=True, nogil=True)
@@ -979,14 +1024,38 @@ class ProxyEngine(Resource):
         proxy_step(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
                    self.heap, self._thread_chs[0], self._thread_qps[0], self.stats[0],
                    self._outs[0], 0, 0)
+        self._locks = aligned_zeros(64 * threads).view(np.uint64)   # thread t's pass lock: [8 t]
         self._stop_word[0] = 1             # proxy_run returns at once: compiled, nothing drained
         proxy_run(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
                   self.heap, self._thread_chs[0], self._thread_qps[0], self.stats[0],
-                  self._outs[0], 0, self._stop_word.ctypes.data)
+                  self._outs[0], 0, self._stop_word.ctypes.data, self._locks.ctypes.data)
         self._stop_word[0] = 0
+        self._progress = []
         if start:
             for th in self._threads:
                 th.start()
+            # waiting HOST-arm device threads drain too (proxy_progress_hook; only with threads:
+            # step() runs passes without the lock)
+            self._hook_args = [self._hook_words(t) for t in range(threads)]
+            self._progress = [progress.register(proxy_progress_hook.address, w.ctypes.data)
+                              for w in self._hook_args]
+
+    def _hook_words(self, t):
+        """proxy_progress_hook's argument for thread t (HK_*): what _state and _pass take."""
+        w = np.zeros(HK_WORDS, dtype=np.int64)
+        w[HK_STOP], w[HK_LOCK] = self._stop_word.ctypes.data, self._locks.ctypes.data + 64 * t
+        w[HK_CH], w[HK_DONE], w[HK_DONE_STRIDE] = (self.ch.ctypes.data, self.done.ctypes.data,
+                                                   self.done.shape[1])
+        w[HK_QP], w[HK_SIDE_CH], w[HK_SIDE_SEQ] = (self.qp.ctypes.data, self.side_ch.ctypes.data,
+                                                   self.side_seq.ctypes.data)
+        w[HK_SIDE_STRIDE], w[HK_PEER_QP] = self.side_ch.shape[1], self.peer_qp.ctypes.data
+        w[HK_NPEER], w[HK_K] = self.peer_qp.shape[0], self.peer_qp.shape[1]
+        w[HK_LBASE], w[HK_LKEY] = self.heap[HP_LBASE], self.heap[HP_LKEY]
+        w[HK_MY_CH], w[HK_NCH] = self._thread_chs[t].ctypes.data, len(self._thread_chs[t])
+        w[HK_MY_QP], w[HK_NQP] = self._thread_qps[t].ctypes.data, len(self._thread_qps[t])
+        w[HK_STATS] = self.stats[t].ctypes.data
+        w[HK_OUT], w[HK_OUT_N] = self._outs[t].ctypes.data, len(self._outs[t]) // mlx5.CQE_SIZE
+        return w
 
     def step(self, t=0, spin_us=0.0, max_us=20_000.0):
         """Run thread t's drain loop once in the caller's thread (only with start=False): passes
@@ -1003,7 +1072,8 @@ class ProxyEngine(Resource):
         try:
             self.placement[t] = engine_thread_start(self._cpus[t] if self._cpus else None)
             proxy_run(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
-                      self.heap, my_ch, my_qp, st, out, self._spin_ns, self._stop_word.ctypes.data)
+                      self.heap, my_ch, my_qp, st, out, self._spin_ns, self._stop_word.ctypes.data,
+                      self._locks.ctypes.data + 64 * t)
         except BaseException as e:  # noqa: BLE001 - reported by check()/close()
             self._thread_errors.append(e)
 
@@ -1041,6 +1111,8 @@ class ProxyEngine(Resource):
 
     def _release(self):
         """Stop the proxy threads. Channels stay usable by a new engine."""
+        for h in getattr(self, "_progress", ()):
+            progress.unregister(h)             # no caller's thread drains for it from here
         self._stop = True
         self._stop_word[0] = 1                 # proxy_run polls it with an acquire load
         for th in self._threads:

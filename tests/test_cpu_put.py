@@ -180,3 +180,37 @@ def test_fast_paths_still_refuse_bad_operands(ctx, bad):
             ctx.remote(0, x, bad)
         with pytest.raises(gpunet.ConfigError):
             gpunet.wait_until(sig, 0, "ge", index=bad)
+
+
+def test_a_waiting_caller_drains_the_proxy():
+    """Over the proxy, with the proxy thread and the NIC's engine thread both stopped, put +
+    quiet, put_signal + wait_until and an atomic still complete with the right bytes: the waiting
+    caller runs the proxy's drain pass (host/proxy.py proxy_progress_hook, under the thread's
+    pass lock) and the NIC's engine pass on its own thread. Without the proxy's hook the quiet
+    times out."""
+    c = gpunet.init(transport="proxy", heap_bytes=4 << 20, timeout_s=20.0)
+    try:
+        x = c.alloc((256,), torch.uint8)
+        y = c.alloc((256,), torch.uint8)
+        sig = c.alloc((2,), torch.int64)
+        word = c.alloc((1,), torch.int64)
+        eng = c._transports.engine
+        eng._stop_word[0] = 1
+        for th in eng._threads:
+            th.join(timeout=10)
+            assert not th.is_alive()
+        eng._stop_word[0] = 0
+        _stop_engine_thread(c.nic)
+        cmds = eng.stats_dict()["commands"]
+        for i in range(20):
+            x.copy_(torch.randint(0, 256, (256,), dtype=torch.uint8))
+            gpunet.put(c.remote(0, y), x)
+            gpunet.quiet()
+            assert torch.equal(x, y)
+            gpunet.put_signal(c.remote(0, y, 128), x[:64], c.remote(0, sig, 1))
+            gpunet.wait_until(sig, i + 1, "ge", index=1)
+            assert torch.equal(y[128:192], x[:64])
+            assert gpunet.atomic_add(c.remote(0, word), 3) == 3 * i
+        assert eng.stats_dict()["commands"] >= cmds + 60
+    finally:
+        c.close()
