@@ -127,7 +127,9 @@ def test_a_failed_status_makes_posts_fail_fast(nic, post_lib):
     at the two reservations, the NIC consumes exactly those WQEBBs, no byte reaches the peer, and
     the host raises the failure."""
     span = 1 << 16
-    lb = L.Loopback(nic, sq_wqebbs=128, timeout_s=5.0, heap_bytes=1 << 20)
+    # 256 WQEBBs hold both reservations (156): with the Status failed, a post that had to wait for
+    # space would give up at once and leave its reservation a hole (qp.cuh wait_room).
+    lb = L.Loopback(nic, sq_wqebbs=256, timeout_s=5.0, heap_bytes=1 << 20)
     lb.remote[:span] = 0
     lb.status.code, lb.status.valid, lb.status.site = abi.STATUS_TIMEOUT, 1, abi.SITE_QUIET
     a = PostArgs(qps=lb.qpd.addr, status=ctypes.addressof(lb.status), timeout_ns=int(5e9),

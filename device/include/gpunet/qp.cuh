@@ -32,7 +32,7 @@
 //     owner at r (everything below `rung` rung, [rung, r) ready):
 //       while slot_ready[r] is a tag t > r: r = t                                  (scan)
 //       if r > rung: ready_head = r; fence_sys; DBR[1] = htobe32(r & 0xffff); fence_sys;
-//                    doorbell_store64(db, slot_db[r & mask]); db_head = r           (ONE ring)
+//                    doorbell_store64(db, slot_db[r & mask]); db_head += r - rung   (ONE ring)
 //       leave: CAS(slot_ready[r], t, r | kLeft): done if it held t, else the tag found is
 //              taken over (scan on, ring again)
 //   Why no ready WQE is left unrung: a reservation at p is either owned by its publisher (fast
@@ -379,9 +379,12 @@ GPUNET_DEVICE void own_and_ring(QpDesc* qp, uint64_t rung, uint64_t r, uint64_t 
     GPUNET_POST_STAMP(2);
     if (r > rung) {
       ring_to(qp, r, word);
-      // After the doorbell's fence: an owner that reads db_head == its base (post's fast path)
-      // rings after our DBR.
-      arch::atomic_store(&qp->db_head, r);
+      // After the doorbell's fence, so an owner that reads db_head == its base (post's fast
+      // path) rings after our DBR. An add of what we rang, not a store: nothing orders it before
+      // our leave-CAS, so the next owner's update may land first; with adds db_head only grows
+      // and reaches a pending reservation's base only once every earlier ring's add landed.
+      // (tests/test_ordering.py: heads equal at the end; a store left db_head behind there.)
+      arch::atomic_add(&qp->db_head, r - rung);
       rung = r;
     }
     GPUNET_DELAY_POINT();
