@@ -117,8 +117,8 @@ GPUNET_DEVICE T load_relaxed(const T* p) {
   return *const_cast<const volatile T*>(p);
 }
 GPUNET_DEVICE void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-// Sequentially consistent at device scope: orders an earlier store before a later load (the
-// qp.cuh doorbell lock hand-off needs that); costs no wait for the host or the NIC.
+// Sequentially consistent at device scope: a release / acquire for words only this GPU's threads
+// exchange (qp.cuh's publish tag, p2p peers on one GPU); costs no wait for the host or the NIC.
 GPUNET_DEVICE void fence_gpu() { asm volatile("fence.sc.gpu;" ::: "memory"); }
 // One 16-byte vector store (st.volatile.v2.u64): a WQE segment in one instruction. Volatile like
 // store_relaxed; p must be 16-byte aligned (SQ slots are).
