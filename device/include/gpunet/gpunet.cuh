@@ -167,7 +167,14 @@ GPUNET_DEVICE bool compare(uint64_t v, uint32_t cmp, uint64_t value) {
 // Polls of a wait_until before it pauses between polls (status.cuh Spin::fast): about 0.3-0.5 ms
 // on a GPU (a poll is one round trip to L2), so a signal that comes within a round trip's
 // latency is seen at once; a longer wait backs off and leaves issue slots to other warps.
+// HOST arm: 0, a pause from the first poll: there a pause is where the waiting CPU thread runs
+// the progress hooks and yields its core to the thread that will write the word (on 2 cores the
+// peer rank's caller; bench/cpu_put.py's ping-pong).
+#if defined(GPUNET_ARM_HOST)
+constexpr uint32_t kWaitFastPolls = 0;
+#else
 constexpr uint32_t kWaitFastPolls = 1024;
+#endif
 
 // Wait (bounded by ctx.timeout_ns) until signal_read(ctx, sig_addr) `cmp` value holds. true when it
 // holds; false on timeout or an earlier failure. A timeout records what waited: SITE_WAIT_UNTIL,
