@@ -59,6 +59,26 @@ class Ranks:
         for p in self.procs:
             p.start()
 
+    @classmethod
+    def start(cls, world, init_job, *args, env=None, timeout=JOB_TIMEOUT_S):
+        """A pool of ``world`` ranks that ran ``init_job(*args)`` on every rank (closed again if
+        that fails); ``pool.info`` holds the ranks' answers. End it with close_with."""
+        r = cls(world, env=env)
+        try:
+            r.info = r.run(init_job, *args, timeout=timeout)
+        except BaseException:
+            r.close()
+            raise
+        return r
+
+    def close_with(self, job, timeout=60):
+        """Run ``job`` (a rank's teardown, e.g. "ep_jobs:close") on every rank, then close, even
+        when the job fails."""
+        try:
+            self.run(job, timeout=timeout)
+        finally:
+            self.close()
+
     def run(self, name, *args, timeout=JOB_TIMEOUT_S):
         for q in self.inboxes:
             q.put((name, args))
@@ -93,13 +113,10 @@ class Ranks:
     def close_losing(self, victim, close_job):
         """After run_losing: run ``close_job`` on the survivors, kill the victim if it is still
         there, and close the pool."""
-        try:
-            self.run(close_job, timeout=60)
-        finally:
-            if self.procs[victim].is_alive():
-                self.procs[victim].kill()
-            self.procs = self.procs[:victim]
-            self.close()
+        if self.procs[victim].is_alive():
+            self.procs[victim].kill()
+        self.procs = self.procs[:victim]
+        self.close_with(close_job)
 
     def close(self):
         for q in self.inboxes:

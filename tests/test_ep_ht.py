@@ -38,22 +38,12 @@ def _nbytes(world, config=TWO_CHANNELS, hidden=HIDDEN_MAX):
 
 
 def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, **kw):
-    r = Ranks(world)
-    try:
-        info = r.run("ep_ht_jobs:init", transport, kw.pop("num_nvl_bytes", _nbytes(world)), timeout_s,
-                     shrink, warp_size, *kw.values(), timeout=180)
-    except BaseException:
-        r.close()
-        raise
-    r.world, r.info = world, info
-    return r
+    return Ranks.start(world, "ep_ht_jobs:init", transport, kw.pop("num_nvl_bytes", _nbytes(world)),
+                       timeout_s, shrink, warp_size, *kw.values(), timeout=180)
 
 
 def _close(r):
-    try:
-        r.run("ep_ht_jobs:close", timeout=60)
-    finally:
-        r.close()
+    r.close_with("ep_ht_jobs:close")
 
 
 def _spec(world, seed, **kw):

@@ -39,21 +39,13 @@ GEN_T_MAX, GEN_HIDDEN, GEN_EXPERTS_PER_RANK = 16, 384, 8
 def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, num_rdma_bytes=None):
     nbytes = num_rdma_bytes or Buffer.get_low_latency_rdma_size_hint(
         BASE["t_max"], BASE["hidden"], world, EXPERTS_PER_RANK * world)
-    r = Ranks(world)
-    try:
-        info = r.run("ep_jobs:init", transport, nbytes, timeout_s, shrink, warp_size, timeout=180)
-    except BaseException:
-        r.close()
-        raise
-    r.world, r.transport, r.info = world, transport, info
+    r = Ranks.start(world, "ep_jobs:init", transport, nbytes, timeout_s, shrink, warp_size, timeout=180)
+    r.transport = transport
     return r
 
 
 def _close(r):
-    try:
-        r.run("ep_jobs:close", timeout=60)
-    finally:
-        r.close()
+    r.close_with("ep_jobs:close")
 
 
 def _spec(world, seed, **kw):
