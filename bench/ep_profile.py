@@ -43,8 +43,8 @@ import ep as epbench  # noqa: E402  (bench/ep.py: aligner, checks, yardsticks)
 from machine import machine  # noqa: E402
 
 OPS = ("dispatch bf16", "dispatch fp8", "combine bf16")
-PHASES = ("event", "host", "kernel", "start", "plan", "quiet", "plan.c", "send", "hdr", "hdr.f",
-          "hdr.s", "wait", "recv", "table", "skew", "sig lat")
+PHASES = ("event", "host", "kernel", "start", "plan", "quiet", "plan.t", "plan.c", "send", "hdr",
+          "hdr.f", "hdr.s", "hdr.a", "wait", "recv", "table", "skew", "sig lat")
 GPU_DEFAULTS = dict(ranks="2", tokens=128, hidden=7168, topk=8, experts=288, iters=30, warmup=5)
 CPU_DEFAULTS = dict(ranks="2", tokens=16, hidden=256, topk=4, experts=8, iters=4, warmup=1)
 
@@ -70,6 +70,8 @@ def _phases(st, names):
         out["quiet"] = b0["quiet"] - b0["begin"]
         if b0.get("plan_done"):
             out["plan.c"] = b0["plan_done"] - b0["quiet"]
+        if b0.get("plan_tiles"):
+            out["plan.t"] = b0["plan_tiles"] - b0["quiet"]
     last, filled = live("send_last") if "send_last" in col else [], \
         live("hdr_filled") if "hdr_filled" in col else []
     plan, loop, hdr = live("send_plan"), live("send_loop"), live("send_hdr")
@@ -81,6 +83,9 @@ def _phases(st, names):
         if last and filled:
             out["hdr.f"] = max(filled) - max(last)
             out["hdr.s"] = max(hdr) - max(filled)
+            signaled = live("hdr_signaled") if "hdr_signaled" in col else []
+            if signaled:
+                out["hdr.a"] = max(hdr) - max(signaled)
     if b0["recv_ready"] and hdr:
         out["wait"] = b0["recv_ready"] - max(hdr)
         anchor["ready"] = b0["recv_ready"]
@@ -323,8 +328,10 @@ LEGEND = """columns (us, median over calls; device columns from the global timer
   kernel  first block in .. last block out      start  first .. last block in (same rank)
   plan    block 0: quiet + plan (+ dispatch: its rows staged)   send  plan .. every block's puts posted
   quiet   block 0: its quiet of the peers       plan.c block 0: quiet .. plan computed (unpublished)
+  plan.t  block 0: quiet .. the plan's tile bitmaps done (the rest of plan.c: the prefix over tiles)
   hdr     last block: headers + signals (hdr.f: counts filled after it knew it was last;
-          hdr.s: the signals after that)        wait   own headers posted .. all sources seen
+          hdr.s: the signals after that; hdr.a: of hdr.s, self announce + sync reset after
+          every signal was posted)              wait   own headers posted .. all sources seen
   recv    receive tables .. unpack / reduce done  table  combine: tables .. slot-table barrier
   skew    this rank's first block in - the earliest rank's   sig lat  last peer's headers .. seen
   event - kernel = launch / host time the GPU did not run the kernel (host > kernel: host-bound)"""

@@ -30,7 +30,8 @@ def make_buffer(state, transport, **kwargs):
         transport = p2p_jobs.p2p_and_proxy
     buf = Buffer(dist.group.WORLD, explicitly_destroy=True, transport=transport, **kwargs)
     state["ep_buf"] = buf
-    return {"rank": buf.rank, "transports": dict(buf.runtime.transports), "pid": os.getpid()}
+    return {"rank": buf.rank, "transports": dict(buf.runtime.transports), "pid": os.getpid(),
+            "ll_world_flags": buf._ll_world_flags()}
 
 
 def init(state, transport, num_rdma_bytes, timeout_s=20.0, shrink=False, warp_size=32,

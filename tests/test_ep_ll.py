@@ -563,6 +563,31 @@ def test_dispatch_combine_over_p2p(p2p_world, mode):
     _assert_round(p2p_world.run("ep_jobs:round_", spec), spec)
 
 
+def test_p2p_rows_cut_over_several_warps_when_tokens_are_few(p2p_world):
+    """BF16 over all-p2p peers with fewer tokens than the grid's warps (1-2 tokens a rank, 4
+    warps): dispatch_send cuts each row in S = 2..4 parts, a warp each (ll.cuh send_parts), and
+    the packed rows still equal the reference's byte for byte (tagged rows name their source)."""
+    for seed in (91, 92):
+        spec = _spec(p2p_world.world, seed=seed, t_max=2, vary_tokens=True, tagged=True)
+        _assert_round(p2p_world.run("ep_jobs:round_", spec), spec)
+
+
+def test_ll_flags_name_the_world(p2p_world):
+    """The LL kernels' world flags (Buffer._ll_world_flags, ll.cuh F_ALL_MAPPED / F_GPU_SCOPE)
+    follow each rank's peers: all p2p -> F_ALL_MAPPED (rows go unstaged); any NIC peer -> neither;
+    F_GPU_SCOPE (device-scope hand-offs) never without a GPU (no peer is P2P_SAME_DEVICE here).
+    A wrong F_ALL_MAPPED would send a NIC peer unstaged slots: the rounds above would fail."""
+    for i in p2p_world.info:
+        others = {k for p, k in i["transports"].items() if p != i["rank"]}
+        want = dep.F_ALL_MAPPED if others == {"p2p"} else 0
+        assert i["ll_world_flags"] == want, (i, want)
+
+
+def test_ll_flags_are_off_with_nic_peers(mixed4):
+    """A world of NIC peers (ibgda and proxy pairs) sets no world flag on any rank."""
+    assert [i["ll_world_flags"] for i in mixed4.info] == [0] * 4
+
+
 def test_four_ranks_two_in_flight_mixed(mixed4):
     """Two dispatches in flight over the mixed world."""
     for rank, res in enumerate(mixed4.run("ep_jobs:two_in_flight", _spec(4, seed=72),

@@ -1025,7 +1025,28 @@ class Buffer:
         P.host_flags = self._hflags_mem.ptr
         if self.enable_shrink:
             P.flags |= dep.F_SHRINK
+        P.flags |= self._ll_world_flags()
         return P
+
+    def _ll_world_flags(self):
+        """LlParams flags that follow from the peers' transports (fixed for the Context's life):
+        F_ALL_MAPPED when every other rank is a p2p peer (its heap mapped here: BF16 rows go
+        unstaged), and F_GPU_SCOPE when, besides, every rank (this one too) is p2p with its heap
+        on this GPU (P2P_SAME_DEVICE): the kernels' grid-internal hand-offs and header signals
+        then fence at device scope (ll.cuh grid_fence). A NIC peer anywhere clears both."""
+        flags = getattr(self, "_world_flags", None)
+        if flags is not None:
+            return flags
+        peers = self._ctx._dev.peers
+        kinds = [(int(peers[p].kind), int(peers[p].rkey)) for p in range(self.group_size)]
+        others = [k for p, k in enumerate(kinds) if p != self.rank]
+        flags = 0
+        if all(kind == abi.TRANSPORT_P2P for kind, _ in others):
+            flags |= dep.F_ALL_MAPPED
+            if all(kind == abi.TRANSPORT_P2P and rkey & abi.P2P_SAME_DEVICE for kind, rkey in kinds):
+                flags |= dep.F_GPU_SCOPE
+        self._world_flags = flags
+        return flags
 
     def _set_profile(self, stamps):
         """(bench/ep_profile.py, bench/ep_ht.py) Record phase stamps of every later LL / HT launch

@@ -67,9 +67,10 @@
 // plan, or for the other blocks at a barrier) are bounded by LlParams::timeout_ns and recorded in
 // EpStatus. Nothing traps; every block leaves.
 //
-// Memory orders: workspace written by one block and read by others is published with fence_sys +
-// an atomic flag and read after the flag with a fence (acquire); staged rows and metas are plain
-// stores followed by syncwarp and the poster's fence() before the put (the NIC reads them).
+// Memory orders: workspace written by one block and read by others is published with grid_fence
+// (system scope; device scope when every peer is p2p on this GPU, F_GPU_SCOPE) + an atomic flag
+// and read after the flag with the same fence (acquire); staged rows and metas are plain stores
+// followed by syncwarp and the poster's fence() before the put (the NIC reads them).
 //
 // Speed rules (the p2p rows of bench/RESULTS.md were 300-1400 us for 1.8 MB a rank before them):
 //   - Every put is put_nbi_warp, called by the whole warp: over p2p the warp's lanes copy the row
@@ -121,6 +122,9 @@ enum : uint32_t {
   F_ZERO_COPY = 8,       // combine: x is the send staging buffer already
   F_SHRINK = 16,         // a failed peer is masked (else only recorded; the host raises)
   F_WAIT_STATS_2D = 32,  // wait_stats is [R, R]: this rank's row; else [R]
+  // (bits 64..512 are ht.cuh's F_HT_*: HtParams::base.flags shares this word)
+  F_ALL_MAPPED = 1u << 16,  // every peer but this rank is mapped here (p2p): rows go unstaged
+  F_GPU_SCOPE = 1u << 17,   // every peer (this rank too) is p2p on this GPU: see grid_fence
 };
 enum : uint32_t { SIG_DISPATCH = 0, SIG_COMBINE = 1 };
 // grid sync words (each on its own 64-byte line of LlParams::sync), zero between launches
@@ -213,7 +217,9 @@ enum : uint32_t {
   ST_PLAN_DONE = 9,   // block 0: the plan / layout computed, before it is published
   ST_SEND_LAST = 10,  // the last block of the send phase: it knows it is last
   ST_HDR_FILLED = 11, // the last block: headers written, before the signals
-  kStamps = 12,
+  ST_PLAN_TILES = 12, // block 0: the plan's tile bitmaps done, before the prefix over tiles
+  ST_HDR_SIGNALED = 13,  // the last block: every header's signal posted, before announce / reset
+  kStamps = 14,
 };
 
 // The first EP-level failure of a launch (first wins). 64 B. device/ep.py: EpStatus.
@@ -342,22 +348,35 @@ GPUNET_DEVICE T* ptr(uint64_t a) {
   return reinterpret_cast<T*>(uintptr_t(a));
 }
 
-// The warp copies n bytes (n % 16 == 0, both ends 16-byte aligned), 16 bytes per lane per step,
-// kCopyUnroll steps per round with every load of a round issued before its stores: a lane has
-// kCopyUnroll loads in flight, not one (a 14 KB row is 28 steps of a 32-lane warp; one load at a
-// time makes that 28 memory latencies per row).
-constexpr uint32_t kCopyUnroll = 4;
-GPUNET_DEVICE void warp_copy(const Geo& g, uint64_t dst, uint64_t src, uint64_t n) {
+// The warp reads n bytes at src (n % 16 == 0, 16-byte aligned), 16 bytes per lane per step, in
+// rounds of kCopyUnroll steps with every load of a round issued before its stores, then rounds of
+// kCopyUnroll / 2, then single steps, and hands each 16 bytes to store(offset, value): a lane has
+// up to kCopyUnroll loads in flight, not one. A 14 KB row is 28 steps of a 32-lane warp: one load
+// at a time made that 28 memory latencies per row, 4 in flight 7, now 4 (3 rounds of 8, one of
+// 4): the copies of dispatch's send and receive were rounds of latency, not bandwidth, in the
+// H200 profile. (Predicated partial rounds instead of the halving took 178 registers, not 126.)
+constexpr uint32_t kCopyUnroll = 8;
+template <uint32_t U, class Store>
+GPUNET_DEVICE void copy_rounds(uint64_t& i, uint64_t step, uint64_t src, uint64_t n, Store& store) {
+  for (; i + (U - 1) * step < n; i += U * step) {
+    V16 v[U];
+#pragma unroll
+    for (uint32_t u = 0; u < U; ++u) v[u] = *ptr<const V16>(src + i + u * step);
+#pragma unroll
+    for (uint32_t u = 0; u < U; ++u) store(i + u * step, v[u]);
+  }
+}
+template <class Store>
+GPUNET_DEVICE void warp_copy_rounds(const Geo& g, uint64_t src, uint64_t n, Store store) {
   const uint64_t step = uint64_t(g.ws) * 16;
   uint64_t i = uint64_t(g.lane) * 16;
-  for (; i + (kCopyUnroll - 1) * step < n; i += kCopyUnroll * step) {
-    V16 v[kCopyUnroll];
-#pragma unroll
-    for (uint32_t u = 0; u < kCopyUnroll; ++u) v[u] = *ptr<const V16>(src + i + u * step);
-#pragma unroll
-    for (uint32_t u = 0; u < kCopyUnroll; ++u) *ptr<V16>(dst + i + u * step) = v[u];
-  }
-  for (; i < n; i += step) *ptr<V16>(dst + i) = *ptr<const V16>(src + i);
+  copy_rounds<kCopyUnroll>(i, step, src, n, store);
+  copy_rounds<kCopyUnroll / 2>(i, step, src, n, store);
+  copy_rounds<1>(i, step, src, n, store);
+}
+// The warp copies n bytes (n % 16 == 0, both ends 16-byte aligned).
+GPUNET_DEVICE void warp_copy(const Geo& g, uint64_t dst, uint64_t src, uint64_t n) {
+  warp_copy_rounds(g, src, n, [&](uint64_t off, const V16& v) { *ptr<V16>(dst + off) = v; });
 }
 
 // One thread's walk over n values (per-expert counts: E_loc is 100s): load(i) for kBatch values
@@ -403,10 +422,12 @@ GPUNET_DEVICE uint64_t* sync_word(const LlParams& P, uint32_t w) {
   return ptr<uint64_t>(P.sync) + uint64_t(w) * kSyncStride;
 }
 
-// A peer that is masked, or that failed a verb earlier, gets no posts and no waits.
+// A peer that is masked, or that failed a verb earlier, gets no posts and no waits. Both words
+// are loaded before either is tested (two loads in flight, not two round trips in a row).
 GPUNET_DEVICE bool peer_out(const LlParams& P, uint32_t p) {
-  return arch::atomic_load(ptr<uint32_t>(P.mask) + p) != 0 ||
-         arch::atomic_load(ptr<uint32_t>(P.failed) + p) != 0;
+  const uint32_t m = arch::atomic_load(ptr<uint32_t>(P.mask) + p);
+  const uint32_t f = arch::atomic_load(ptr<uint32_t>(P.failed) + p);
+  return (m | f) != 0;
 }
 GPUNET_DEVICE void peer_fail(const LlParams& P, uint32_t p) {
   arch::atomic_store(ptr<uint32_t>(P.failed) + p, 1u);
@@ -417,6 +438,14 @@ GPUNET_DEVICE void peer_fail(const LlParams& P, uint32_t p) {
 // Phase stamp of this block (LlParams::prof; bench/ep_profile.py reads them).
 GPUNET_DEVICE void stamp(const LlParams& P, const Geo& g, uint32_t which) {
   if (P.prof && g.tid == 0) ptr<uint64_t>(P.prof)[uint64_t(g.bid) * kStamps + which] = arch::now_ns();
+}
+
+// A stamp once the whole block got there (a block barrier, only when profiling: P.prof is the
+// same for every thread, so the barrier is uniform).
+GPUNET_DEVICE void stamp_after_block(const LlParams& P, const Geo& g, uint32_t which) {
+  if (!P.prof) return;
+  arch::syncthreads();
+  stamp(P, g, which);
 }
 
 // The hot loops (a post per token and destination) read peer_out from a copy in shared memory
@@ -460,13 +489,34 @@ GPUNET_DEVICE void ep_fail(const LlParams& P, uint32_t code, uint32_t site, uint
   if (P.host_flags) arch::store_release_sys(ptr<uint32_t>(P.host_flags), 1u);
 }
 
+// The fence of the grid-internal hand-offs (a flag or count that one block sets and others read,
+// publishing what it wrote before): system scope, since those writes include staging and headers
+// a NIC reads later (a block's later fence_sys before a post does not make ANOTHER block's
+// earlier stores visible to the NIC unless the hand-off was system-scope too); device scope
+// (fence_gpu) under F_GPU_SCOPE, where every reader is an SM of this GPU (p2p peers on this GPU,
+// this rank itself). A system fence waits for every outstanding store of the thread to be
+// acknowledged system-wide: ~1-2 us each on the H200 (bench/RESULTS.md "Where the EP LL time
+// went": the last block's headers, ~8 us, were four of them). HOST: both are one fence, so
+// tests/test_ep_ll.py covers the protocol; the flag's choice is tested there
+// (test_ll_flags_name_the_world).
+GPUNET_DEVICE void grid_fence(const LlParams& P) {
+  if (P.flags & F_GPU_SCOPE) arch::fence_gpu();
+  else arch::fence_sys();
+}
+
+// Polls of a grid-internal word spin without backing off for the first kHotSpins reads: the
+// hand-offs are short (a block waits for block 0's plan, ~microseconds), and a 64 ns sleep per
+// read adds up to the sleep's granularity to every hand-off. Then spin_pause (leaves issue slots
+// to the other blocks; on the HOST arm it yields, so the emulator's threads progress).
+constexpr uint32_t kHotSpins = 256;
+
 // Bounded wait until *word >= target (another block's flag or arrival count), then acquire.
 GPUNET_DEVICE bool grid_wait(const LlParams& P, uint64_t* word, uint64_t target, uint32_t site) {
   uint64_t t0 = 0;
   uint32_t n = 0;
   uint64_t v = arch::atomic_load(word);
   while (v < target) {
-    if ((n++ & 7) == 0) {
+    if ((n & 7) == 0) {
       if (ep_failed(P)) return false;
       const uint64_t now = arch::now_ns();
       if (t0 == 0) t0 = now;
@@ -475,10 +525,10 @@ GPUNET_DEVICE bool grid_wait(const LlParams& P, uint64_t* word, uint64_t target,
         return false;
       }
     }
-    arch::spin_pause();
+    if (++n > kHotSpins) arch::spin_pause();
     v = arch::atomic_load(word);
   }
-  arch::fence_sys();
+  grid_fence(P);
   return true;
 }
 
@@ -488,7 +538,7 @@ GPUNET_DEVICE bool block_wait(const LlParams& P, const Geo& g, uint32_t w, uint6
   bool ok = true;
   if (g.tid == 0) ok = grid_wait(P, sync_word(P, w), target, site);
   const bool bad = arch::block_any(!ok);
-  if (!bad) arch::fence_sys();
+  if (!bad) grid_fence(P);
   return !bad;
 }
 
@@ -496,7 +546,7 @@ GPUNET_DEVICE bool block_wait(const LlParams& P, const Geo& g, uint32_t w, uint6
 GPUNET_DEVICE void block_publish(const LlParams& P, const Geo& g, uint32_t w) {
   arch::syncthreads();
   if (g.tid == 0) {
-    arch::fence_sys();
+    grid_fence(P);
     arch::atomic_store(sync_word(P, w), uint64_t(1));
   }
 }
@@ -508,11 +558,11 @@ GPUNET_DEVICE bool last_block(const LlParams& P, const Geo& g, uint32_t w) {
   arch::syncthreads();
   uint64_t old = 0;
   if (g.tid == 0) {
-    arch::fence_sys();
+    grid_fence(P);
     old = arch::atomic_add(sync_word(P, w), uint64_t(1));
   }
   const bool last = arch::block_any(g.tid == 0 && old + 1 == g.nblocks);
-  if (last) arch::fence_sys();
+  if (last) grid_fence(P);
   return last;
 }
 
@@ -520,7 +570,7 @@ GPUNET_DEVICE bool last_block(const LlParams& P, const Geo& g, uint32_t w) {
 GPUNET_DEVICE bool grid_barrier(const LlParams& P, const Geo& g, uint32_t w, uint32_t site) {
   arch::syncthreads();
   if (g.tid == 0) {
-    arch::fence_sys();
+    grid_fence(P);
     arch::atomic_add(sync_word(P, w), uint64_t(1));
   }
   return block_wait(P, g, w, g.nblocks, site);
@@ -560,6 +610,15 @@ GPUNET_DEVICE bool wait_source(const LlParams& P, uint32_t kind, uint32_t j) {
   return ok;
 }
 
+// Before a header's put_signal: fence() orders the block's header stores (and, cumulatively,
+// what the grid handed to this block) before the post, for a NIC that reads them from memory.
+// Under F_GPU_SCOPE every peer is p2p on this GPU: the put_signal copies the header itself
+// (this thread's loads after the block barrier) and releases the signal at device scope
+// (transport/p2p.cuh signal_release), so the system fence (~1-2 us on the H200) is not needed.
+GPUNET_DEVICE bool header_fence(const LlParams& P, const DevCtx& cx) {
+  return (P.flags & F_GPU_SCOPE) ? true : fence(cx);
+}
+
 // Header words 2..7 (both directions): what the receiver checks against its own call.
 GPUNET_DEVICE void fill_header_tail(const LlParams& P, int32_t* h) {
   h[2] = int32_t(P.hidden);
@@ -591,7 +650,7 @@ GPUNET_DEVICE bool self_reads_source(const LlParams& P) {
 GPUNET_DEVICE void announce_self(const LlParams& P, const Geo& g, uint32_t kind) {
   arch::syncthreads();
   if (g.tid == 0 && !peer_out(P, P.rank)) {
-    arch::fence_sys();
+    grid_fence(P);
     arch::atomic_add(self_sig(P, kind, P.buf), uint64_t(1));
   }
 }
@@ -652,31 +711,52 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
     const uint32_t nw = g.nwarps < P.bits_warps ? g.nwarps : P.bits_warps;
     for (uint32_t tile = g.wid; tile < P.ntiles; tile += nw) {
       const uint32_t t = tile * g.ws + g.lane;
+      // Every loop over k is unrolled to kMaxTopk with k < K guards, so the token's experts stay
+      // in registers: indexed by a run-time k they were a stack array in local memory, and the
+      // O(K^2) repeat checks a chain of dependent local loads (one lane per token, one warp per
+      // tile: the whole grid waits for this). kept / first: bit k = selection k counts (not a
+      // hole, not a repeat) / is the token's first selection on its rank.
       int32_t ex[kMaxTopk];
-      bool first_rank[kMaxTopk];
-      int64_t raw[kMaxTopk];  // the token's K experts, loaded before the atomics below
 #pragma unroll
-      for (uint32_t k = 0; k < kMaxTopk; ++k) raw[k] = (k < K && t < T) ? topk[uint64_t(t) * K + k] : -1;
-      for (uint32_t k = 0; k < K; ++k) {
-        int64_t e = raw[k];
-        if (e < 0 || e >= int64_t(E)) e = -1;
-        for (uint32_t k2 = 0; k2 < k && e >= 0; ++k2)
-          if (ex[k2] == int32_t(e)) e = -1;  // a repeated expert counts once
-        ex[k] = int32_t(e);
-        first_rank[k] = e >= 0;
-        for (uint32_t k2 = 0; k2 < k && first_rank[k]; ++k2)
-          if (ex[k2] >= 0 && uint32_t(ex[k2]) / P.e_loc == uint32_t(e) / P.e_loc) first_rank[k] = false;
-        if (e >= 0) {
-          arch::atomic_add(&bits[e], uint64_t(1) << g.lane);
-          if (first_rank[k]) arch::atomic_add(&bits[E + uint32_t(e) / P.e_loc], uint64_t(1) << g.lane);
+      for (uint32_t k = 0; k < kMaxTopk; ++k) {
+        const int64_t e = (k < K && t < T) ? topk[uint64_t(t) * K + k] : -1;
+        ex[k] = (e < 0 || e >= int64_t(E)) ? -1 : int32_t(e);
+      }
+      uint32_t kept = 0, first = 0;
+      uint64_t seen = 0;  // ranks already named (R <= 64)
+#pragma unroll
+      for (uint32_t k = 0; k < kMaxTopk; ++k) {
+        const int32_t e = ex[k];
+        bool repeat = false;
+#pragma unroll
+        for (uint32_t k2 = 0; k2 < k; ++k2) repeat |= ex[k2] == e;  // a repeated expert counts once
+        if (e < 0 || repeat) continue;
+        kept |= 1u << k;
+        const uint32_t d = uint32_t(e) / P.e_loc;
+        bool f = true;
+        if (P.nranks <= 64) {
+          f = !((seen >> d) & 1);
+          seen |= uint64_t(1) << d;
+        } else {
+#pragma unroll
+          for (uint32_t k2 = 0; k2 < k; ++k2)
+            if (((kept >> k2) & 1) && uint32_t(ex[k2]) / P.e_loc == d) f = false;
+        }
+        arch::atomic_add(&bits[e], uint64_t(1) << g.lane);
+        if (f) {
+          first |= 1u << k;
+          arch::atomic_add(&bits[E + d], uint64_t(1) << g.lane);
         }
       }
       arch::syncwarp();
-      for (uint32_t k = 0; k < K && t < T; ++k) {
+#pragma unroll
+      for (uint32_t k = 0; k < kMaxTopk; ++k) {
+        if (k >= K || t >= T) continue;
         const int32_t e = ex[k];
-        plan_idx[uint64_t(t) * K + k] = e >= 0 ? int32_t(popc64(arch::atomic_load(&bits[e]) & below)) : -1;
+        plan_idx[uint64_t(t) * K + k] =
+            ((kept >> k) & 1) ? int32_t(popc64(arch::atomic_load(&bits[e]) & below)) : -1;
         plan_slot[uint64_t(t) * K + k] =
-            first_rank[k] ? int32_t(popc64(arch::atomic_load(&bits[E + uint32_t(e) / P.e_loc]) & below)) : -1;
+            ((first >> k) & 1) ? int32_t(popc64(arch::atomic_load(&bits[E + uint32_t(e) / P.e_loc]) & below)) : -1;
       }
       arch::syncwarp();
       for (uint32_t c = g.lane; c < C; c += g.ws) {
@@ -688,6 +768,7 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
     }
   }
   arch::syncthreads();
+  stamp(P, g, ST_PLAN_TILES);
   for (uint32_t c = g.tid; c < C; c += g.bdim) {
     int64_t run = 0;
     batched(P.ntiles, [&](uint32_t tile) { return hist[uint64_t(tile) * C + c]; },
@@ -715,15 +796,22 @@ GPUNET_DEVICE void stage_row(const LlParams& P, const Geo& g, uint32_t t) {
 }
 
 constexpr uint32_t kCombineParts = 4;  // combine_send: parts of an item when every peer is mapped
+constexpr uint32_t kSendParts = 4;     // dispatch_send: at most this many warps per unstaged row
+
+// Warps per token of an unstaged dispatch send: the grid's warps over the tokens, 1..kSendParts
+// (the same for every warp of the launch).
+GPUNET_DEVICE uint32_t send_parts(const Geo& g, uint32_t T) {
+  const uint32_t s = T ? g.gwarps / T : 1;
+  return s < 1 ? 1 : (s > kSendParts ? kSendParts : s);
+}
 
 // Every peer other than this rank is mapped here (gpunet::ptr: p2p), so a BF16 row can go from
 // x straight to each destination, unstaged. (Masked peers count too: every block must get the
-// same answer, and mask words may change during the launch.)
-GPUNET_DEVICE bool all_peers_mapped(const LlParams& P) {
-  for (uint32_t p = 0; p < P.nranks; ++p)
-    if (p != P.rank && !gpunet::ptr(peer_ctx(P, p), ptr<const void>(P.d_recv), int(p))) return false;
-  return true;
-}
+// same answer, and mask words may change during the launch.) The host says so (F_ALL_MAPPED,
+// gpunet/ep/buffer.py from the peers' transports): walking the R peer descriptors here was a
+// chain of dependent loads at the start of every block. A wrong flag cannot pass the mixed-world
+// tests: a NIC peer would then be sent unstaged send slots.
+GPUNET_DEVICE bool all_peers_mapped(const LlParams& P) { return (P.flags & F_ALL_MAPPED) != 0; }
 
 GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   const uint32_t K = P.topk, T = P.num_tokens, E = P.num_experts, C = P.hist_cols, H = P.hidden;
@@ -758,14 +846,21 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   const int32_t* plan_slot = plan_idx + uint64_t(P.t_max) * K;
   const int32_t* hist = ptr<const int32_t>(P.hist);
   const bool self_direct = self_reads_source(P);
-  // ws (the plan's tile width) is the same for every warp of the launch; each warp takes the
-  // tokens it staged above (same loop), so its own row stores precede its syncwarp below
-  for (uint32_t t = g.gw; t < T; t += g.gwarps) {
+  // Unstaged rows (BF16 to mapped peers, !stage): a token's row is cut in S contiguous parts, a
+  // warp each, when the grid has warps to spare (DeepEP's 128 tokens on 32 blocks of 8 warps:
+  // S = 2; with one warp per token half the grid's warps copied nothing). Part 0 also writes the
+  // meta, the self message and any NIC put. Staged rows keep S = 1: a warp sends the tokens it
+  // staged above (same loop, ws the same for every warp), so its own row stores precede its
+  // syncwarp below.
+  const uint32_t S = stage ? 1u : send_parts(g, T);
+  const uint64_t part_bytes = (uint64_t(P.payload_bytes) / S + 15) / 16 * 16;
+  for (uint64_t u = g.gw; u < uint64_t(T) * S; u += g.gwarps) {
+    const uint32_t t = uint32_t(u / S), part = uint32_t(u % S);
     const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
     int32_t* meta = ptr<int32_t>(msg + P.payload_bytes);
     const uint32_t tile = t / g.ws;
     int32_t e = -1, idx = -1;
-    if (g.lane == 0) {
+    if (g.lane == 0 && part == 0) {
       meta[0] = int32_t(t);
       meta[1] = int32_t(K);
       meta[2] = int32_t(H);
@@ -777,11 +872,13 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
         e = int32_t(topk[uint64_t(t) * K + g.lane]);
         idx = hist[uint64_t(tile) * C + e] + pi;
       }
-      meta[4 + 2 * g.lane] = e;
-      meta[5 + 2 * g.lane] = idx;
+      if (part == 0) {
+        meta[4 + 2 * g.lane] = e;
+        meta[5 + 2 * g.lane] = idx;
+      }
     }
     arch::syncwarp();  // row and meta stores of every lane before the posting lanes' fences
-    if (!out[P.rank]) {
+    if (part == 0 && !out[P.rank]) {
       // to self: the warp stores the message into its own receive slot (no NIC)
       int32_t self_slot = -1;
       for (uint32_t k = 0; k < K; ++k) {
@@ -821,11 +918,15 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
         if (fp8) {
           warp_copy(g, rd, msg, P.msg_stride);
         } else {
-          warp_copy(g, rd, P.x + uint64_t(t) * H * 2, P.payload_bytes);
-          warp_copy(g, rd + P.payload_bytes, msg + P.payload_bytes, P.msg_stride - P.payload_bytes);
+          const uint64_t lo = part * part_bytes;
+          const uint64_t hi = lo + part_bytes < P.payload_bytes ? lo + part_bytes : P.payload_bytes;
+          if (lo < hi) warp_copy(g, rd + lo, P.x + uint64_t(t) * H * 2 + lo, hi - lo);
+          if (part == 0)
+            warp_copy(g, rd + P.payload_bytes, msg + P.payload_bytes, P.msg_stride - P.payload_bytes);
         }
         continue;
       }
+      if (part != 0) continue;  // (S > 1 only when every peer is mapped: never taken)
       // one fence per token (the staged row and meta before the first post), on every lane
       bool ok = fenced || arch::all(fence(cx));
       fenced = true;
@@ -859,10 +960,11 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
       if (self) continue;
       const DevCtx& cx = peer_ctx(P, d);
       const uint64_t rh = P.d_rhdr + uint64_t(P.rank) * P.hdr_stride;
-      if (!(fence(cx) && put_signal_nbi(cx, ptr<void>(rh), h, hdr_bytes,
-                                         sig_word(P, SIG_DISPATCH, P.buf, P.rank), 1, int(d))))
+      if (!(header_fence(P, cx) && put_signal_nbi(cx, ptr<void>(rh), h, hdr_bytes,
+                                                  sig_word(P, SIG_DISPATCH, P.buf, P.rank), 1, int(d))))
         peer_fail(P, d);
     }
+    stamp_after_block(P, g, ST_HDR_SIGNALED);
     announce_self(P, g, SIG_DISPATCH);
     reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
     reset_sync(P, g, SYNC_SEND_QUIET, SYNC_SEND_QUIET);
@@ -984,22 +1086,10 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     const uint64_t src = (j == P.rank && self_direct) ? P.x + uint64_t(t) * row_bytes : msg;
     if (nd == 1) {
       warp_copy(g, P.out_x + dst[0] * row_bytes, src, row_bytes);
-    } else {  // as warp_copy (kCopyUnroll loads in flight), each round stored to every copy
-      const uint64_t step = uint64_t(g.ws) * 16;
-      uint64_t i = uint64_t(g.lane) * 16;
-      for (; i + (kCopyUnroll - 1) * step < row_bytes; i += kCopyUnroll * step) {
-        V16 v[kCopyUnroll];
-#pragma unroll
-        for (uint32_t u = 0; u < kCopyUnroll; ++u) v[u] = *ptr<const V16>(src + i + u * step);
-        for (uint32_t q = 0; q < nd; ++q)
-#pragma unroll
-          for (uint32_t u = 0; u < kCopyUnroll; ++u)
-            *ptr<V16>(P.out_x + dst[q] * row_bytes + i + u * step) = v[u];
-      }
-      for (; i < row_bytes; i += step) {
-        const V16 v = *ptr<const V16>(src + i);
-        for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + i) = v;
-      }
+    } else {  // as warp_copy (kCopyUnroll loads in flight), each 16 bytes stored to every copy
+      warp_copy_rounds(g, src, row_bytes, [&](uint64_t off, const V16& v) {
+        for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + off) = v;
+      });
     }
   }
   stamp(P, g, ST_RECV_LOOP);
@@ -1141,10 +1231,11 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
       if (self) continue;
       const DevCtx& cx = peer_ctx(P, j);
       const uint64_t rh = P.c_rhdr + uint64_t(P.rank) * P.hdr_stride;
-      if (!(fence(cx) && put_signal_nbi(cx, ptr<void>(rh), h, hdr_bytes,
-                                         sig_word(P, SIG_COMBINE, P.buf, P.rank), 1, int(j))))
+      if (!(header_fence(P, cx) && put_signal_nbi(cx, ptr<void>(rh), h, hdr_bytes,
+                                                  sig_word(P, SIG_COMBINE, P.buf, P.rank), 1, int(j))))
         peer_fail(P, j);
     }
+    stamp_after_block(P, g, ST_HDR_SIGNALED);
     if (ntot[P.rank] >= 0) announce_self(P, g, SIG_COMBINE);
     else arch::syncthreads();
     reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
