@@ -21,6 +21,7 @@ from gpunet.device import abi
 from gpunet.device.ops import op_list  # noqa: F401 - the Context builds its op lists with it
 from gpunet.errors import ConfigError, GpunetError
 from gpunet.host import progress
+from gpunet.host.rawmem import HOOKED_IDLE_SLEEP_MAX_US
 from gpunet.resource import Resource
 
 OPS_RING = 1024                   # GPU: OpDesc slots for launches in flight (64 KiB, mapped arena)
@@ -100,6 +101,8 @@ class Launcher(Resource):
             # (the soft NIC's) on the caller's thread instead of waiting for their threads to be
             # scheduled (gpunet/host/progress.py; bench/cpu_put.py)
             progress.add_library(self.lib)
+            if hasattr(nic, "set_idle_sleep_max"):     # its waiters progress it: sleep longer
+                nic.set_idle_sleep_max(HOOKED_IDLE_SLEEP_MAX_US)
         if gpu:
             u32, vp = ctypes.c_uint32, ctypes.c_void_p
             f = self.lib.gpunet_ops_launch_stream

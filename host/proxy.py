@@ -70,10 +70,10 @@ from gpunet.device.abi import (  # noqa: F401
 from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import progress, wq
-from gpunet.host.rawmem import (aligned_zeros, atomic_cas_u64, atomic_fetch_add_u64, clock_ns,
-                                engine_thread_start, i32_ptr, i64_ptr, idle_pause,
-                                load_acquire_u64, store_release_u64, u64_at, u8_at, u8_ptr,
-                                wire_njit)
+from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, aligned_zeros, atomic_cas_u64,
+                                atomic_fetch_add_u64, clock_ns, engine_thread_start, i32_ptr,
+                                i64_ptr, idle_pause, load_acquire_u64, store_release_u64, u64_at,
+                                u8_at, u8_ptr, wire_njit)
 from gpunet.resource import Resource
 
 # ---- engine tuning (named, with the reason) --------------------------------------------------
@@ -617,10 +617,11 @@ def _pass(S, my_ch, nch, my_qp, nqp, stats, out_addr, out_n):
 
 @wire_njit(cache=True, nogil=True)
 def proxy_run(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stats, out, spin_ns,
-              stop_addr, lock_addr):
+              stop_addr, lock_addr, cap_addr):
     """A proxy thread's whole life, without the GIL: drain passes until the word at ``stop_addr``
     is non-zero. A pass that found no work is followed by rawmem.idle_pause (spin ``spin_ns``
-    after the last work, then yield, then sleep with a back-off of at most IDLE_SLEEP_MAX_US).
+    after the last work, then yield, then sleep with a back-off of at most the word at
+    ``cap_addr`` in us: its NIC's idle sleep cap, SoftNic.idle_sleep_max_addr).
     Each pass holds the thread's pass lock (``lock_addr``), which the progress hook takes too."""
     S = _state(ch, done, qp, side_ch, side_seq, peer_qp, heap)
     mc, nch = i64_ptr(my_ch.ctypes.data), my_ch.shape[0]
@@ -640,7 +641,7 @@ def proxy_run(ch, done, qp, side_ch, side_seq, peer_qp, heap, my_ch, my_qp, stat
         if busy:                       # the first idle pass: the work ended one pass ago
             last_work = now
             busy = False
-        idle_pause(now - last_work, spin_ns)
+        idle_pause(now - last_work, spin_ns, np.int64(load_acquire_u64(cap_addr)))
 
 
 # The progress hook (host/progress.py): a HOST-arm device thread that waits, on the CPU, runs one
@@ -1025,10 +1026,15 @@ class ProxyEngine(Resource):
                    self.heap, self._thread_chs[0], self._thread_qps[0], self.stats[0],
                    self._outs[0], 0, 0)
         self._locks = aligned_zeros(64 * threads).view(np.uint64)   # thread t's pass lock: [8 t]
+        # the idle sleep cap the threads follow: their NIC's (the soft NIC's engine and the proxy
+        # threads serve the same waiters), else rawmem's default (word 1 of the stop line)
+        self._stop_word[1] = IDLE_SLEEP_MAX_US
+        self._cap_addr = getattr(nic, "idle_sleep_max_addr", None) or self._stop_word.ctypes.data + 8
         self._stop_word[0] = 1             # proxy_run returns at once: compiled, nothing drained
         proxy_run(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
                   self.heap, self._thread_chs[0], self._thread_qps[0], self.stats[0],
-                  self._outs[0], 0, self._stop_word.ctypes.data, self._locks.ctypes.data)
+                  self._outs[0], 0, self._stop_word.ctypes.data, self._locks.ctypes.data,
+                  self._cap_addr)
         self._stop_word[0] = 0
         self._progress = []
         if start:
@@ -1073,7 +1079,7 @@ class ProxyEngine(Resource):
             self.placement[t] = engine_thread_start(self._cpus[t] if self._cpus else None)
             proxy_run(self.ch, self.done, self.qp, self.side_ch, self.side_seq, self.peer_qp,
                       self.heap, my_ch, my_qp, st, out, self._spin_ns, self._stop_word.ctypes.data,
-                      self._locks.ctypes.data + 64 * t)
+                      self._locks.ctypes.data + 64 * t, self._cap_addr)
         except BaseException as e:  # noqa: BLE001 - reported by check()/close()
             self._thread_errors.append(e)
 

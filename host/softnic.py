@@ -82,6 +82,7 @@ H_DMA_COPY, H_DMA_SYNC, H_DMA_KIND, H_DMA_STREAM, H_DMA_SETDEV, H_DMA_DEVICE, H_
 # progress hook, host/progress.py) holds it for one engine_step pass, so one thread at a
 # time runs the engine's tables, scratch and QPs. 0 free, 1 held; only ever try-locked.
 H_EXEC = 35
+H_SLEEP_MAX_US = 36                  # the engine thread's idle sleep cap (set_idle_sleep_max)
 DEVMAP_BASE = 160                    # words: per peer slot (addr, nbytes, mapped) of its device
 DEVMAP_WORDS = 3                     # memory as reachable in this process (add_peer_memory)
 H_NAME_BYTE = 1024                   # arena name, NUL-terminated, 256 bytes at most
@@ -124,8 +125,8 @@ MAX_INLINE_LIMIT = mlx5.MAX_DS * mlx5.DS_UNIT - 32 - mlx5.INLINE_HDR_SIZE   # 97
 ENGINE_BUDGET = 4096                 # WQEs per QP per engine pass: fairness between QPs
 MAX_SLEEP_US = IDLE_SLEEP_MAX_US     # idle back-off cap (rawmem's idle policy): bounds the
                                      # doorbell-to-execution latency of an idle engine
-PID_CHECK_NS = 2_000_000             # heartbeat age (> the 200 us idle sleep) after which a
-                                     # cross-process peer's pid is checked with kill(pid, 0)
+PID_CHECK_NS = 5_000_000             # heartbeat age (> the idle sleep cap, 0.2 or 1 ms) after
+                                     # which a cross-process peer's pid is checked: kill(pid, 0)
 # The engine stores its heartbeat at most every HEARTBEAT_NS, not on every pass: a peer engine
 # reads this header line for every WQE it executes towards this NIC (_peer_dead), and a line
 # rewritten on every pass (a spinning engine: every ~100 ns) makes each of those reads a cache-line
@@ -647,7 +648,7 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
         # rawmem.idle_pause: spin for H_SPIN_NS (idle_spin_us: a pure spin, for machines with a core
         # to spare: on the H200 host even one sched_yield every 64 passes took the proxy round trip
         # from 4.7 to 8.0 us, bench/RESULTS.md), then yield, then sleep with a bounded back-off
-        idle_pause(now - last_work, T[H_SPIN_NS])
+        idle_pause(now - last_work, T[H_SPIN_NS], T[H_SLEEP_MAX_US])
 
 
 @njit(cache=True, nogil=True)
@@ -913,6 +914,7 @@ class SoftNic(Nic):
             T[H_NMR] = 1
             T[H_RETRY_NS] = int(self.retry_timeout_s * 1e9)
             T[H_SPIN_NS] = int(max(0.0, float(idle_spin_us)) * 1e3)
+            T[H_SLEEP_MAX_US] = IDLE_SLEEP_MAX_US
             T[H_HEARTBEAT] = time.monotonic_ns()
             nb = self.arena_name.encode()
             self._arena.u8[H_NAME_BYTE:H_NAME_BYTE + len(nb)] = np.frombuffer(nb, np.uint8)
@@ -943,6 +945,23 @@ class SoftNic(Nic):
         except BaseException:
             self.close()
             raise
+
+    @property
+    def idle_sleep_max_addr(self):
+        """The address of the idle sleep cap word (us), for engine threads that follow this NIC's
+        (host/proxy.py proxy_run)."""
+        self._check_open()
+        return self._arena.base + 8 * H_SLEEP_MAX_US
+
+    def set_idle_sleep_max(self, us):
+        """Let the idle engine thread sleep up to ``us`` microseconds (default
+        rawmem.IDLE_SLEEP_MAX_US): for a NIC whose waiters run its passes themselves (the
+        Context's Launcher on the CPU sets rawmem.HOOKED_IDLE_SLEEP_MAX_US)."""
+        self._check_open()
+        us = int(us)
+        if not IDLE_SLEEP_MAX_US <= us <= 100_000:
+            raise ConfigError("idle sleep cap must be %d..100000 us, not %d" % (IDLE_SLEEP_MAX_US, us))
+        self._arena.T[H_SLEEP_MAX_US] = us
 
     def _engine_thread(self):
         self.placement = engine_thread_start(self._cpus)

@@ -2,6 +2,7 @@
 launches, what it still raises, and that the OpDesc it builds by hand is op_list's.
 """
 import ctypes
+import time
 
 import pytest
 import torch
@@ -212,5 +213,31 @@ def test_a_waiting_caller_drains_the_proxy():
             assert torch.equal(y[128:192], x[:64])
             assert gpunet.atomic_add(c.remote(0, word), 3) == 3 * i
         assert eng.stats_dict()["commands"] >= cmds + 60
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("transport", ["ibgda", "proxy"])
+def test_an_idle_cpu_contexts_nic_engine_wakes_at_most_every_ms(transport):
+    """A Context on the CPU lets its NIC's engine thread, and the proxy threads that follow the
+    NIC's cap, sleep up to rawmem.HOOKED_IDLE_SLEEP_MAX_US when idle (its waiters run their
+    passes): over 1 s of idleness each makes at most ~1 pass per ms (plus slack), not the ~5 per
+    ms of the 200 us cap that an engine nobody progresses keeps (measured: ~4100 vs ~940). Load
+    only lengthens sleeps, so the bound holds on a busy machine."""
+    from gpunet.host import rawmem, softnic
+
+    c = gpunet.init(transport=transport, heap_bytes=4 << 20, timeout_s=20.0)
+    try:
+        T = c.nic._arena.T
+        eng = c._transports.engine
+        assert int(T[softnic.H_SLEEP_MAX_US]) == rawmem.HOOKED_IDLE_SLEEP_MAX_US
+        time.sleep(0.1)                       # past the yield window and the back-off ramp
+        n0 = int(T[softnic.H_ITERS])
+        p0 = eng.stats_dict()["passes"] if eng is not None else 0
+        time.sleep(1.0)
+        bound = 1.6e6 / rawmem.HOOKED_IDLE_SLEEP_MAX_US
+        assert int(T[softnic.H_ITERS]) - n0 < bound
+        if eng is not None:
+            assert eng.stats_dict()["passes"] - p0 < bound
     finally:
         c.close()
