@@ -100,6 +100,8 @@ def _bind_ll(lib):
     lib.gpunet_ep_group_scale.argtypes = [vp, vp, u64, u32]
     for f in (lib.gpunet_ep_f32_to_e4m3, lib.gpunet_ep_f32_to_bf16, lib.gpunet_ep_group_scale):
         f.restype = None
+    lib.gpunet_ep_f32_to_e4m3_device.argtypes = [vp, vp, u64]
+    lib.gpunet_ep_f32_to_e4m3_device.restype = ctypes.c_int
 
 
 def load_ep(arch="host", defines=None):

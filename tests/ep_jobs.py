@@ -18,6 +18,21 @@ from gpunet.ep import Buffer, EPTimeout
 from gpunet.ep import reference as ref
 
 
+def e4m3_cases():
+    """float32 values that pin down a float -> e4m3fn cast: every e4m3 value, every midpoint between
+    neighbours (ties to even) and its two float32 neighbours, the subnormal range, values past 448
+    (saturated), +-inf, zeros, both signs; and NaNs of both signs last (2 values)."""
+    import numpy as np
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = codes[~torch.isnan(codes)].unique().numpy().astype(np.float32)
+    mids = ((vals[1:].astype(np.float64) + vals[:-1]) / 2).astype(np.float32)
+    near = np.concatenate([np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))])
+    edge = np.array([0.0, -0.0, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -9, 2.0 ** -6, 448, 449, 464, 465,
+                     479.9, 480, 512, 1e6, 3e38, np.inf, -np.inf, 1e-40, -1e-45], dtype=np.float32)
+    nan = np.array([np.nan, -np.nan], dtype=np.float32)
+    return np.concatenate([vals, mids, near, edge, -mids, -edge, nan]).astype(np.float32)
+
+
 def make_buffer(state, transport, **kwargs):
     """This rank's Buffer (explicitly destroyed: close()) in state["ep_buf"], with Buffer's
     ``kwargs``; ``transport`` is gpunet.init's, or "mixed" (the pair (a, b) uses the proxy when

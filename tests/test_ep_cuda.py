@@ -50,6 +50,28 @@ def _check_dispatch(out, want, use_fp8):
             assert torch.equal(recv[e, :n].cpu(), want[0][e, :n])
 
 
+def test_the_gpus_e4m3_conversion_is_the_software_casts_bit_for_bit(cuda_platform_module):
+    """The dispatch quantiser's conversion on the GPU (ll.cuh f32x2_to_e4m3x2: the sm_89+
+    cvt.rn.satfinite.e4m3x2 instruction, NaN rewritten to 0x7f | sign) gives the same byte as the
+    software cast f32_to_e4m3 (run on the CPU, the HOST arm's path, itself equal to torch's cast)
+    for every e4m3 value, every midpoint and its neighbours, the saturation edges, +-inf, zeros
+    and NaNs of both signs; also for an odd count (the last value converted alone)."""
+    import numpy as np
+    from gpunet.device import ep as dep
+    lib = dep.load_ep("cuda")
+    f = ep_jobs.e4m3_cases()
+    for n in (f.size, f.size - 1):
+        src = torch.from_numpy(f[:n].copy()).cuda()
+        out = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        assert lib.gpunet_ep_f32_to_e4m3_device(src.data_ptr(), out.data_ptr(), n) == 0
+        want = np.zeros(n, dtype=np.uint8)
+        lib.gpunet_ep_f32_to_e4m3(np.ascontiguousarray(f[:n]).ctypes.data, want.ctypes.data, n)
+        got = out.cpu().numpy()
+        bad = np.nonzero(got != want)[0]
+        assert bad.size == 0, "GPU e4m3 differs at %s: got %s, software %s" % (
+            f[bad[:8]], got[bad[:8]], want[bad[:8]])
+
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(sorted(m)) or "bf16")
 def test_dispatch_and_combine_on_the_gpu_match_the_reference(buf, mode):
     """CUDA tensors in: the packed rows (FP8 bytes and scales bit for bit), counts and layout equal

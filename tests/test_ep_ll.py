@@ -26,6 +26,7 @@ from gpunet.ep import Buffer, Config, EventOverlap
 from gpunet.ep import reference as ref
 from gpunet.errors import ClosedError, ConfigError
 from mp_ranks import Ranks
+import ep_jobs
 
 # Small shapes: the HOST arm runs every device thread as an OS thread on the CI machine's 2 cores.
 BASE = dict(t_max=8, hidden=256, topk=4, holes=3)
@@ -138,19 +139,25 @@ def test_fp8_cast_matches_torch_on_every_code_midpoint_and_edge(eplib):
     """The device's software float -> e4m3fn cast equals torch's tensor cast (the contract's
     reference) bit for bit: every e4m3 value, every midpoint between neighbours (ties to even) and
     its two float32 neighbours, the subnormal range, values past 448 (saturated), +-inf, zeros."""
-    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-    vals = codes[~torch.isnan(codes)].unique().numpy().astype(np.float32)
-    mids = ((vals[1:].astype(np.float64) + vals[:-1]) / 2).astype(np.float32)
-    near = np.concatenate([np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf))])
-    edge = np.array([0.0, -0.0, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -9, 2.0 ** -6, 448, 449, 464, 465,
-                     479.9, 480, 512, 1e6, 3e38, np.inf, -np.inf, 1e-40, -1e-45], dtype=np.float32)
-    f = np.concatenate([vals, mids, near, edge, -mids, -edge]).astype(np.float32)
+    f = ep_jobs.e4m3_cases()[:-2]
     got, want = _e4m3(eplib, f), _torch_e4m3(f)
     bad = np.nonzero(got != want)[0]
     assert bad.size == 0, "f32 -> e4m3 differs from torch at %s: got %s, torch %s" % (
         f[bad[:8]], got[bad[:8]], want[bad[:8]])
-    nan = _e4m3(eplib, np.array([np.nan], dtype=np.float32))
-    assert nan[0] & 0x7f == 0x7f, "NaN must stay NaN (0x7f)"
+    nan = _e4m3(eplib, np.array([np.nan, -np.nan], dtype=np.float32))
+    assert list(nan) == [0x7f, 0xff], "NaN must stay NaN with its sign (0x7f | sign), got %s" % nan
+
+
+def test_the_quantisers_device_conversion_equals_the_software_cast(eplib):
+    """The conversion the dispatch quantiser runs on the device (ll.cuh f32x2_to_e4m3x2, through
+    the k_e4m3 kernel) gives the software cast's bytes on every case of ep_jobs.e4m3_cases (NaNs
+    included), and an odd count converts its last value alone. (HOST arm: the software path;
+    tests/test_ep_cuda.py checks the hardware instruction the same way.)"""
+    f = ep_jobs.e4m3_cases()
+    for n in (f.size, f.size - 1):
+        out = np.zeros(n, dtype=np.uint8)
+        assert eplib.gpunet_ep_f32_to_e4m3_device(f.ctypes.data, out.ctypes.data, n) == 0
+        assert np.array_equal(out, _e4m3(eplib, f[:n])), n
 
 
 @settings(max_examples=settings().max_examples, deadline=None)

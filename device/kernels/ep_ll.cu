@@ -7,6 +7,17 @@ namespace {
 
 GPUNET_GLOBAL void k_ep_ll(const gpunet::ep::LlParams P) { gpunet::ep::run(P); }
 
+// f32 -> e4m3 the way the dispatch kernel's quantiser converts (ll.cuh f32x2_to_e4m3x2: the
+// hardware instruction on sm_89+), one pair of values per thread.
+GPUNET_GLOBAL void k_e4m3(const float* in, uint8_t* out, uint64_t n) {
+  const uint64_t i = 2 * gpunet::arch::global_thread_rank();
+  if (i >= n) return;
+  const float hi = i + 1 < n ? in[i + 1] : 0.0f;
+  const uint16_t r = gpunet::ep::f32x2_to_e4m3x2(in[i], hi);
+  out[i] = uint8_t(r);
+  if (i + 1 < n) out[i + 1] = uint8_t(r >> 8);
+}
+
 }  // namespace
 
 extern "C" {
@@ -48,6 +59,16 @@ int gpunet_ep_ll_launch(const void* params, uint32_t grid, uint32_t block, uint3
 // the FP8 group scale.
 void gpunet_ep_f32_to_e4m3(const float* in, uint8_t* out, uint64_t n) {
   for (uint64_t i = 0; i < n; ++i) out[i] = gpunet::ep::f32_to_e4m3(in[i]);
+}
+// The same on the device (in / out: device memory on GPUs, host memory on the HOST arm; n <= 2048
+// there, the emulator's grid), waiting for the kernel. Returns 0 or the launch error.
+int gpunet_ep_f32_to_e4m3_device(const float* in, uint8_t* out, uint64_t n) {
+  gpunet::LaunchSpec s;
+  s.block = 256;
+  s.grid = uint32_t((n + 2 * s.block - 1) / (2 * s.block));
+  if (s.grid == 0) return 0;
+  s.sync = true;
+  return gpunet::launch_kernel(s, k_e4m3, in, out, n);
 }
 void gpunet_ep_f32_to_bf16(const float* in, uint16_t* out, uint64_t n) {
   for (uint64_t i = 0; i < n; ++i) out[i] = gpunet::ep::f32_to_bf16(in[i]);

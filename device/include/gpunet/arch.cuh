@@ -212,6 +212,19 @@ GPUNET_DEVICE uint8_t* shared_mem() {
   return gpunet_dynamic_smem;
 }
 
+// Two floats to float8 e4m3fn in one instruction (sm_89+): round to nearest even, finite results
+// saturate to +-448; `lo` lands in the low byte. Only where GPUNET_ARCH_HAS_E4M3X2 is defined (the
+// device pass for sm_89+); the other arms and older GPUs convert in software (gpunet/ep/ll.cuh
+// f32_to_e4m3, bit-identical: tests/test_ep_cuda.py compares the two on every code and midpoint).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define GPUNET_ARCH_HAS_E4M3X2 1
+GPUNET_DEVICE uint16_t cvt_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+#endif
+
 #elif defined(GPUNET_ARM_MACA)
 // ================================================================================================
 // MACA arm (MetaX C500). NEVER compiled or run here: no MACA toolchain or C500 is available.
