@@ -16,7 +16,9 @@ Two sides meet here, so neither needs to know the other:
   the Context's ops library on the CPU); every hook registered now or later is added to it.
 - ``register(fn, arg)`` / ``unregister(handle)``: an engine's hook (host/softnic.py SoftNic),
   added to every such library; ``unregister`` returns once no thread is inside the hook, so the
-  engine may free what ``arg`` points at right after.
+  engine may free what ``arg`` points at right after. ``fn`` may be a callable returning the
+  address: it is called (the hook compiled) only once a library needs it, so a process without
+  one (CUDA) never compiles a hook (a cold numba compile of the proxy's took ~40 s).
 Libraries are never unloaded (device/loader.py caches them per process), so the list only grows.
 tests/test_cpu_put.py::test_a_waiting_caller_executes_its_nics_work,
 ::test_closed_nics_hooks_are_gone.
@@ -48,24 +50,31 @@ def add_library(lib):
             return True
         add, _ = _bind(lib)
         _libs.append(lib)
-        for fn, arg, slots in _hooks.values():
-            slot = add(fn, arg)
+        for hook in _hooks.values():
+            slot = add(_address(hook), hook[1])
             if slot >= 0:               # a full table: that engine's thread alone serves it
-                slots[id(lib)] = slot
+                hook[2][id(lib)] = slot
     return True
 
 
+def _address(hook):
+    if callable(hook[0]):
+        hook[0] = int(hook[0]())
+    return hook[0]
+
+
 def register(fn, arg):
-    """Add the hook ``fn(arg)`` (addresses) to every library of :func:`add_library`, present and
-    future. Returns a handle for :func:`unregister`."""
+    """Add the hook ``fn(arg)`` (``fn``: an address or a callable returning it; ``arg``: an
+    address) to every library of :func:`add_library`, present and future. Returns a handle for
+    :func:`unregister`."""
     with _lock:
         h = next(_handles)
-        slots = {}
+        hook = [fn if callable(fn) else int(fn), int(arg), {}]
         for lib in _libs:
-            slot = lib.gpunet_host_progress_add(int(fn), int(arg))
+            slot = lib.gpunet_host_progress_add(_address(hook), hook[1])
             if slot >= 0:
-                slots[id(lib)] = slot
-        _hooks[h] = [int(fn), int(arg), slots]
+                hook[2][id(lib)] = slot
+        _hooks[h] = hook
         return h
 
 

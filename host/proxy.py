@@ -656,7 +656,20 @@ HK_STOP, HK_LOCK, HK_CH, HK_DONE, HK_DONE_STRIDE, HK_QP, HK_SIDE_CH, HK_SIDE_SEQ
 HK_WORDS = 24
 
 
-@cfunc(types.int64(types.uint64), nopython=True, cache=True)
+def proxy_progress_hook_address():
+    """The C address of proxy_progress_hook, compiled (numba cfunc, disk-cached) at the first
+    call: host/progress.py asks only once a library runs hooks (a cold compile took ~40 s on the
+    CI VM, so importing this module must not)."""
+    global _proxy_hook_cfunc
+    if _proxy_hook_cfunc is None:
+        _proxy_hook_cfunc = cfunc(types.int64(types.uint64), nopython=True,
+                                  cache=True)(proxy_progress_hook)
+    return _proxy_hook_cfunc.address
+
+
+_proxy_hook_cfunc = None
+
+
 def proxy_progress_hook(arg):
     """One drain pass of one proxy thread on the calling thread, if that thread's pass lock is
     free and the engine is not stopping; returns the work done."""
@@ -1043,7 +1056,7 @@ class ProxyEngine(Resource):
             # waiting HOST-arm device threads drain too (proxy_progress_hook; only with threads:
             # step() runs passes without the lock)
             self._hook_args = [self._hook_words(t) for t in range(threads)]
-            self._progress = [progress.register(proxy_progress_hook.address, w.ctypes.data)
+            self._progress = [progress.register(proxy_progress_hook_address, w.ctypes.data)
                               for w in self._hook_args]
 
     def _hook_words(self, t):

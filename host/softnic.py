@@ -666,7 +666,19 @@ def _exec_unlock(base):
 PROGRESS_ARG_WORDS = 4
 
 
-@cfunc(types.int64(types.uint64), nopython=True, cache=True)
+def progress_hook_address():
+    """The C address of progress_hook, compiled (numba cfunc, disk-cached) at the first call:
+    host/progress.py asks only once a library runs hooks, so importing this module compiles
+    nothing."""
+    global _progress_cfunc
+    if _progress_cfunc is None:
+        _progress_cfunc = cfunc(types.int64(types.uint64), nopython=True, cache=True)(progress_hook)
+    return _progress_cfunc.address
+
+
+_progress_cfunc = None
+
+
 def progress_hook(arg):
     """One engine pass on the calling thread, if no other thread is executing (the H_EXEC
     try-lock) and the NIC is up: what a HOST-arm device thread runs while it spins (host/progress.py;
@@ -934,7 +946,7 @@ class SoftNic(Nic):
                                            self._scratch.ctypes.data, self._segs.ctypes.data],
                                           dtype=np.int64)
             # waiting HOST-arm device threads run this NIC's engine pass (host/progress.py)
-            self._progress = progress.register(progress_hook.address,
+            self._progress = progress.register(progress_hook_address,
                                                self._progress_arg.ctypes.data)
             self._cpus = None if cpus is None else sorted(int(c) for c in cpus)
             self.placement = None          # {"tid", "cpus"} of the engine thread once it runs
