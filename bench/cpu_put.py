@@ -16,11 +16,16 @@ run; the table gives the median of the runs' medians and the spread [min, max] o
                            code plus the soft NIC (and the proxy thread) executing the put
     API put+quiet          gpunet.put + gpunet.quiet: the above plus the Python wrappers
 
-Target (issue 7): put+quiet under 30 us median on the 2-core CI machine. Other processes' load
-disturbs these figures (the polling threads give way to any runnable thread): the machine's load
-average is recorded at the start and at the end.
+Target (issue 7): put+quiet under 30 us median on the 2-core CI machine, in every run. Other
+processes' load disturbs these figures (the polling threads give way to any runnable thread): the
+machine's load average is recorded at the start and at the end, and a CPU probe (a fixed Python
+loop) before each run says how fast the vCPU ran then. On the CPU a waiting caller runs the soft
+NIC's and the proxy's passes itself (host/progress.py), so a put + quiet needs no other thread.
+--diag adds, per row and thread of each rank (caller, NIC engine, proxy threads): CPU time, time
+runnable but not running, switches, migrations and the CPU it ran on last.
 
 Usage: python bench/cpu_put.py [--runs 3] [--iters 300] [--json PATH] [--transports ibgda,proxy]
+                              [--no-breakdown] [--diag]
 """
 import argparse
 import ctypes
@@ -46,7 +51,7 @@ def _rank(rank, world, args):
 
     import torch.distributed as dist
 
-    out = {t: {"put+quiet": [], "ping-pong": []} for t in args.transports}
+    out = {t: {"put+quiet": [], "ping-pong": [], "probe": []} for t in args.transports}
     if args.diag:
         out["diag"] = []
     for run in range(args.runs):
@@ -54,6 +59,7 @@ def _rank(rank, world, args):
             with gpunet.init(transport=t, heap_bytes=4 << 20, timeout_s=30.0) as ctx:
                 buf = ctx.alloc((4096,), torch.uint8)
                 sig = ctx.alloc((2,), torch.int64)
+                out[t]["probe"].append(_cpu_probe_us())
                 roles = _roles(ctx) if args.diag else None
                 s0 = _thread_stats(roles) if args.diag else None
                 pq = put_quiet(ctx, buf, args.iters, args.warmup)
@@ -79,6 +85,21 @@ def _rank(rank, world, args):
                         out["diag"].append(dict(run=run, transport=t, median_us=med,
                                                 ranks=every))
     return out
+
+
+def _cpu_probe_us():
+    """How fast this vCPU runs Python now: the median of 21 timings of a fixed loop (us). On the
+    CI VM the same code ran up to 2x slower in some runs with nothing else runnable on its CPU
+    (bench/cpu_put.py --diag: the caller on its CPU the whole row, no waits); the probe beside
+    each run's medians tells such a run from a regression."""
+    ts = []
+    for _ in range(21):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(2000):
+            x += i
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[10] * 1e6
 
 
 # --- --diag: what each thread of each rank did during a row (Linux /proc; empty elsewhere) ------
@@ -254,7 +275,8 @@ def main(argv=None):
     for t in args.transports:
         for test in ("put+quiet", "ping-pong"):
             rows.append(dict(row=test, transport=t, ranks=2,
-                             bytes=64 if test == "put+quiet" else 8, **_spread(two[t][test])))
+                             bytes=64 if test == "put+quiet" else 8, **_spread(two[t][test]),
+                             cpu_probe_us=[round(p, 1) for p in two[t]["probe"]]))
     if not args.no_breakdown:
         for t in args.transports:
             per_run = [breakdown(t, args.iters, args.warmup) for _ in range(args.runs)]
@@ -267,14 +289,17 @@ def main(argv=None):
     for r in rows:
         print(f"{r['row']:<32}{r['transport']:>10}{r['median_us']:>11.1f}"
               f"{'[%.1f, %.1f]' % (r['min_median_us'], r['max_median_us']):>28}{r['p99_us']:>9.1f}")
+    for t in args.transports:
+        print("CPU probe (a fixed Python loop, us; rank 0, before each %s run): %s" % (
+            t, ", ".join("%.1f" % p for p in two[t]["probe"])))
     if args.diag:
         _print_diag(two["diag"])
     pq = [r for r in rows if r["row"] == "put+quiet"]
-    for r in pq:
+    for r in pq:                      # the house rule: a target holds only if every run meets it
         r["target_us"] = TARGET_US
-        r["target_met"] = r["median_us"] < TARGET_US
+        r["target_met"] = r["max_median_us"] < TARGET_US
     print("runs: %d x %d iterations (after %d warm-up) each; load average %.1f at the start, "
-          "%.1f at the end, %s cores. Target: put+quiet < %.0f us median: %s" % (
+          "%.1f at the end, %s cores. Target: put+quiet < %.0f us median in every run: %s" % (
               args.runs, args.iters, args.warmup, load0, load1, m["cores"], TARGET_US,
               ", ".join("%s %s" % (r["transport"], "met" if r["target_met"] else "NOT met")
                         for r in pq)))
