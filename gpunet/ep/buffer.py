@@ -161,7 +161,7 @@ def _on_gpu():
 
 
 def _addr(t):
-    return 0 if t is None else int(t.data_ptr())
+    return 0 if t is None else t.data_ptr()
 
 
 # HOST arm launch geometry: two blocks (the cross-block protocol runs in CI) of two warps each.
@@ -310,6 +310,10 @@ class Buffer:
         # so the CPU tests of failures cover this path
         self._hflags_mem = ctx.platform.alloc("host", 4 * (1 + r))
         self._hflags_np = self._hflags_mem.view()[:4 * (1 + r)].view(np.int32)
+        self._hflags_mv = memoryview(self._hflags_np)
+        self._failed_mv, self._status_flag_mv = memoryview(self._failed_np), memoryview(self._status_flag)
+        # the current-stream lookup of every LL launch (_stream)
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) if self._gpu else None
         self._prof_addr = 0         # LlParams::prof (bench/ep_profile.py: _set_profile)
         self._layouts = {}          # (t_max, hidden, num_experts) -> LlLayout
         self._param_cache = {}      # call key -> LlParams template (addresses of buffers fixed)
@@ -1068,7 +1072,7 @@ class Buffer:
         """The current CUDA stream of this Buffer's device, as the raw handle: torch's private
         _cuda_getCurrentRawStream where it exists (~1 us; torch.cuda.current_stream() took 30-44 us
         of each call's host time on the H200, bench/RESULTS.md), else the public call."""
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        raw = self._raw_stream
         if raw is not None:
             return raw(self._cuda_index)
         return torch.cuda.current_stream(self._cuda_index).cuda_stream
@@ -1091,6 +1095,10 @@ class Buffer:
         heap = not (mirrored and self._ctl_mirror)  # the heap's words are current on the host
         if heap:
             self._ctl_refresh()
+        # the common case, nothing recorded, through memoryviews of the same words (a numpy
+        # element read costs ~10x a memoryview's; this runs after every call)
+        if not any(self._hflags_mv) and not (heap and (self._status_flag_mv[0] or any(self._failed_mv))):
+            return
         if hf[0] or (heap and self._status_flag[0]):
             # the failure path may wait: the failed launch and what follows it finish, the
             # workspace is reset, and the reset is done before the next call reads the flag
@@ -1139,15 +1147,17 @@ class Buffer:
         return GpunetError(text)
 
     def _tensor(self, t, name, dtype, shape=None, ndim=None):
+        # (per call, several times: the cheap tensor properties only; t.device builds an object
+        # and tuple(t.shape) a tuple, which cost ~40% of combine's host time, bench/ep_host.py)
         if not isinstance(t, torch.Tensor):
             raise ConfigError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
         if t.dtype != dtype:
             raise ConfigError("%s must be %s, not %s" % (name, dtype, t.dtype))
-        if t.device.type != self._device.type:
+        if not (t.is_cuda if self._gpu else t.is_cpu):
             raise ConfigError("%s is on %s; this Buffer's tensors are on %s" % (name, t.device, self._device))
         if ndim is not None and t.dim() != ndim:
             raise ConfigError("%s must have %d dimensions, has shape %s" % (name, ndim, tuple(t.shape)))
-        if shape is not None and tuple(t.shape) != tuple(shape):
+        if shape is not None and t.shape != shape:
             raise ConfigError("%s must have shape %s, not %s" % (name, tuple(shape), tuple(t.shape)))
         if not t.is_contiguous() or t.data_ptr() % 16:
             t = t.contiguous().clone() if t.data_ptr() % 16 else t.contiguous()
@@ -1254,11 +1264,12 @@ class Buffer:
         dev = self._device
         if use_fp8:
             recv_x = torch.empty((el, rows, hidden), dtype=torch.float8_e4m3fn, device=dev)
+            # the scales as returned: [E_loc, R*T_max, G] column-major in the last two dims (the
+            # kernel writes [E_loc, G, R*T_max] contiguous), made so at once (no transpose per call)
             g = hidden // dep.GROUP
-            if use_ue8m0:
-                scales = torch.empty((el, -(-g // 4), rows), dtype=torch.int32, device=dev)
-            else:
-                scales = torch.empty((el, g, rows), dtype=torch.float32, device=dev)
+            g = -(-g // 4) if use_ue8m0 else g
+            scales = torch.empty_strided((el, rows, g), (g * rows, 1, rows),
+                                         dtype=torch.int32 if use_ue8m0 else torch.float32, device=dev)
         else:
             recv_x = torch.empty((el, rows, hidden), dtype=torch.bfloat16, device=dev)
             scales = None
@@ -1277,7 +1288,7 @@ class Buffer:
                 cumulative_local_expert_recv_stats, stats)
         hook = self._run_phases(P, what, "dispatch", return_recv_hook, keep)
         handle = (src_info, layout_range, t_max, hidden, e)
-        out_x = (recv_x, scales.transpose(1, 2)) if use_fp8 else recv_x
+        out_x = (recv_x, scales) if use_fp8 else recv_x
         event = EventOverlap(EventHandle(), keep if async_finish else None) if async_finish \
             else EventOverlap(None)
         return out_x, count, handle, event, hook
