@@ -999,6 +999,9 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
   int32_t* nrecv = ptr<int32_t>(P.nrecv);       // the same, host-mapped: for the host only
   int32_t* got = ptr<int32_t>(P.got);
   if (g.bid == 0) {
+    // thread j waits for source j and checks its header (nmsg[j] = -1: nothing from j); then the
+    // whole block copies the per-expert counts of every source (one round of loads: a thread
+    // walking a source's E_loc counts was E_loc / kBatch dependent rounds, 9 for DeepEP's 2 x 144)
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
       bool ok = !peer_out(P, j) && wait_source(P, SIG_DISPATCH, j);
       int32_t n = 0;
@@ -1011,29 +1014,30 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
           ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_HEADER, j, P.t_max, uint64_t(uint32_t(n)), 0);
           ok = false;
         }
-        if (ok)
-          batched(EL, [&](uint32_t le) { return h[kHdrHead + le]; },
-                  [&](uint32_t le, int64_t v) { cnt[uint64_t(j) * EL + le] = int32_t(v); });
-        else
-          for (uint32_t le = 0; le < EL; ++le) cnt[uint64_t(j) * EL + le] = 0;
-      } else {
-        for (uint32_t le = 0; le < EL; ++le) cnt[uint64_t(j) * EL + le] = 0;
       }
-      nmsg[j] = ok ? n : 0;
+      nmsg[j] = ok ? n : -1;
       nrecv[j] = ok ? n : 0;
       got[j] = ok ? 1 : 0;
     }
     arch::syncthreads();
+    for (uint32_t i = g.tid; i < R * EL; i += g.bdim) {
+      const uint32_t j = i / EL;
+      cnt[i] = nmsg[j] >= 0 ? ptr<const int32_t>(P.d_rhdr + uint64_t(j) * P.hdr_stride)[kHdrHead + i % EL] : 0;
+    }
+    arch::syncthreads();
+    for (uint32_t j = g.tid; j < R; j += g.bdim)
+      if (nmsg[j] < 0) nmsg[j] = 0;  // (read by the other blocks after block_publish below)
     int64_t* lr = ptr<int64_t>(P.layout_range);
     int32_t* count = ptr<int32_t>(P.out_count);
     for (uint32_t le = g.tid; le < EL; le += g.bdim) {
       int32_t run = 0;
-      for (uint32_t j = 0; j < R; ++j) {
-        const int32_t c = cnt[uint64_t(j) * EL + le];
-        begin[uint64_t(le) * R + j] = run;
-        lr[uint64_t(le) * R + j] = (int64_t(run) << 32) | int64_t(uint32_t(c));
-        run += c;
-      }
+      batched(R, [&](uint32_t j) { return cnt[uint64_t(j) * EL + le]; },
+              [&](uint32_t j, int64_t v) {
+                const int32_t c = int32_t(v);
+                begin[uint64_t(le) * R + j] = run;
+                lr[uint64_t(le) * R + j] = (int64_t(run) << 32) | int64_t(uint32_t(c));
+                run += c;
+              });
       count[le] = run;
       if (P.cum_stats) ptr<int32_t>(P.cum_stats)[le] += run;
     }
@@ -1261,6 +1265,69 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   return true;
 }
 
+// Step 7's reduce. One item = (token t, a span of SUB * 8 * ws columns): lane l reduces the SUB
+// groups of 8 columns c0 + s * 8 * ws (s < SUB). A warp takes a contiguous run of items (mostly
+// one token's spans), so a token's K row addresses and weights are read once for its run, and
+// each item costs one round of SUB * K loads in flight (a round waits one memory latency: with
+// K <= 8, SUB = 2 halves the rounds at the same registers as K <= 16, SUB = 1). KM: the largest K.
+template <uint32_t KM, uint32_t SUB>
+GPUNET_DEVICE void combine_reduce(const LlParams& P, const Geo& g) {
+  const uint32_t H = P.hidden, K = P.topk, T = P.num_tokens;
+  const int64_t* table = ptr<const int64_t>(P.table);
+  const float* w = ptr<const float>(P.topk_weights);
+  const uint32_t group = 8 * g.ws, span = SUB * group, nspan = (H + span - 1) / span;
+  const uint64_t spans = uint64_t(T) * nspan, per = (spans + g.gwarps - 1) / g.gwarps;
+  const uint64_t it0 = uint64_t(g.gw) * per, it1 = it0 + per < spans ? it0 + per : spans;
+  uint32_t cur = ~0u, have = 0;  // have: bit k = selection k of token cur sent a row
+  uint64_t base[KM];             // its row's first byte
+  float wk[KM];
+  for (uint64_t it = it0; it < it1; ++it) {
+    const uint32_t t = uint32_t(it / nspan);
+    if (t != cur) {
+      cur = t;
+      have = 0;
+#pragma unroll
+      for (uint32_t k = 0; k < KM; ++k) {
+        base[k] = 0;
+        wk[k] = 0.0f;
+        if (k >= K) continue;
+        const int64_t s = table[uint64_t(t) * K + k];
+        if (s < 0) continue;
+        have |= 1u << k;
+        const uint64_t o = uint64_t(s) >> 32, i = uint64_t(s) & 0xffffffffu;
+        base[k] = (s & kSelfRow) ? P.x + uint64_t(s & ~kSelfRow) * H * 2
+                                 : P.c_recv + (o * P.c_rows + i) * H * 2;
+        wk[k] = w[uint64_t(t) * K + k];
+      }
+    }
+    const uint32_t c0 = uint32_t(it % nspan) * span + g.lane * 8;
+    // every row of every group first (SUB * K independent 16-byte loads in flight), then the sums
+    // in k order (deterministic: same inputs, same bits)
+    V16 v[SUB][KM];
+#pragma unroll
+    for (uint32_t q = 0; q < SUB; ++q)
+#pragma unroll
+      for (uint32_t k = 0; k < KM; ++k)
+        v[q][k] = (((have >> k) & 1) && c0 + q * group < H)
+                      ? *ptr<const V16>(base[k] + uint64_t(c0 + q * group) * 2) : V16{0, 0};
+#pragma unroll
+    for (uint32_t q = 0; q < SUB; ++q) {
+      const uint32_t c = c0 + q * group;
+      if (c >= H) continue;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (uint32_t k = 0; k < KM; ++k) {
+        if (!((have >> k) & 1)) continue;  // a hole adds nothing (not even 0 * row)
+        for (uint32_t e = 0; e < 8; ++e) acc[e] += wk[k] * bf16_at(v[q][k], e);
+      }
+      V16 res = {0, 0};
+      for (uint32_t e = 0; e < 8; ++e)
+        (e < 4 ? res.a : res.b) |= uint64_t(f32_to_bf16(acc[e])) << (16 * (e & 3));
+      *ptr<V16>(P.out_x + (uint64_t(t) * H + c) * 2) = res;
+    }
+  }
+}
+
 GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
   const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden, K = P.topk, T = P.num_tokens;
   // after the send phase's tables: the send phase's last block may still read them
@@ -1323,53 +1390,8 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
   }
   if (!grid_barrier(P, g, SYNC_RECV_TABLE, EP_SITE_TABLE)) return false;
   stamp(P, g, ST_RECV_TABLE);
-  // one item = (token t, a span of 8 * ws columns): lane l reduces columns c0 .. c0 + 7. A warp
-  // takes a contiguous run of items (mostly one token's spans), so a token's K row addresses and
-  // weights are read once for its run, and each span costs one round of K loads in flight.
-  const float* w = ptr<const float>(P.topk_weights);
-  const uint32_t span = 8 * g.ws, nspan = (H + span - 1) / span;
-  const uint64_t spans = uint64_t(T) * nspan, per = (spans + g.gwarps - 1) / g.gwarps;
-  const uint64_t it0 = uint64_t(g.gw) * per, it1 = it0 + per < spans ? it0 + per : spans;
-  uint32_t cur = ~0u, have = 0;  // have: bit k = selection k of token cur sent a row
-  uint64_t base[kMaxTopk];       // its row's first byte
-  float wk[kMaxTopk];
-  for (uint64_t it = it0; it < it1; ++it) {
-    const uint32_t t = uint32_t(it / nspan);
-    if (t != cur) {
-      cur = t;
-      have = 0;
-#pragma unroll
-      for (uint32_t k = 0; k < kMaxTopk; ++k) {
-        base[k] = 0;
-        wk[k] = 0.0f;
-        if (k >= K) continue;
-        const int64_t s = table[uint64_t(t) * K + k];
-        if (s < 0) continue;
-        have |= 1u << k;
-        const uint64_t o = uint64_t(s) >> 32, i = uint64_t(s) & 0xffffffffu;
-        base[k] = (s & kSelfRow) ? P.x + uint64_t(s & ~kSelfRow) * H * 2
-                                 : P.c_recv + (o * P.c_rows + i) * H * 2;
-        wk[k] = w[uint64_t(t) * K + k];
-      }
-    }
-    const uint32_t c0 = uint32_t(it % nspan) * span + g.lane * 8;
-    if (c0 >= H) continue;
-    // every row first (K independent 16-byte loads in flight), then the sum in k order
-    V16 v[kMaxTopk];
-#pragma unroll
-    for (uint32_t k = 0; k < kMaxTopk; ++k)
-      v[k] = ((have >> k) & 1) ? *ptr<const V16>(base[k] + uint64_t(c0) * 2) : V16{0, 0};
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-    for (uint32_t k = 0; k < kMaxTopk; ++k) {
-      if (!((have >> k) & 1)) continue;  // a hole adds nothing (not even 0 * row)
-      for (uint32_t q = 0; q < 8; ++q) acc[q] += wk[k] * bf16_at(v[k], q);
-    }
-    V16 res = {0, 0};
-    for (uint32_t q = 0; q < 8; ++q)
-      (q < 4 ? res.a : res.b) |= uint64_t(f32_to_bf16(acc[q])) << (16 * (q & 3));
-    *ptr<V16>(P.out_x + (uint64_t(t) * H + c0) * 2) = res;
-  }
+  if (K <= kMaxTopk / 2) combine_reduce<kMaxTopk / 2, 2>(P, g);
+  else combine_reduce<kMaxTopk, 1>(P, g);
   stamp(P, g, ST_RECV_LOOP);
   // the slot table back to -1 (between launches) once every block has read it
   if (last_block(P, g, SYNC_RECV_DONE)) {
