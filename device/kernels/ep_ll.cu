@@ -49,7 +49,8 @@ int gpunet_ep_ll_launch(const void* params, uint32_t grid, uint32_t block, uint3
   s.grid = grid;
   s.block = block;
   s.warp_size = ws;
-  s.shared_bytes = view + (P.bits_smem ? uint32_t(bits) : 0);
+  s.shared_bytes = view + (P.bits_smem ? uint32_t(bits) : 0) +
+                   (P.op == ep::OP_COMBINE ? ep::smem_combine_bytes(P.nranks) : 0);
   s.stream = stream;
   s.sync = sync != 0;
   return gpunet::launch_kernel(s, k_ep_ll, P);

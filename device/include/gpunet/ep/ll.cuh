@@ -492,9 +492,12 @@ GPUNET_DEVICE void stamp_after_block(const LlParams& P, const Geo& g, uint32_t w
 // peer that fails during the launch is marked in the copy of the block that saw it; other blocks
 // keep posting to it until their verbs fail fast on its own Status (harmless).
 // Dynamic shared memory: the peer view (one byte per peer, 16-byte rounded), then, when
-// LlParams::bits_smem, block 0's plan bitmaps [bits_warps][hist_cols] u64 (ep_ll.cu sizes it).
+// LlParams::bits_smem, block 0's plan bitmaps [bits_warps][hist_cols] u64, or in a combine the
+// receive controller's per-source counts (smem_combine_bytes) (ep_ll.cu sizes it).
 GPUNET_HOST_DEVICE uint32_t smem_view_bytes(uint32_t nranks) { return (nranks + 15) / 16 * 16; }
 constexpr uint32_t kMaxPlanSmem = 40u << 10;  // under the 48 KB a launch gets without opting in
+// Combine's receive controller (block 0): after the peer view, int64 [R] per-source row counts.
+GPUNET_HOST_DEVICE uint32_t smem_combine_bytes(uint32_t nranks) { return 8 * nranks; }
 
 GPUNET_DEVICE uint8_t* load_peer_view(const LlParams& P, const Geo& g) {
   uint8_t* v = arch::shared_mem();
@@ -1364,32 +1367,43 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
   int64_t* table = ptr<int64_t>(P.table);
   const int64_t* topk = ptr<const int64_t>(P.topk_idx);
   if (g.bid == 0) {
+    // thread o waits for source o and checks its header (srcn[o]: its row count, or kNoSource);
+    // then a warp per source takes the prefix of its E_loc counts (warp_scan; one thread's walk
+    // was E_loc / kBatch dependent rounds)
+    int64_t* srcn = reinterpret_cast<int64_t*>(arch::shared_mem() + smem_view_bytes(R));
+    constexpr int64_t kNoSource = INT64_MIN;
     for (uint32_t o = g.tid; o < R; o += g.bdim) {
       bool ok = !peer_out(P, o) && wait_source(P, SIG_COMBINE, o);
-      int32_t n = 0;
+      const int32_t* h = ptr<const int32_t>(P.c_rhdr + uint64_t(o) * P.hdr_stride);
+      srcn[o] = ok && header_matches(P, h, o) ? int64_t(h[0]) : kNoSource;
+    }
+    arch::syncthreads();
+    for (uint32_t o = g.wid; o < R; o += g.nwarps) {
+      const int64_t n = srcn[o];
+      bool ok = n != kNoSource, negative = false;
+      int64_t run = 0;
       if (ok) {
         const int32_t* h = ptr<const int32_t>(P.c_rhdr + uint64_t(o) * P.hdr_stride);
-        n = h[0];
-        if (!header_matches(P, h, o)) ok = false;
-        int64_t run = 0;
-        if (ok)
-          batched(EL, [&](uint32_t le) { return h[kHdrHead + le]; },
-                  [&](uint32_t le, int64_t v) {
-                    const int32_t c = int32_t(v);
-                    pre[uint64_t(o) * EL + le] = int32_t(run);
-                    cnt[uint64_t(o) * EL + le] = c;
-                    if (c < 0) ok = false;
-                    run += c;
-                  });
-        if (ok && (run != n || uint64_t(run) > P.c_rows)) {
-          ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_HEADER, o, P.c_rows, uint64_t(run), 0);
-          ok = false;
-        }
+        run = warp_scan(g, EL,
+                        [&](uint32_t le) {
+                          const int32_t c = h[kHdrHead + le];
+                          cnt[uint64_t(o) * EL + le] = c;
+                          negative |= c < 0;
+                          return c;
+                        },
+                        [&](uint32_t le, int64_t before) { pre[uint64_t(o) * EL + le] = int32_t(before); });
+      }
+      ok = ok && !arch::any(negative);
+      if (ok && (run != n || uint64_t(run) > P.c_rows)) {
+        if (g.lane == 0) ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_HEADER, o, P.c_rows, uint64_t(run), 0);
+        ok = false;
       }
       if (!ok)
-        for (uint32_t le = 0; le < EL; ++le) cnt[uint64_t(o) * EL + le] = 0;
-      nrecv[o] = ok ? n : 0;
-      got[o] = ok ? 1 : 0;
+        for (uint32_t le = g.lane; le < EL; le += g.ws) cnt[uint64_t(o) * EL + le] = 0;
+      if (g.lane == 0) {
+        nrecv[o] = ok ? int32_t(n) : 0;
+        got[o] = ok ? 1 : 0;
+      }
     }
     block_publish(P, g, SYNC_RECV_READY);
   } else if (!block_wait(P, g, SYNC_RECV_READY, 1, EP_SITE_RECV_READY)) {
