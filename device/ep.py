@@ -102,6 +102,7 @@ def _bind_ll(lib):
         f.restype = None
     lib.gpunet_ep_f32_to_e4m3_device.argtypes = [vp, vp, u64]
     lib.gpunet_ep_f32_to_e4m3_device.restype = ctypes.c_int
+    lib.gpunet_ep_ll_max_block.argtypes, lib.gpunet_ep_ll_max_block.restype = [], u32
 
 
 def load_ep(arch="host", defines=None):

@@ -72,6 +72,20 @@ def test_the_gpus_e4m3_conversion_is_the_software_casts_bit_for_bit(cuda_platfor
             f[bad[:8]], got[bad[:8]], want[bad[:8]])
 
 
+def test_block_threads_beyond_the_kernels_limit_is_refused_with_the_limit(cuda_platform_module):
+    """The LL kernel's register use bounds its block size (gpunet_ep_ll_max_block, from the CUDA
+    runtime): a Buffer asked for more threads a block raises a ConfigError naming that limit
+    instead of failing at the first launch; the default block fits it."""
+    from gpunet.device import ep as dep
+    from gpunet.errors import ConfigError
+    most = dep.load_ep("cuda").gpunet_ep_ll_max_block()
+    assert 256 <= most <= 1024, most
+    if most < 1024:
+        with pytest.raises(ConfigError, match="at most %d" % most):
+            Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T_MAX, HIDDEN, 1, EXPERTS),
+                   low_latency_mode=True, explicitly_destroy=True, block_threads=1024)
+
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(sorted(m)) or "bf16")
 def test_dispatch_and_combine_on_the_gpu_match_the_reference(buf, mode):
     """CUDA tensors in: the packed rows (FP8 bytes and scales bit for bit), counts and layout equal

@@ -32,6 +32,20 @@ uint32_t gpunet_ep_abi_size(uint32_t which) {
   }
 }
 
+// The most threads a block of k_ep_ll may have: on CUDA what the runtime says (its registers
+// bound it: gpunet.ep.Buffer refuses a larger block_threads with that number instead of a failed
+// launch); the HOST emulator takes up to 1024; 0 = not known (MACA: unverified, not asked).
+uint32_t gpunet_ep_ll_max_block() {
+#if defined(GPUNET_ARM_CUDA)
+  cudaFuncAttributes a;
+  return cudaFuncGetAttributes(&a, k_ep_ll) == cudaSuccess ? uint32_t(a.maxThreadsPerBlock) : 0;
+#elif defined(GPUNET_ARM_HOST)
+  return 1024;
+#else
+  return 0;
+#endif
+}
+
 // Launch k_ep_ll on grid x block threads with the LlParams at `params` (host memory: passed by
 // value, so a CUDA graph captures it). ws: the HOST arm's warp size (GPUs use theirs). stream: a
 // cudaStream_t (0 = legacy default; HOST: ignored, synchronous). sync != 0: GPUs wait for the

@@ -280,6 +280,12 @@ class Buffer:
         if self._block % self._ws or not 0 < self._block <= 1024 or self._grid < 1:
             raise ConfigError("Buffer: block_threads must be a multiple of the warp size (%d) up to "
                               "1024 and num_blocks >= 1 (got %r, %r)" % (self._ws, block_threads, num_blocks))
+        most = self._lib.gpunet_ep_ll_max_block()
+        if most and self._block > most:
+            raise ConfigError("Buffer: block_threads=%d, but the low-latency kernel takes at most %d "
+                              "threads a block on this device (its registers); the default is %d"
+                              % (self._block, most, CUDA_WARPS_PER_BLOCK * 32 if self._gpu else
+                                 HOST_WARPS_PER_BLOCK * self._ws))
         if not self._gpu and self._grid * self._block > 1024:
             raise ConfigError("Buffer: on the CPU platform the grid (num_blocks * block_threads = %d) "
                               "must be co-resident in the HOST emulator's wave of 1024 threads"

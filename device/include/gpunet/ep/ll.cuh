@@ -1363,7 +1363,7 @@ GPUNET_DEVICE void combine_reduce(const LlParams& P, const Geo& g) {
 }
 
 GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
-  const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden, K = P.topk, T = P.num_tokens;
+  const uint32_t R = P.nranks, EL = P.e_loc, K = P.topk, T = P.num_tokens;
   // after the send phase's tables: the send phase's last block may still read them
   int32_t* pre = ptr<int32_t>(P.tab) + uint64_t(EL) * R + R;  // [R][E_loc]: first row of le from o
   int32_t* cnt = pre + uint64_t(R) * EL;                      // [R][E_loc]
