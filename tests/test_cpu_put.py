@@ -241,3 +241,22 @@ def test_an_idle_cpu_contexts_nic_engine_wakes_at_most_every_ms(transport):
             assert eng.stats_dict()["passes"] - p0 < bound
     finally:
         c.close()
+
+
+def test_a_marked_down_nic_is_not_run_by_its_waiting_caller():
+    """The progress hook honours the NIC's down flag as the engine thread does: after
+    mark_down() a put is not executed by the caller that waits for it; its quiet times out
+    (bounded) and no byte lands."""
+    c = gpunet.init(transport="ibgda", heap_bytes=4 << 20, timeout_s=1.0)
+    try:
+        x = c.alloc((64,), torch.uint8)
+        y = c.alloc((64,), torch.uint8)
+        x.fill_(9)
+        c.nic.mark_down()
+        wqes = c.nic.stats()["wqes"]
+        with pytest.raises(gpunet.TimeoutError):
+            gpunet.put(c.remote(0, y), x)
+            gpunet.quiet()
+        assert c.nic.stats()["wqes"] == wqes and not y.any()
+    finally:
+        c.close()
