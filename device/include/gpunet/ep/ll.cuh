@@ -1088,17 +1088,20 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     while (m >= uint64_t(nmsg[j])) m -= uint64_t(nmsg[j++]);
     const uint64_t msg = P.d_recv + (uint64_t(j) * P.t_max + m) * P.msg_stride;
     const int32_t* meta = ptr<const int32_t>(msg + P.payload_bytes);
+    // t, K and lane k's selection k are loaded together (the meta is kMetaBytes whatever the
+    // sender's K: selection k's words exist for every k < kMaxTopk), not K after t
     const int32_t t = meta[0];
-    const uint32_t kk = uint32_t(meta[1]) < kMaxTopk ? uint32_t(meta[1]) : kMaxTopk;  // the sender's K
+    const uint32_t k_raw = uint32_t(meta[1]);
+    const int32_t e = g.lane < kMaxTopk ? meta[4 + 2 * g.lane] : -1;
+    const int32_t idx = g.lane < kMaxTopk ? meta[5 + 2 * g.lane] : -1;
+    const uint32_t kk = k_raw < kMaxTopk ? k_raw : kMaxTopk;  // the sender's K
     // the packed rows this message goes to (one per local expert the token selected): lane k
     // reads selection k (the lanes' loads overlap; one lane walking k made K dependent chains)
     bool mine = false;
     uint64_t my_dst = 0;
     if (g.lane < kk) {
-      const int32_t e = meta[4 + 2 * g.lane];
       if (e >= int32_t(e0) && e < int32_t(e0 + EL)) {
         const uint32_t le = uint32_t(e) - e0;
-        const int32_t idx = meta[5 + 2 * g.lane];
         const int32_t c = cnt[uint64_t(j) * EL + le];
         if (idx < 0 || idx >= c || t < 0 || uint32_t(t) >= P.t_max) {
           ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, j, uint64_t(c), uint64_t(uint32_t(idx)), 0);
