@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # selectors the build sets itself, and internal helper macros.
 CODE_MACROS = {"GPUNET_DEVICE", "GPUNET_GLOBAL", "GPUNET_HOST_DEVICE", "GPUNET_ARCH_HOST",
                "GPUNET_ARCH_CUDA", "GPUNET_ARCH_MACA", "GPUNET_ARM_HOST", "GPUNET_ARM_CUDA",
-               "GPUNET_ARM_MACA", "GPUNET_DELAY_POINT", "GPUNET_MLX5_HAVE_ARCH"}
+               "GPUNET_ARM_MACA", "GPUNET_DELAY_POINT", "GPUNET_MLX5_HAVE_ARCH",
+               "GPUNET_ARCH_HAS_E4M3X2", "GPUNET_EP_HT_BOUNDS"}
 
 
 def _names_in_sources():
