@@ -73,6 +73,20 @@ def test_put_opdesc_is_the_op_list_one(ctx, nbytes):
     assert seen == [bytes(want)]
 
 
+def _twenty_rounds(ctx, x, y, sig, word):
+    """20 rounds of put + quiet, put_signal + wait_until and atomic_add to this rank itself
+    (x, y: 256 uint8; sig: 2 int64; word: 1 int64, zero at the start), each result checked."""
+    for i in range(20):
+        x.copy_(torch.randint(0, 256, (256,), dtype=torch.uint8))
+        gpunet.put(ctx.remote(0, y), x)
+        gpunet.quiet()
+        assert torch.equal(x, y)
+        gpunet.put_signal(ctx.remote(0, y, 128), x[:64], ctx.remote(0, sig, 1))
+        gpunet.wait_until(sig, i + 1, "ge", index=1)
+        assert torch.equal(y[128:192], x[:64])
+        assert gpunet.atomic_add(ctx.remote(0, word), 3) == 3 * i
+
+
 def _stop_engine_thread(nic):
     """End the soft NIC's engine thread but leave the NIC up: from then on only a progress hook
     (a waiting HOST-arm device thread) executes its WQEs."""
@@ -97,15 +111,7 @@ def test_a_waiting_caller_executes_its_nics_work(ctx):
     word = ctx.alloc((1,), torch.int64)
     _stop_engine_thread(ctx.nic)
     wqes = ctx.nic.stats()["wqes"]
-    for i in range(20):
-        x.copy_(torch.randint(0, 256, (256,), dtype=torch.uint8))
-        gpunet.put(ctx.remote(0, y), x)
-        gpunet.quiet()
-        assert torch.equal(x, y)
-        gpunet.put_signal(ctx.remote(0, y, 128), x[:64], ctx.remote(0, sig, 1))
-        gpunet.wait_until(sig, i + 1, "ge", index=1)
-        assert torch.equal(y[128:192], x[:64])
-        assert gpunet.atomic_add(ctx.remote(0, word), 3) == 3 * i
+    _twenty_rounds(ctx, x, y, sig, word)
     assert ctx.nic.stats()["wqes"] >= wqes + 60
 
 
@@ -203,15 +209,7 @@ def test_a_waiting_caller_drains_the_proxy():
         eng._stop_word[0] = 0
         _stop_engine_thread(c.nic)
         cmds = eng.stats_dict()["commands"]
-        for i in range(20):
-            x.copy_(torch.randint(0, 256, (256,), dtype=torch.uint8))
-            gpunet.put(c.remote(0, y), x)
-            gpunet.quiet()
-            assert torch.equal(x, y)
-            gpunet.put_signal(c.remote(0, y, 128), x[:64], c.remote(0, sig, 1))
-            gpunet.wait_until(sig, i + 1, "ge", index=1)
-            assert torch.equal(y[128:192], x[:64])
-            assert gpunet.atomic_add(c.remote(0, word), 3) == 3 * i
+        _twenty_rounds(c, x, y, sig, word)
         assert eng.stats_dict()["commands"] >= cmds + 60
     finally:
         c.close()
