@@ -578,6 +578,30 @@ GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
   return ok;
 }
 
+// The warp's reservation of `total` WQEBBs (post_warp, post_warp_k; all lanes, converged). Lane 0
+// makes one round trip for the Status, errored, done_head, db_head and the reservation, and keeps
+// `v` for its publish; every lane gets `base` and `ok` (false: a failure was seen, the warp fills
+// its reservation with NOPs). Returns false when there is no room: a failure is recorded and every
+// wait gives up; [base, +total) stays a hole (its slots may still be the NIC's, so nothing is
+// written there).
+GPUNET_DEVICE bool reserve_warp(QpDesc* qp, const Waiter& w, uint32_t total, Resv& v,
+                                uint64_t& base, bool& ok) {
+  const uint32_t lane = arch::lane_id();
+  bool st_failed = false, qp_errored = false, room = true;
+  if (lane == 0) {
+    st_failed = failed(w);
+    qp_errored = arch::atomic_load(&qp->errored) != 0;
+    const uint64_t done0 = arch::atomic_load(&qp->done_head);
+    v = reserve_start(qp, total);
+    room = wait_room(qp, w, v, done0);
+    read_hints(qp, v);
+  }
+  base = arch::shfl(v.base, 0);
+  if (arch::shfl(uint32_t(room), 0) == 0) return false;
+  ok = arch::shfl(uint32_t(lane != 0 || post_allowed(qp, w, st_failed, qp_errored, true)), 0) != 0;
+  return true;
+}
+
 // Warp-cooperative post: every lane of the warp calls it (converged); lane i < nposts posts
 // wqe (its own), lanes >= nposts pass a dummy. One reservation for the warp; returns the same
 // answer on every lane. Lane 0's chain (one warp alone on the QP, the turn its own): one round
@@ -610,24 +634,11 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
       record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
     return false;
   }
-  // Lane 0: one round trip for the Status, errored, done_head, db_head and the reservation.
-  bool st_failed = false, qp_errored = false, room = true;
   Resv v;
-  if (lane == 0) {
-    st_failed = failed(w);
-    qp_errored = arch::atomic_load(&qp->errored) != 0;
-    const uint64_t done0 = arch::atomic_load(&qp->done_head);
-    v = reserve_start(qp, total);
-    room = wait_room(qp, w, v, done0);
-    read_hints(qp, v);
-  }
+  uint64_t base;
+  bool ok;
+  if (!reserve_warp(qp, w, total, v, base, ok)) return false;
   GPUNET_POST_STAMP(0);
-  const uint64_t base = arch::shfl(v.base, 0);
-  // No room: a failure is recorded and every wait gives up; [base, +total) stays a hole (its
-  // slots may still be the NIC's, so nothing is written there).
-  if (arch::shfl(uint32_t(room), 0) == 0) return false;
-  const bool ok = arch::shfl(uint32_t(lane != 0 || post_allowed(qp, w, st_failed, qp_errored, true)),
-                             0) != 0;
   uint64_t word;
   if (ok) {
     // The last posting lane's doorbell word goes to lane 0 BEFORE the WQE stores: after them the
@@ -666,22 +677,10 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
       record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
     return false;
   }
-  bool st_failed = false, qp_errored = false, room = true;
   Resv v;
-  if (lane == 0) {
-    st_failed = failed(w);
-    qp_errored = arch::atomic_load(&qp->errored) != 0;
-    const uint64_t done0 = arch::atomic_load(&qp->done_head);
-    v = reserve_start(qp, uint32_t(total));
-    room = wait_room(qp, w, v, done0);
-    read_hints(qp, v);
-  }
-  const uint64_t base = arch::shfl(v.base, 0);
-  // No room: a failure is recorded and every wait gives up; [base, +total) stays a hole (its
-  // slots may still be the NIC's, so nothing is written there).
-  if (arch::shfl(uint32_t(room), 0) == 0) return false;
-  const bool ok = arch::shfl(uint32_t(lane != 0 || post_allowed(qp, w, st_failed, qp_errored, true)),
-                             0) != 0;
+  uint64_t base;
+  bool ok;
+  if (!reserve_warp(qp, w, uint32_t(total), v, base, ok)) return false;
   uint64_t word;
   if (ok) {
     const mlx5::Seg16 last_ctrl = ctrl_of(qp, base + total - ws + lane, last);
