@@ -1,5 +1,5 @@
 """gpunet's command line: ``python -m gpunet demo`` (the main job), ``ep-demo``, ``selftest``,
-``config`` or ``doctor``."""
+``config``, ``doctor`` or ``warmup``."""
 import argparse
 import sys
 
@@ -16,6 +16,9 @@ def main(argv=None):
     sub.add_parser("doctor", help="can the stack work on this machine, and why not: platform, "
                                   "toolchains, NICs, loopback checks, measured coherence; a table "
                                   "and JSON", add_help=False)
+    sub.add_parser("warmup", help="compile numba's caches and the HOST-arm kernels once (a "
+                                  "one-rank loopback per NIC transport), so the first run of "
+                                  "several ranks does not compile them in every rank at once")
     args, rest = p.parse_known_args(argv)
     if args.cmd == "demo":
         from gpunet.demo import main as demo_main
@@ -31,6 +34,14 @@ def main(argv=None):
     if args.cmd == "config":
         from gpunet.config import table
         print(table())
+        return 0
+    if args.cmd == "warmup":
+        import time
+        from gpunet.doctor import warm
+        t0 = time.perf_counter()
+        warm()
+        print("gpunet warm-up: ibgda and proxy loopbacks ok, compile caches ready (%.1f s)"
+              % (time.perf_counter() - t0))
         return 0
     if args.cmd == "selftest":
         from gpunet.selftest import run

@@ -480,6 +480,24 @@ def _loopback_rows(rep, transport, nic_kind, timeout_s, refused):
             rep.add("loopback", check + "close", "FAIL", _err(e))
 
 
+def warm(nic_kind="soft", timeout_s=60.0, log=None):
+    """Compile, once and serially, what every rank's first ``init`` would otherwise compile at
+    the same moment: numba's disk caches (the soft NIC's engine, the proxy's drain pass and
+    progress hook, the wire builders) and the HOST arm's kernel library, by running the loopback
+    checks (a one-rank Context per NIC transport: write, read, fetch-add). A cold compile on the
+    2-core CI VM takes ~45 s in one process; two or four rank processes compiling the same
+    functions at once on 2 cores took over 120 s (CI stop 15). Returns the Report; raises
+    GpunetError naming the failed checks."""
+    rep = Report(log)
+    for t in ("ibgda", "proxy"):
+        _loopback_rows(rep, t, nic_kind, timeout_s, None)
+    bad = rep.failed()
+    if bad:
+        raise GpunetError("warm-up failed: %s" % "; ".join(
+            "%s (%s)" % (r["check"], r["detail"]) for r in bad))
+    return rep
+
+
 # --- coherence probes -----------------------------------------------------------------------------
 
 def load_probe(arch):

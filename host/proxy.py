@@ -295,9 +295,13 @@ def cpu_wait_completed(hctrl, issued, timeout_ns):
 # levels that was ~20 such calls and the register spills around them per command: most of the
 # drain's cost (H200 host: ~113 ns a command, a locked add costing more on its CPU than on the CI
 # machine's). The arrays become pointers once per engine thread (_state) and every helper below
-# takes the state tuple ``S`` and scalars. The helpers are inline="always" (numba's IR inlining:
-# numba compiles each njit function on its own and does not inline across them), and so are the
-# mlx5 builders they call. tests/test_proxy.py::test_drain_helpers_make_no_reference_count_calls
+# takes the state tuple ``S`` and scalars. The per-command helpers are inline="always" (numba's
+# IR inlining), and so are the mlx5 builders they call; _drain and _poll_cq, the two a pass calls
+# once per channel / QP, are not: numba's IR inlining grows superlinearly, and with them inlined
+# into _pass a cold compile of _pass took 101 s on the 2-core CI VM (two rank processes compiling
+# at once then outran the tests' 120 s init; CI stop 15), 24 s without, at the same drain rate
+# (bench/proxy.py drain-only prefilled, one thread: 62 M cmd/s before, 65 / 68 after; without
+# _issue inlined too: 13 s, 52 M). tests/test_proxy.py::test_drain_helpers_make_no_reference_count_calls
 # guards the rule; bench/proxy.py's drain-only rows measure it.
 #
 # The state tuple S (_state): (ch, done, done_stride, qp, side_ch, side_seq, side_stride,
@@ -468,7 +472,7 @@ def _ring(qpp, q):
     qpp[qb + QP_DIRTY] = 0
 
 
-@wire_njit(cache=True, inline="always")
+@wire_njit(cache=True)
 def _poll_cq(S, q, out_addr, out_n):
     """Consume the QP's new CQEs (wq.poll_cq, into the CQE_POLL_BATCH * 64-byte buffer at
     ``out_addr``); every WQE up to a CQE's wqe_counter has completed, in order (one RC QP
@@ -536,7 +540,7 @@ def _publish_tail(chp, c):
         chp[cb + CH_PUB_TAIL] = t
 
 
-@wire_njit(cache=True, inline="always")
+@wire_njit(cache=True)
 def _drain(S, c):
     """Take up to DRAIN_BATCH commands of channel ``c`` from its FIFO into WQEs; returns how
     many. Stops at the first slot not yet written, when the in-order window is full, or when a

@@ -44,3 +44,6 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check -e '.[test,plot]'
 echo "gpunet installed: $($PY -c 'import gpunet; print(gpunet.__version__)')"
+# Compile numba's disk caches and the HOST-arm kernels once here (~45 s on 2 cores), so the first
+# demo or test run does not compile them in every rank process at once.
+$PY -m gpunet warmup

@@ -20,6 +20,26 @@ settings.register_profile("deep", max_examples=2000, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_sessionstart(session):
+    """Compile numba's caches and the HOST-arm kernels once, in one process, before any test
+    spawns rank processes (``python -m gpunet warmup``; ~2.5 s when they are warm): on a fresh
+    clone every rank would otherwise compile the same functions at once, and 2 ranks on 2 cores
+    outran the rank pools' 120 s init (CI stop 15). Run in a subprocess so this process's
+    platform and environment stay as the tests set them. A failure is reported, not fatal: the
+    tests that need what failed say so themselves."""
+    import subprocess
+    import sys
+    try:
+        r = subprocess.run([sys.executable, "-m", "gpunet", "warmup"], capture_output=True,
+                           text=True, timeout=900)
+        msg = (r.stdout + r.stderr).strip().splitlines()
+        if r.returncode != 0:
+            print("\nconftest: gpunet warmup failed (rc %d): %s" % (r.returncode, "\n".join(msg[-20:])),
+                  file=sys.stderr)
+    except subprocess.TimeoutExpired:
+        print("\nconftest: gpunet warmup gave no answer within 900 s", file=sys.stderr)
+
+
 @contextlib.contextmanager
 def _forced_platform(name):
     """GPUNET_PLATFORM=name with a fresh platform inside; the old value and platform after."""

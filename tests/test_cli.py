@@ -41,3 +41,24 @@ def test_doctor_is_a_command_with_its_options():
     assert r.returncode == 0, r.stdout + r.stderr
     for opt in ("--json", "--profile", "--nic", "--platform", "--timeout", "--no-loopback"):
         assert opt in r.stdout, opt
+
+
+def test_warmup_runs_both_loopbacks():
+    """``warmup`` (install.sh and conftest run it): a one-rank loopback per NIC transport, whose
+    compile caches the rank processes then load instead of each compiling them at once."""
+    r = _run(["warmup"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ibgda and proxy loopbacks ok" in r.stdout, r.stdout
+
+
+def test_a_failed_warmup_names_the_failed_checks():
+    """With a NIC kind that cannot open here (no RDMA device in CI), warm() raises a gpunet error
+    naming the check that failed, instead of returning as if the caches were ready."""
+    import pytest
+    from gpunet.errors import GpunetError
+    import os
+    if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
+        pytest.skip("an RDMA device is present: nic='verbs' may open here")
+    from gpunet.doctor import warm
+    with pytest.raises(GpunetError, match=r"warm-up failed: ibgda: init"):
+        warm(nic_kind="verbs", timeout_s=5.0)
