@@ -47,16 +47,19 @@ if [ "${1:-}" = "profile" ]; then
   cp "$OUT"/ep_profile_*.json "$RES"/ 2>/dev/null || true
   exit $rc
 fi
-echo "=== EP bench: 2 and 4 ranks on GPU 0, $MPS ==="
-CUDA_VISIBLE_DEVICES=0 $MPSRUN python3 bench/ep.py --gpu --ranks 2,4 $EXTRA \
-    --json "$OUT/${PREFIX}_1gpu.json" --plot "$OUT/${PREFIX}_1gpu.png" 2>&1 | tee "$OUT/${PREFIX}_1gpu.log"
-rc=$(( rc | ${PIPESTATUS[0]} ))
-# the same over p2p: device-memory heaps opened by CUDA IPC, the kernels store into the peers'
-echo "=== EP bench: 2 and 4 ranks on GPU 0 over p2p, $MPS ==="
-CUDA_VISIBLE_DEVICES=0 $MPSRUN python3 bench/ep.py --gpu --ranks 2,4 --transport p2p $EXTRA \
-    --json "$OUT/${PREFIX}_1gpu_p2p.json" --plot "$OUT/${PREFIX}_1gpu_p2p.png" 2>&1 \
-    | tee "$OUT/${PREFIX}_1gpu_p2p.log"
-rc=$(( rc | ${PIPESTATUS[0]} ))
+# EP_RANKS (default 2,4) and EP_TRANSPORTS (default "auto p2p") narrow the 1-GPU runs, e.g. for a
+# gate call with little device time left: EP_RANKS=2 EP_TRANSPORTS=p2p
+RANKS=${EP_RANKS:-2,4}
+for tr in ${EP_TRANSPORTS:-auto p2p}; do
+  # auto: the soft NIC (ibgda); p2p: device-memory heaps opened by CUDA IPC, the kernels store
+  # into the peers'
+  sfx=$([ "$tr" = auto ] && echo "" || echo "_$tr")
+  echo "=== EP bench: ranks $RANKS on GPU 0, transport $tr, $MPS ==="
+  CUDA_VISIBLE_DEVICES=0 $MPSRUN python3 bench/ep.py --gpu --ranks "$RANKS" --transport "$tr" $EXTRA \
+      --json "$OUT/${PREFIX}_1gpu$sfx.json" --plot "$OUT/${PREFIX}_1gpu$sfx.png" 2>&1 \
+      | tee "$OUT/${PREFIX}_1gpu$sfx.log"
+  rc=$(( rc | ${PIPESTATUS[0]} ))
+done
 
 # --- one rank per GPU, with NCCL all_to_all_single in the same run --------------------------------
 if [ "$NGPU" -ge 2 ]; then

@@ -16,7 +16,9 @@ export GATE_ROWS="$OUT/gate_rows.jsonl" PYTHONUNBUFFERED=1
 : > "$GATE_ROWS"
 step() { echo; echo "=== $* ===  ($(date +%T))"; }
 # GATE_STEPS="tests proxy post order ep ep-ht doctor" (default: all) picks steps, to split the gate across calls
-# of at most 10 minutes; the table then covers the steps run.
+# of at most 10 minutes; the table then covers the steps run. PROXY_CPU_ARGS: extra bench/proxy.py
+# arguments for the CPU drain row (e.g. "--threads 1 --diag"); EP_RANKS / EP_TRANSPORTS narrow the
+# ep step (bench/ep_gpu.sh).
 want() { [ -z "${GATE_STEPS:-}" ] || [[ " $GATE_STEPS " == *" $1 "* ]]; }
 gate() { python3 scripts/gate.py "$@"; }
 
@@ -43,7 +45,7 @@ fi
 
 if want proxy; then
 step "proxy: commands per second per proxy thread (this host's CPU, GPU-fed shape)"
-timeout 240 python3 bench/proxy.py --json "$OUT/proxy_cpu.json" 2>&1 | tail -12
+timeout 240 python3 bench/proxy.py ${PROXY_CPU_ARGS:-} --json "$OUT/proxy_cpu.json" 2>&1 | tail -24
 gate proxy_cpu "$OUT/proxy_cpu.json"
 fi
 
