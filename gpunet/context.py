@@ -583,8 +583,15 @@ class Context(Resource):
                               "(use this Context's ctx.remote(rank, tensor))" % (
                                   what, remote, "made by another Context" if remote._ctx is not None
                                   else "not made by ctx.remote()"))
-        if not self._heap.is_live(remote._alloc):
+        a = remote._alloc
+        if not self._heap.is_live(a):
             raise ConfigError("%s: %r points into an allocation that was freed" % (what, remote))
+        if not (type(remote.offset) is int and type(remote.nbytes) is int
+                and a.off <= remote.offset and remote.nbytes >= 0
+                and remote.offset + remote.nbytes <= a.off + a.nbytes):
+            # only a Remote built by hand gets here (ctx.remote makes ranges inside the allocation)
+            raise ConfigError("%s: %r is not inside its allocation (heap offsets %d..%d)"
+                              % (what, remote, a.off, a.off + a.nbytes))
         if nbytes > remote.nbytes:
             raise ConfigError("%s: %d bytes do not fit the remote range of %d bytes"
                               % (what, nbytes, remote.nbytes))

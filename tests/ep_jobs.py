@@ -57,6 +57,28 @@ def init(state, transport, num_rdma_bytes, timeout_s=20.0, shrink=False, warp_si
                        num_blocks=num_blocks)
 
 
+def buffer_variants(state, variants, num_rdma_bytes):
+    """For each (bad_rank, kwargs) in ``variants``: every rank makes a low-latency Buffer over
+    ibgda, the bad rank with ``kwargs`` on top of good ones. Returns each call's outcome
+    (mp_jobs._outcome: the gpunet error class, message, seconds); a Buffer made is destroyed."""
+    from mp_jobs import _outcome
+    out = []
+    for bad_rank, kwargs in variants:
+        made = []
+
+        def call():
+            args = dict(num_rdma_bytes=num_rdma_bytes, low_latency_mode=True, timeout_s=10.0,
+                        warp_size=32)
+            if dist.get_rank() == bad_rank:
+                args.update(kwargs)
+            made.append(Buffer(dist.group.WORLD, explicitly_destroy=True, transport="ibgda", **args))
+
+        out.append(_outcome(call))
+        for b in made:
+            b.destroy()
+    return out
+
+
 def close(state):
     buf = state.pop("ep_buf", None)
     if buf is not None:

@@ -196,6 +196,15 @@ def test_remote_of_another_context_a_freed_allocation_or_made_by_hand_never_reac
             (lambda: ctx.put_signal(ctx.remote(0, x), x, other.remote(0, ox)), "another Context"),
             (lambda: ctx.put(ctx.remote(0, x), ox), "outside the symmetric heap"),
         ]
+        # Built by hand with this Context and a live allocation (the private arguments), but a
+        # range outside that allocation: past its end, before its start, a negative or a float size
+        ra = ctx.remote(0, x)
+        for off, n in ((ra.offset + 32, 64), (ra.offset - 256, 64), (ra.offset, -8),
+                       (ra.offset, 64.0), (ra.offset + 64, 1)):
+            cases.append((lambda off=off, n=n: ctx.put(Remote(0, off, n, ctx, ra._alloc), x),
+                          "not inside its allocation"))
+        cases.append((lambda: ctx.get(x, Remote(0, ra.offset + 8, 64, ctx, ra._alloc)),
+                      "not inside its allocation"))
         for fn, words in cases:
             with pytest.raises(ConfigError, match=words):
                 fn()

@@ -352,6 +352,41 @@ def test_bad_arguments_raise_config_errors_before_anything_runs(solo):
     assert solo.get_local_buffer_tensor(torch.uint8).numel() == solo.num_nvl_bytes == 0
 
 
+# (bad rank, Buffer kwargs): refused by the Buffer's own checks before its Context (a negative
+# size, a non-bool flag, a timeout of the wrong type) and after it (a grid the HOST arm cannot run)
+BUFFER_VARIANTS = [
+    (1, dict(num_rdma_bytes=-1)),
+    (0, dict(low_latency_mode=1)),
+    (1, dict(timeout_s="3")),
+    (1, dict(block_threads=33)),
+    (0, dict(num_blocks=8, block_threads=256)),
+]
+
+
+def test_a_buffer_refused_on_one_rank_raises_on_every_rank():
+    """Buffer() is collective: an argument one rank's checks refuse (before the Context is made or
+    after, the kernels' grid) makes EVERY rank raise ConfigError within 30 s, the others naming
+    the rank at fault (they used to wait in the Context's first exchange or in alloc for
+    torch.distributed's own timeout); a good Buffer is made afterwards on the same group."""
+    nbytes = Buffer.get_low_latency_rdma_size_hint(BASE["t_max"], BASE["hidden"], 2,
+                                                   EXPERTS_PER_RANK * 2)
+    r = Ranks(2)
+    try:
+        outs = r.run("ep_jobs:buffer_variants", BUFFER_VARIANTS + [(0, {})], nbytes, timeout=300)
+        for k, (bad, kw) in enumerate(BUFFER_VARIANTS):
+            for rank in range(2):
+                o = outs[rank][k]
+                assert o["raised"] == "ConfigError", (kw, rank, o)
+                assert o["seconds"] < 30, (kw, rank, o)
+                if rank != bad:
+                    assert "rank %d" % bad in o["msg"], (kw, o)
+        assert "num_rdma_bytes must be a non-negative int" in outs[1][0]["msg"], outs[1][0]
+        assert "gpunet.ep.Buffer (grid) failed on rank 1" in outs[0][3]["msg"], outs[0][3]
+        assert [outs[rank][-1]["raised"] for rank in range(2)] == [None, None], outs
+    finally:
+        r.close()
+
+
 def test_a_corrupt_combine_handle_is_refused_by_the_kernel_with_a_config_error():
     """A handle whose layout_range points past the packed rows (a handle from another Buffer, or
     tampered with) is caught by the combine kernel (EP_ERR_LAYOUT) and raised as ConfigError

@@ -150,6 +150,23 @@ class Config:
             self.num_max_rdma_chunked_send_tokens, self.num_max_rdma_chunked_recv_tokens))
 
 
+def _collectively(group, what, fn, *args):
+    """``fn(*args)`` as one collective step over ``group`` (Bootstrap.collective: a failure on
+    any rank raises a gpunet error on every rank, naming that rank); where torch.distributed is
+    not initialised (one process, or torchrun variables the Context will initialise from) just
+    ``fn(*args)``."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return fn(*args)
+    from gpunet.host.bootstrap import Bootstrap
+    return Bootstrap(group).collective(what, fn, *args)
+
+
+def _check_timeout(seconds):
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 86400:
+        raise ConfigError("timeout_s must be a number of seconds in (0, 86400], not %r" % (seconds,))
+
+
 def _check_pos(v, name):
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ConfigError("%s must be a positive int, not %r" % (name, v))
@@ -217,19 +234,15 @@ class Buffer:
         """
         from gpunet.context import Context
 
-        if comm is not None:
-            raise ConfigError("Buffer(comm=...): mpi4py communicators are not supported; pass a "
-                              "torch.distributed ProcessGroup as `group`")
-        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
-                        ("num_qps_per_rank", num_qps_per_rank)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError("Buffer: %s must be a non-negative int, not %r" % (name, v))
-        for name, v in (("low_latency_mode", low_latency_mode), ("explicitly_destroy", explicitly_destroy),
-                        ("enable_shrink", enable_shrink), ("diagnostics", diagnostics)):
-            if not isinstance(v, bool):
-                raise ConfigError("Buffer: %s must be a bool, not %r" % (name, v))
         self._closed = True            # until the Context exists
         self._ctx = None
+        # Collective: a bad argument on one rank raises on every rank at once (the others would
+        # otherwise wait in the Context's first exchange for torch.distributed's own timeout)
+        _collectively(group, "gpunet.ep.Buffer", self._check_args, comm, dict(
+            num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+            num_qps_per_rank=num_qps_per_rank), dict(
+            low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
+            enable_shrink=enable_shrink, diagnostics=diagnostics), timeout_s)
         self.group = group
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
@@ -253,6 +266,20 @@ class Buffer:
             self._finalizer = weakref.finalize(self, Buffer._finalize, ctx)
 
     @staticmethod
+    def _check_args(comm, counts, flags, timeout_s):
+        """ConfigError for arguments of the wrong type or range (run on every rank at once)."""
+        if comm is not None:
+            raise ConfigError("Buffer(comm=...): mpi4py communicators are not supported; pass a "
+                              "torch.distributed ProcessGroup as `group`")
+        for name, v in counts.items():
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError("Buffer: %s must be a non-negative int, not %r" % (name, v))
+        for name, v in flags.items():
+            if not isinstance(v, bool):
+                raise ConfigError("Buffer: %s must be a bool, not %r" % (name, v))
+        _check_timeout(timeout_s)
+
+    @staticmethod
     def _heap_bytes(num_rdma_bytes, group, num_nvl_bytes=0):
         import torch.distributed as dist
         r = group.size() if group is not None else (dist.get_world_size() if dist.is_initialized() else 1)
@@ -269,6 +296,15 @@ class Buffer:
         self._device = torch.device("cuda") if self._gpu else torch.device("cpu")
         self._lib = dep.load_ep("cuda" if self._gpu else "host")
         self._ws = 32 if self._gpu else ctx.warp_size
+        # collective, like the Context's steps: a grid one rank refuses raises on every rank
+        ctx._boot.collective("gpunet.ep.Buffer (grid)", self._check_grid, num_blocks, block_threads)
+        # the RDMA buffer (user-visible) and the control allocation (signals, per-peer state)
+        self._ll = ctx.alloc((self.num_rdma_bytes,), torch.uint8) if self.num_rdma_bytes else None
+        self._setup_rest(r, timeout_s)
+
+    def _check_grid(self, num_blocks, block_threads):
+        """The kernels' grid (self._grid, self._block) from the arguments and the platform;
+        ConfigError for one the kernels cannot launch."""
         if self._gpu:
             self._cuda_index = torch.cuda.current_device()      # the device of every LL launch
             sms = torch.cuda.get_device_properties(self._cuda_index).multi_processor_count
@@ -290,8 +326,9 @@ class Buffer:
             raise ConfigError("Buffer: on the CPU platform the grid (num_blocks * block_threads = %d) "
                               "must be co-resident in the HOST emulator's wave of 1024 threads"
                               % (self._grid * self._block))
-        # the RDMA buffer (user-visible) and the control allocation (signals, per-peer state)
-        self._ll = ctx.alloc((self.num_rdma_bytes,), torch.uint8) if self.num_rdma_bytes else None
+
+    def _setup_rest(self, r, timeout_s):
+        ctx = self._ctx
         self._ctl_off, ctl_bytes = lay.ctl_layout(r)
         self._ctl = ctx.alloc((ctl_bytes,), torch.uint8)
         base = self._ctl_base = int(self._ctl.data_ptr())
@@ -844,8 +881,7 @@ class Buffer:
         """Set the bound of every device wait on a peer from the next call on (DeepEP fixes 100 s
         at build time). A peer silent for this long is masked (enable_shrink) or named in an
         EPTimeout."""
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= 86400:
-            raise ConfigError("timeout_s must be a number of seconds in (0, 86400], not %r" % (seconds,))
+        _check_timeout(seconds)
         self._timeout_s = float(seconds)
         self._write_ctxs()
 
