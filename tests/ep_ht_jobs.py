@@ -8,7 +8,8 @@ A round's ``spec`` (a dict): seed, tokens, hidden, topk, num_experts; routing kn
 hot_expert, hot_fraction, empty_experts, vary_tokens, tagged; modes fp8, no_topk (dispatch without
 top-k), alignment, biases (0-2), worst (extra rows of num_worst_tokens past the exact count, or
 None), cached, async_finish, prev_event, config (Config arguments); failures: masked, die =
-(rank, "dispatch" | "combine").
+(rank, "dispatch" | "combine"); routing = "rank_repeats" (ep_jobs.rank_repeating_routing), wire
+(record the messages per destination and per source the dispatch counted: round_'s "wire").
 """
 import os
 
@@ -52,6 +53,7 @@ def _inputs(spec, world):
                                                spec["seed"] * 7919 + j, holes=spec.get("holes", 0),
                                                hot_expert=spec["hot_expert"],
                                                hot_fraction=spec["hot_fraction"])
+    ep_jobs.with_routing(spec, inp, world)
     if spec.get("fp8"):
         for d in inp:
             d["x_fp8"] = ref.per_token_cast_to_fp8(d["x"])
@@ -157,6 +159,16 @@ def round_(state, spec):
             ev.current_stream_wait()
         rx, rtk, rw = cpu(rx), cpu(rtk), cpu(rw)
         n = n_exact
+        if spec.get("wire"):
+            # what this dispatch counted as messages: sent per destination (the notify step's
+            # send_cnt [nc, R], from is_token_in_rank: what the senders then put), announced per
+            # source (each header's total, Buffer._nrecv_np) and the rows received per source
+            # (the handle's rank prefix), with the source token of every received row
+            pre = cpu(handle[0]).tolist()
+            out["wire"] = {"sent": cpu(handle[5]).sum(0).tolist(),
+                           "nrecv": [int(v) for v in buf._nrecv_np[:world]],
+                           "rows_from": [pre[j + 1] - pre[j] for j in range(world)],
+                           "src_idx": cpu(handle[2])[:pre[world]].tolist(), "ntr": ntr.tolist()}
         if worst is not None:
             rows = kw["num_worst_tokens"]
             got_rows = (rx[0] if spec.get("fp8") else rx).shape[0]

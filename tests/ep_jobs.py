@@ -6,7 +6,9 @@ what it checked plus the hashes of what it got. Each job takes the rank's ``stat
 A round's ``spec`` (a dict): seed, t_max, hidden, topk, num_experts; routing knobs holes,
 hot_expert, empty_experts, vary_tokens, tagged; modes use_fp8, round_scale, use_ue8m0, hook,
 combine_hook, zero_copy, stats; failures: masked (ranks already masked), die = (rank, "dispatch" |
-"combine") (that rank exits at the start of that phase, the others expect it masked from then on).
+"combine") (that rank exits at the start of that phase, the others expect it masked from then on);
+routing = "rank_repeats" (rank_repeating_routing replaces the top-k), wire (record what the
+dispatch put on the wire: wire_prepare / wire_read).
 """
 import os
 import time
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gpunet.ep import Buffer, EPTimeout
+from gpunet.ep import _layout as lay
 from gpunet.ep import reference as ref
 
 
@@ -86,13 +89,104 @@ def close(state):
     return "closed"
 
 
+def rank_repeating_routing(num_tokens, topk, num_experts, num_ranks, source, seed):
+    """int64 [num_tokens, topk]: a routing where tokens select SEVERAL experts on one rank.
+    Token t of rank ``source`` has a home rank (t + source) % num_ranks (so with num_tokens >=
+    num_ranks every rank is some token's home): 2 .. min(topk, E_loc) distinct experts there, the
+    rest distinct experts elsewhere, the columns shuffled; every third token has one -1 hole
+    outside its home, and the last token (when num_tokens > num_ranks) selects nothing at all.
+    Same arguments, same tensor. Needs min(topk, E_loc) >= 2 and topk <= num_experts."""
+    el = num_experts // num_ranks
+    assert min(topk, el) >= 2 and topk <= num_experts, (topk, el, num_experts)
+    gen = torch.Generator().manual_seed(int(seed) * 7907 + source)
+    out = torch.empty(num_tokens, topk, dtype=torch.int64)
+    for t in range(num_tokens):
+        home = (t + source) % num_ranks
+        n_home = 2 + int(torch.randint(min(topk, el) - 1, (1,), generator=gen))
+        on = home * el + torch.randperm(el, generator=gen)[:n_home]
+        others = torch.tensor([e for e in range(num_experts) if e // el != home], dtype=torch.int64)
+        off = others[torch.randperm(others.numel(), generator=gen)[:topk - n_home]]
+        if t % 3 == 2 and off.numel():
+            off[0] = -1
+        row = torch.cat([on, off])
+        out[t] = row[torch.randperm(topk, generator=gen)]
+    if num_tokens > num_ranks:
+        out[-1] = -1
+    return out
+
+
+def pairs_per_rank(topks, num_experts):
+    """From the routing alone, in plain torch (``topks``: every rank's topk_idx): [source,
+    destination] counts of the unique (token, destination rank) pairs (what goes on the wire when
+    a token goes ONCE to each rank it selects) and of the (token, selected expert) pairs (once
+    per expert), and per (source, destination) the tokens of those pairs in token order."""
+    world = len(topks)
+    e_loc = num_experts // world
+    per_rank = torch.zeros(world, world, dtype=torch.int64)
+    per_expert = torch.zeros(world, world, dtype=torch.int64)
+    tokens = {}
+    for j, tk in enumerate(topks):
+        t_of = torch.arange(tk.shape[0]).view(-1, 1).expand_as(tk)
+        live = tk >= 0
+        dest = tk[live] // e_loc
+        pairs = torch.unique(torch.stack([t_of[live], dest]), dim=1)   # sorted by token, then rank
+        per_rank[j] = torch.bincount(pairs[1], minlength=world)
+        per_expert[j] = torch.bincount(dest, minlength=world)
+        for r in range(world):
+            tokens[j, r] = pairs[0][pairs[1] == r].tolist()
+    return per_rank, per_expert, tokens
+
+
 def _inputs(spec, world):
-    return ref.make_rank_inputs(world, spec["t_max"], spec["hidden"], spec["topk"],
-                                spec["num_experts"], spec["seed"], holes=spec.get("holes", 0),
-                                hot_expert=spec.get("hot_expert"),
-                                empty_experts=spec.get("empty_experts", ()),
-                                vary_tokens=spec.get("vary_tokens", False),
-                                tagged=spec.get("tagged", False))
+    inp = ref.make_rank_inputs(world, spec["t_max"], spec["hidden"], spec["topk"],
+                               spec["num_experts"], spec["seed"], holes=spec.get("holes", 0),
+                               hot_expert=spec.get("hot_expert"),
+                               empty_experts=spec.get("empty_experts", ()),
+                               vary_tokens=spec.get("vary_tokens", False),
+                               tagged=spec.get("tagged", False))
+    return with_routing(spec, inp, world)
+
+
+def with_routing(spec, inputs, world):
+    """``inputs`` with spec["routing"] applied (the LL and HT jobs' _inputs, and the tests)."""
+    if spec.get("routing") == "rank_repeats":
+        for j, d in enumerate(inputs):
+            d["topk_idx"] = rank_repeating_routing(d["topk_idx"].shape[0], spec["topk"],
+                                                   spec["num_experts"], world, j, spec["seed"])
+    return inputs
+
+
+def wire_prepare(buf, spec):
+    """Before a dispatch that records its wire (spec["wire"]): fill this rank's dispatch receive
+    area of the LL buffer the call will use (gpunet/ep/_layout.py: source j's message slot s at
+    d_recv + (j * t_max + s) * msg_stride, the meta after the payload, its first int32 the token
+    index) with 0xFF bytes, so a slot no message reached reads token -1; then a barrier, so no
+    rank's dispatch starts before every rank's area is filled. Returns what wire_read needs."""
+    world = buf.group_size
+    layout = lay.LlLayout(spec["t_max"], spec["hidden"], world, spec["num_experts"])
+    stride, payload = lay.msg_stride(spec["hidden"], spec.get("use_fp8", False))
+    off = layout.buffers[buf._ll_idx]["d_recv"]     # the buffer this dispatch will use
+    rdma = buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
+    area = rdma[off:off + world * spec["t_max"] * stride]
+    area.fill_(0xFF)
+    if area.is_cuda:
+        torch.cuda.synchronize()                    # the fill is done before any peer writes
+    dist.barrier()
+    return area, stride, payload
+
+
+def wire_read(buf, spec, prepared):
+    """After the dispatch (and its hook): {nrecv: the messages each source's header announced
+    (the receive phase unpacks exactly that many; Buffer._nrecv_np, what EPTimeout.counts_seen
+    reports), slot_tokens: per source, the token index in each of its t_max message slots here
+    (-1: no message landed there; this rank's own slots are not used when it reads its own
+    send staging, so they are reported as None)}."""
+    area, stride, payload = prepared
+    world, rank, t_max = buf.group_size, buf.rank, spec["t_max"]
+    nrecv = [int(v) for v in buf._nrecv_np[:world]]
+    slots = area.cpu().view(world * t_max, stride)[:, payload:payload + 4].contiguous().view(torch.int32)
+    toks = slots.view(world, t_max).tolist()
+    return {"nrecv": nrecv, "slot_tokens": [None if j == rank else toks[j] for j in range(world)]}
 
 
 def _decode(recv, use_fp8):
@@ -265,11 +359,14 @@ def round_(state, spec):
     out = {"bad": [], "calc_diff": None, "nan": False, "raised": None, "hashes": {}}
     if rank == victim and stage == "dispatch":
         os._exit(0)
+    wire = wire_prepare(buf, spec) if spec.get("wire") else None
     try:
         t0 = time.monotonic()
         recv_d, count_d, handle_d, hook, cum, wstats = _dispatch(buf, spec, mine, stats)
         hook()
         out["t_dispatch"] = time.monotonic() - t0
+        if wire is not None:
+            out["wire"] = wire_read(buf, spec, wire)
         recv_x, count, handle = _cpu(recv_d), count_d.cpu(), _cpu(handle_d)
         cum, wstats = _cpu(cum), _cpu(wstats)
         out["bad"] += _check_dispatch(spec, world, rank, inputs, (recv_x, count, handle), masked_dispatch)

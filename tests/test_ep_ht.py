@@ -3,12 +3,14 @@ DeepEP's way (EP-ANCHORS.md §B) and against gpunet.ep.reference's HT references
 a token-by-token computation, rows exactly where the reference puts them (source-rank order, token
 order, local expert ids, weights), counts against the all-reduced layout, combine / fan-out == x
 within DeepEP's bounds and bit-equal to the float32 reference, cached handles, num_worst_tokens,
-async and previous-event variants, generated shapes and skewed routings, HT then LL on one Buffer,
-a too-small buffer refused, killed ranks (masked or raised).
+async and previous-event variants, generated shapes and skewed routings, tokens sent once per
+destination rank (not once per expert), HT then LL on one Buffer, a too-small buffer refused,
+killed ranks (masked or raised).
 
 Worlds (tests/mp_ranks.py pools running "ep_ht_jobs:*"): 2 ranks ibgda warp 32, 2 ranks proxy
-warp 64, 2 ranks p2p warp 64 (HT then LL), 4 ranks mixed (ibgda and proxy pairs) warp 32, and
-3-rank worlds that lose a rank (masked at combine over the proxy; raised at dispatch, mixed).
+warp 64, 2 ranks p2p warp 64 (also an LL buffer: HT then LL), 4 ranks mixed (ibgda and proxy
+pairs) warp 32, 4 ranks p2p and proxy pairs warp 32, and 3-rank worlds that lose a rank (masked:
+at combine over the proxy, at dispatch over p2p; raised: at dispatch mixed, at combine over p2p).
 """
 import shutil
 
@@ -22,6 +24,8 @@ from gpunet.ep import Buffer, Config
 from gpunet.ep import reference as ref
 from gpunet.errors import ConfigError
 from mp_ranks import Ranks
+import ep_ht_jobs
+import ep_jobs
 
 BASE = dict(tokens=24, hidden=256, topk=4, holes=3)
 EXPERTS_PER_RANK = 4
@@ -31,6 +35,14 @@ BF16_BOUND, FP8_BOUND, WEIGHT_BOUND = 5e-6, 5e-4, 1e-9
 SMALL = (2, 4, 48)
 TWO_CHANNELS = (4, 4, 48)
 HIDDEN_MAX = 384
+# The generated test runs on these pools (fixtures of this module, started for other tests too):
+# ibgda, all p2p, and a mixed world (p2p and proxy pairs), so every transport is generated over.
+GEN_WORLDS = ("ibgda2", "p2p2", "p2p_proxy4")
+# Its example budget: what the one ibgda world had (max_examples // 10, at least 3), split over
+# the worlds, at least 2 each (CI: 2 + 2 + 2 against 5 before; each example is a round trip).
+GEN_EXAMPLES = max(2, -(-max(3, settings().max_examples // 10) // len(GEN_WORLDS)))
+# The p2p pool's LL buffer (test_ht_then_ll_with_a_clean_between's LL round).
+LL_BYTES = Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8)
 
 
 def _nbytes(world, config=TWO_CHANNELS, hidden=HIDDEN_MAX):
@@ -83,6 +95,28 @@ def mixed4():
     r = _pool(4, "mixed", 32)
     yield r
     _close(r)
+
+
+@pytest.fixture(scope="module")
+def p2p2():
+    """2 ranks, all p2p, warps of 64, with an LL buffer beside the HT one."""
+    r = _pool(2, "p2p", 64, num_nvl_bytes=_nbytes(2), num_rdma_bytes=LL_BYTES, low_latency_mode=True)
+    yield r
+    _close(r)
+
+
+@pytest.fixture(scope="module")
+def p2p_proxy4():
+    """4 ranks, pairs with an even sum p2p, the others through the proxy, warps of 32."""
+    r = _pool(4, "p2p+proxy", 32)
+    yield r
+    _close(r)
+
+
+@pytest.fixture(scope="module", params=GEN_WORLDS)
+def gen_world(request):
+    """One of GEN_WORLDS' pools (the same pool objects the other tests use)."""
+    return request.getfixturevalue(request.param)
 
 
 # ---- without ranks ---------------------------------------------------------------------------------
@@ -238,16 +272,18 @@ def test_same_seed_reruns_hash_identically(ibgda2):
     assert [o["hashes"] for o in ibgda2.run("ep_ht_jobs:round_", dict(spec, seed=6))] != first
 
 
-@settings(max_examples=max(3, settings().max_examples // 10), deadline=None,
+@settings(max_examples=GEN_EXAMPLES, deadline=None,
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
-def test_generated_shapes_and_skewed_routings(ibgda2, data):
-    """Generated: tokens per rank (0..40, varying by rank, so some rank may send nothing), hidden
-    (128..384), experts per rank (1..8), top-k (1..min(16, E)), -1 holes, a hot expert with a
-    skew up to every token of every rank (EP-ANCHORS.md §B.10: the skew that broke DeepEP's
-    counts), BF16 or FP8, a Config with 1 or 2 channels and rings of 40..64 slots in chunks of
-    1..4. Invariant: every check of the round holds on every rank."""
-    world = 2
+def test_generated_shapes_and_skewed_routings(gen_world, data):
+    """Generated, on each world of GEN_WORLDS (2 ranks ibgda warp 32, 2 ranks p2p warp 64, 4
+    ranks p2p and proxy pairs warp 32): tokens per rank (0..40, varying by rank, so some rank
+    may send nothing), hidden (128..384), experts per rank (1..8), top-k (1..min(16, E)), -1
+    holes, a hot expert with a skew up to every token of every rank (EP-ANCHORS.md §B.10: the
+    skew that broke DeepEP's counts), BF16 or FP8, a Config with 1 or 2 channels and rings of
+    34..48 slots in chunks of 1..4. Invariant: every check of the round holds on every rank.
+    (GEN_EXAMPLES a world in CI; no shrinking: each costs a round trip through the ranks.)"""
+    world = gen_world.world
     epr = data.draw(st.integers(1, 8), "experts per rank")
     e = epr * world
     k = data.draw(st.integers(1, min(16, e)), "topk")
@@ -263,7 +299,42 @@ def test_generated_shapes_and_skewed_routings(ibgda2, data):
                         data.draw(st.integers(2 * chunk + 32, 48), "ring")))
     if hot is not None and e - 1 >= k:
         spec.update(hot_expert=hot, hot_fraction=data.draw(st.sampled_from([0.5, 0.9, 1.0]), "skew"))
-    _assert_round(ibgda2.run("ep_ht_jobs:round_", spec), spec)
+    _assert_round(gen_world.run("ep_ht_jobs:round_", spec), spec)
+
+
+def test_a_token_goes_once_to_each_destination_rank_not_once_per_expert(gen_world):
+    """DeepEP's rule: a token that selects several experts on one rank is sent to that rank ONCE.
+    A routing where every token picks 2..4 experts on one rank, every rank being some token's
+    (ep_jobs.rank_repeating_routing, with holes and a token with no expert; 24 tokens a rank),
+    BF16 and FP8, on every world of GEN_WORLDS. From topk_idx alone, plain torch counts the
+    unique (token, destination rank) pairs; they must equal, on every rank, the messages it sent
+    to each destination (the notify step's send_cnt summed over channels), get_dispatch_layout's
+    num_tokens_per_rank, the total each source's header announced, and the rows received from
+    each source (the handle's rank prefix), whose source token indices are exactly that source's
+    tokens for this rank, in order, none twice. The routing is checked to have more (token,
+    expert) pairs than (token, rank) pairs for EVERY (source, destination), so a dispatch that
+    sent a row per expert fails here on every rank; the round's usual checks hold too."""
+    world = gen_world.world
+    for seed, fp8 in ((111, False), (112, True)):
+        spec = _spec(world, seed=seed, routing="rank_repeats", wire=True, fp8=fp8)
+        # the jobs' inputs (spec["routing"] applied), counted by plain torch
+        per_rank, per_expert, tokens = ep_jobs.pairs_per_rank(
+            [d["topk_idx"] for d in ep_ht_jobs._inputs(spec, world)], spec["num_experts"])
+        assert bool((per_expert > per_rank).all()), \
+            "the routing does not tell once-per-rank from once-per-expert: %s vs %s" % (
+                per_rank.tolist(), per_expert.tolist())
+        out = gen_world.run("ep_ht_jobs:round_", spec)
+        _assert_round(out, spec)
+        for d, o in enumerate(out):
+            w = o["wire"]
+            why = "rank %d: %%s; unique (token, rank) pairs %s, (token, expert) pairs %s (spec %r)" % (
+                d, per_rank.tolist(), per_expert.tolist(), spec)
+            assert w["sent"] == per_rank[d].tolist(), why % ("sent per destination %s" % w["sent"])
+            assert w["ntr"] == per_rank[d].tolist(), why % ("num_tokens_per_rank %s" % w["ntr"])
+            assert w["nrecv"] == per_rank[:, d].tolist(), why % ("announced per source %s" % w["nrecv"])
+            assert w["rows_from"] == per_rank[:, d].tolist(), why % ("rows per source %s" % w["rows_from"])
+            assert w["src_idx"] == sum((tokens[j, d] for j in range(world)), []), \
+                why % ("source tokens of the received rows %s" % w["src_idx"])
 
 
 # ---- 2 ranks, proxy (warps of 64) and p2p ---------------------------------------------------------
@@ -275,22 +346,19 @@ def test_over_the_proxy_with_warps_of_64(proxy2, mode):
     _assert_round(proxy2.run("ep_ht_jobs:round_", spec), spec)
 
 
-def test_ht_then_ll_with_a_clean_between():
-    """One Buffer with both buffers (SGLang's normal -> low-latency switch): an HT round, then
-    clean_low_latency_buffer and an LL round (tests/ep_jobs.py's checks), then HT again."""
-    ll_bytes = Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8)
-    r = _pool(2, "p2p", 64, num_nvl_bytes=_nbytes(2), num_rdma_bytes=ll_bytes, low_latency_mode=True)
-    try:
-        assert {t for i in r.info for t in i["transports"].values()} == {"p2p"}
-        spec = _spec(2, seed=31, tagged=True)
-        _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
-        ll = dict(seed=32, t_max=8, hidden=256, topk=4, num_experts=8, holes=2, use_fp8=True)
-        for rank, o in enumerate(r.run("ep_ht_jobs:ll_round", ll)):
-            assert o["raised"] is None and o["bad"] == [] and o["calc_diff"] < 9e-4, (rank, o)
-        spec = _spec(2, seed=33, fp8=True)
-        _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
-    finally:
-        _close(r)
+def test_ht_then_ll_with_a_clean_between(p2p2):
+    """One Buffer with both buffers (SGLang's normal -> low-latency switch), 2 ranks all p2p: an
+    HT round, then clean_low_latency_buffer and an LL round (tests/ep_jobs.py's checks), then HT
+    again."""
+    r = p2p2
+    assert {t for i in r.info for t in i["transports"].values()} == {"p2p"}
+    spec = _spec(2, seed=31, tagged=True)
+    _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
+    ll = dict(seed=32, t_max=8, hidden=256, topk=4, num_experts=8, holes=2, use_fp8=True)
+    for rank, o in enumerate(r.run("ep_ht_jobs:ll_round", ll)):
+        assert o["raised"] is None and o["bad"] == [] and o["calc_diff"] < 9e-4, (rank, o)
+    spec = _spec(2, seed=33, fp8=True)
+    _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
 
 
 # ---- 4 ranks ------------------------------------------------------------------------------------
@@ -304,19 +372,16 @@ def test_four_ranks_mixed_transports(mixed4, mode):
     _assert_round(mixed4.run("ep_ht_jobs:round_", spec), spec)
 
 
-def test_four_ranks_p2p_and_proxy_peers():
+def test_four_ranks_p2p_and_proxy_peers(p2p_proxy4):
     """4 ranks, pairs with an even sum p2p (rows stored straight into the peer's mapped ring, tails
     and credits SET with no fence before them), the others through the proxy (staged, put, fenced):
     every rank has both kinds of peer. BF16 tagged with varying tokens and a hot expert, then FP8
     with a cached dispatch and two biases; every check of the round holds on every rank."""
-    r = _pool(4, "p2p+proxy", 32)
-    try:
-        assert {t for i in r.info for t in i["transports"].values()} == {"p2p", "proxy"}
-        for spec in (_spec(4, seed=45, vary_tokens=True, hot_expert=5, tagged=True),
-                     _spec(4, seed=46, fp8=True, cached=True, biases=2)):
-            _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
-    finally:
-        _close(r)
+    r = p2p_proxy4
+    assert {t for i in r.info for t in i["transports"].values()} == {"p2p", "proxy"}
+    for spec in (_spec(4, seed=45, vary_tokens=True, hot_expert=5, tagged=True),
+                 _spec(4, seed=46, fp8=True, cached=True, biases=2)):
+        _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
 
 
 def test_a_too_small_buffer_is_refused_on_every_rank(mixed4):
@@ -343,7 +408,7 @@ def _close_survivors(r):
     r.close_losing(VICTIM, "ep_ht_jobs:close")
 
 
-@pytest.mark.parametrize("transport,stage", [("proxy", "combine")])
+@pytest.mark.parametrize("transport,stage", [("proxy", "combine"), ("p2p", "dispatch")])
 def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
     """enable_shrink: rank 2 exits at the start of dispatch (or combine). The survivors finish the
     round within the timeout with rank 2 masked (nothing received from it; combine leaves its rows
@@ -363,7 +428,7 @@ def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
         _close_survivors(r)
 
 
-@pytest.mark.parametrize("transport,stage", [("mixed", "dispatch")])
+@pytest.mark.parametrize("transport,stage", [("mixed", "dispatch"), ("p2p", "combine")])
 def test_a_dead_rank_raises_ep_timeout_without_shrink(transport, stage):
     """Without enable_shrink every survivor raises gpunet.EPTimeout from that call naming rank 2
     as silent and the phase, within a bounded time (never a hang); rank 2 is marked failed in the

@@ -1,13 +1,15 @@
 """gpunet.ep low-latency dispatch / combine across rank processes (HOST arm, soft NIC), checked
 DeepEP's way (EP-ANCHORS.md §B) against gpunet.ep.reference: exact packed rows, counts against the
 gathered routing, layout ranges, self-describing rows, combine within calc_diff bounds, the mode
-matrix, same-seed reruns, two LL calls in flight, and killed ranks (masked, or raised).
+matrix, same-seed reruns, two LL calls in flight, generated shapes and routings, tokens sent once
+per destination rank (not once per expert), and killed ranks (masked, or raised).
 
 Each world (ranks x transport x warp size) is one pool of rank processes (tests/mp_ranks.py) that
 runs "ep_jobs:*" jobs (tests/ep_jobs.py); every rank regenerates every rank's inputs from the seed
 and compares its own results with the reference, returning findings and hashes. Worlds in CI:
 2 ranks ibgda warp 32, 2 ranks proxy warp 64, 4 ranks mixed (ibgda and proxy pairs) warp 32,
-4 ranks ibgda warp 64, and 3-rank worlds that lose a rank (ibgda, proxy, mixed).
+4 ranks ibgda warp 64, 2 ranks p2p warp 64, 4 ranks p2p and proxy pairs warp 32, and 3-rank
+worlds that lose a rank (ibgda, proxy, mixed, p2p).
 """
 import itertools
 import shutil
@@ -33,8 +35,20 @@ BASE = dict(t_max=8, hidden=256, topk=4, holes=3)
 EXPERTS_PER_RANK = 4
 BF16_BOUND = 1e-5          # DeepEP's calc_diff bounds for combine
 FP8_BOUND = 9e-4
-# The generated test's largest shape (the Buffer of its world is sized for it).
+# The generated test's largest shape (the Buffers of its worlds are sized for it).
 GEN_T_MAX, GEN_HIDDEN, GEN_EXPERTS_PER_RANK = 16, 384, 8
+# The generated test runs on these pools (fixtures of this module, started for other tests too):
+# ibgda, all p2p, and a mixed world (p2p and proxy pairs), so every transport is generated over.
+GEN_WORLDS = ("ibgda2", "p2p2", "p2p_proxy4")
+# Its example budget: what the one ibgda world had (max_examples // 10, at least 3), split over
+# the worlds, at least 2 each (CI: 2 + 2 + 2 against 5 before; each example is a round trip).
+GEN_EXAMPLES = max(2, -(-max(3, settings().max_examples // 10) // len(GEN_WORLDS)))
+
+
+def _gen_bytes(world):
+    """num_rdma_bytes of a world the generated test runs on: its largest shape fits."""
+    return Buffer.get_low_latency_rdma_size_hint(GEN_T_MAX, GEN_HIDDEN, world,
+                                                 GEN_EXPERTS_PER_RANK * world)
 
 
 def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, num_rdma_bytes=None):
@@ -78,8 +92,7 @@ def _mode_id(m):
 
 @pytest.fixture(scope="module")
 def ibgda2():
-    r = _pool(2, "ibgda", 32, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(
-        GEN_T_MAX, GEN_HIDDEN, 2, GEN_EXPERTS_PER_RANK * 2))
+    r = _pool(2, "ibgda", 32, num_rdma_bytes=_gen_bytes(2))
     yield r
     _close(r)
 
@@ -511,16 +524,23 @@ def test_mask_api_needs_enable_shrink(ibgda2):
         ibgda2.run("ep_jobs:mask", "query")
 
 
-@settings(max_examples=max(3, settings().max_examples // 10), deadline=None,
+@pytest.fixture(scope="module", params=GEN_WORLDS)
+def gen_world(request):
+    """One of GEN_WORLDS' pools (the same pool objects the other tests use)."""
+    return request.getfixturevalue(request.param)
+
+
+@settings(max_examples=GEN_EXAMPLES, deadline=None,
           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(data=st.data())
-def test_generated_shapes_and_routings_match_the_reference(ibgda2, data):
-    """Generated: hidden (128..384), tokens per rank (1..16, varying by rank), experts per rank
-    (1..8), top-k (1..min(16, experts)), -1 holes, a hot expert, empty experts, BF16 or FP8
-    (round_scale, UE8M0), hook or not. Invariant: the dispatch equals the reference bit for bit
-    on every rank and combine is within DeepEP's bound. (Few examples in CI; no shrinking: each
-    costs a round trip through the ranks.)"""
-    world = 2
+def test_generated_shapes_and_routings_match_the_reference(gen_world, data):
+    """Generated, on each world of GEN_WORLDS (2 ranks ibgda warp 32, 2 ranks p2p warp 64, 4
+    ranks p2p and proxy pairs warp 32): hidden (128..384), tokens per rank (1..16, varying by
+    rank), experts per rank (1..8), top-k (1..min(16, experts)), -1 holes, a hot expert, empty
+    experts, BF16 or FP8 (round_scale, UE8M0), hook or not. Invariant: the dispatch equals the
+    reference bit for bit on every rank and combine is within DeepEP's bound. (GEN_EXAMPLES a
+    world in CI; no shrinking: each costs a round trip through the ranks.)"""
+    world = gen_world.world
     epr = data.draw(st.integers(1, GEN_EXPERTS_PER_RANK), "experts per rank")
     e = epr * world
     k = data.draw(st.integers(1, min(16, e)), "topk")
@@ -536,7 +556,44 @@ def test_generated_shapes_and_routings_match_the_reference(ibgda2, data):
                 hook=data.draw(st.booleans(), "hook"))
     if spec["hot_expert"] is not None and e - 1 < k:
         spec["hot_expert"] = None
-    _assert_round(ibgda2.run("ep_jobs:round_", spec), spec)
+    _assert_round(gen_world.run("ep_jobs:round_", spec), spec)
+
+
+def test_a_token_goes_once_to_each_destination_rank_not_once_per_expert(gen_world):
+    """DeepEP's rule: a token that selects several experts on one rank is sent to that rank ONCE.
+    A routing where every token picks 2..4 experts on one rank, every rank being some token's
+    (ep_jobs.rank_repeating_routing, with holes and a token with no expert; 8 tokens a rank), BF16
+    and FP8, on every world of GEN_WORLDS: on each
+    receiver the messages each source's header announced (what the receive phase unpacks) equal
+    the unique (token, destination rank) pairs of the routing counted by plain torch, and the
+    message slots of that source that were written (the receive area was filled with 0xFF before)
+    are exactly its first that-many slots, holding those tokens in token order, the rest untouched.
+    The routing is checked to have more (token, expert) pairs than (token, rank) pairs for EVERY
+    (source, destination), so a dispatch that sent a message per expert (more slots, a larger
+    header count) fails here on every rank; the round's usual checks hold too."""
+    world = gen_world.world
+    for seed, fp8 in ((101, False), (102, True)):
+        spec = _spec(world, seed=seed, routing="rank_repeats", wire=True, use_fp8=fp8)
+        per_rank, per_expert, tokens = ep_jobs.pairs_per_rank(
+            [d["topk_idx"] for d in ep_jobs._inputs(spec, world)], spec["num_experts"])
+        assert bool((per_expert > per_rank).all()), \
+            "the routing does not tell once-per-rank from once-per-expert: %s vs %s" % (
+                per_rank.tolist(), per_expert.tolist())
+        out = gen_world.run("ep_jobs:round_", spec)
+        _assert_round(out, spec)
+        for d, o in enumerate(out):
+            w = o["wire"]
+            assert w["nrecv"] == per_rank[:, d].tolist(), \
+                "rank %d: messages announced per source %s, unique (token, rank) pairs %s, " \
+                "(token, expert) pairs %s (spec %r)" % (d, w["nrecv"], per_rank[:, d].tolist(),
+                                                        per_expert[:, d].tolist(), spec)
+            for j, slots in enumerate(w["slot_tokens"]):
+                if slots is None:
+                    continue
+                n = int(per_rank[j, d])
+                assert slots[:n] == tokens[j, d] and slots[n:] == [-1] * (len(slots) - n), \
+                    "rank %d: slots of source %d hold tokens %s; want %s then nothing (spec %r)" % (
+                        d, j, slots, tokens[j, d], spec)
 
 
 # ---- 2 ranks, proxy, warps of 64 ----------------------------------------------------------------
@@ -583,14 +640,26 @@ def test_four_ranks_mixed_transports(mixed4, mode):
 
 
 # ---- over p2p (stores into the peer's mapped heap; tests/test_p2p.py) ------------------------
-@pytest.fixture(scope="module", params=[(2, "p2p", 64), (4, "p2p+proxy", 32)],
-                ids=lambda p: "%dranks-%s-warp%d" % p)
-def p2p_world(request):
-    import p2p_jobs
-    world, kind, warp = request.param
-    r = _pool(world, p2p_jobs.p2p_and_proxy if kind == "p2p+proxy" else kind, warp)
+@pytest.fixture(scope="module")
+def p2p2():
+    """2 ranks, all p2p, warps of 64 (sized for the generated test too)."""
+    r = _pool(2, "p2p", 64, num_rdma_bytes=_gen_bytes(2))
     yield r
     _close(r)
+
+
+@pytest.fixture(scope="module")
+def p2p_proxy4():
+    """4 ranks, pairs with an even sum p2p, the others through the proxy, warps of 32."""
+    r = _pool(4, "p2p+proxy", 32, num_rdma_bytes=_gen_bytes(4))
+    yield r
+    _close(r)
+
+
+@pytest.fixture(scope="module", params=["p2p2", "p2p_proxy4"],
+                ids=["2ranks-p2p-warp64", "4ranks-p2p+proxy-warp32"])
+def p2p_world(request):
+    return request.getfixturevalue(request.param)
 
 
 @pytest.mark.parametrize("mode", [dict(), dict(use_fp8=True, hook=True, zero_copy=True)],
@@ -662,7 +731,8 @@ def _close_survivors(r):
     r.close_losing(VICTIM, "ep_jobs:close")
 
 
-@pytest.mark.parametrize("transport,stage", [("ibgda", "dispatch"), ("proxy", "combine")])
+@pytest.mark.parametrize("transport,stage", [("ibgda", "dispatch"), ("proxy", "combine"),
+                                             ("p2p", "dispatch")])
 def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
     """enable_shrink: rank 2 exits at the start of dispatch (or of combine). The survivors finish
     that call within the timeout, with rank 2 counted 0 (dispatch) and its experts left out of
@@ -683,7 +753,8 @@ def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
         _close_survivors(r)
 
 
-@pytest.mark.parametrize("transport,stage", [("mixed", "dispatch"), ("ibgda", "combine")])
+@pytest.mark.parametrize("transport,stage", [("mixed", "dispatch"), ("ibgda", "combine"),
+                                             ("p2p", "combine")])
 def test_a_dead_rank_raises_ep_timeout_without_shrink(transport, stage):
     """Without enable_shrink: rank 2 exits at the start of dispatch (or combine); every survivor
     raises gpunet.EPTimeout from that call, naming rank 2 as silent and the phase, within a
