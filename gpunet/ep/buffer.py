@@ -1173,7 +1173,11 @@ class Buffer:
     def _peer_detail(self, p):
         raw = self._peer_status[128 * p:128 * (p + 1)].cpu().numpy().tobytes()
         err = abi.status_error(abi.Status.from_buffer_copy(raw), "rank %d" % p)
-        return str(err) if err is not None else "rank %d: failed (no detail recorded)" % p
+        # No verb recorded an error for p: the EP kernel's own bounded waits marked it (ht.cuh: no
+        # credit or tail progress from it for the indirect timeout; ll.cuh: no header / message)
+        return str(err) if err is not None else (
+            "rank %d: silent (the EP kernel saw no header, message or credit from it within the "
+            "timeout; no put or wait to it recorded an error)" % p)
 
     def _ep_error(self, what):
         st = dep.EpStatus.from_buffer_copy(self._ep_status.cpu().numpy().tobytes())
