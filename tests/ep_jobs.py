@@ -137,6 +137,17 @@ def pairs_per_rank(topks, num_experts):
     return per_rank, per_expert, tokens
 
 
+def telling_pairs(topks, num_experts):
+    """pairs_per_rank of a routing that tells once-per-rank from once-per-expert: asserts that
+    EVERY (source, destination) has more (token, expert) than (token, rank) pairs, so a dispatch
+    sending per expert would break every count the once-per-rank tests check."""
+    per_rank, per_expert, tokens = pairs_per_rank(topks, num_experts)
+    assert bool((per_expert > per_rank).all()), \
+        "the routing does not tell once-per-rank from once-per-expert: %s vs %s" % (
+            per_rank.tolist(), per_expert.tolist())
+    return per_rank, per_expert, tokens
+
+
 def _inputs(spec, world):
     inp = ref.make_rank_inputs(world, spec["t_max"], spec["hidden"], spec["topk"],
                                spec["num_experts"], spec["seed"], holes=spec.get("holes", 0),

@@ -1,6 +1,9 @@
 """The command line's main jobs run end to end (the README's first command)."""
+import os
 import subprocess
 import sys
+
+import pytest
 
 
 def _run(args, timeout=600):
@@ -54,9 +57,7 @@ def test_warmup_runs_both_loopbacks():
 def test_a_failed_warmup_names_the_failed_checks():
     """With a NIC kind that cannot open here (no RDMA device in CI), warm() raises a gpunet error
     naming the check that failed, instead of returning as if the caches were ready."""
-    import pytest
     from gpunet.errors import GpunetError
-    import os
     if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
         pytest.skip("an RDMA device is present: nic='verbs' may open here")
     from gpunet.doctor import warm

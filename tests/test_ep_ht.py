@@ -318,11 +318,8 @@ def test_a_token_goes_once_to_each_destination_rank_not_once_per_expert(gen_worl
     for seed, fp8 in ((111, False), (112, True)):
         spec = _spec(world, seed=seed, routing="rank_repeats", wire=True, fp8=fp8)
         # the jobs' inputs (spec["routing"] applied), counted by plain torch
-        per_rank, per_expert, tokens = ep_jobs.pairs_per_rank(
+        per_rank, per_expert, tokens = ep_jobs.telling_pairs(
             [d["topk_idx"] for d in ep_ht_jobs._inputs(spec, world)], spec["num_experts"])
-        assert bool((per_expert > per_rank).all()), \
-            "the routing does not tell once-per-rank from once-per-expert: %s vs %s" % (
-                per_rank.tolist(), per_expert.tolist())
         out = gen_world.run("ep_ht_jobs:round_", spec)
         _assert_round(out, spec)
         for d, o in enumerate(out):

@@ -300,35 +300,6 @@ class Buffer:
         ctx._boot.collective("gpunet.ep.Buffer (grid)", self._check_grid, num_blocks, block_threads)
         # the RDMA buffer (user-visible) and the control allocation (signals, per-peer state)
         self._ll = ctx.alloc((self.num_rdma_bytes,), torch.uint8) if self.num_rdma_bytes else None
-        self._setup_rest(r, timeout_s)
-
-    def _check_grid(self, num_blocks, block_threads):
-        """The kernels' grid (self._grid, self._block) from the arguments and the platform;
-        ConfigError for one the kernels cannot launch."""
-        if self._gpu:
-            self._cuda_index = torch.cuda.current_device()      # the device of every LL launch
-            sms = torch.cuda.get_device_properties(self._cuda_index).multi_processor_count
-            self._grid = num_blocks or max(1, min(32, sms // 2))
-            self._block = block_threads or CUDA_WARPS_PER_BLOCK * 32
-        else:
-            self._grid = num_blocks or HOST_BLOCKS
-            self._block = block_threads or HOST_WARPS_PER_BLOCK * self._ws
-        if self._block % self._ws or not 0 < self._block <= 1024 or self._grid < 1:
-            raise ConfigError("Buffer: block_threads must be a multiple of the warp size (%d) up to "
-                              "1024 and num_blocks >= 1 (got %r, %r)" % (self._ws, block_threads, num_blocks))
-        most = self._lib.gpunet_ep_ll_max_block()
-        if most and self._block > most:
-            raise ConfigError("Buffer: block_threads=%d, but the low-latency kernel takes at most %d "
-                              "threads a block on this device (its registers); the default is %d"
-                              % (self._block, most, CUDA_WARPS_PER_BLOCK * 32 if self._gpu else
-                                 HOST_WARPS_PER_BLOCK * self._ws))
-        if not self._gpu and self._grid * self._block > 1024:
-            raise ConfigError("Buffer: on the CPU platform the grid (num_blocks * block_threads = %d) "
-                              "must be co-resident in the HOST emulator's wave of 1024 threads"
-                              % (self._grid * self._block))
-
-    def _setup_rest(self, r, timeout_s):
-        ctx = self._ctx
         self._ctl_off, ctl_bytes = lay.ctl_layout(r)
         self._ctl = ctx.alloc((ctl_bytes,), torch.uint8)
         base = self._ctl_base = int(self._ctl.data_ptr())
@@ -386,6 +357,31 @@ class Buffer:
         self._stats = {"dispatch": torch.zeros(r, r, dtype=torch.int64, device=self._device),
                        "combine": torch.zeros(r, r, dtype=torch.int64, device=self._device)}
         self._warned_masked = set()
+
+    def _check_grid(self, num_blocks, block_threads):
+        """The kernels' grid (self._grid, self._block) from the arguments and the platform;
+        ConfigError for one the kernels cannot launch."""
+        if self._gpu:
+            self._cuda_index = torch.cuda.current_device()      # the device of every LL launch
+            sms = torch.cuda.get_device_properties(self._cuda_index).multi_processor_count
+            self._grid = num_blocks or max(1, min(32, sms // 2))
+            self._block = block_threads or CUDA_WARPS_PER_BLOCK * 32
+        else:
+            self._grid = num_blocks or HOST_BLOCKS
+            self._block = block_threads or HOST_WARPS_PER_BLOCK * self._ws
+        if self._block % self._ws or not 0 < self._block <= 1024 or self._grid < 1:
+            raise ConfigError("Buffer: block_threads must be a multiple of the warp size (%d) up to "
+                              "1024 and num_blocks >= 1 (got %r, %r)" % (self._ws, block_threads, num_blocks))
+        most = self._lib.gpunet_ep_ll_max_block()
+        if most and self._block > most:
+            raise ConfigError("Buffer: block_threads=%d, but the low-latency kernel takes at most %d "
+                              "threads a block on this device (its registers); the default is %d"
+                              % (self._block, most, CUDA_WARPS_PER_BLOCK * 32 if self._gpu else
+                                 HOST_WARPS_PER_BLOCK * self._ws))
+        if not self._gpu and self._grid * self._block > 1024:
+            raise ConfigError("Buffer: on the CPU platform the grid (num_blocks * block_threads = %d) "
+                              "must be co-resident in the HOST emulator's wave of 1024 threads"
+                              % (self._grid * self._block))
 
     # ---- lifetime ---------------------------------------------------------------------------
     @staticmethod
