@@ -17,9 +17,9 @@ transport="p2p": device-memory heaps opened by CUDA IPC, the kernels store into 
   0.73 us, FACTS.md). Mode 0 (the verbs on the kernel's copy of the DevCtx) is the figure; the
   other modes (PP_MODES: the verbs on the DevCtx pointer, and raw stores / polls with no verb)
   run in the same run beside it, to say where the time goes.
-- copy sweep (GPU): ops.cu k_put_p2p at 1, 8, 16 and 64 MiB with the variants and geometries of
+- copy sweep (GPU): ops.cu k_put_p2p at 1, 2, 4, 8, 16 and 64 MiB with the variants and geometries of
   SWEEP (16-byte loads in flight per thread, weak or volatile stores, bytes and threads per
-  block), timed as the put rows; gpunet.put uses _launch.BULK_P2P_VARIANT and bulk_geometry.
+  block), timed as the put rows; gpunet.put uses _launch.bulk_tier and bulk_geometry (the size tiers).
 - correctness: before the timing rank 0 puts its pattern into rank 1's zeroed buffer through the
   API (one bulk put of the largest size) and rank 1 checks every byte (a "test" row).
 Each figure is the median of ``--runs`` (>= 3) runs, with the min and max of the run figures.
@@ -52,9 +52,11 @@ MEMCPY_D2D = 3               # cudaMemcpyDeviceToDevice
 RANK_TIMEOUT_S = 900
 # device/testing/kernels/p2p_bench.cu's modes; 0 is the figure held to TARGET_RTT_US.
 PP_MODES = {0: "verbs", 1: "verbs, DevCtx by pointer", 2: "raw: acquire poll",
-            3: "raw: relaxed poll + acquire", 4: "raw: acquire poll + pause"}
+            3: "raw: relaxed poll + acquire", 4: "raw: acquire poll + pause",
+            5: "put_signal verb, raw wait", 6: "raw send, wait_until verb",
+            7: "verbs, source + PeerDesc prefetched"}
 # The copy sweep (GPU): ops.cu k_put_p2p at a few sizes with other variants and geometries than
-# gpunet.put's (gpunet/_launch.py BULK_P2P_VARIANT, bulk_geometry): (name, variant, bytes per
+# gpunet.put's (gpunet/_launch.py BULK_TIERS_GPU, bulk_geometry): (name, variant, bytes per
 # block, blocks per SM, threads per block); variant bit 0: Unroll 8, bit 1: weak stores.
 SWEEP = [("u4 volatile 16K/256", 0, 16 << 10, 4, 256),
          ("u8 volatile 32K/256", 1, 32 << 10, 4, 256),
@@ -63,8 +65,11 @@ SWEEP = [("u4 volatile 16K/256", 0, 16 << 10, 4, 256),
          ("u8 weak 32K/256", 3, 32 << 10, 4, 256),
          ("u8 weak 32K/256 x8/SM", 3, 32 << 10, 8, 256),
          ("u8 weak 64K/512", 3, 64 << 10, 4, 512),
-         ("u8 weak 8K/256 x8/SM", 3, 8 << 10, 8, 256)]
-SWEEP_SIZES = [1 << 20, 8 << 20, 16 << 20, 64 << 20]
+         ("u8 weak 8K/256 x8/SM", 3, 8 << 10, 8, 256),
+         ("u4 weak 8K/256 x8/SM", 2, 8 << 10, 8, 256),
+         ("u4 weak 4K/256 x8/SM", 2, 4 << 10, 8, 256),
+         ("u4 weak 4K/128 x16/SM", 2, 4 << 10, 16, 128)]
+SWEEP_SIZES = [1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20]
 HOLD_GPU_HZ = 2.0e9          # cycles per second assumed for torch.cuda._sleep (an upper bound:
                              # a slower clock only holds the stream longer)
 
@@ -456,7 +461,7 @@ def main(argv=None):
     cfg = dict(gpu=args.gpu, runs=args.runs, sizes=_sizes(max_bytes), timeout_s=args.timeout_s,
                pp_iters=args.pp_iters or (10000 if args.gpu else 200),
                pp_warmup=100 if args.gpu else 20,
-               pp_modes=sorted(PP_MODES) if args.gpu else [0, 2],
+               pp_modes=sorted(PP_MODES) if args.gpu else [0, 2, 5, 6],
                yardstick="cudaMemcpyAsync D2D" if args.gpu else "memmove")
     from gpunet.demo import run_ranks
     from gpunet.errors import GpunetError

@@ -31,30 +31,43 @@ OPS_RING = 1024                   # GPU: OpDesc slots for launches in flight (64
 # tensor at one thread's speed: bulk_geometry gives it blocks for its size. NIC peers keep the
 # one-thread op list (one WQE moves any size; the NIC's DMA engine is the bulk copier).
 BULK_BLOCK_GPU = 256              # threads per block on a GPU (8 warps of 32)
-BULK_BYTES_PER_BLOCK = 16 << 10   # GPU: a block per 16 KiB (each thread 4 16-byte stores: one
-                                  # round of p2p.cuh's 4 loads in flight; more blocks, not more
-                                  # rounds, while the GPU has room) ...
-BULK_BLOCKS_PER_SM = 4            # ... up to 4 blocks per SM (1024 threads each SM), the rest
-                                  # in more rounds per thread
+# GPU geometry and copy variant by size, from bench/p2p.py's copy sweep on the H200 (2026-12-02,
+# bench/RESULTS.md): (largest put of the tier in bytes, bytes per block, blocks per SM at most,
+# variant of ops.cu k_put_p2p: bit 0 Unroll 8 16-byte loads in flight per thread (else 4), bit 1
+# weak vector stores (else volatile)). Up to 1 MiB a block per 8 KiB (more blocks, one round of
+# 4 loads per thread: 2.89 us for 1 MiB against 3.06 with 16 KiB blocks of Unroll 8); to 32 MiB a
+# block per 16 KiB with Unroll 4; above, 32 KiB blocks, 8 a SM, Unroll 8 (36.8 us for 64 MiB
+# against 37.5-38.7). Beyond a tier's blocks per SM the threads take more rounds.
+BULK_TIERS_GPU = ((1 << 20, 8 << 10, 8, 2),
+                  (32 << 20, 16 << 10, 4, 2),
+                  (None, 32 << 10, 8, 3))
 BULK_CHUNK_ALIGN = 256            # chunk boundaries keep 16-byte (vector) alignment and whole lines
 BULK_MIN_BYTES_CPU = 256 << 10    # HOST arm: a block of one warp per 256 KiB, at most
 BULK_MAX_BLOCKS_CPU = 2           # 2 blocks (every emulated thread is an OS thread; the CPU
                                   # gains nothing from more, but the bulk path runs in CI)
-# One p2p put (ops.cu k_put_p2p, the peer's mapped address resolved here): its variant, bit 0
-# Unroll 8 16-byte loads in flight per thread (else 4), bit 1 weak vector stores (else volatile);
-# bench/p2p.py's copy sweep measures all four on the GPU.
-BULK_P2P_VARIANT = 3
 
 
-def bulk_geometry(nbytes, gpu, warp_size, sms=0, per_block=BULK_BYTES_PER_BLOCK,
-                  per_sm=BULK_BLOCKS_PER_SM, block=BULK_BLOCK_GPU):
+def bulk_tier(nbytes):
+    """(bytes per block, blocks per SM, k_put_p2p variant) of a GPU put of ``nbytes``
+    (BULK_TIERS_GPU)."""
+    for top, per_block, per_sm, variant in BULK_TIERS_GPU:
+        if top is None or nbytes <= top:
+            return per_block, per_sm, variant
+    raise AssertionError("BULK_TIERS_GPU ends with an open tier")
+
+
+def bulk_geometry(nbytes, gpu, warp_size, sms=0, per_block=None, per_sm=None,
+                  block=BULK_BLOCK_GPU):
     """(grid, block, chunk) of ops.cu's bulk put for ``nbytes`` in all, or None where the op-list
     kernel's single thread is the right launch (the CPU below BULK_MIN_BYTES_CPU). GPU: a block of
-    ``block`` threads per ``per_block`` bytes, at most ``per_sm`` blocks per SM (``sms``; the
-    defaults are the BULK_* constants, bench/p2p.py's copy sweep tries others); chunk: the bytes
+    ``block`` threads per ``per_block`` bytes, at most ``per_sm`` blocks per SM (``sms``; by
+    default the size's tier, bulk_tier: bench/p2p.py's copy sweep tries others); chunk: the bytes
     each block moves per turn (a multiple of BULK_CHUNK_ALIGN)."""
     nbytes = int(nbytes)
     if gpu:
+        tier_block, tier_sm, _ = bulk_tier(nbytes)
+        per_block = per_block or tier_block
+        per_sm = per_sm or tier_sm
         grid = max(1, min(-(-nbytes // per_block), max(1, sms) * per_sm))
     else:
         if nbytes < BULK_MIN_BYTES_CPU:
@@ -196,7 +209,7 @@ class Launcher(Resource):
         grid, block, chunk = bulk
         dst = self.dev.peers[o.pe].remote_base + (o.dst - self.dev.ctx.local_base)
         return self.lib.gpunet_put_p2p_launch(grid, block, self.warp_size, dst, o.src, o.nbytes,
-                                              chunk, BULK_P2P_VARIANT, stream, sync)
+                                              chunk, bulk_tier(o.nbytes)[2], stream, sync)
 
     def stream(self):
         """The stream launches go on: torch's current CUDA stream handle (0 on the CPU), read

@@ -255,3 +255,19 @@ def test_p2p_bench_gpu_without_gpu_fails_fast():
                        timeout=120, cwd=str(ROOT))
     assert r.returncode == 2, r.stdout + r.stderr
     assert "needs an NVIDIA GPU" in r.stderr
+
+
+def test_icache_probe_builds_for_cuda_and_needs_a_gpu():
+    """bench/icache.py's kernel compiles for the CUDA arm and exports its launcher (when nvcc is
+    here); without a GPU the script exits 2 with the reason instead of measuring nothing."""
+    import torch
+    if _nvcc() is not None:
+        from gpunet.device import loader, testing
+        lib = loader.build([testing.kernels_dir() / "icache_probe.cu"], arch="cuda")
+        assert hasattr(lib, "gpunet_icache_probe")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the no-GPU path is not reachable")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "icache.py"), "--gpu"],
+                       capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "needs an NVIDIA GPU" in r.stderr

@@ -23,6 +23,12 @@
 //                       load of the word once the relaxed one saw it;
 //     MODE_RAW_PAUSE    as MODE_RAW_ACQ with arch::spin_pause() after every poll that failed
 //                       (what every wait_until poll did before Spin::fast).
+//     MODE_SEND_VERB    put_signal_nbi (as MODE_VERBS) and MODE_RAW_ACQ's wait: with MODE_WAIT_VERB,
+//     MODE_WAIT_VERB    MODE_RAW_ACQ's send and wait_until: they split what the verbs add to the
+//                       raw floor between the sending and the waiting side.
+//     MODE_VERB_PREFETCH as MODE_VERBS, the send preceded by L1 prefetches of the source and of
+//                       the peer's PeerDesc (CUDA prefetch.global.L1; elsewhere nothing): is the
+//                       verb's extra time its dependent loads after the wait's acquire?
 //               The raw modes need both heaps mapped here (a p2p peer); their waits are bounded
 //               by the context's timeout like any wait (a timeout is recorded as SITE_WAIT_UNTIL).
 //
@@ -37,6 +43,7 @@ namespace {
 
 enum : uint32_t {
   MODE_VERBS = 0, MODE_VERBS_PTR = 1, MODE_RAW_ACQ = 2, MODE_RAW_RELAXED = 3, MODE_RAW_PAUSE = 4,
+  MODE_SEND_VERB = 5, MODE_WAIT_VERB = 6, MODE_VERB_PREFETCH = 7,
 };
 
 // Bounded poll of `word` until it is >= v (raw modes). false (and a recorded timeout) after
@@ -79,26 +86,37 @@ GPUNET_DEVICE bool run(const DevCtx& c, uint8_t* buf, uint64_t* sig, uint64_t ba
                        uint32_t warmup, uint32_t nbytes, int32_t peer, uint32_t ping, uint32_t mode,
                        uint64_t* out) {
   const bool raw = mode >= MODE_RAW_ACQ;
+  const bool verb_send = mode <= MODE_VERBS_PTR || mode == MODE_SEND_VERB || mode == MODE_VERB_PREFETCH;
+  const bool verb_wait = mode <= MODE_VERBS_PTR || mode == MODE_WAIT_VERB || mode == MODE_VERB_PREFETCH;
+  const void* peer_desc = gpunet::api::peers(c) + peer;
+  (void)peer_desc;  // read by MODE_VERB_PREFETCH on CUDA only
+  const uint32_t poll = mode >= MODE_SEND_VERB ? uint32_t(MODE_RAW_ACQ) : mode;
   uint8_t* peer_buf = static_cast<uint8_t*>(gpunet::ptr(c, buf, peer));
   uint64_t* peer_sig = static_cast<uint64_t*>(gpunet::ptr(c, sig, peer));
   bool ok = !raw || (peer_buf && peer_sig);
+  // one leg: send (sig word `to` on the peer) or wait (own word `from`), verb or raw per mode
+  auto send = [&](uint32_t to, uint64_t v) {
+#if defined(GPUNET_ARM_CUDA)
+    if (mode == MODE_VERB_PREFETCH) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(buf));
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(peer_desc));
+    }
+#endif
+    if (verb_send)
+      return gpunet::put_signal_nbi(c, buf, buf, nbytes, &sig[to], v, peer, gpunet::SIGNAL_SET);
+    raw_send(peer_buf, buf, nbytes, &peer_sig[to], v);
+    return true;
+  };
+  auto wait = [&](uint32_t from, uint64_t v) {
+    return verb_wait ? gpunet::wait_until(c, &sig[from], gpunet::CMP_GE, v)
+                     : raw_wait(c, &sig[from], v, poll);
+  };
   uint64_t t0 = arch::now_ns();
   for (uint32_t i = 1; i <= iters && ok; ++i) {
     if (ping && i == warmup + 1) t0 = arch::now_ns();
     const uint64_t v = base + i;
-    if (raw && ping) {
-      raw_send(peer_buf, buf, nbytes, &peer_sig[0], v);
-      ok = raw_wait(c, &sig[1], v, mode);
-    } else if (raw) {
-      ok = raw_wait(c, &sig[0], v, mode);
-      if (ok) raw_send(peer_buf, buf, nbytes, &peer_sig[1], v);
-    } else if (ping) {
-      ok = gpunet::put_signal_nbi(c, buf, buf, nbytes, &sig[0], v, peer, gpunet::SIGNAL_SET) &&
-           gpunet::wait_until(c, &sig[1], gpunet::CMP_GE, v);
-    } else {
-      ok = gpunet::wait_until(c, &sig[0], gpunet::CMP_GE, v) &&
-           gpunet::put_signal_nbi(c, buf, buf, nbytes, &sig[1], v, peer, gpunet::SIGNAL_SET);
-    }
+    if (ping) ok = send(0, v) && wait(1, v);
+    else ok = wait(0, v) && send(1, v);
   }
   const uint64_t t1 = arch::now_ns();
   if (ok) ok = gpunet::quiet(c);
@@ -127,7 +145,7 @@ extern "C" {
 int gpunet_bench_pingpong(uint32_t warp_size, const DevCtx* ctx, void* buf, uint64_t* sig,
                           uint64_t base, uint32_t iters, uint32_t warmup, uint32_t nbytes,
                           int32_t peer, uint32_t ping, uint32_t mode, uint64_t* out, void* stream) {
-  if (mode > MODE_RAW_PAUSE || (nbytes & 7) != 0) return -1;
+  if (mode > MODE_VERB_PREFETCH || (nbytes & 7) != 0) return -1;
   gpunet::LaunchSpec s;
   s.warp_size = warp_size;
   s.stream = stream;
