@@ -20,6 +20,9 @@ transport="p2p": device-memory heaps opened by CUDA IPC, the kernels store into 
 - copy sweep (GPU): ops.cu k_put_p2p at 1, 2, 4, 8, 16 and 64 MiB with the variants and geometries of
   SWEEP (16-byte loads in flight per thread, weak or volatile stores, bytes and threads per
   block), timed as the put rows; gpunet.put uses _launch.bulk_tier and bulk_geometry (the size tiers).
+- NIC peer cost: put + quiet from the host at 4 KiB and 1 MiB over p2p, then in a second world
+  over transport='ibgda' (the soft NIC; on CUDA its engine moves the device-memory heap's bytes
+  with the CUDA runtime, as a NIC's DMA over GPUDirect would): the JSON's nic_put_quiet.
 - correctness: before the timing rank 0 puts its pattern into rank 1's zeroed buffer through the
   API (one bulk put of the largest size) and rank 1 checks every byte (a "test" row).
 Each figure is the median of ``--runs`` (>= 3) runs, with the min and max of the run figures.
@@ -280,6 +283,52 @@ def _pingpong(ctx, cfg):
     return runs
 
 
+NIC_SIZES = (4096, 1 << 20)   # put + quiet latency rows: p2p against a NIC peer (the soft NIC)
+NIC_ITERS = {True: 200, False: 20}
+
+
+def _put_quiet_us(ctx, src, dst, n, iters):
+    """Rank 0: median us of ``iters`` blocking put + quiet of ``n`` bytes to rank 1 (what a NIC
+    peer's copy engine costs next to p2p's stores)."""
+    import gpunet
+
+    ts = []
+    for _ in range(iters + 2):
+        t0 = time.perf_counter()
+        gpunet.put(ctx.remote(1, dst[:n]), src[:n])
+        ctx.quiet()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts[2:]) * 1e6
+
+
+def _nic_rows(rank, cfg, p2p_us):
+    """The same put + quiet over transport='ibgda' (the soft NIC; on CUDA its engine moves the
+    device-memory heap's bytes with the CUDA runtime, as a NIC's DMA would), next to ``p2p_us``
+    (size -> us over p2p, this run). Rows on rank 0; every rank takes part."""
+    import torch
+
+    import gpunet
+
+    ctx = gpunet.init(transport="ibgda", nic="soft", heap_bytes=2 * max(NIC_SIZES) + (8 << 20),
+                      timeout_s=cfg["timeout_s"])
+    try:
+        src = ctx.alloc((max(NIC_SIZES),), torch.uint8)
+        dst = ctx.alloc((max(NIC_SIZES),), torch.uint8)
+        src.fill_(rank + 1)
+        ctx.barrier()
+        rows = []
+        if rank == 0:
+            heap = ("device-memory" if getattr(ctx, "_device_heap", False) else "host-mapped") \
+                if cfg["gpu"] else "shared-memory arena"
+            for n in NIC_SIZES:
+                us = _put_quiet_us(ctx, src, dst, n, NIC_ITERS[cfg["gpu"]])
+                rows.append({"bytes": n, "ibgda_us": us, "p2p_us": p2p_us.get(n), "heap": heap})
+        ctx.barrier()
+        return rows
+    finally:
+        ctx.close()
+
+
 def _rank(rank, world, cfg):
     import torch
     import torch.distributed as dist
@@ -308,13 +357,14 @@ def _rank(rank, world, cfg):
         wrong = int((dst.cpu() != ((torch.arange(maxn) * 7) % 251).to(torch.uint8)).sum()) \
             if rank == 1 else 0
         ctx.barrier()
-        rows, sweep, profile = [], [], None
+        rows, sweep, profile, p2p_us = [], [], None, {}
         if rank == 0:
             mapped = ctx._transports.peer_heaps[1].base + (dst.data_ptr() - ctx.heap_base)
             rows = _bandwidth_rows(ctx, src, dst, mapped, cfg)
             if gpu:
                 sweep = _sweep_rows(ctx, src, mapped, cfg)
             profile = _profile_put(ctx, src, dst)
+            p2p_us = {n: _put_quiet_us(ctx, src, dst, n, NIC_ITERS[gpu]) for n in NIC_SIZES}
         # a host barrier: rank 1 must not spin in a device wait (bounded by timeout_s, and an SM
         # polling memory) while rank 0 measures
         dist.barrier()
@@ -326,9 +376,11 @@ def _rank(rank, world, cfg):
                 "peer_same_device": bool(flags & abi.P2P_SAME_DEVICE)}
         every = [None] * world
         dist.all_gather_object(every, info)
-        return {"rows": rows, "sweep": sweep, "profile": profile, "rtt_us": rtt, "ranks": every}
     finally:
         ctx.close()
+    nic = _nic_rows(rank, cfg, p2p_us)
+    return {"rows": rows, "sweep": sweep, "profile": profile, "rtt_us": rtt, "ranks": every,
+            "nic": nic}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,7 +548,14 @@ def main(argv=None):
                cfg["yardstick"], args.runs))
     sweep = res.get("sweep", []) if res else []
     profile = res.get("profile") if res else None
+    nic = res.get("nic", []) if res else []
     print(_details(pp, sweep, profile))
+    if nic:
+        print("put + quiet from the host, p2p vs a NIC peer (transport='ibgda', the soft NIC; its "
+              "engine copies the %s heap), median us:" % nic[0]["heap"])
+        for r in nic:
+            print("  %7s  p2p %8.1f  ibgda %8.1f  (ibgda / p2p %.2f)" % (
+                _size(r["bytes"]), r["p2p_us"], r["ibgda_us"], r["ibgda_us"] / r["p2p_us"]))
     print(_table(rows, pp, head, cfg["yardstick"]))
     for g in gate:
         print("%-6s %-7s %s  %s" % (g["kind"], g["result"], g["name"], g["figure"]))
@@ -507,7 +566,7 @@ def main(argv=None):
     out = {"what": "gpunet p2p put bandwidth and put_signal ping-pong", "config": cfg,
            "ranks": res["ranks"] if res else None,
            "mps": mps_note, "rows": rows, "pingpong": pp, "sweep": sweep, "put_profile": profile,
-           "gate": gate,
+           "nic_put_quiet": nic, "gate": gate,
            "machine": m,
            "wall_s": time.monotonic() - t0}
     with open(path, "w") as f:
