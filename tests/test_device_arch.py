@@ -39,6 +39,7 @@ def lib():
         "test_syncthreads": [U32, U32, U32, U32, P],
         "test_warp": [U32, U32, U32, U32] + [P] * 9,
         "test_atomics": [U32, U32, U32, U32] + [P] * 5,
+        "test_atomic_or": [U32, U32, U32, P, P],
         "test_mp_step": [U32, U32, U64, U32, P, P, P],
         "test_mp_spin": [U32, U32, U64, U32, P, P, P, P],
         "test_doorbell": [U32, U32, U64, U32, U32, P, P, P, P],
@@ -152,6 +153,17 @@ def test_atomics_from_many_threads_give_exact_sums(lib, ws):
     assert cas32[0] == total
     assert cas64[0] == 3 * total
     assert (olds == 1).all()
+
+
+@pytest.mark.parametrize("ws", WARPS)
+def test_atomic_or_returns_the_old_word_and_sets_the_bits(lib, ws):
+    """4 blocks x 64 threads each set their own bit twice with atomic_or: the first old value
+    lacks the bit, the second has it, and every word ends with all 64 bits set."""
+    words = np.zeros(4, np.uint64)
+    seen = np.zeros(256, np.uint32)
+    assert lib.test_atomic_or(4, 64, ws, ptr(words), ptr(seen)) == 0
+    assert (seen == 1).all()
+    assert (words == np.uint64(0xFFFFFFFFFFFFFFFF)).all()
 
 
 @pytest.mark.parametrize("ws", WARPS)

@@ -28,6 +28,7 @@
 //              another thread polls)
 //   void fence_sys()
 //   u32/u64 atomic_add(p, v) -> old                  u32/u64 atomic_cas(p, expected, desired) -> old
+//   u64 atomic_or(p, v) -> old
 //   u32/u64 atomic_load(const p)                     void atomic_store(p, v)
 //   bswap16/32/64                                    void doorbell_store64(volatile u64* reg, u64)
 //   u64 now_ns()                                     void spin_pause()
@@ -134,6 +135,9 @@ GPUNET_DEVICE void store_weak_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
 GPUNET_DEVICE uint32_t atomic_add(uint32_t* p, uint32_t v) { return atomicAdd(p, v); }
 GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
   return atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
+}
+GPUNET_DEVICE uint64_t atomic_or(uint64_t* p, uint64_t v) {
+  return atomicOr(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
 GPUNET_DEVICE uint32_t atomic_cas(uint32_t* p, uint32_t expected, uint32_t desired) {
   return atomicCAS(p, expected, desired);
@@ -292,6 +296,9 @@ GPUNET_DEVICE uint32_t atomic_add(uint32_t* p, uint32_t v) { return atomicAdd(p,
 GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
   return atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
+GPUNET_DEVICE uint64_t atomic_or(uint64_t* p, uint64_t v) {
+  return atomicOr(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
+}
 GPUNET_DEVICE uint32_t atomic_cas(uint32_t* p, uint32_t expected, uint32_t desired) {
   return atomicCAS(p, expected, desired);
 }
@@ -415,6 +422,10 @@ GPUNET_DEVICE uint32_t atomic_add(uint32_t* p, uint32_t v) {
 GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
   host_before_rmw(p);
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+GPUNET_DEVICE uint64_t atomic_or(uint64_t* p, uint64_t v) {
+  host_before_rmw(p);
+  return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
 }
 GPUNET_DEVICE uint32_t atomic_cas(uint32_t* p, uint32_t expected, uint32_t desired) {
   host_before_rmw(p);

@@ -90,6 +90,17 @@ GPUNET_GLOBAL void k_atomics(uint32_t iters, uint32_t* c32, uint64_t* c64, uint3
   }
 }
 
+// Fetch-or from many threads: thread g sets bit g % 64 of word g / 64 twice; the first old value
+// must not have the bit (nobody else sets it), the second must (its own first or). seen[g] = 1
+// when both held.
+GPUNET_GLOBAL void k_atomic_or(uint64_t* words, uint32_t* seen) {
+  const uint32_t g = arch::block_idx().x * arch::block_dim().x + arch::thread_rank();
+  const uint64_t bit = uint64_t(1) << (g % 64);
+  const uint64_t first = arch::atomic_or(&words[g / 64], bit);
+  const uint64_t again = arch::atomic_or(&words[g / 64], bit);
+  seen[g] = ((first & bit) == 0 && (again & bit) != 0) ? 1u : 0u;
+}
+
 // Message passing, writer in block 0 and observer in block 1 (one thread each).
 //   mode 0: data relaxed, flag relaxed (NO fence)     — may be seen flag=1, data=0
 //   mode 1: data relaxed, fence_sys, flag relaxed      — never
@@ -284,6 +295,10 @@ int test_warp(uint32_t grid, uint32_t block, uint32_t ws, uint32_t n_live, const
 int test_atomics(uint32_t grid, uint32_t block, uint32_t ws, uint32_t iters, uint32_t* c32, uint64_t* c64,
                  uint32_t* cas32, uint64_t* cas64, uint32_t* olds_seen) {
   return gpunet::launch_kernel(spec(grid, block, ws, 0), k_atomics, iters, c32, c64, cas32, cas64, olds_seen);
+}
+
+int test_atomic_or(uint32_t grid, uint32_t block, uint32_t ws, uint64_t* words, uint32_t* seen) {
+  return gpunet::launch_kernel(spec(grid, block, ws, 0), k_atomic_or, words, seen);
 }
 
 #if defined(GPUNET_ARM_HOST)

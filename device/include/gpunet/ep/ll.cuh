@@ -757,42 +757,28 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
     const uint32_t nw = g.nwarps < P.bits_warps ? g.nwarps : P.bits_warps;
     for (uint32_t tile = g.wid; tile < P.ntiles; tile += nw) {
       const uint32_t t = tile * g.ws + g.lane;
-      // Every loop over k is unrolled to kMaxTopk with k < K guards, so the token's experts stay
-      // in registers: indexed by a run-time k they were a stack array in local memory, and the
-      // O(K^2) repeat checks a chain of dependent local loads (one lane per token, one warp per
-      // tile: the whole grid waits for this). kept / first: bit k = selection k counts (not a
-      // hole, not a repeat) / is the token's first selection on its rank.
+      // The loops over k are unrolled to kMaxTopk with k < K guards, so the token's experts stay
+      // in registers (indexed by a run-time k they were a stack array in local memory). kept /
+      // first: bit k = selection k counts (not a hole, not a repeat) / is the token's first
+      // selection on its rank. Both come from the bitmaps themselves: this lane's bit is already
+      // set in expert e's word (rank d's) when an earlier selection of its token named e (an
+      // expert on d), so one atomic_or's old value tells a repeat, with no O(K^2) unrolled
+      // compare chain (this block's code runs once per launch while the grid waits for it; the
+      // plan's tile bitmaps took 8-13 us on the H200 whatever K, bench/RESULTS.md 2026-12-02).
       int32_t ex[kMaxTopk];
 #pragma unroll
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
         const int64_t e = (k < K && t < T) ? topk[uint64_t(t) * K + k] : -1;
         ex[k] = (e < 0 || e >= int64_t(E)) ? -1 : int32_t(e);
       }
+      const uint64_t mine = uint64_t(1) << g.lane;
       uint32_t kept = 0, first = 0;
-      uint64_t seen = 0;  // ranks already named (R <= 64)
 #pragma unroll
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
         const int32_t e = ex[k];
-        bool repeat = false;
-#pragma unroll
-        for (uint32_t k2 = 0; k2 < k; ++k2) repeat |= ex[k2] == e;  // a repeated expert counts once
-        if (e < 0 || repeat) continue;
+        if (e < 0 || (arch::atomic_or(&bits[e], mine) & mine)) continue;  // a repeat counts once
         kept |= 1u << k;
-        const uint32_t d = uint32_t(e) / P.e_loc;
-        bool f = true;
-        if (P.nranks <= 64) {
-          f = !((seen >> d) & 1);
-          seen |= uint64_t(1) << d;
-        } else {
-#pragma unroll
-          for (uint32_t k2 = 0; k2 < k; ++k2)
-            if (((kept >> k2) & 1) && uint32_t(ex[k2]) / P.e_loc == d) f = false;
-        }
-        arch::atomic_add(&bits[e], uint64_t(1) << g.lane);
-        if (f) {
-          first |= 1u << k;
-          arch::atomic_add(&bits[E + d], uint64_t(1) << g.lane);
-        }
+        if (!(arch::atomic_or(&bits[E + uint32_t(e) / P.e_loc], mine) & mine)) first |= 1u << k;
       }
       arch::syncwarp();
 #pragma unroll
