@@ -339,6 +339,7 @@ void __threadfence_system(); void __threadfence(); void __syncthreads(); void __
 unsigned atomicAdd(unsigned*, unsigned); unsigned long long atomicAdd(unsigned long long*, unsigned long long);
 unsigned atomicCAS(unsigned*, unsigned, unsigned);
 unsigned long long atomicCAS(unsigned long long*, unsigned long long, unsigned long long);
+unsigned long long atomicOr(unsigned long long*, unsigned long long);
 long long clock64();
 template <class T> T __shfl(T, int); unsigned long long __ballot(int); int __any(int); int __all(int);
 #include <gpunet/arch.cuh>
@@ -348,7 +349,7 @@ uint64_t use(uint32_t* p, uint64_t* q) {
   a::doorbell_store64(q, 3); a::spin_pause(); a::store_relaxed_v2(q, 4, 5);
   return a::load_acquire_sys(p) + a::load_acquire_sys(q) + a::atomic_add(p, 1u) + a::atomic_cas(q, 1, 2) +
          a::bswap64(5) + a::bswap16(1) + a::now_ns() + a::shfl(7u, 1) + a::ballot(true) + a::any(true) +
-         a::block_any(false) + a::lane_id() + a::warp_size() + a::atomic_load(q) + a::shared_mem()[0];
+         a::block_any(false) + a::lane_id() + a::warp_size() + a::atomic_load(q) + a::atomic_or(q, 8) + a::shared_mem()[0];
 }
 """
 

@@ -240,7 +240,8 @@ GPUNET_DEVICE uint16_t cvt_e4m3x2(float lo, float hi) {
 //   - byte swaps with shifts and masks (no prmt).
 //   - warp size 64 on C500 (a UCCL windowed publish that assumed 32 broke).
 // Unverified, kept here and nowhere else: the warp intrinsic names (HIP-style __shfl/__ballot/
-// __any/__all, 64-bit ballot), __syncthreads_or, __syncwarp, and the clock64() rate used by
+// __any/__all, 64-bit ballot), __syncthreads_or, __syncwarp, the 64-bit atomicOr (HIP and CUDA
+// both have it), and the clock64() rate used by
 // now_ns(). Check them on the first C500 build.
 // ================================================================================================
 constexpr uint32_t kMaxWarpSize = 64;
