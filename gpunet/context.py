@@ -20,29 +20,29 @@ Platforms (host/platform.py decides; GPUNET_PLATFORM=cpu forces the CPU):
   wait_until / atomic_add synchronize the stream, copy the Status block back and raise. So an
   error of an earlier non-blocking call surfaces at the next synchronizing call (its message
   names that call, not the failed put). Heap tensors are CUDA tensors (``device="cuda"``) over
-  HOST-MAPPED memory: the soft NIC is a CPU thread that moves bytes with memmove, so the
-  symmetric heap lives in its arena (pinned with cudaHostRegister); GPU kernels can compute on
-  these tensors, but every access crosses PCIe (slow; copy into ordinary CUDA memory for heavy
-  compute). gpunet needs the registered arena's device pointer to equal its host address (UVA,
-  x86-64 Linux) because the NIC and the GPU use the same heap addresses; otherwise ConfigError.
-  With ``transport="p2p"`` for any peer the heap is ordinary DEVICE memory instead
-  (cudaMalloc): heap tensors are fast for the user's kernels, the ranks open each other's heaps
-  by CUDA IPC handles exchanged over the bootstrap, and the kernels store into them directly.
-  NIC peers (ibgda / proxy) of such a rank still work: the soft NIC's engine moves the bytes of
-  device memory with the CUDA runtime (SoftNic.attach_copy_engine: cudaMemcpyAsync on its own
-  non-blocking stream, as a NIC's DMA over GPUDirect), each rank mapping a NIC peer's device
-  heap by its IPC handle for its engine; atomics there are a read-modify-write under the
-  owning NIC's lock. Several ranks on one GPU need an MPS daemon to run side by side (FACTS.md).
+  ordinary DEVICE memory, whatever the transports (cudaMalloc of the policy's p2p_dst kind):
+  fast for the user's kernels. p2p peers open each other's heaps by CUDA IPC handles exchanged
+  over the bootstrap and the kernels store into them directly. NIC peers (ibgda / proxy) reach
+  it as a NIC reaches GPU memory: the soft NIC's engine moves the bytes with the CUDA runtime
+  (SoftNic.attach_copy_engine: cudaMemcpyAsync on its own non-blocking stream, as a NIC's DMA
+  over GPUDirect), each rank mapping a NIC peer's device heap by its IPC handle for its engine,
+  atomics there a read-modify-write under the owning NIC's lock; a real NIC registers the heap
+  by dma-buf (DevxNic.reg_mr) and maps nothing. The soft NIC's own structures (rings, CQs, the op
+  lists) stay in its arena, pinned with cudaHostRegister; gpunet needs the
+  registered arena's device pointer to equal its host address (UVA, x86-64 Linux), otherwise
+  ConfigError. Several ranks on one GPU need an MPS daemon to run side by side (FACTS.md).
   Descriptors (DevCtx, PeerDesc, QpDesc, Status) are in device memory (device/descriptors.py); the op
   lists of in-flight launches are in the mapped arena.
 
 Transports are chosen per peer (gpunet/transports.py): ``ibgda`` (the kernel posts WQEs and rings
-the doorbell itself) or ``proxy`` (a CPU thread posts the kernel's commands); ``auto`` picks ibgda
-where the NIC's doorbell can be mapped into the device, and logs which and why.
+the doorbell itself), ``proxy`` (a CPU thread posts the kernel's commands) or ``p2p`` (stores into
+the peer's heap mapped here); ``auto`` is p2p for the peers on this node on CUDA (this rank
+too), otherwise ibgda where the NIC's doorbell can be mapped into the device, else the proxy,
+and logs which and why.
 
 What the Context owns, in the order it makes them (and closes them in reverse: gpunet.resource):
-the bootstrap, the NIC (host/nic.py open_nic), on CUDA the NIC's GPU mapping and the device
-memory of the descriptors (and with p2p the device heap), the transports (QPs, proxy channels
+the bootstrap, the NIC (host/nic.py open_nic), on CUDA the NIC's GPU mapping, the device
+memory of the descriptors and the device heap, the transports (QPs, proxy channels
 and engine, p2p peers' heap mappings: closed before the heap is freed), the close barrier with
 the peers that map this heap (Transports.close_barrier: bounded), the launcher
 (gpunet/_launch.py: on CUDA closing it first waits for the stream). The symmetric heap's
@@ -68,7 +68,7 @@ from gpunet.host.bootstrap import Bootstrap
 from gpunet.host.nic import KINDS as NICS, open_nic
 from gpunet.host.platform import get_platform
 from gpunet.resource import Resource
-from gpunet.transports import Transports, check_transport, peer_transport
+from gpunet.transports import Transports, check_transport, settled_kinds
 
 _OPS1 = abi.OpDesc * 1
 _SIGNAL_OPS = {"add": abi.SIGNAL_ADD, "set": abi.SIGNAL_SET}
@@ -188,6 +188,25 @@ class DeviceHandle(NamedTuple):
     heap_base: int
 
 
+def _check_pairs(everyone):
+    """ConfigError unless both ends of every pair reach each other by one transport, as settled
+    from the exchanged infos (gpunet/transports.py settled_kinds: "auto" on CUDA included), so
+    every rank decides the same from the same data."""
+    kinds = [settled_kinds(everyone, r) for r in range(len(everyone))]
+
+    def how(i, j):
+        return kinds[i][j] + (" (auto)" if j in everyone[i].get("auto", ()) else "")
+
+    for i in range(len(everyone)):
+        for j in range(i + 1, len(everyone)):
+            if kinds[i][j] != kinds[j][i]:
+                raise ConfigError(
+                    "gpunet.init: rank %d reaches rank %d by %s, but rank %d reaches rank %d by %s; "
+                    "both ends of a pair must use one transport (pass the same transport= on "
+                    "every rank; on CUDA 'auto' is p2p between ranks of one node)"
+                    % (i, j, how(i, j), j, i, how(j, i)))
+
+
 class Context(Resource):
     """One rank's gpunet resources. Use :func:`gpunet.init` to make one.
 
@@ -226,7 +245,6 @@ class Context(Resource):
         self._boot = self._adopt(boot, "bootstrap")
         self.rank, self.world_size = boot.rank, boot.world_size
         everyone = boot.collective("gpunet.init", self._setup_local, args, unknown)
-        n = self.world_size
         sizes = [e["heap_bytes"] for e in everyone]
         if len(set(sizes)) != 1:
             raise ConfigError("gpunet.init is collective: every rank must pass the same heap_bytes "
@@ -239,14 +257,7 @@ class Context(Resource):
                               "orders (%s); signal words need one order in the whole world (soft "
                               "NIC: set GPUNET_SOFTNIC_ATOMIC_ENDIANNESS alike on every rank)"
                               % ", ".join("rank %d: %s" % ro for ro in enumerate(orders)))
-        for i in range(n):
-            for j in range(n):
-                if everyone[i]["transports"][j] != everyone[j]["transports"][i]:
-                    raise ConfigError(
-                        "gpunet.init: rank %d reaches rank %d by %s, but rank %d reaches rank %d by "
-                        "%s; both ends of a pair must use one transport (pass the same transport= "
-                        "on every rank)" % (i, j, everyone[i]["transports"][j], j, i,
-                                            everyone[j]["transports"][i]))
+        _check_pairs(everyone)
         boot.collective("gpunet.init (connecting)", self._setup_connect, everyone)
         self._connected = True            # on every rank: the close barrier has partners
 
@@ -288,7 +299,10 @@ class Context(Resource):
                               % (MAX_RANKS, self.world_size))
         self.platform = get_platform()
         self._gpu = self.platform.name == "cuda"
-        self._device_heap = self._gpu and self._p2p_anywhere(transport)
+        # CUDA: the heap is always ordinary device memory, fast for the user's kernels; p2p
+        # peers open it by CUDA IPC, NIC peers reach it as a NIC reaches GPU memory (the soft
+        # NIC's copy engine, a real NIC's dma-buf registration)
+        self._device_heap = self._gpu
         if self.platform.name not in ("cpu", "cuda"):
             raise ConfigError("gpunet.init on %s: the Python API runs on the CPU and CUDA platforms "
                               "in this release (the MACA arm is unverified); set GPUNET_PLATFORM=cpu "
@@ -313,7 +327,8 @@ class Context(Resource):
             buf = None
             self.heap_base = self._setup_device_heap(heap_bytes)
             # NIC peers reach it as a NIC reaches GPU memory (GPUDirect): the soft NIC's engine
-            # copies through the CUDA runtime (SoftNic.attach_copy_engine, in _setup_gpu_memory)
+            # copies through the CUDA runtime (SoftNic.attach_copy_engine, in _setup_gpu_memory),
+            # a real NIC registers it by dma-buf (DevxNic.reg_mr)
             mr = self.nic.reg_mr(self.heap_base, heap_bytes, device_memory=True,
                                  kind=self.platform.policy("p2p_dst").kind)
             self._lkey, self._rkey = mr.lkey, mr.rkey
@@ -355,16 +370,8 @@ class Context(Resource):
                                  mem=self._mem, mapping=self._mapping)
         self._launcher.dev = self._dev
 
-    def _p2p_anywhere(self, transport):
-        """CUDA: True when ``transport`` makes any peer (this rank too) p2p: the heap then lives
-        in device memory (ordinary cudaMalloc, shared with the peers by CUDA IPC). NIC peers of
-        such a rank reach it through the soft NIC's copy engine (the CUDA runtime copies, as a
-        NIC's DMA over GPUDirect; gpunet/transports.py maps the heap for them), so a world may
-        mix p2p and NIC transports. tests/test_p2p_cuda.py."""
-        return any(peer_transport(transport, self.rank, p) == "p2p" for p in range(self.world_size))
-
     def _setup_device_heap(self, heap_bytes):
-        """CUDA p2p: the heap in GPU memory of the policy's p2p_dst kind (device on nvidia,
+        """CUDA: the heap in GPU memory of the policy's p2p_dst kind (device on nvidia,
         Finegrained on c500: host/platform.py says why), a child: freed when the Context closes,
         after the transports closed the peers' mappings of theirs; zeroed before any peer can
         store into it (the barrier slots and scratch of the head start at 0). Returns its
@@ -401,7 +408,7 @@ class Context(Resource):
 
     def _close_barrier(self):
         """Closing, after this rank's kernels ended: wait, bounded by ``timeout_s``, until the
-        peers that map this rank's heap (p2p peers; on CUDA with a device heap every peer) are
+        peers that map this rank's heap (p2p peers; on CUDA every NIC peer of a soft NIC) are
         done with it, so that none stores into it after it is freed (Transports.close_barrier:
         a rank that is gone is not waited for; a silent one is named in a warning). Only after a
         complete init: a failed one raised on every rank before any peer used a mapping."""
@@ -430,9 +437,9 @@ class Context(Resource):
         ``shape``: int or tuple of ints (0 allowed: an empty tensor that still owns its range, so
         free() of it frees exactly it); ``dtype``: a torch dtype. Returns a torch tensor viewing
         the registered heap (so puts and gets reach it without a copy): a CPU tensor on the CPU
-        platform; on CUDA a ``device="cuda"`` tensor over the host-mapped heap (see the module
-        docstring: GPU kernels can use it, over PCIe). On CUDA, alloc first synchronizes the
-        current stream (a reused range must not still be read by an enqueued put).
+        platform; on CUDA a ``device="cuda"`` tensor over the device-memory heap (see the module
+        docstring). On CUDA, alloc first synchronizes the current stream (a reused range must not
+        still be read by an enqueued put).
 
         Collective with one exchange: a bad shape or a full heap on any rank raises ConfigError
         on every rank, and no rank keeps the range.

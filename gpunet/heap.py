@@ -35,10 +35,10 @@ class SymmetricHeap:
     """The allocator and the live allocations of one heap.
 
     ``buf``: the heap's bytes (np.uint8[heap_bytes], NIC-registered), or None for a heap in GPU
-    device memory (CUDA with transport='p2p': no CPU view, zeroed by a stream-ordered fill);
-    ``base``: its address; ``device``: "cpu" or "cuda", the kind of tensor :meth:`make` makes
-    (CUDA: a view of the host-mapped bytes, which needs device pointer == host address, or of the
-    device memory). Attributes ``top`` (everything
+    device memory (CUDA: no CPU view, zeroed by a stream-ordered fill); ``base``: its address;
+    ``device``: "cpu" or "cuda", the kind of tensor :meth:`make` makes (CUDA: a view of the
+    device memory; of host-mapped bytes, a heap given as ``buf``, it needs device pointer ==
+    host address). Attributes ``top`` (everything
     at or above it is free), ``free`` (sorted, coalesced (offset, size) ranges below ``top``),
     ``allocs`` (offset -> Alloc).
     """

@@ -8,27 +8,40 @@ descriptors of ibgda peers, and the proxy channels and engine of proxy peers (DE
   thread posts them (host/proxy.py). One channel per proxied peer.
 - ``p2p``: this rank maps the peer's heap into its own address space (on the CPU the peer soft
   NIC's arena by name, ``Nic.map_peer_heap``; on CUDA the peer's device-memory heap by its IPC
-  handle, ``Platform.ipc_open``; NIC peers of a device-memory heap map it too, for the soft
-  NIC's copy engine: ``Nic.add_peer_memory``) and the kernel stores into it directly
-  (transport/p2p.cuh). Only on request (a kind, or per peer): a peer that cannot be mapped raises
+  handle, ``Platform.ipc_open``) and the kernel stores into it directly (transport/p2p.cuh). A
+  peer asked for by name (``transport="p2p"``, or per peer) that cannot be mapped raises
   ConfigError. On the ``c500`` profile p2p peers are store-only (get, atomics and ADD signals to
-  them fail with a ConfigError; SET signals work).
+  them fail with a ConfigError; SET signals work). On CUDA every heap is device memory, so NIC
+  peers of the soft NIC map it too, for its copy engine (``Nic.add_peer_memory``); a real NIC
+  reaches its own heap by DMA and maps nothing.
 
-``auto`` picks ibgda where the NIC's doorbell can be mapped into the device, else the proxy, and
-says why. It never picks p2p: p2p has none of a NIC's liveness checks (a store into a dead peer's
-heap succeeds silently; a NIC retries and reports the peer dead) and no remote atomics on c500,
-so it is a choice the caller makes for peers it knows share the machine. The choice is per peer: one kind for every peer, a dict {peer: kind, "default": kind}
-or a callable (rank, peer) -> kind; both ends of a pair must agree (gpunet/context.py checks it
-in the init exchange).
+``auto``: p2p for the peers whose heap this rank maps, the NIC otherwise. On CUDA that is every
+peer on the same node (this rank too): p2p, the heap opened by CUDA IPC; a peer on another node
+gets ibgda where the NIC's doorbell can be mapped into the device, else the proxy. Same node means
+the same node identity (``node_identity``: hostname and boot id), which every rank publishes in
+its ``info()``, so both ends of a pair settle on one kind from the same exchanged data (never
+from a local attempt that may work on one end only); a same-node heap that cannot be opened
+raises ConfigError naming the peer (pass 'ibgda' or 'proxy' for it). On the CPU (and MACA)
+``auto`` is the NIC only: ibgda, or the proxy where the doorbell cannot be mapped. The CPU
+platform is the NIC test bench and maps no peer's arena under auto; on MACA (c500) p2p is
+store-only, so auto would refuse atomics there. Every choice is logged with its reason.
+
+The choice is per peer: one kind for every peer, a dict {peer: kind, "default": kind} or a
+callable (rank, peer) -> kind; both ends of a pair must agree (gpunet/context.py checks it in the
+init exchange, on the settled kinds: ``settled_kinds``).
 
 Set-up is two steps around the Context's exchanges: :class:`Transports` makes the QPs and
-returns what peers need (``info``), then :meth:`Transports.connect` connects them to the peers'
-and fills the device context. Every QP a rank makes has a partner only on peers that use the same
-transport somewhere: a QP whose peer made no partner for it is left unconnected and unused
+returns what peers need (``info``), then :meth:`Transports.connect` settles ``auto`` (CUDA),
+connects the QPs to the peers' and fills the device context. Under ``auto`` on CUDA the NIC QPs
+are made for every peer before the exchange, since only the exchange says which peers are on
+another node. Every QP a rank makes has a partner only on peers that use the same transport
+somewhere: a QP whose peer made no partner for it is left unconnected and unused, and one whose
+peer settled on p2p is connected and unused
 (tests/test_transports.py::test_a_rank_that_never_uses_the_proxy_beside_one_that_does).
 """
 import logging
 import os
+import socket
 import time
 
 import numpy as np
@@ -130,6 +143,60 @@ def choose_transport(requested, probe_doorbell):
     return "ibgda", "auto: %s" % how
 
 
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def node_identity():
+    """This machine's identity, (hostname, boot id): the same in every process on it, different
+    on another machine, also one whose hostname is the same (a container image's): the kernel
+    draws a new boot id at every boot (``BOOT_ID``). Ranks exchange it in the init, and "auto"
+    on CUDA makes the peers with this rank's identity p2p (settle_auto)."""
+    try:
+        with open(BOOT_ID) as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""                      # no procfs: the hostname alone tells machines apart
+    return (socket.gethostname(), boot)
+
+
+def _node_name(node):
+    """A node identity for messages: its hostname and the start of its boot id."""
+    if not node:
+        return "unknown"
+    host, boot = node
+    return "%s, boot %s" % (host, boot[:8]) if boot else host
+
+
+def settle_auto(nic_choice, here, there, itself=False):
+    """(kind, reason) that "auto" on CUDA settles to between this rank, on node ``here``, and a
+    peer on node ``there`` (node_identity() of each, as exchanged in the init; ``itself``: the
+    peer is this rank). The same node: p2p, the peer's heap mapped here by CUDA IPC (this rank's
+    own heap for itself). Another node: ``nic_choice``, choose_transport's ("ibgda" | "proxy",
+    reason) for "auto"."""
+    if here is not None and here == there:
+        if itself:
+            return "p2p", "auto: this rank itself (host %s): its own heap" % _node_name(here)
+        return "p2p", "auto: same node (host %s), heap mapped by CUDA IPC" % _node_name(here)
+    kind, why = nic_choice
+    why = why[len("auto: "):] if why.startswith("auto: ") else why
+    return kind, ("auto: another node (host %s; this rank on %s), so the NIC: %s"
+                  % (_node_name(there), _node_name(here), why))
+
+
+def settled_kinds(everyone, rank):
+    """Rank ``rank``'s transport per peer once every rank's info() is known (``everyone``, by
+    rank): its kinds before the exchange (info()["transports"]), each peer it asked "auto" for
+    on CUDA (info()["auto"]) settled by settle_auto on the exchanged node identities
+    (info()["node"]). Only exchanged data goes in, so both ends of a pair, and the init's
+    check on every rank, compute the same kinds."""
+    mine = everyone[rank]
+    kinds = dict(mine["transports"])
+    for p in mine.get("auto", ()):
+        kinds[p] = settle_auto((kinds[p], ""), mine.get("node"), everyone[p].get("node"),
+                               p == rank)[0]
+    return kinds
+
 class Transports(Resource):
     """The transports of one rank towards every peer (itself included, through loopback QPs).
 
@@ -137,9 +204,13 @@ class Transports(Resource):
     its host-mapped memory on a GPU); ``transport``: as gpunet.init takes it; ``probe_doorbell``:
     see choose_transport; ``proxy_threads``: threads draining the proxy channels.
 
-    Attributes: ``kinds`` (peer -> "ibgda" | "proxy"), ``reasons`` (peer -> why), after
-    :meth:`connect` ``qpds`` (peer -> QpDescriptor, ibgda peers), ``channels`` (peer ->
-    ProxyChannel, proxy peers) and ``engine`` (the ProxyEngine, or None).
+    ``heap``: (address, nbytes) of this rank's heap; ``device_heap``: it is device memory (CUDA).
+
+    Attributes: ``kinds`` (peer -> "ibgda" | "proxy" | "p2p"; a peer under "auto" on CUDA has
+    the NIC's kind until :meth:`connect` settles it), ``reasons`` (peer -> why), ``node`` (this
+    rank's node_identity()), after :meth:`connect` ``qpds`` (peer -> QpDescriptor, ibgda peers),
+    ``channels`` (peer -> ProxyChannel, proxy peers), ``engine`` (the ProxyEngine, or None),
+    ``peer_heaps`` / ``dma_heaps`` (peer -> its heap mapped here, for p2p / for the soft NIC).
 
     Close order (children, last made first): the proxy engine (its threads stop posting), then the
     proxy channels (their FIFO memory); the QPs go with the NIC, which the Context closes after.
@@ -157,16 +228,27 @@ class Transports(Resource):
                                          # copy engine (CUDA IPC; Nic.add_peer_memory)
         self._heap = heap                # (address, nbytes) of this rank's heap: what p2p exports
         self._device_heap = bool(device_heap)   # this rank's heap is device memory (CUDA)
+        self.node = node_identity()
         self.kinds, self.reasons = {}, {}
+        # peers asked "auto" on CUDA -> the NIC's choice for them (choose_transport): their kind
+        # until connect() settles it from the exchanged node identities (_settle), and the QPs
+        # made below for it, so that a peer on another node falls back to the NIC
+        self._auto = {}
+        self._per_peer = not isinstance(transport, str)
+        self._maps_nic_heaps = hasattr(nic, "add_peer_memory")   # a soft NIC: _map_for_nic
+        self._mapped_by = set()          # peers that map this rank's heap (set in connect)
         n, me = world_size, rank
         # all peers share this NIC's doorbell page, so one probe decides for every one of them
         for p in range(n):
             asked = peer_transport(transport, me, p)
             t, why = choose_transport(asked, probe_doorbell)
-            if not isinstance(transport, str):
+            if asked == "auto" and platform.name == "cuda":
+                self._auto[p] = (t, why)
+            if self._per_peer:
                 why = "per-peer choice %r; %s" % (asked, why)
             self.kinds[p], self.reasons[p] = t, why
-            log.info("gpunet rank %d -> peer %d: %s (%s)", me, p, t, why)
+            if p not in self._auto:      # the settled ones are logged by _settle
+                log.info("gpunet rank %d -> peer %d: %s (%s)", me, p, t, why)
         # One RC QP per peer and transport user (the device, or the proxy threads: a QP has one
         # poster), plus a loopback partner per user for this rank itself.
         self._users = sorted(set(self.kinds.values()) - {"p2p"})
@@ -179,10 +261,11 @@ class Transports(Resource):
                                                   sq_wqebbs=SQ_WQEBBS)
 
     def info(self):
-        """What the peers need to connect to this rank's QPs (picklable)."""
+        """What the peers need to connect to this rank's QPs and map its heap (picklable):
+        besides the QPs, its kinds before the exchange ("transports"), the peers whose kind
+        "auto" settles in connect ("auto") and its node identity ("node"; settled_kinds)."""
         p2p = None
-        others = [k for p, k in self.kinds.items() if p != self.rank]
-        if (self._gpu and self._device_heap and others) or "p2p" in others:
+        if self._exported():
             if self._heap is None:
                 raise ConfigError("transport='p2p' needs this rank's heap to export")
             # GPU: the heap is a device allocation, shared by its CUDA IPC handle (with p2p peers
@@ -191,8 +274,17 @@ class Transports(Resource):
             p2p = (self.platform.ipc_export(self._heap[0]) if self._gpu
                    else self.nic.export_heap(*self._heap))
         return {"qps": {k: q.info() for k, q in self._qps.items()},
-                "transports": dict(self.kinds), "p2p": p2p, "device_heap": self._device_heap,
+                "transports": dict(self.kinds), "auto": sorted(self._auto), "node": self.node,
+                "p2p": p2p, "device_heap": self._device_heap,
+                "maps_nic_heaps": self._maps_nic_heaps,
                 "gpu": _gpu_identity() if self._gpu else None, "pid": os.getpid()}
+
+    def _exported(self):
+        """Whether a peer may map this rank's heap: a p2p peer, a peer "auto" may make p2p, or on
+        a GPU with a device heap any other peer (a soft NIC maps it for its copy engine)."""
+        others = [p for p in range(self.world_size) if p != self.rank]
+        return any(self.kinds[p] == "p2p" or p in self._auto for p in others) or \
+            bool(self._gpu and self._device_heap and others)
 
     def connect(self, everyone, dev, local_heap, mem=None, mapping=None):
         """Connect every QP to its partner on the peer and fill ``dev`` (a DeviceContext): per
@@ -202,6 +294,7 @@ class Transports(Resource):
         rkey); ``local_heap``: (address, lkey) of this rank's heap; ``mem`` / ``mapping``: on a
         GPU, the DeviceMemory for descriptors and the NicMapping of the NIC's rings."""
         n, me = self.world_size, self.rank
+        self._settle(everyone)
         for (u, p), q in self._qps.items():
             if p == me:
                 self.nic.connect(q, self._partner[u].info())
@@ -215,14 +308,31 @@ class Transports(Resource):
                 qpd = QpDescriptor(self._qps["ibgda", p], p, mem=mem, mapped=mapping)
                 dev.set_peer_qp(p, qpd, everyone[p]["heap"], everyone[p]["rkey"])
                 self.qpds[p] = qpd
+        # who maps this rank's heap: its p2p peers, and with a device heap the NIC peers whose
+        # soft NIC reaches it through a mapping (_map_for_nic); close_barrier waits for them
+        self._mapped_by = {p for p in range(n) if p != me and (
+            self.kinds[p] == "p2p" or (self._device_heap and everyone[p].get("maps_nic_heaps")))}
         for p in range(n):
             if self.kinds[p] == "p2p":
                 self._setup_p2p(p, everyone, dev, local_heap)
-            elif p != me and everyone[p].get("device_heap"):
+            elif p != me and everyone[p].get("device_heap") and self._maps_nic_heaps:
                 self._map_for_nic(p, everyone)
+            # else: a real NIC (no add_peer_memory) needs no mapping of the peer's device heap:
+            # the peer's NIC reaches it by DMA (its reg_mr took the dma-buf path)
         proxied = [p for p in range(n) if self.kinds[p] == "proxy"]
         if proxied:
             self._setup_proxy(proxied, everyone, dev, local_heap)
+
+    def _settle(self, everyone):
+        """Settle the kinds "auto" left open on CUDA (``_auto``) from the exchanged infos: p2p
+        for a peer on this node, else the NIC's choice (settle_auto, the rule settled_kinds
+        applies for the init's check), with the reason, logged once."""
+        mine = everyone[self.rank].get("node")
+        for p, nic_choice in sorted(self._auto.items()):
+            kind, why = settle_auto(nic_choice, mine, everyone[p].get("node"), p == self.rank)
+            self.kinds[p] = kind
+            self.reasons[p] = ("per-peer choice 'auto'; " if self._per_peer else "") + why
+            log.info("gpunet rank %d -> peer %d: %s (%s)", self.rank, p, kind, self.reasons[p])
 
     def _setup_p2p(self, p, everyone, dev, local_heap):
         """Map peer ``p``'s heap (this rank itself: its own heap) and make it a p2p peer: on the
@@ -242,6 +352,12 @@ class Transports(Resource):
             else:
                 m = self.nic.map_peer_heap(everyone[p]["p2p"])
         except (ConfigError, VendorRuntimeError) as e:
+            if p in self._auto:
+                raise ConfigError("transport='auto' to peer %d: it is on this node (host %s), so "
+                                  "p2p, but its heap cannot be opened here (%s); pass "
+                                  "transport='ibgda' or 'proxy' for peer %d (on both ends: a dict "
+                                  "or a callable (rank, peer))"
+                                  % (p, _node_name(self.node), e, p)) from e
             raise ConfigError("transport='p2p' to peer %d: cannot map its heap here (%s); p2p "
                               "needs the peer on this machine, alive; use transport='ibgda' or "
                               "'proxy' for it" % (p, e)) from e
@@ -251,15 +367,11 @@ class Transports(Resource):
         dev.set_peer_p2p(p, m.base, store_only, keep=m, same_device=same)
 
     def _map_for_nic(self, p, everyone):
-        """NIC peer ``p``'s heap is device memory (CUDA, a rank with p2p peers): map it here by
-        its IPC handle and tell the NIC where (Nic.add_peer_memory), so that this rank's soft
-        NIC engine, which executes the RDMA writes, reads and atomics towards ``p``, reaches it
-        through its copy engine, as a responder NIC would by DMA. The mapping is a child, closed
-        with the transports."""
-        add = getattr(self.nic, "add_peer_memory", None)
-        if add is None:
-            raise ConfigError("peer %d's heap is device memory, which %s cannot reach from this "
-                              "process; use transport='p2p' for it" % (p, type(self.nic).__name__))
+        """NIC peer ``p``'s heap is device memory (CUDA) and this rank's NIC is a soft NIC: map
+        the heap here by its IPC handle and tell the NIC where (Nic.add_peer_memory), so that
+        this rank's soft NIC engine, which executes the RDMA writes, reads and atomics towards
+        ``p`` itself, reaches it through its copy engine, as a responder NIC would by DMA. The
+        mapping is a child, closed with the transports."""
         from gpunet.host.platform import VendorRuntimeError
         try:
             m = self.platform.ipc_open(everyone[p]["p2p"], everyone[p]["heap_bytes"],
@@ -272,7 +384,8 @@ class Transports(Resource):
         for u in self._users:
             q = everyone[p]["qps"].get((u, self.rank))
             if q is not None:
-                add(q, everyone[p]["heap"], everyone[p]["heap_bytes"], m.base)
+                self.nic.add_peer_memory(q, everyone[p]["heap"], everyone[p]["heap_bytes"],
+                                         m.base)
         self.reasons[p] += "; its heap is device memory, mapped here (CUDA IPC) for the NIC"
         log.info("gpunet rank %d -> peer %d: %s over its device heap (the soft NIC's engine "
                  "copies through the CUDA runtime)", self.rank, p, self.kinds[p])
@@ -359,8 +472,8 @@ class Transports(Resource):
         wait until every peer that maps this heap has set its word here, so that no peer stores
         into (or loads from) this heap after it is freed (on CUDA, freeing memory a peer still
         has open by IPC is undefined; on the CPU the peer's stores would vanish with the arena).
-        Who maps this heap: p2p peers, and with a device heap every other rank (NIC peers map it
-        for their soft NIC's copy engine, _map_for_nic). Bounded by ``timeout_s``: a peer whose
+        Who maps this heap: p2p peers, and with a device heap every NIC peer of a soft NIC (it
+        maps the heap for its copy engine, _map_for_nic; a real NIC maps nothing). Bounded by ``timeout_s``: a peer whose
         rank is gone (PeerHeap.owner_alive) is not waited for, and one that neither answers nor
         is known gone in time is named in a warning and the heap is released anyway: close never
         hangs on a peer. Returns the peers that did not answer.
@@ -375,8 +488,7 @@ class Transports(Resource):
             # exporter exited), the mapping is only closed (test_p2p_cuda.py's dead-peer test)
             if _maybe_alive(m):
                 self.platform.memcpy(m.base + CLOSE_SLOTS_OFF + 8 * me, one.ctypes.data, 8)
-        waiting = {p for p in range(n) if p != me and (self.kinds[p] == "p2p" or
-                                                        self._device_heap)}
+        waiting = set(self._mapped_by)
         if not waiting:
             return []
         words = np.zeros(n, dtype=np.uint64)

@@ -709,15 +709,19 @@ class DevxNic(Nic):
         return _Region(int(view.ctypes.data), view, self._umem(int(view.ctypes.data), nbytes),
                        "host")
 
-    def reg_mr(self, buf_or_addr, length=None, access=Access.ALL, kind="host", pd=None):
+    def reg_mr(self, buf_or_addr, length=None, access=Access.ALL, kind="host", pd=None,
+               device_memory=False):
         """Register memory (an array / tensor, or an address + ``length``).
 
         Host memory (``kind`` "host", anything in the arena, every kind on the CPU platform):
-        ibv_reg_mr. GPU memory ("device" / "finegrained" outside the arena on a GPU): a dma-buf
-        export by the platform (cuMemGetHandleForAddressRange; the MACA one unverified) and
+        ibv_reg_mr. GPU memory ("device" / "finegrained" outside the arena on a GPU, or any
+        range passed with ``device_memory=True``: the Context's CUDA heap): a dma-buf export by
+        the platform (cuMemGetHandleForAddressRange; the MACA one unverified) and
         ibv_reg_dmabuf_mr at iova = the GPU address; where either refuses, plain ibv_reg_mr (a
-        peer-memory driver such as nvidia-peermem accepts GPU addresses); RegistrationError
-        naming both failures otherwise.
+        peer-memory driver such as nvidia-peermem accepts GPU addresses); RegistrationError (a
+        ConfigError) naming both failures otherwise. ``device_memory=True`` for a range that
+        cannot be GPU memory (the CPU platform, or inside this NIC's host arena) is a
+        ConfigError: registering it as host memory would give the NIC the wrong memory.
         """
         self._check_open()
         if kind not in ("host", "device", "finegrained"):
@@ -727,7 +731,13 @@ class DevxNic(Nic):
             raise ConfigError("pd must be a PD of this NIC")
         addr, length, keep = mr_region(buf_or_addr, length)
         acc = int(Access(int(access) & 15))
-        gpu = kind != "host" and self.platform.name != "cpu" and not self._arena.holds(addr, length)
+        host = self.platform.name == "cpu" or self._arena.holds(addr, length)
+        if device_memory and host:
+            where = ("on the CPU platform" if self.platform.name == "cpu"
+                     else "inside the NIC's host arena")
+            raise ConfigError("DevX NIC %s: reg_mr(device_memory=True) of [0x%x, +%d), which is "
+                              "%s, not GPU memory" % (self.device, addr, length, where))
+        gpu = device_memory or (kind != "host" and not host)
         tried = []
         if gpu:
             from gpunet.host.platform import VendorRuntimeError

@@ -57,10 +57,12 @@ class Nic(Resource, abc.ABC):
         """A zeroed np.uint8 array of ``nbytes`` (``align``-aligned) the NIC and the GPU can reach."""
 
     @abc.abstractmethod
-    def reg_mr(self, buf_or_addr, length=None, access=Access.ALL, kind="host", pd=None):
+    def reg_mr(self, buf_or_addr, length=None, access=Access.ALL, kind="host", pd=None,
+               device_memory=False):
         """Register memory (an array, or an address + ``length``) with ``access`` (Access
-        flags); ``kind``: "device" | "finegrained" | "host" (host/platform.py's memory kinds).
-        Returns an MR."""
+        flags); ``kind``: "device" | "finegrained" | "host" (host/platform.py's memory kinds);
+        ``device_memory=True``: the range is GPU memory the CPU cannot touch (a CUDA heap), which
+        the NIC must reach as GPU memory or refuse with ConfigError. Returns an MR."""
 
     @abc.abstractmethod
     def dereg_mr(self, mr):

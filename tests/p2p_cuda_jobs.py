@@ -41,8 +41,8 @@ def self_p2p_ibgda(a, b):
 
 
 def rank0_p2p_else_ibgda(a, b):
-    """p2p only for rank 0 to itself (rank 0's heap is device memory, the others' host-mapped),
-    ibgda for every other pair."""
+    """p2p only for rank 0 to itself (the other ranks use no p2p; their heaps are device memory
+    all the same), ibgda for every other pair."""
     return "p2p" if a == b == 0 else "ibgda"
 
 
@@ -58,7 +58,8 @@ def init(state, heap_bytes=8 << 20, timeout_s=20.0, transport="p2p"):
     state["sig"] = ctx.alloc((2 * n + 1,), torch.int64)  # word r: ADDed by r; n + r: SET by r;
     # 2n: the atomics' counter
     ctx.barrier()
-    return {"rank": ctx.rank, "transports": dict(ctx.transports), "pid": os.getpid(),
+    return {"rank": ctx.rank, "transports": dict(ctx.transports), "reasons": dict(ctx.reasons),
+            "pid": os.getpid(),
             "heap_type": memory_type(ctx.heap_base), "alloc_type": memory_type(state["dst"].data_ptr()),
             "mapped_peers": sorted(ctx._transports.peer_heaps),
             "dma_peers": sorted(ctx._transports.dma_heaps),

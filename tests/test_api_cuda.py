@@ -1,8 +1,10 @@
 """The Python API on an NVIDIA GPU (platform "cuda"): the same wrappers, kernels on the GPU.
 
 Runs only where torch.cuda.is_available(); elsewhere every test is skipped with the reason.
-The heap is host-mapped memory (the soft NIC moves bytes with memmove), viewed as CUDA tensors;
-put / get / put_signal are enqueued on torch's current stream, the other wrappers synchronize it.
+The heap is device memory (cudaMalloc) on every transport; the NIC transports are asked for by
+name (TRANSPORTS: ibgda and proxy, the soft NIC's engine copying through the CUDA runtime),
+since "auto" on CUDA is p2p between ranks of one node. put / get / put_signal are enqueued on
+torch's current stream, the other wrappers synchronize it.
 """
 import os
 import socket
@@ -12,12 +14,13 @@ import torch
 
 import gpunet
 from gpunet.errors import ConfigError, TimeoutError
+from p2p_cuda_jobs import MEMORY_TYPE_DEVICE, memory_type
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="needs an NVIDIA GPU: torch.cuda.is_available() is False"),
               pytest.mark.usefixtures("cuda_platform_module")]      # tests/conftest.py
 
-TRANSPORTS = ["ibgda", "proxy"]
+TRANSPORTS = ["ibgda", "proxy"]     # by name: "auto" here is p2p (test_auto_is_p2p_on_cuda)
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
@@ -30,20 +33,24 @@ def ctx(request):
         c.close()
 
 
-def test_auto_is_ibgda_on_cuda():
+def test_auto_is_p2p_on_cuda():
+    """"auto" on CUDA: this rank reaches itself by p2p (its own device heap), and says why."""
     with gpunet.init(nic="soft", heap_bytes=1 << 20) as c:
         assert c.platform.name == "cuda"
-        assert c.transports == {0: "ibgda"}
-        # The reason says why ibgda was possible: the doorbell is reachable from the device.
-        assert c.reasons[0].startswith("auto:") and "doorbell" in c.reasons[0], c.reasons[0]
+        assert c.transports == {0: "p2p"}, c.reasons
+        assert c.reasons[0].startswith("auto: this rank itself (host "), c.reasons[0]
+        assert memory_type(c.heap_base) == MEMORY_TYPE_DEVICE
 
 
 def test_alloc_is_a_cuda_tensor_on_the_heap(ctx):
     x = ctx.alloc((1000,), torch.float32)
     assert x.device.type == "cuda" and x.is_contiguous()
     assert ctx.heap_base <= x.data_ptr() < ctx.heap_base + ctx.heap_bytes
+    # device memory over the NIC transports too, outside the soft NIC's arena
+    assert memory_type(x.data_ptr()) == MEMORY_TYPE_DEVICE
+    assert not any(b <= ctx.heap_base < b + n for b, n in ctx.nic.mapped_ranges())
     assert int(torch.count_nonzero(x)) == 0
-    x += 2.5                                      # a GPU kernel on the host-mapped heap
+    x += 2.5                                      # a GPU kernel on the device heap
     assert float(x.sum()) == 2500.0
     with pytest.raises(ConfigError, match="cuda"):
         ctx.put(ctx.remote(0, x), torch.zeros(4))     # a CPU tensor is not a heap tensor here

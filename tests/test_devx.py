@@ -516,6 +516,34 @@ def test_reg_mr_gpu_memory_uses_dma_buf_then_peer_memory_then_a_clear_error():
             nic.reg_mr(a.ptr, 4096, kind="device")
 
 
+def test_reg_mr_of_device_memory_takes_the_gpu_path_or_a_clear_error():
+    """``device_memory=True`` (the Context's CUDA heap) registers as GPU memory whatever the kind
+    says: dma-buf (iova = the GPU address), even with kind "host"; where nothing accepts it,
+    RegistrationError, a ConfigError; a range inside the NIC's host arena or on the CPU platform
+    is a ConfigError, never a plain host registration."""
+    plat = FakeCudaPlatform()
+    nic, fake = fake_nic(platform=plat)
+    with nic:
+        a = plat.alloc("device", 1 << 16)
+        mr = nic.reg_mr(a.ptr, 1 << 16, kind="host", device_memory=True)
+        (call,) = [c for c in fake.calls if c[0] == "reg_dmabuf_mr"]
+        assert call[3] == a.ptr and mr.how == "dma-buf", (call, mr)
+        plat.refuse_dmabuf = True
+
+        def refuse(*args):
+            raise devx.DevxCallError("ibv_reg_mr", 14)
+        fake.reg_mr = refuse
+        with pytest.raises(ConfigError, match="dma-buf export.*ibv_reg_mr") as e:
+            nic.reg_mr(a.ptr, 1 << 16, kind="device", device_memory=True)
+        assert isinstance(e.value, devx.RegistrationError)
+        buf = nic.alloc(8192, 4096)
+        with pytest.raises(ConfigError, match="inside the NIC's host arena"):
+            nic.reg_mr(buf.ctypes.data, 8192, kind="device", device_memory=True)
+    cpu_nic, _ = fake_nic()
+    with cpu_nic, pytest.raises(ConfigError, match="on the CPU platform"):
+        cpu_nic.reg_mr(0x7f0000000000, 4096, kind="device", device_memory=True)
+
+
 # --- the doorbell in the GPU's reach -------------------------------------------------------------
 def test_uar_not_mappable_makes_auto_pick_the_proxy_with_the_reason():
     """map_doorbell registers the UAR page with the GPU as IoMemory; a driver refusing it (error
@@ -573,7 +601,8 @@ def test_a_descriptor_built_after_the_mapping_reaches_the_uar():
         uar_page = nic.uar.base_addr & ~(devx.PAGE - 1)
         with pytest.raises(ValueError, match="map_doorbell"):
             mapping.g(nic.uar.reg_addr)
-        t = Transports(nic, plat, 0, 1, "auto", lambda: nic.map_doorbell(plat))
+        # ibgda by name: "auto" on CUDA would settle on p2p for this rank itself
+        t = Transports(nic, plat, 0, 1, "ibgda", lambda: nic.map_doorbell(plat))
         assert t.kinds == {0: "ibgda"}, t.reasons
         heap = nic.alloc(1 << 16, 4096)
         mr = nic.reg_mr(heap)

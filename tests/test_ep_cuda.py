@@ -1,5 +1,6 @@
-"""gpunet.ep on an NVIDIA GPU (platform "cuda"): the same Buffer, its kernels on the GPU, the
-heap host-mapped (soft NIC). Runs only where torch.cuda.is_available(); elsewhere every test is
+"""gpunet.ep on an NVIDIA GPU (platform "cuda"): the same Buffer, its kernels on the GPU, over
+the soft NIC asked for by name (transport="ibgda": "auto" on CUDA would be p2p), the heap device
+memory (the soft NIC's engine copies through the CUDA runtime). Runs only where torch.cuda.is_available(); elsewhere every test is
 skipped with the reason (scripts/gpu-check.sh counts a skip as a failure on the H200).
 
 What it checks beyond the CPU suite (tests/test_ep_ll.py): the CUDA arm of the EP kernels, CUDA
@@ -26,8 +27,8 @@ MODES = [dict(), dict(use_fp8=True), dict(use_fp8=True, round_scale=True, use_ue
 @pytest.fixture(scope="module")
 def buf(cuda_platform_module):              # tests/conftest.py selects platform "cuda"
     b = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(T_MAX, HIDDEN, 1, EXPERTS),
-               low_latency_mode=True, explicitly_destroy=True, timeout_s=20.0)
-    assert b.runtime.platform.name == "cuda"
+               low_latency_mode=True, explicitly_destroy=True, timeout_s=20.0, transport="ibgda")
+    assert b.runtime.platform.name == "cuda" and b.runtime.transports == {0: "ibgda"}
     yield b
     b.destroy()
 

@@ -1,5 +1,6 @@
 """gpunet.ep's high-throughput mode on an NVIDIA GPU (platform "cuda"): the HT kernels' CUDA arm,
-CUDA tensors in and out, the heap host-mapped (soft NIC). Runs only where
+CUDA tensors in and out, over the soft NIC asked for by name (ibgda; "auto" on CUDA would be
+p2p), the heap device memory. Runs only where
 torch.cuda.is_available(); elsewhere every test is skipped with the reason (scripts/gpu-check.sh
 counts a skip as a failure on the H200). The CPU suite's checks (tests/ep_ht_jobs.py) on one rank
 in this process, then on two rank processes sharing the GPU."""
@@ -66,7 +67,7 @@ def test_num_worst_tokens_dispatch_and_combine_replay_in_a_cuda_graph(cuda_platf
     T, H, K, E, worst = 64, 512, 4, 8, 80
     cfg = Config(*CFG)
     b = Buffer(None, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(H * 2, 1), explicitly_destroy=True,
-               timeout_s=20.0)
+               timeout_s=20.0, transport="ibgda")
     try:
         def inputs(seed):
             return ref.make_rank_inputs(1, T, H, K, E, seed, holes=5)[0]

@@ -197,12 +197,30 @@ def test_two_ranks_ep_dispatch_and_combine_over_p2p_match_the_reference(mps):
     assert all(set(i["transports"].values()) == {"p2p"} for i in info), info
 
 
+@needs_gpu
+def test_auto_is_p2p_between_two_ranks_on_one_gpu(mps):
+    """transport="auto", two rank processes on this node: every pair and each rank to itself is
+    p2p (the reason says same node / itself), each rank opened the other's device heap by CUDA
+    IPC and none for the NIC."""
+    r = Ranks(2, env=dict(mps, GPUNET_PLATFORM="cuda"))
+    try:
+        info = r.run("p2p_cuda_jobs:init", 8 << 20, 20.0, "auto", timeout=300)
+        for rank, i in enumerate(info):
+            assert i["transports"] == {0: "p2p", 1: "p2p"}, i
+            assert i["reasons"][1 - rank].startswith("auto: same node (host "), i["reasons"]
+            assert i["reasons"][rank].startswith("auto: this rank itself"), i["reasons"]
+            assert i["mapped_peers"] == [1 - rank] and i["dma_peers"] == [], i
+            assert i["heap_type"] == MEMORY_TYPE_DEVICE, i
+        r.run("p2p_cuda_jobs:close", timeout=120)
+    finally:
+        r.close()
+
+
 # --- mixed worlds on CUDA: p2p and NIC transports over device-memory heaps -----------------------
-# (transport per pair, what each rank's heap is): both heaps device memory with the proxy or
-# ibgda between the ranks (each rank reaches itself by p2p), and rank 0's heap device memory
-# beside rank 1's host-mapped one (only rank 0 reaches itself by p2p).
-MIXED = {"self_p2p_proxy": ("device", "device"), "self_p2p_ibgda": ("device", "device"),
-         "rank0_p2p_else_ibgda": ("device", "host")}
+# world (p2p_cuda_jobs' per-pair function) -> the transport between the two ranks: the proxy or
+# ibgda, each rank reaching itself by p2p, or only rank 0 (rank 1 then uses no p2p at all). Every
+# heap is device memory (CUDA), so each rank's soft NIC maps the other's for its copy engine.
+MIXED = {"self_p2p_proxy": "proxy", "self_p2p_ibgda": "ibgda", "rank0_p2p_else_ibgda": "ibgda"}
 
 
 @pytest.fixture(scope="module", params=sorted(MIXED))
@@ -221,18 +239,15 @@ def mixed_pair(request, mps):
 @pytest.mark.parametrize("nbytes", [40, 100001])
 def test_mixed_world_puts_signals_gets_and_atomics_over_device_heaps(mixed_pair, nbytes):
     """A CUDA world mixing p2p (a rank to itself) with the proxy or ibgda (between the ranks)
-    over device-memory heaps, the soft NIC's engine copying through the CUDA runtime: the heaps
-    are what MIXED says; put and put_signal payloads land whole before wait_until on the ADD word
-    returns, the SET word holds the value set, get reads the peer's source exactly; each rank
-    adds 1 to the other's counter 30 times through the NIC (a bounce on device memory) and sees
-    every old value once."""
-    kinds = {"self_p2p_proxy": "proxy", "self_p2p_ibgda": "ibgda", "rank0_p2p_else_ibgda": "ibgda"}
+    over device-memory heaps (also rank 1's in rank0_p2p_else_ibgda, which uses no p2p), the
+    soft NIC's engine copying through the CUDA runtime: each rank's soft NIC mapped the other's
+    heap; put and put_signal payloads land whole before wait_until on the ADD word returns, the
+    SET word holds the value set, get reads the peer's source exactly; each rank adds 1 to the
+    other's counter 30 times through the NIC (a bounce on device memory) and sees every old
+    value once."""
     for rank, i in enumerate(mixed_pair.info):
-        assert i["transports"][1 - rank] == kinds[mixed_pair.world], i
-        want_heap = MIXED[mixed_pair.world][rank]
-        assert (i["heap_type"] == MEMORY_TYPE_DEVICE) == (want_heap == "device"), i
-        assert i["dma_peers"] == ([1 - rank] if MIXED[mixed_pair.world][1 - rank] == "device"
-                                  else []), i
+        assert i["transports"][1 - rank] == MIXED[mixed_pair.world], i
+        assert i["heap_type"] == MEMORY_TYPE_DEVICE and i["dma_peers"] == [1 - rank], i
     for k in (1, 2):
         rnd = 7000 * nbytes + k
         mixed_pair.adds = getattr(mixed_pair, "adds", 0) + 1
@@ -553,5 +568,48 @@ def test_an_ipc_mapping_knows_when_its_exporter_is_gone_and_close_stores_nothing
         assert silent == [2], silent
         t.close()
         assert sorted(a for _, a in closed) == [bases[1], bases[2]]
+    finally:
+        nic.close()
+
+
+def test_a_nic_that_maps_no_peer_memory_leaves_nic_peers_heaps_alone():
+    """Transports on a cuda-named platform stand-in, a device heap, a NIC without
+    add_peer_memory (as a real NIC: the peer's NIC reaches its own device heap by DMA) and an
+    ibgda peer whose device heap is exported: nothing is opened for the NIC (no ipc_open, no
+    dma_heaps), and the close barrier waits for no one, since the peer (whose NIC maps nothing
+    either: its info says maps_nic_heaps False) never maps this heap."""
+    import time
+    import types
+
+    from gpunet.device.descriptors import DeviceContext
+    from gpunet.host.softnic import SoftNic
+    from gpunet.transports import Transports
+
+    def _no_attribute(self):
+        raise AttributeError("add_peer_memory")
+
+    class NoPeerMemoryNic(SoftNic):
+        add_peer_memory = property(_no_attribute)
+
+    opened = []
+    plat = types.SimpleNamespace(name="cuda", profile="nvidia")
+    plat.ipc_open = lambda handle, nbytes, pid=None: opened.append(handle)
+    plat.ipc_export = lambda ptr: b"\0" * 64
+    plat.memcpy = lambda dst, src, n: None          # reads zeros: no close word ever arrives
+    nic = NoPeerMemoryNic(arena_bytes=8 << 20)
+    try:
+        heap = (0x7f0000000000, 1 << 20)
+        t = Transports(nic, plat, 0, 2, "ibgda", lambda: "mapped", heap=heap, device_heap=True)
+        mine = dict(t.info(), heap=heap[0], rkey=0, heap_bytes=heap[1])
+        peer = dict(qps={}, transports={0: "ibgda", 1: "ibgda"}, p2p=b"\1" * 64,
+                    device_heap=True, maps_nic_heaps=False, heap=0x7f0000100000, rkey=0,
+                    heap_bytes=heap[1])
+        dev = DeviceContext(heap[0], heap[1], 0, 2, 0, heap[0] + 4096, 16, heap[0] + 8192, 1.0)
+        t.connect([mine, peer], dev, (heap[0], 0))
+        assert opened == [] and t.dma_heaps == {} and t.kinds == {0: "ibgda", 1: "ibgda"}
+        t0 = time.monotonic()
+        assert t.close_barrier(2.0) == [] and time.monotonic() - t0 < 1.0
+        assert mine["p2p"] == b"\0" * 64 and mine["maps_nic_heaps"] is False   # what peers see
+        t.close()
     finally:
         nic.close()

@@ -303,7 +303,7 @@ class Buffer:
         self._ctl_off, ctl_bytes = lay.ctl_layout(r)
         self._ctl = ctx.alloc((ctl_bytes,), torch.uint8)
         base = self._ctl_base = int(self._ctl.data_ptr())
-        # a device-memory heap (CUDA p2p) is not CPU-addressable: the numpy views then read a
+        # a device-memory heap (CUDA) is not CPU-addressable: the numpy views then read a
         # host mirror that _ctl_refresh copies in (tests/test_p2p_cuda.py's EP round)
         self._ctl_mirror = bool(getattr(ctx, "_device_heap", False))
         self._ctl_np = (np.zeros(ctl_bytes, dtype=np.uint8) if self._ctl_mirror else
