@@ -8,7 +8,8 @@ It prints a table (section, check, result, detail) and writes the same as JSON (
   ``open_nic("verbs")`` says, the NIC the checks use, DevX / UMEM / atomic endianness as that NIC
   reports them (``getattr``: a NIC that does not report one says so), the doorbell's mapping into
   the device (``Nic.map_doorbell``), dma-buf export and registration of GPU memory.
-- transport: what ``transports.choose_transport`` gives a peer on this node and on another node.
+- transport: what ``transport="auto"`` gives a peer on this node and on another node
+  (gpunet/transports.py: p2p on this node on CUDA, else ``choose_transport``'s NIC choice).
 - loopback: a one-rank Context per NIC transport (ibgda, proxy): a device-posted RDMA write (put),
   read (get) and fetch-add (atomic_add) to itself, each checked byte for byte; every device wait
   is bounded by ``--timeout``.
@@ -392,25 +393,30 @@ def _dmabuf_rows(rep, plat, nic, used):
 
 
 def _transport_rows(rep, plat, nic, probe):
+    """What "auto" gives a peer on this node and on another (gpunet/transports.py's rule: on
+    CUDA p2p on this node, else the NIC's choice), and whether p2p can reach each."""
     from gpunet.errors import ConfigError
-    from gpunet.transports import choose_transport
+    from gpunet.transports import choose_transport, node_identity, settle_auto
 
-    for peer in ("same node", "other node"):
-        kind, why = choose_transport("auto", probe)
+    nic_choice = choose_transport("auto", probe)
+    here = node_identity()
+    for peer, there in (("same node", here), ("other node", ("another node", ""))):
+        kind, why = (settle_auto(nic_choice, here, there) if plat.name == "cuda" else nic_choice)
         rep.add("transport", "peer on the %s: auto" % peer, "info", "%s (%s)" % (kind, why),
                 kind=kind)
     if plat.is_gpu:
-        p2p = ("yes", "on request: the heap in device memory, opened by the peers' CUDA IPC handles"
-               if plat.name == "cuda" else "unverified (MACA IPC has never run)")
+        p2p = ("yes", "the heap in device memory, opened by the peers' CUDA IPC handles; 'auto' "
+               "picks it for peers on this node" if plat.name == "cuda"
+               else "unverified (MACA IPC has never run); on request only")
     else:
         try:
             buf = nic.alloc(4096)
             nic.export_heap(buf.ctypes.data, 4096)
-            p2p = ("yes", "on request: peers map this NIC's memory by name (Nic.export_heap)")
+            p2p = ("yes", "on request: peers map this NIC's memory by name (Nic.export_heap); "
+                   "'auto' keeps the soft NIC on the CPU")
         except ConfigError as e:
             p2p = ("no", str(e))
-    rep.add("transport", "peer on the same node: p2p", p2p[0],
-            p2p[1] + "; 'auto' never picks p2p (no dead-peer detection)")
+    rep.add("transport", "peer on the same node: p2p", p2p[0], p2p[1])
     rep.add("transport", "peer on the other node: p2p", "no", "p2p needs a shared machine")
 
 

@@ -305,3 +305,30 @@ def test_the_probe_kernel_compiles_for_the_cuda_arm():
 
     lib = loader.build([loader.kernels_dir() / "doctor.cu"], arch="cuda")
     assert lib.gpunet_path.exists()
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_the_transport_rows_say_what_auto_gives_a_peer_here_and_on_another_node(platform):
+    """The transport rows follow gpunet/transports.py's rule: on CUDA (a platform stand-in named
+    "cuda") "auto" is p2p for a peer on this node, the reason naming the host and CUDA IPC, and
+    the NIC's choice (ibgda) for one on another node; on the CPU ibgda for both (the soft NIC)."""
+    import socket
+    import types
+
+    from gpunet.host.softnic import SoftNic
+    plat = types.SimpleNamespace(name=platform, is_gpu=platform != "cpu")
+    rep = doctor.Report()
+    with SoftNic(arena_bytes=8 << 20) as nic:
+        doctor._transport_rows(rep, plat, nic, lambda: "the doorbell is mapped")
+    rows = {r["check"]: r for r in rep.rows}
+    same, other = rows["peer on the same node: auto"], rows["peer on the other node: auto"]
+    assert other["data"]["kind"] == "ibgda" and "the doorbell is mapped" in other["detail"]
+    if platform == "cuda":
+        assert same["data"]["kind"] == "p2p", same
+        assert same["detail"].startswith("p2p (auto: same node (host %s" % socket.gethostname())
+        assert "CUDA IPC" in same["detail"] and "another node" in other["detail"], rows
+        p2p = rows["peer on the same node: p2p"]["detail"]
+        assert "'auto' picks it for peers on this node" in p2p, p2p
+    else:
+        assert same["data"]["kind"] == "ibgda" and same["detail"] == other["detail"], rows
+        assert "'auto' keeps the soft NIC" in rows["peer on the same node: p2p"]["detail"]
