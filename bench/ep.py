@@ -495,8 +495,9 @@ def main(argv=None):
     ap.add_argument("--holes", type=int, default=10, help="-1 entries per rank (DeepEP: 10)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--transport", default="auto", choices=("auto", "ibgda", "proxy", "p2p"),
-                    help="gpunet.init's transport (p2p: every rank on this node; on a GPU the heap "
-                         "is then device memory, opened by CUDA IPC)")
+                    help="gpunet.init's transport (auto: p2p between ranks of one node on CUDA, "
+                         "the soft NIC's ibgda on the CPU; ibgda / proxy: the soft NIC, also on "
+                         "a GPU; on CUDA the heap is device memory, p2p peers open it by CUDA IPC)")
     ap.add_argument("--timeout-s", type=float, default=100.0, help="Buffer's device wait bound")
     ap.add_argument("--hold-us", type=float, default=HOLD_S * 1e6,
                     help="GPU: the '(device)' rows hold the stream this long before each timed call "

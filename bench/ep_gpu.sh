@@ -5,7 +5,7 @@
 #
 #   bash bench/ep_gpu.sh                 (OUT=dir: where the JSON / PNG / logs go; default bench/out)
 #   bash bench/ep_gpu.sh profile         bench/ep_profile.py instead (per-phase times, host vs
-#                                        kernel): 2 ranks over p2p, then over the soft NIC; extra
+#                                        kernel): 2 ranks over p2p, then over the soft NIC (ibgda); extra
 #                                        arguments in EP_PROFILE_ARGS (e.g. "--blocks 64")
 #
 # Each 1-GPU run gets its own private MPS daemon (python3 -m gpunet.device.testing.mps --: fresh
@@ -35,7 +35,8 @@ MPS="MPS (private daemon per run)"
 if [ "${1:-}" = "profile" ]; then
   PARGS=${EP_PROFILE_ARGS:-}
   # p2p: the default grid and 64 blocks (is the grid too small?); then the soft NIC, default grid
-  for run in "p2p 320 --blocks 0,64" "auto 220"; do
+  # (ibgda by name: "auto" on CUDA is p2p between ranks of one node)
+  for run in "p2p 320 --blocks 0,64" "ibgda 220"; do
     set -- $run
     tr=$1 lim=$2
     shift 2
@@ -47,13 +48,15 @@ if [ "${1:-}" = "profile" ]; then
   cp "$OUT"/ep_profile_*.json "$RES"/ 2>/dev/null || true
   exit $rc
 fi
-# EP_RANKS (default 2,4) and EP_TRANSPORTS (default "auto p2p") narrow the 1-GPU runs, e.g. for a
-# gate call with little device time left: EP_RANKS=2 EP_TRANSPORTS=p2p
+# EP_RANKS (default 2,4) and EP_TRANSPORTS (default "ibgda p2p") narrow the 1-GPU runs, e.g. for
+# a gate call with little device time left: EP_RANKS=2 EP_TRANSPORTS=p2p
 RANKS=${EP_RANKS:-2,4}
-for tr in ${EP_TRANSPORTS:-auto p2p}; do
-  # auto: the soft NIC (ibgda); p2p: device-memory heaps opened by CUDA IPC, the kernels store
-  # into the peers'
-  sfx=$([ "$tr" = auto ] && echo "" || echo "_$tr")
+for tr in ${EP_TRANSPORTS:-ibgda p2p}; do
+  # ibgda: the soft NIC, asked for by name ("auto" on CUDA is p2p between ranks of one node); the
+  # heaps are device memory, which its engine copies through the CUDA runtime; p2p: the heaps
+  # opened by CUDA IPC, the kernels store into the peers'. File names: the soft NIC's have no
+  # suffix (ep_gpu_1gpu.json), the others end in _<transport>.
+  sfx=$([ "$tr" = ibgda ] && echo "" || echo "_$tr")
   echo "=== EP bench: ranks $RANKS on GPU 0, transport $tr, $MPS ==="
   CUDA_VISIBLE_DEVICES=0 $MPSRUN python3 bench/ep.py --gpu --ranks "$RANKS" --transport "$tr" $EXTRA \
       --json "$OUT/${PREFIX}_1gpu$sfx.json" --plot "$OUT/${PREFIX}_1gpu$sfx.png" 2>&1 \
@@ -63,8 +66,8 @@ done
 
 # --- one rank per GPU, with NCCL all_to_all_single in the same run --------------------------------
 if [ "$NGPU" -ge 2 ]; then
-  echo "=== EP bench: $NGPU ranks, one per GPU, NCCL rows ==="
-  python3 bench/ep.py --gpu --ranks "$NGPU" $EXTRA \
+  echo "=== EP bench: $NGPU ranks, one per GPU, over the soft NIC (ibgda), NCCL rows ==="
+  python3 bench/ep.py --gpu --ranks "$NGPU" --transport ibgda $EXTRA \
       --json "$OUT/${PREFIX}_${NGPU}gpu.json" --plot "$OUT/${PREFIX}_${NGPU}gpu.png" 2>&1 \
       | tee "$OUT/${PREFIX}_${NGPU}gpu.log"
   rc=$(( rc | ${PIPESTATUS[0]} ))

@@ -349,7 +349,9 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--holes", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--transport", default="auto", choices=("auto", "ibgda", "proxy", "p2p"))
+    ap.add_argument("--transport", default="auto", choices=("auto", "ibgda", "proxy", "p2p"),
+                    help="gpunet.init's (auto: p2p on one node on CUDA, ibgda on the CPU; "
+                         "ibgda: the soft NIC)")
     ap.add_argument("--blocks", default="0",
                     help="Buffer num_blocks, a list (e.g. 0,64: one run each; 0: the default grid)")
     ap.add_argument("--threads", type=int, default=0, help="Buffer block_threads (0: default)")

@@ -73,7 +73,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=0, help="spawn this many ranks (default: "
                     "torchrun's, or one)")
-    ap.add_argument("--transport", default="auto", choices=["auto", "ibgda", "proxy"])
+    ap.add_argument("--transport", default="auto", choices=["auto", "ibgda", "proxy", "p2p"])
     ap.add_argument("-n", type=int, default=4096, help="floats per round")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
