@@ -39,7 +39,7 @@ def lib():
         "test_syncthreads": [U32, U32, U32, U32, P],
         "test_warp": [U32, U32, U32, U32] + [P] * 9,
         "test_atomics": [U32, U32, U32, U32] + [P] * 5,
-        "test_atomic_or": [U32, U32, U32, P, P],
+        "test_atomic_or": [U32, U32, U32, P, P, P],
         "test_mp_step": [U32, U32, U64, U32, P, P, P],
         "test_mp_spin": [U32, U32, U64, U32, P, P, P, P],
         "test_doorbell": [U32, U32, U64, U32, U32, P, P, P, P],
@@ -157,13 +157,16 @@ def test_atomics_from_many_threads_give_exact_sums(lib, ws):
 
 @pytest.mark.parametrize("ws", WARPS)
 def test_atomic_or_returns_the_old_word_and_sets_the_bits(lib, ws):
-    """4 blocks x 64 threads each set their own bit twice with atomic_or: the first old value
-    lacks the bit, the second has it, and every word ends with all 64 bits set."""
+    """4 blocks x 64 threads each set their own bit twice with atomic_or, in a 64-bit word and in a
+    32-bit word: the first old value lacks the bit, the second has it, and every word ends with
+    all its bits set."""
     words = np.zeros(4, np.uint64)
+    words32 = np.zeros(8, np.uint32)
     seen = np.zeros(256, np.uint32)
-    assert lib.test_atomic_or(4, 64, ws, ptr(words), ptr(seen)) == 0
-    assert (seen == 1).all()
+    assert lib.test_atomic_or(4, 64, ws, ptr(words), ptr(words32), ptr(seen)) == 0
+    assert (seen == 3).all()
     assert (words == np.uint64(0xFFFFFFFFFFFFFFFF)).all()
+    assert (words32 == np.uint32(0xFFFFFFFF)).all()
 
 
 @pytest.mark.parametrize("ws", WARPS)
@@ -339,7 +342,7 @@ void __threadfence_system(); void __threadfence(); void __syncthreads(); void __
 unsigned atomicAdd(unsigned*, unsigned); unsigned long long atomicAdd(unsigned long long*, unsigned long long);
 unsigned atomicCAS(unsigned*, unsigned, unsigned);
 unsigned long long atomicCAS(unsigned long long*, unsigned long long, unsigned long long);
-unsigned long long atomicOr(unsigned long long*, unsigned long long);
+unsigned long long atomicOr(unsigned long long*, unsigned long long); unsigned atomicOr(unsigned*, unsigned);
 long long clock64();
 template <class T> T __shfl(T, int); unsigned long long __ballot(int); int __any(int); int __all(int);
 #include <gpunet/arch.cuh>
@@ -349,7 +352,7 @@ uint64_t use(uint32_t* p, uint64_t* q) {
   a::doorbell_store64(q, 3); a::spin_pause(); a::store_relaxed_v2(q, 4, 5);
   return a::load_acquire_sys(p) + a::load_acquire_sys(q) + a::atomic_add(p, 1u) + a::atomic_cas(q, 1, 2) +
          a::bswap64(5) + a::bswap16(1) + a::now_ns() + a::shfl(7u, 1) + a::ballot(true) + a::any(true) +
-         a::block_any(false) + a::lane_id() + a::warp_size() + a::atomic_load(q) + a::atomic_or(q, 8) + a::shared_mem()[0];
+         a::block_any(false) + a::lane_id() + a::warp_size() + a::atomic_load(q) + a::atomic_or(q, 8) + a::atomic_or(p, 8u) + a::shared_mem()[0];
 }
 """
 

@@ -28,7 +28,8 @@
 //              another thread polls)
 //   void fence_sys()
 //   u32/u64 atomic_add(p, v) -> old                  u32/u64 atomic_cas(p, expected, desired) -> old
-//   u64 atomic_or(p, v) -> old
+//   u32/u64 atomic_or(p, v) -> old   (32-bit: native on shared memory; the 64-bit one is a CAS
+//              loop there on CUDA sm_90, ATOMS.CAST.SPIN.64)
 //   u32/u64 atomic_load(const p)                     void atomic_store(p, v)
 //   bswap16/32/64                                    void doorbell_store64(volatile u64* reg, u64)
 //   u64 now_ns()                                     void spin_pause()
@@ -136,6 +137,7 @@ GPUNET_DEVICE uint32_t atomic_add(uint32_t* p, uint32_t v) { return atomicAdd(p,
 GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
   return atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
+GPUNET_DEVICE uint32_t atomic_or(uint32_t* p, uint32_t v) { return atomicOr(p, v); }
 GPUNET_DEVICE uint64_t atomic_or(uint64_t* p, uint64_t v) {
   return atomicOr(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
@@ -240,8 +242,8 @@ GPUNET_DEVICE uint16_t cvt_e4m3x2(float lo, float hi) {
 //   - byte swaps with shifts and masks (no prmt).
 //   - warp size 64 on C500 (a UCCL windowed publish that assumed 32 broke).
 // Unverified, kept here and nowhere else: the warp intrinsic names (HIP-style __shfl/__ballot/
-// __any/__all, 64-bit ballot), __syncthreads_or, __syncwarp, the 64-bit atomicOr (HIP and CUDA
-// both have it), and the clock64() rate used by
+// __any/__all, 64-bit ballot), __syncthreads_or, __syncwarp, the 32- and 64-bit atomicOr (HIP
+// and CUDA both have them), and the clock64() rate used by
 // now_ns(). Check them on the first C500 build.
 // ================================================================================================
 constexpr uint32_t kMaxWarpSize = 64;
@@ -297,6 +299,7 @@ GPUNET_DEVICE uint32_t atomic_add(uint32_t* p, uint32_t v) { return atomicAdd(p,
 GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
   return atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
+GPUNET_DEVICE uint32_t atomic_or(uint32_t* p, uint32_t v) { return atomicOr(p, v); }
 GPUNET_DEVICE uint64_t atomic_or(uint64_t* p, uint64_t v) {
   return atomicOr(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
@@ -423,6 +426,10 @@ GPUNET_DEVICE uint32_t atomic_add(uint32_t* p, uint32_t v) {
 GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
   host_before_rmw(p);
   return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST);
+}
+GPUNET_DEVICE uint32_t atomic_or(uint32_t* p, uint32_t v) {
+  host_before_rmw(p);
+  return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
 }
 GPUNET_DEVICE uint64_t atomic_or(uint64_t* p, uint64_t v) {
   host_before_rmw(p);

@@ -90,15 +90,19 @@ GPUNET_GLOBAL void k_atomics(uint32_t iters, uint32_t* c32, uint64_t* c64, uint3
   }
 }
 
-// Fetch-or from many threads: thread g sets bit g % 64 of word g / 64 twice; the first old value
-// must not have the bit (nobody else sets it), the second must (its own first or). seen[g] = 1
-// when both held.
-GPUNET_GLOBAL void k_atomic_or(uint64_t* words, uint32_t* seen) {
+// Fetch-or from many threads: thread g sets bit g % 64 of words[g / 64] and bit g % 32 of
+// words32[g / 32], each twice; the first old value must not have the bit (nobody else sets it),
+// the second must (its own first or). seen[g]: bit 0 the 64-bit word held that, bit 1 the 32-bit.
+GPUNET_GLOBAL void k_atomic_or(uint64_t* words, uint32_t* words32, uint32_t* seen) {
   const uint32_t g = arch::block_idx().x * arch::block_dim().x + arch::thread_rank();
   const uint64_t bit = uint64_t(1) << (g % 64);
   const uint64_t first = arch::atomic_or(&words[g / 64], bit);
   const uint64_t again = arch::atomic_or(&words[g / 64], bit);
-  seen[g] = ((first & bit) == 0 && (again & bit) != 0) ? 1u : 0u;
+  const uint32_t bit32 = 1u << (g % 32);
+  const uint32_t first32 = arch::atomic_or(&words32[g / 32], bit32);
+  const uint32_t again32 = arch::atomic_or(&words32[g / 32], bit32);
+  seen[g] = (((first & bit) == 0 && (again & bit) != 0) ? 1u : 0u) |
+            (((first32 & bit32) == 0 && (again32 & bit32) != 0) ? 2u : 0u);
 }
 
 // Message passing, writer in block 0 and observer in block 1 (one thread each).
@@ -297,8 +301,9 @@ int test_atomics(uint32_t grid, uint32_t block, uint32_t ws, uint32_t iters, uin
   return gpunet::launch_kernel(spec(grid, block, ws, 0), k_atomics, iters, c32, c64, cas32, cas64, olds_seen);
 }
 
-int test_atomic_or(uint32_t grid, uint32_t block, uint32_t ws, uint64_t* words, uint32_t* seen) {
-  return gpunet::launch_kernel(spec(grid, block, ws, 0), k_atomic_or, words, seen);
+int test_atomic_or(uint32_t grid, uint32_t block, uint32_t ws, uint64_t* words, uint32_t* words32,
+                   uint32_t* seen) {
+  return gpunet::launch_kernel(spec(grid, block, ws, 0), k_atomic_or, words, words32, seen);
 }
 
 #if defined(GPUNET_ARM_HOST)

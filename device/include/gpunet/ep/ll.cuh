@@ -771,14 +771,19 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
         const int64_t e = (k < K && t < T) ? topk[uint64_t(t) * K + k] : -1;
         ex[k] = (e < 0 || e >= int64_t(E)) ? -1 : int32_t(e);
       }
-      const uint64_t mine = uint64_t(1) << g.lane;
+      // The or goes to the 32-bit half of the word holding this lane's bit (lanes 32..63 the
+      // high half: every arm is little-endian): a 32-bit atomic is native on shared memory, the
+      // 64-bit one a CAS loop (CUDA sm_90), which contending lanes made the plan's chain.
+      const uint32_t mine = 1u << (g.lane & 31), half = g.lane >> 5;
       uint32_t kept = 0, first = 0;
 #pragma unroll
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
         const int32_t e = ex[k];
-        if (e < 0 || (arch::atomic_or(&bits[e], mine) & mine)) continue;  // a repeat counts once
+        if (e < 0 || (arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[e]) + half, mine) & mine))
+          continue;  // a repeat counts once
         kept |= 1u << k;
-        if (!(arch::atomic_or(&bits[E + uint32_t(e) / P.e_loc], mine) & mine)) first |= 1u << k;
+        uint32_t* rw = reinterpret_cast<uint32_t*>(&bits[E + uint32_t(e) / P.e_loc]) + half;
+        if (!(arch::atomic_or(rw, mine) & mine)) first |= 1u << k;
       }
       arch::syncwarp();
 #pragma unroll
