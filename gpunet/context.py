@@ -68,7 +68,7 @@ from gpunet.host.bootstrap import Bootstrap
 from gpunet.host.nic import KINDS as NICS, open_nic
 from gpunet.host.platform import get_platform
 from gpunet.resource import Resource
-from gpunet.transports import Transports, check_transport, settled_kinds
+from gpunet.transports import Transports, check_transport, peer_transport, settled_kinds
 
 _OPS1 = abi.OpDesc * 1
 _SIGNAL_OPS = {"add": abi.SIGNAL_ADD, "set": abi.SIGNAL_SET}
@@ -299,10 +299,13 @@ class Context(Resource):
                               % (MAX_RANKS, self.world_size))
         self.platform = get_platform()
         self._gpu = self.platform.name == "cuda"
-        # CUDA: the heap is always ordinary device memory, fast for the user's kernels; p2p
-        # peers open it by CUDA IPC, NIC peers reach it as a NIC reaches GPU memory (the soft
-        # NIC's copy engine, a real NIC's dma-buf registration)
-        self._device_heap = self._gpu
+        # CUDA: the heap is ordinary device memory when any peer may be p2p (asked, or "auto",
+        # which is p2p for this rank itself), fast for the user's kernels: p2p peers open it by
+        # CUDA IPC, NIC peers reach it as a NIC reaches GPU memory (the soft NIC's copy engine, a
+        # real NIC's dma-buf registration). A world asked for NIC transports only keeps the
+        # host-mapped heap: EP over the soft NIC's copy engine on a device heap lost a peer's
+        # messages on the H200 (tests/test_ep_cuda.py two ranks over ibgda, 2026-12-02).
+        self._device_heap = self._gpu and self._maybe_p2p(transport)
         if self.platform.name not in ("cpu", "cuda"):
             raise ConfigError("gpunet.init on %s: the Python API runs on the CPU and CUDA platforms "
                               "in this release (the MACA arm is unverified); set GPUNET_PLATFORM=cpu "
@@ -369,6 +372,11 @@ class Context(Resource):
         self._transports.connect(everyone, self._dev, (self.heap_base, self._lkey),
                                  mem=self._mem, mapping=self._mapping)
         self._launcher.dev = self._dev
+
+    def _maybe_p2p(self, transport):
+        """True when ``transport`` asks p2p or "auto" for some peer (this rank included)."""
+        return any(peer_transport(transport, self.rank, p) in ("p2p", "auto")
+                   for p in range(self.world_size))
 
     def _setup_device_heap(self, heap_bytes):
         """CUDA: the heap in GPU memory of the policy's p2p_dst kind (device on nvidia,

@@ -213,15 +213,15 @@ def test_auto_on_cuda_reaches_a_rank_on_another_node_through_the_nic(three):
     assert out[2]["p2p_peers"] == [] and out[2]["nic_mapped_peers"] == [0, 1]
 
 
-def test_the_heap_is_device_memory_in_a_nic_only_cuda_world(three):
-    """Stand-in CUDA, transport="ibgda" (no p2p anywhere): every heap is device memory all the
-    same, outside the NIC's arena, and each rank's soft NIC maps both peers' heaps for its copy
-    engine."""
+def test_a_nic_only_cuda_world_keeps_the_host_mapped_heap(three):
+    """Stand-in CUDA, transport="ibgda" (no p2p and no auto anywhere): every heap stays in the
+    soft NIC's host-mapped arena (gpunet/context.py: the device heap goes with p2p / auto), so no
+    rank maps a peer's heap for its copy engine."""
     out = _standin(three, "ibgda")
     for me, o in enumerate(out):
         assert o["raised"] is None and set(o["transports"].values()) == {"ibgda"}, o
-        assert o["device_heap"] and o["heap_is_device_memory"] and not o["heap_in_nic_arena"], o
-        assert o["p2p_peers"] == [] and o["nic_mapped_peers"] == [p for p in range(3) if p != me]
+        assert not o["device_heap"] and not o["heap_is_device_memory"] and o["heap_in_nic_arena"], o
+        assert o["p2p_peers"] == [] and o["nic_mapped_peers"] == [], o
 
 
 def test_a_heap_auto_cannot_open_raises_naming_the_peer_on_every_rank(three):
