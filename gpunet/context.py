@@ -20,8 +20,9 @@ Platforms (host/platform.py decides; GPUNET_PLATFORM=cpu forces the CPU):
   wait_until / atomic_add synchronize the stream, copy the Status block back and raise. So an
   error of an earlier non-blocking call surfaces at the next synchronizing call (its message
   names that call, not the failed put). Heap tensors are CUDA tensors (``device="cuda"``) over
-  ordinary DEVICE memory, whatever the transports (cudaMalloc of the policy's p2p_dst kind):
-  fast for the user's kernels. p2p peers open each other's heaps by CUDA IPC handles exchanged
+  ordinary DEVICE memory when some peer may be p2p (asked, or "auto": cudaMalloc of the
+  policy's p2p_dst kind), fast for the user's kernels; a world asked for NIC transports only
+  keeps them over the soft NIC's HOST-MAPPED arena (see _setup_local for why). p2p peers open each other's heaps by CUDA IPC handles exchanged
   over the bootstrap and the kernels store into them directly. NIC peers (ibgda / proxy) reach
   it as a NIC reaches GPU memory: the soft NIC's engine moves the bytes with the CUDA runtime
   (SoftNic.attach_copy_engine: cudaMemcpyAsync on its own non-blocking stream, as a NIC's DMA
