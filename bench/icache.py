@@ -70,23 +70,21 @@ def probe(runs):
         row = {"steps": n, "code_kb": kb,
                "cold_cycles": statistics.median(cold), "cold_range": [min(cold), max(cold)],
                "warm_cycles": statistics.median(warm), "warm_range": [min(warm), max(warm)]}
-        if ghz:
-            row["cold_us"] = row["cold_cycles"] / ghz / 1e3
-            row["warm_us"] = row["warm_cycles"] / ghz / 1e3
-            row["cold_extra_ns_per_kb"] = (row["cold_cycles"] - row["warm_cycles"]) / ghz / kb
+        row["cold_us"] = row["cold_cycles"] / ghz / 1e3
+        row["warm_us"] = row["warm_cycles"] / ghz / 1e3
+        row["cold_extra_ns_per_kb"] = (row["cold_cycles"] - row["warm_cycles"]) / ghz / kb
         rows.append(row)
     return rows, ghz
 
 
-def table(rows, ghz):
+def table(rows):
     lines = ["| steps | code KB | cold cycles [min, max] | warm cycles [min, max] | cold us | "
              "warm us | cold extra ns / KB |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append("| %d | %.0f | %d [%d, %d] | %d [%d, %d] | %s | %s | %s |" % (
             r["steps"], r["code_kb"], r["cold_cycles"], *r["cold_range"], r["warm_cycles"],
-            *r["warm_range"], "%.2f" % r["cold_us"] if ghz else "-",
-            "%.2f" % r["warm_us"] if ghz else "-",
-            "%.0f" % r["cold_extra_ns_per_kb"] if ghz else "-"))
+            *r["warm_range"], "%.2f" % r["cold_us"], "%.2f" % r["warm_us"],
+            "%.0f" % r["cold_extra_ns_per_kb"]))
     return "\n".join(lines)
 
 
@@ -102,9 +100,9 @@ def main():
               file=sys.stderr)
         sys.exit(2)
     rows, ghz = probe(args.runs)
-    print(table(rows, ghz))
-    print("SM clock %s GHz (torch.cuda._sleep timed); %d launches per row, L2 evicted before each"
-          % ("%.2f" % ghz if ghz else "unknown", args.runs))
+    print(table(rows))
+    print("SM clock %.2f GHz (torch.cuda._sleep timed); %d launches per row, L2 evicted before each"
+          % (ghz, args.runs))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"what": "instruction fetch cost, cold vs warm",
                                            "rows": rows, "sm_ghz": ghz, "runs": args.runs,

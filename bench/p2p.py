@@ -318,8 +318,8 @@ def _nic_rows(rank, cfg, p2p_us):
         ctx.barrier()
         rows = []
         if rank == 0:
-            heap = ("device-memory" if getattr(ctx, "_device_heap", False) else "host-mapped") \
-                if cfg["gpu"] else "shared-memory arena"
+            heap = ("device-memory" if ctx._device_heap else "host-mapped") if cfg["gpu"] \
+                else "shared-memory arena"
             for n in NIC_SIZES:
                 us = _put_quiet_us(ctx, src, dst, n, NIC_ITERS[cfg["gpu"]])
                 rows.append({"bytes": n, "ibgda_us": us, "p2p_us": p2p_us.get(n), "heap": heap})

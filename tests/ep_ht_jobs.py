@@ -39,12 +39,7 @@ close = ep_jobs.close
 
 
 def _inputs(spec, world):
-    inp = ref.make_rank_inputs(world, spec["tokens"], spec["hidden"], spec["topk"],
-                               spec["num_experts"], spec["seed"], holes=spec.get("holes", 0),
-                               hot_expert=spec.get("hot_expert"),
-                               empty_experts=spec.get("empty_experts", ()),
-                               vary_tokens=spec.get("vary_tokens", False),
-                               tagged=spec.get("tagged", False))
+    inp = ep_jobs.spec_rank_inputs(spec, world, spec["tokens"])
     if spec.get("hot_fraction") is not None:
         # a heavier skew than make_rank_inputs' default (EP-ANCHORS.md §B.10): most tokens of
         # every rank pick the hot expert, whose rank then receives nearly everything

@@ -148,14 +148,19 @@ def telling_pairs(topks, num_experts):
     return per_rank, per_expert, tokens
 
 
+def spec_rank_inputs(spec, world, tokens):
+    """ref.make_rank_inputs for a job spec's shape and routing options, ``tokens`` per rank
+    (the LL jobs' t_max, the HT jobs' tokens)."""
+    return ref.make_rank_inputs(world, tokens, spec["hidden"], spec["topk"],
+                                spec["num_experts"], spec["seed"], holes=spec.get("holes", 0),
+                                hot_expert=spec.get("hot_expert"),
+                                empty_experts=spec.get("empty_experts", ()),
+                                vary_tokens=spec.get("vary_tokens", False),
+                                tagged=spec.get("tagged", False))
+
+
 def _inputs(spec, world):
-    inp = ref.make_rank_inputs(world, spec["t_max"], spec["hidden"], spec["topk"],
-                               spec["num_experts"], spec["seed"], holes=spec.get("holes", 0),
-                               hot_expert=spec.get("hot_expert"),
-                               empty_experts=spec.get("empty_experts", ()),
-                               vary_tokens=spec.get("vary_tokens", False),
-                               tagged=spec.get("tagged", False))
-    return with_routing(spec, inp, world)
+    return with_routing(spec, spec_rank_inputs(spec, world, spec["t_max"]), world)
 
 
 def with_routing(spec, inputs, world):
