@@ -508,6 +508,9 @@ def main(argv=None):
     ap.add_argument("--mode", default="ll", choices=("ll", "ht"),
                     help="ll: the low-latency rows (this file); ht: the high-throughput rows "
                          "(bench/ep_ht.py: 4096 tokens, a Config sweep, the gather yardstick)")
+    ap.add_argument("--ht-configs",
+                    help="ht: the Config sweep as num_sms:chunk:ring:warps,... (default: bench/ep_ht.py "
+                         "GPU_CONFIGS / CPU_CONFIGS)")
     args = ap.parse_args(argv)
     if args.mode == "ht":
         import ep_ht

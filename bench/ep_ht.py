@@ -232,6 +232,19 @@ def _gather_yardstick(cfg, world):
     return statistics.median(timer.resolve(cpu)[cfg["warmup"]:]), idx.numel()
 
 
+def _configs(args):
+    """The sweep: --ht-configs "num_sms:chunk:ring:warps,..." or the defaults for the arm."""
+    if not getattr(args, "ht_configs", None):
+        return GPU_CONFIGS if args.gpu else CPU_CONFIGS
+    out = []
+    for item in args.ht_configs.split(","):
+        vals = tuple(int(v) for v in item.split(":"))
+        if len(vals) != 4:
+            raise SystemExit("--ht-configs: %r is not num_sms:chunk:ring:warps" % item)
+        out.append(vals)
+    return out
+
+
 def run(args):
     """Called by bench/ep.py main() with its parsed args (--mode ht). Returns the exit code."""
     import datetime
@@ -251,7 +264,7 @@ def run(args):
     cfg = dict(gpu=args.gpu, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                experts=args.experts, iters=args.iters, warmup=args.warmup, holes=args.holes,
                seed=args.seed, transport=args.transport, timeout_s=args.timeout_s,
-               no_nccl=args.no_nccl, configs=GPU_CONFIGS if args.gpu else CPU_CONFIGS)
+               no_nccl=args.no_nccl, configs=_configs(args))
     rows, gate, runs = [], [], []
     for world in ranks:
         print("[bench/ep ht] %d ranks, %d tokens, hidden %d, top-%d, %d experts (%s)"

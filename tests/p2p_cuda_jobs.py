@@ -10,6 +10,7 @@ from gpunet.host.platform import get_platform
 from mp_jobs import _pattern
 
 SLOT = 1 << 18                    # bytes per slot of the destination tensor
+MEMORY_TYPE_HOST = 1              # cudaMemoryTypeHost: host memory registered with the GPU
 MEMORY_TYPE_DEVICE = 2            # cudaMemoryTypeDevice (cudaPointerAttributes.type)
 
 
@@ -41,8 +42,9 @@ def self_p2p_ibgda(a, b):
 
 
 def rank0_p2p_else_ibgda(a, b):
-    """p2p only for rank 0 to itself (the other ranks use no p2p; their heaps are device memory
-    all the same), ibgda for every other pair."""
+    """p2p only for rank 0 to itself, ibgda for every other pair: rank 0's heap is device memory,
+    the others' (no p2p peer) the host-mapped heap of NIC-only CUDA worlds, so the world mixes both
+    heap kinds."""
     return "p2p" if a == b == 0 else "ibgda"
 
 

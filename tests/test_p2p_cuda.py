@@ -20,7 +20,7 @@ import gpunet
 import ep_jobs
 from mp_jobs import _pattern
 from mp_ranks import Ranks
-from p2p_cuda_jobs import MEMORY_TYPE_DEVICE, SLOT, memory_type
+from p2p_cuda_jobs import MEMORY_TYPE_DEVICE, MEMORY_TYPE_HOST, SLOT, memory_type
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
                                reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
@@ -239,15 +239,19 @@ def mixed_pair(request, mps):
 @pytest.mark.parametrize("nbytes", [40, 100001])
 def test_mixed_world_puts_signals_gets_and_atomics_over_device_heaps(mixed_pair, nbytes):
     """A CUDA world mixing p2p (a rank to itself) with the proxy or ibgda (between the ranks)
-    over device-memory heaps (also rank 1's in rank0_p2p_else_ibgda, which uses no p2p), the
-    soft NIC's engine copying through the CUDA runtime: each rank's soft NIC mapped the other's
-    heap; put and put_signal payloads land whole before wait_until on the ADD word returns, the
+    over a device-memory heap for every rank with a p2p peer and the host-mapped heap for a rank
+    without one (rank 1 in rank0_p2p_else_ibgda: a world of both kinds), the soft NIC's engine
+    copying through the CUDA runtime: a rank's soft NIC maps the other's heap when it is device
+    memory; put and put_signal payloads land whole before wait_until on the ADD word returns, the
     SET word holds the value set, get reads the peer's source exactly; each rank adds 1 to the
     other's counter 30 times through the NIC (a bounce on device memory) and sees every old
     value once."""
+    has_p2p = [any(t == "p2p" for t in i["transports"].values()) for i in mixed_pair.info]
     for rank, i in enumerate(mixed_pair.info):
-        assert i["transports"][1 - rank] == MIXED[mixed_pair.world], i
-        assert i["heap_type"] == MEMORY_TYPE_DEVICE and i["dma_peers"] == [1 - rank], i
+        other = 1 - rank
+        assert i["transports"][other] == MIXED[mixed_pair.world], i
+        assert i["heap_type"] == (MEMORY_TYPE_DEVICE if has_p2p[rank] else MEMORY_TYPE_HOST), i
+        assert i["dma_peers"] == ([other] if has_p2p[other] else []), i
     for k in (1, 2):
         rnd = 7000 * nbytes + k
         mixed_pair.adds = getattr(mixed_pair, "adds", 0) + 1
