@@ -138,10 +138,10 @@ class HtParams(ctypes.Structure):
                 ("in_rank", u64), ("ntpe", u64), ("out_x", u64), ("out_scales", u64),
                 ("out_topk_idx", u64), ("out_weights", u64), ("out_src_idx", u64),
                 ("send_pos", u64), ("send_cnt", u64), ("chan_prefix", u64), ("recv_info", u64),
-                ("bias0", u64), ("bias1", u64), ("ws", u64)]
+                ("bias0", u64), ("bias1", u64), ("ws", u64), ("host_info", u64)]
 
 
-HT_SIZES = {"HtParams": 616, "EpStatus": 64, "DevCtx": 128}
+HT_SIZES = {"HtParams": 624, "EpStatus": 64, "DevCtx": 128}
 
 
 def load_ep_ht(arch="host", defines=None):

@@ -187,8 +187,11 @@ struct HtParams {
   uint64_t recv_info;    // int32 [R + 1 + E_loc]: rank prefix (R + 1 entries), aligned expert counts
   uint64_t bias0, bias1; // combine: bf16 [T, H] (or 0)
   uint64_t ws;           // device: u64 [2 (send, recv)][nc][R][WS_WORDS], int32 [R], int32 [nc][R][kHtMaxChunk]
+  uint64_t host_info;    // dispatch notify: mapped host int32 [1 + R + 1 + E_loc] (or 0): recv_info's
+                         // words at [1..], then [0] = 1 (a release): the host reads the counts
+                         // without a stream synchronisation
 };
-static_assert(sizeof(HtParams) == 616, "HtParams layout is mirrored in device/ep.py");
+static_assert(sizeof(HtParams) == 624, "HtParams layout is mirrored in device/ep.py");
 
 // ---- small helpers ------------------------------------------------------------------------------
 
@@ -283,35 +286,53 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
   int32_t* send_cnt = ptr<int32_t>(P.send_cnt);
   const uint64_t below = g.lane == 0 ? 0 : (~uint64_t(0) >> (64 - g.lane));
   stamp(B, g, HT_ST_NOTIFY_BEGIN);
-  // send_pos / send_cnt: a warp per (channel, destination), ws tokens per ballot
+  // send_pos / send_cnt: a warp per (channel, destination), ws tokens per ballot; each lane loads
+  // kRounds ballots' flags before the first store (a store to send_pos may alias in_rank, so a
+  // load-ballot-store loop waits one memory latency per ballot)
+  constexpr uint32_t kRounds = 8;
   for (uint32_t it = g.wid; it < nc * R; it += g.nwarps) {
     const uint32_t c = it / R, d = it % R;
     const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
     uint32_t run = 0;
-    for (uint64_t t0 = cb; t0 < ce; t0 += g.ws) {
-      const uint64_t t = t0 + g.lane;
-      const bool in = t < ce && in_rank[t * R + d] != 0;
-      const uint64_t bits = arch::ballot(in);
-      if (t < ce) send_pos[t * R + d] = in ? int32_t(run + popc64(bits & below)) : -1;
-      run += popc64(bits);
+    for (uint64_t t0 = cb; t0 < ce; t0 += uint64_t(g.ws) * kRounds) {
+      bool in[kRounds];
+#pragma unroll
+      for (uint32_t u = 0; u < kRounds; ++u) {
+        const uint64_t t = t0 + uint64_t(u) * g.ws + g.lane;
+        in[u] = t < ce && in_rank[t * R + d] != 0;
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kRounds; ++u) {
+        const uint64_t t = t0 + uint64_t(u) * g.ws + g.lane;
+        const uint64_t bits = arch::ballot(in[u]);
+        if (t < ce) send_pos[t * R + d] = in[u] ? int32_t(run + popc64(bits & below)) : -1;
+        run += popc64(bits);
+      }
     }
     if (g.lane == 0) send_cnt[uint64_t(c) * R + d] = int32_t(run);
   }
   arch::syncthreads();
-  // one header per destination
+  // one header per destination: its count words filled by the whole block (one load and store a
+  // thread, not nc + E_loc dependent pairs in one thread), then its head by thread d
   const uint32_t hdr_words = kHtHdrHead + nc + EL;
+  auto hdr_of = [&](uint32_t d) {
+    return ptr<int32_t>(d == B.rank ? P.rhdr + uint64_t(B.rank) * B.hdr_stride
+                                    : P.shdr + uint64_t(d) * B.hdr_stride);
+  };
+  for (uint32_t i = g.tid; i < R * (nc + EL); i += g.bdim) {
+    const uint32_t d = i / (nc + EL), w = i % (nc + EL);
+    if (peer_out(B, d)) continue;
+    hdr_of(d)[kHtHdrHead + w] = w < nc ? send_cnt[uint64_t(w) * R + d]
+                                       : P.ntpe ? ptr<const int32_t>(P.ntpe)[uint64_t(d) * EL + w - nc] : 0;
+  }
+  arch::syncthreads();
   for (uint32_t d = g.tid; d < R; d += g.bdim) {
     if (peer_out(B, d)) continue;
     const bool self = d == B.rank;
-    int32_t* h = ptr<int32_t>(self ? P.rhdr + uint64_t(B.rank) * B.hdr_stride
-                                   : P.shdr + uint64_t(d) * B.hdr_stride);
+    int32_t* h = hdr_of(d);
     int64_t total = 0;
-    for (uint32_t c = 0; c < nc; ++c) {
-      h[kHtHdrHead + c] = send_cnt[uint64_t(c) * R + d];
-      total += send_cnt[uint64_t(c) * R + d];
-    }
-    for (uint32_t le = 0; le < EL; ++le)
-      h[kHtHdrHead + nc + le] = P.ntpe ? ptr<const int32_t>(P.ntpe)[uint64_t(d) * EL + le] : 0;
+    batched(nc, [&](uint32_t c) { return send_cnt[uint64_t(c) * R + d]; },
+            [&](uint32_t, int64_t v) { total += v; });
     h[0] = kHtMagic;
     h[1] = int32_t(B.hidden);
     h[2] = int32_t(nc);
@@ -330,7 +351,12 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
   arch::syncthreads();  // this rank's own header (stored above) is complete
   stamp(B, g, HT_ST_NOTIFY_SENT);
   // every live source's header (bounded per source: headers go out unconditionally first)
-  int32_t* info = ptr<int32_t>(P.recv_info);
+  int32_t* info_dev = ptr<int32_t>(P.recv_info);
+  int32_t* info_host = P.host_info ? ptr<int32_t>(P.host_info) + 1 : nullptr;
+  auto set_info = [&](uint32_t i, int32_t v) {
+    info_dev[i] = v;
+    if (info_host) info_host[i] = v;
+  };
   int32_t* pre = ptr<int32_t>(P.chan_prefix);
   int32_t* nrecv = ptr<int32_t>(B.nrecv);
   int32_t* got = ptr<int32_t>(B.got);
@@ -348,10 +374,11 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
       ok = false;
     }
     int64_t sum = 0;
-    for (uint32_t c = 0; ok && c < nc; ++c) {
-      if (h[kHtHdrHead + c] < 0) ok = false;
-      sum += h[kHtHdrHead + c];
-    }
+    if (ok)  // batched: a loop that stops at the first negative count waits for each load in turn
+      batched(nc, [&](uint32_t c) { return h[kHtHdrHead + c]; }, [&](uint32_t, int64_t v) {
+        if (v < 0) ok = false;
+        sum += v;
+      });
     if (ok && sum != h[5]) {
       ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_HEADER, j, uint64_t(h[5]), uint64_t(sum), 0);
       ok = false;
@@ -366,14 +393,16 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     for (uint32_t j = 0; j < R; ++j) {
       const bool ok = notify_scratch(P)[j] != 0;
       const int32_t* h = ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride);
-      info[j] = int32_t(run);
-      for (uint32_t c = 0; c < nc; ++c) {
-        pre[uint64_t(j) * (nc + 1) + c] = int32_t(run);
-        if (ok) run += h[kHtHdrHead + c];
-      }
+      set_info(j, int32_t(run));
+      // batched: the stores to pre may alias the header loads (one latency per channel otherwise)
+      batched(nc, [&](uint32_t c) { return ok ? h[kHtHdrHead + c] : 0; },
+              [&](uint32_t c, int64_t v) {
+                pre[uint64_t(j) * (nc + 1) + c] = int32_t(run);
+                run += v;
+              });
       pre[uint64_t(j) * (nc + 1) + nc] = int32_t(run);
     }
-    info[R] = int32_t(run);
+    set_info(R, int32_t(run));
     if ((B.flags & F_HT_WORST) && run > int64_t(P.num_recv_max))
       ep_fail(B, EP_ERR_WORST, EP_SITE_HT_WORST, B.rank, P.num_recv_max, uint64_t(run), 0);
   }
@@ -383,9 +412,13 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
       if (notify_scratch(P)[j])
         n += ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride)[kHtHdrHead + nc + le];
     const int64_t a = P.alignment ? int64_t(P.alignment) : 1;
-    info[R + 1 + le] = int32_t((n + a - 1) / a * a);
+    set_info(R + 1 + le, int32_t((n + a - 1) / a * a));
   }
   arch::syncthreads();
+  if (info_host && g.tid == 0) {  // after every thread's words (the barrier; the fence is cumulative)
+    arch::fence_sys();
+    arch::store_release_sys(ptr<uint32_t>(P.host_info), 1u);
+  }
   stamp(B, g, HT_ST_NOTIFY_END);
 }
 
