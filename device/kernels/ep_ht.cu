@@ -39,7 +39,7 @@ int gpunet_ep_ht_launch(const void* params, uint32_t grid, uint32_t block, uint3
   s.grid = grid;
   s.block = block;
   s.warp_size = ws;
-  s.shared_bytes = gpunet::ep::smem_head_bytes(P.base.nranks);  // peer mask and contexts (ll.cuh)
+  s.shared_bytes = (P.base.nranks + 15) / 16 * 16;  // the blocks' copies of the peer mask (ll.cuh)
   s.stream = stream;
   s.sync = sync != 0;
   return gpunet::launch_kernel(s, k_ep_ht, P);

@@ -54,9 +54,9 @@ int gpunet_ep_ll_launch(const void* params, uint32_t grid, uint32_t block, uint3
                         uint32_t sync) {
   namespace ep = gpunet::ep;
   ep::LlParams P = *static_cast<const ep::LlParams*>(params);
-  // shared memory: the blocks' copies of the peer mask and of the peer contexts, and a dispatch
-  // send's plan bitmaps when they fit (ll.cuh smem_head_bytes / plan_tokens)
-  const uint32_t view = ep::smem_head_bytes(P.nranks);
+  // shared memory: the blocks' copies of the peer mask, and a dispatch send's plan bitmaps when
+  // they fit (ll.cuh smem_view_bytes / plan_tokens)
+  const uint32_t view = ep::smem_view_bytes(P.nranks);
   const uint64_t bits = uint64_t(P.bits_warps) * P.hist_cols * 8;
   P.bits_smem = P.op == ep::OP_DISPATCH && (P.phases & ep::PH_SEND) && view + bits <= ep::kMaxPlanSmem;
   gpunet::LaunchSpec s;

@@ -897,7 +897,6 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
 GPUNET_DEVICE void run_ht(const HtParams& P) {
   const Geo g = geo();
   const LlParams& B = P.base;
-  load_peer_ctxs(B, g);
   const uint64_t epoch = arch::atomic_load(ptr<const uint64_t>(P.epoch));
   bool ok = true;
   if ((B.phases & PH_NOTIFY) && g.bid == 0) ht_notify(P, g, epoch);

@@ -434,44 +434,8 @@ GPUNET_DEVICE int64_t warp_scan(const Geo& g, uint32_t n, Value value, Out out) 
   return run;
 }
 
-// The peer view's bytes at the start of the launch's dynamic shared memory (one per peer).
-GPUNET_HOST_DEVICE uint32_t smem_view_bytes(uint32_t nranks) { return (nranks + 15) / 16 * 16; }
-// The per-peer device contexts every verb of these kernels reads (P.ctxs: R DevCtx, device
-// memory, all with the Context's one PeerDesc array), copied into the block's shared memory at
-// its start (load_peer_ctxs), the copies' `peers` pointing at a shared copy of that array: a
-// verb's reads of its context and PeerDesc (base, heap size, kind, mapping: a chain of dependent
-// loads) are then shared-memory reads, not L2 round trips after every acquire poll has emptied
-// the L1 (on the H200 each HT credit, a put_signal_nbi of 0 bytes, took ~5-13 us under load).
-GPUNET_HOST_DEVICE uint32_t smem_ctx_bytes(uint32_t nranks) {
-  return nranks * uint32_t(sizeof(DevCtx) + sizeof(PeerDesc));
-}
-// Where the launch's shared memory continues after the peer view and the contexts.
-GPUNET_HOST_DEVICE uint32_t smem_head_bytes(uint32_t nranks) {
-  return smem_view_bytes(nranks) + smem_ctx_bytes(nranks);
-}
-GPUNET_DEVICE DevCtx* smem_ctxs(uint32_t nranks) {
-  return reinterpret_cast<DevCtx*>(arch::shared_mem() + smem_view_bytes(nranks));
-}
-GPUNET_DEVICE const DevCtx& peer_ctx(const LlParams& P, uint32_t p) { return smem_ctxs(P.nranks)[p]; }
-// Collective (every thread of the block), before any verb: the copies above. PeerDescs beyond R
-// (a Context with more PEs than this group: never, the Buffer's group is the Context's world)
-// keep the device-memory array.
-GPUNET_DEVICE void load_peer_ctxs(const LlParams& P, const Geo& g) {
-  const uint32_t R = P.nranks;
-  DevCtx* c = smem_ctxs(R);
-  PeerDesc* pd = reinterpret_cast<PeerDesc*>(c + R);
-  const DevCtx* src = ptr<const DevCtx>(P.ctxs);
-  const uint32_t cw = uint32_t(sizeof(DevCtx) / 8), pw = uint32_t(sizeof(PeerDesc) / 8);
-  const uint64_t* peers = ptr<const uint64_t>(src[0].peers);
-  const bool whole = src[0].npes <= R;
-  for (uint32_t i = g.tid; i < R * cw; i += g.bdim)
-    reinterpret_cast<uint64_t*>(c)[i] = reinterpret_cast<const uint64_t*>(src)[i];
-  for (uint32_t i = g.tid; whole && i < src[0].npes * pw; i += g.bdim)
-    reinterpret_cast<uint64_t*>(pd)[i] = peers[i];
-  arch::syncthreads();
-  for (uint32_t p = g.tid; whole && p < R; p += g.bdim)
-    if (c[p].peers == src[0].peers) c[p].peers = uint64_t(uintptr_t(pd));
-  arch::syncthreads();
+GPUNET_DEVICE const DevCtx& peer_ctx(const LlParams& P, uint32_t p) {
+  return ptr<const DevCtx>(P.ctxs)[p];
 }
 GPUNET_DEVICE uint64_t* sig_word(const LlParams& P, uint32_t kind, uint32_t b, uint32_t j) {
   return ptr<uint64_t>(P.sig) + (uint64_t(kind * 2 + b) * P.nranks + j);
@@ -527,10 +491,10 @@ GPUNET_DEVICE void stamp_after_block(const LlParams& P, const Geo& g, uint32_t w
 // memory on GPUs (the host reads them without a device sync), where every read crosses PCIe. A
 // peer that fails during the launch is marked in the copy of the block that saw it; other blocks
 // keep posting to it until their verbs fail fast on its own Status (harmless).
-// Dynamic shared memory: the peer view (one byte per peer, 16-byte rounded), the peer contexts
-// (smem_ctx_bytes, below), then, when LlParams::bits_smem, block 0's plan bitmaps
-// [bits_warps][hist_cols] u64, or in a combine the receive controller's per-source counts
-// (smem_combine_bytes) (ep_ll.cu sizes it).
+// Dynamic shared memory: the peer view (one byte per peer, 16-byte rounded), then, when
+// LlParams::bits_smem, block 0's plan bitmaps [bits_warps][hist_cols] u64, or in a combine the
+// receive controller's per-source counts (smem_combine_bytes) (ep_ll.cu sizes it).
+GPUNET_HOST_DEVICE uint32_t smem_view_bytes(uint32_t nranks) { return (nranks + 15) / 16 * 16; }
 constexpr uint32_t kMaxPlanSmem = 40u << 10;  // under the 48 KB a launch gets without opting in
 // Combine's receive controller (block 0): after the peer view, int64 [R] per-source row counts.
 GPUNET_HOST_DEVICE uint32_t smem_combine_bytes(uint32_t nranks) { return 8 * nranks; }
@@ -784,7 +748,7 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
   // here; else the global workspace, zero between tiles
   uint64_t* bits0 = ptr<uint64_t>(P.bits);
   if (P.bits_smem) {
-    bits0 = reinterpret_cast<uint64_t*>(arch::shared_mem() + smem_head_bytes(P.nranks));
+    bits0 = reinterpret_cast<uint64_t*>(arch::shared_mem() + smem_view_bytes(P.nranks));
     for (uint32_t i = g.tid; i < P.bits_warps * C; i += g.bdim) bits0[i] = 0;
     arch::syncthreads();
   }
@@ -1405,7 +1369,7 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
     // thread o waits for source o and checks its header (srcn[o]: its row count, or kNoSource);
     // then a warp per source takes the prefix of its E_loc counts (warp_scan; one thread's walk
     // was E_loc / kBatch dependent rounds)
-    int64_t* srcn = reinterpret_cast<int64_t*>(arch::shared_mem() + smem_head_bytes(R));
+    int64_t* srcn = reinterpret_cast<int64_t*>(arch::shared_mem() + smem_view_bytes(R));
     constexpr int64_t kNoSource = INT64_MIN;
     for (uint32_t o = g.tid; o < R; o += g.bdim) {
       bool ok = !peer_out(P, o) && wait_source(P, SIG_COMBINE, o);
@@ -1513,7 +1477,6 @@ GPUNET_DEVICE void clean(const LlParams& P, const Geo& g) {
 GPUNET_DEVICE void run(const LlParams& P) {
   const Geo g = geo();
   stamp(P, g, ST_BEGIN);
-  load_peer_ctxs(P, g);
   if (P.op == OP_DISPATCH) {
     bool ok = true;
     if (P.phases & PH_SEND) ok = dispatch_send(P, g);
