@@ -137,9 +137,10 @@ def mps():
         daemon.__exit__(None, None, None)
 
 
-@pytest.fixture(scope="module")
-def pair(mps):
-    r = Ranks(2, env=dict(mps, GPUNET_PLATFORM="cuda"))
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def pair(request, mps):
+    """2 and 4 rank processes on the one GPU (under the private MPS daemon), all p2p."""
+    r = Ranks(request.param, env=dict(mps, GPUNET_PLATFORM="cuda"))
     try:
         r.info = r.run("p2p_cuda_jobs:init", timeout=300)
         yield r
@@ -149,43 +150,47 @@ def pair(mps):
 
 
 @needs_gpu
-def test_two_ranks_open_each_others_device_heap(pair):
+def test_ranks_open_each_others_device_heap(pair):
     """Each rank's heap and allocations are device memory, every peer is p2p, and each rank
-    opened the other's heap by its IPC handle (a device-memory mapping)."""
+    opened every other rank's heap by its IPC handle (a device-memory mapping)."""
+    n = len(pair.info)
     for rank, i in enumerate(pair.info):
+        others = [p for p in range(n) if p != rank]
         assert i["rank"] == rank and set(i["transports"].values()) == {"p2p"}, i
         assert i["heap_type"] == MEMORY_TYPE_DEVICE and i["alloc_type"] == MEMORY_TYPE_DEVICE, i
-        assert i["mapped_peers"] == [1 - rank], i
-        assert i["peer_types"] == {1 - rank: MEMORY_TYPE_DEVICE}, i
-    assert pair.info[0]["pid"] != pair.info[1]["pid"]
+        assert i["mapped_peers"] == others, i
+        assert i["peer_types"] == {p: MEMORY_TYPE_DEVICE for p in others}, i
+    assert len({i["pid"] for i in pair.info}) == n
 
 
 @needs_gpu
 @pytest.mark.parametrize("nbytes", SIZES)
-def test_two_ranks_put_put_signal_wait_until_get_barrier(pair, nbytes):
-    """Two rounds per size: each rank's put and put_signal payload land whole in the peer's slot
-    before the peer's wait_until on the ADD signal returns; the ADD word counts the rounds, the
-    SET word holds the last value set; get reads the peer's source exactly."""
+def test_ranks_put_put_signal_wait_until_get_barrier(pair, nbytes):
+    """Two rounds per size, around the ring of ranks: each rank's put and put_signal payload
+    land whole in the next rank's slot before that rank's wait_until on the ADD signal returns;
+    the ADD word counts the rounds, the SET word holds the last value set; get reads the next
+    rank's source exactly."""
+    n = len(pair.info)
     for k in (1, 2):
         rnd = 1000 * nbytes + k
         pair.adds = getattr(pair, "adds", 0) + 1          # ADD signals per rank so far
         out = pair.run("p2p_cuda_jobs:verbs", nbytes, rnd, pair.adds, timeout=300)
         for rank, o in enumerate(out):
-            peer = 1 - rank
-            want = _pattern(peer, rnd, SLOT)
-            assert torch.equal(o["after_signal"], want[:2 * nbytes]), (rank, nbytes, k)
-            assert torch.equal(o["got"], want[:nbytes]), (rank, nbytes, k)
+            prv, nxt = (rank - 1) % n, (rank + 1) % n
+            assert torch.equal(o["after_signal"], _pattern(prv, rnd, SLOT)[:2 * nbytes]), (rank, nbytes, k)
+            assert torch.equal(o["got"], _pattern(nxt, rnd, SLOT)[:nbytes]), (rank, nbytes, k)
             assert o["set"] == 10 * rnd, (rank, o["set"])
         assert all(o["add"] == pair.adds for o in out), ([o["add"] for o in out], pair.adds)
 
 
 @needs_gpu
-def test_two_ranks_device_atomics_are_exact(pair):
-    """Both ranks add 1 to rank 0's word 40 times each by device atomics on the mapped heap:
-    every old value is seen once and the final value is 80."""
+def test_ranks_device_atomics_are_exact(pair):
+    """Every rank adds 1 to rank 0's word 40 times by device atomics on the mapped heap: every
+    old value is seen once and the final value is 40 per rank."""
     out = pair.run("p2p_cuda_jobs:atomics", 40, timeout=300)
+    total = 40 * len(out)
     olds = sorted(o for r in out for o in r["olds"])
-    assert olds == list(range(80)) and out[0]["final"] == 80, out
+    assert olds == list(range(total)) and out[0]["final"] == total, out
 
 
 @needs_gpu
