@@ -158,7 +158,8 @@ def test_ranks_share_the_gpu(transport, world):
         port = s.getsockname()[1]
     mpc = mp.get_context("spawn")
     q = mpc.Queue()
-    procs = [mpc.Process(target=_rank_main, args=(r, world, port, transport, q)) for r in range(world)]
+    procs = [mpc.Process(target=_rank_main, args=(r, world, port, transport, q))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:

@@ -177,8 +177,9 @@ def test_ranks_put_put_signal_wait_until_get_barrier(pair, nbytes):
         out = pair.run("p2p_cuda_jobs:verbs", nbytes, rnd, pair.adds, timeout=300)
         for rank, o in enumerate(out):
             prv, nxt = (rank - 1) % n, (rank + 1) % n
-            assert torch.equal(o["after_signal"], _pattern(prv, rnd, SLOT)[:2 * nbytes]), (rank, nbytes, k)
-            assert torch.equal(o["got"], _pattern(nxt, rnd, SLOT)[:nbytes]), (rank, nbytes, k)
+            want_prv, want_nxt = _pattern(prv, rnd, SLOT), _pattern(nxt, rnd, SLOT)
+            assert torch.equal(o["after_signal"], want_prv[:2 * nbytes]), (rank, nbytes, k)
+            assert torch.equal(o["got"], want_nxt[:nbytes]), (rank, nbytes, k)
             assert o["set"] == 10 * rnd, (rank, o["set"])
         assert all(o["add"] == pair.adds for o in out), ([o["add"] for o in out], pair.adds)
 
