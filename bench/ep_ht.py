@@ -3,7 +3,8 @@ dispatch / combine), run as ``python bench/ep.py --mode ht [...]`` (bench/ep.py 
 
 DeepEP's intranode workload and method (its tests/legacy/test_intranode.py, re-implemented):
 4096 tokens per rank, hidden 7168, top-8, 256 experts, 10 -1 holes per rank; BF16 and FP8
-dispatch, BF16 combine; a sweep over Configs (channels = num_sms / 2, send chunk, receive ring)
+dispatch, BF16 combine, and the BF16 dispatch with num_worst_tokens (every token of every rank:
+no host wait, the notify and the data phase in one launch, as under a CUDA graph); a sweep over Configs (channels = num_sms / 2, send chunk, receive ring)
 picks the best Config for each of BF16 dispatch, FP8 dispatch and combine (DeepEP's "best
 config" search); the rows report the best. Each timed call follows a barrier (launch skew does not count);
 warm-up calls first; the figure is the median over iterations of the slowest rank's time.
@@ -41,6 +42,8 @@ GPU_CONFIGS = [(64, 16, 128, 16), (64, 32, 128, 16), (64, 16, 64, 16), (64, 8, 4
                (48, 16, 128, 16)]
 CPU_CONFIGS = [(4, 4, 48, 2), (4, 8, 64, 2)]
 PROFILE_CALLS = 5       # per op, with the device stamps on (after the sweep, best Config)
+# The timed ops; "dispatch bf16 worst" is the BF16 dispatch with num_worst_tokens (no host wait).
+OPS = ("dispatch bf16", "dispatch fp8", "combine bf16", "dispatch bf16 worst")
 
 
 def _rank_bench(rank, world, cfg):
@@ -94,7 +97,10 @@ def _rank_bench(rank, world, cfg):
                 cpu.append(timer(fn)[1])
             return timer.resolve(cpu)[cfg["warmup"]:]
 
-        sweep = {"dispatch bf16": [], "combine bf16": [], "dispatch fp8": []}
+        # "dispatch bf16 worst": num_worst_tokens = every token of every rank (no host wait: the
+        # notify and the data phase run as one launch, as under a CUDA graph)
+        sweep = {op: [] for op in OPS}
+        worst = T * world
         calls = {}
         for c, wp in zip(configs, warps):
             buf._ht_warps = wp
@@ -102,7 +108,9 @@ def _rank_bench(rank, world, cfg):
             y, _, _, _, h, _ = buf.dispatch(x, config=c, **kw)
             calls[(c, wp)] = {"dispatch bf16": lambda c=c: buf.dispatch(x, config=c, **kw),
                               "combine bf16": lambda c=c, y=y, h=h: buf.combine(y, h, config=c),
-                              "dispatch fp8": lambda c=c: buf.dispatch(xq, config=c, **kw)}
+                              "dispatch fp8": lambda c=c: buf.dispatch(xq, config=c, **kw),
+                              "dispatch bf16 worst":
+                                  lambda c=c: buf.dispatch(x, config=c, num_worst_tokens=worst, **kw)}
             for op, fn in calls[(c, wp)].items():
                 sweep[op].append(laps(fn))
         res["sweep"] = sweep
@@ -276,7 +284,7 @@ def run(args):
         try:
             per = run_ranks(_rank_bench, world, cfg, timeout_s=RANK_TIMEOUT_S)
             step = lambda lapsets: [max(v) for v in zip(*lapsets)]  # noqa: E731 - slowest rank per iteration
-            ops = ("dispatch bf16", "dispatch fp8", "combine bf16")
+            ops = OPS
             med = {op: [statistics.median(step([p["sweep"][op][i] for p in per]))
                         for i in range(len(cfg["configs"]))] for op in ops}
             best = {op: min(range(len(cfg["configs"])), key=lambda i: med[op][i]) for op in ops}
@@ -291,7 +299,7 @@ def run(args):
         recv = max(p["recv_rows"] for p in per)
         H = cfg["hidden"]
         nbytes = {"dispatch bf16": recv * H * 2, "combine bf16": recv * H * 2,
-                  "dispatch fp8": int(recv * H * 2 * (1 + 4 / 128) / 2)}
+                  "dispatch fp8": int(recv * H * 2 * (1 + 4 / 128) / 2), "dispatch bf16 worst": recv * H * 2}
         for i, c in enumerate(cfg["configs"]):
             for op in ops:
                 rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "sweep " + op,

@@ -444,22 +444,26 @@ def test_a_dead_rank_raises_ep_timeout_without_shrink(transport, stage):
 # ---- the benchmark's CPU mode ---------------------------------------------------------------------
 def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     """bench/ep.py --mode ht on the CPU (2 ranks, soft NIC, small sizes): it checks the dispatch
-    against the reference (a PASS test row), sweeps its Configs, and writes the JSON with the
-    BF16 / FP8 dispatch and combine rows (each with its best Config), the torch gather yardstick
-    and the target rows."""
+    against the reference (a PASS test row), sweeps the Configs given by --ht-configs, and writes
+    the JSON with the BF16 / FP8 dispatch, combine and num_worst_tokens dispatch rows (each with
+    its best Config), the torch gather yardstick and the target rows."""
     import json
     import subprocess
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "ht.json"
+    configs = [(4, 4, 48, 2), (4, 8, 64, 2)]        # --ht-configs: the sweep from the command line
     r = subprocess.run([sys.executable, str(root / "bench" / "ep.py"), "--mode", "ht", "--tokens", "24",
-                        "--iters", "1", "--warmup", "0", "--json", str(out)],
+                        "--iters", "1", "--warmup", "0", "--json", str(out),
+                        "--ht-configs", ",".join(":".join(map(str, c)) for c in configs)],
                        capture_output=True, text=True, timeout=900, cwd=str(root))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     d = json.loads(out.read_text())
     ops = {row["op"] for row in d["rows"]}
-    assert {"HT dispatch bf16", "HT dispatch fp8", "HT combine bf16", "torch gather, all ranks' rows"} <= ops
+    assert {"HT dispatch bf16", "HT dispatch fp8", "HT combine bf16", "HT dispatch bf16 worst",
+            "torch gather, all ranks' rows"} <= ops
+    assert {tuple(row["config"]) for row in d["rows"] if "config" in row} == set(configs)
     tests = [g for g in d["gate"] if g["kind"] == "test"]
     assert tests and all(g["result"] == "PASS" for g in tests), tests
     assert sum(g["kind"] == "target" for g in d["gate"]) == 2
