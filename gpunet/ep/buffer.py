@@ -787,8 +787,9 @@ class Buffer:
         """Launch the dispatch's notify and return recv_info's n int32 words on the host (the
         one host wait of a dispatch: recv_x's rows). The kernel mirrors them into a mapped-host
         mailbox and sets its flag last; in worlds whose other ranks are all p2p the host polls
-        that flag (no stream synchronisation, which cost ~10 us after the kernel's end), else,
-        or when the polls run out, it copies info with a synchronisation."""
+        that flag (no stream synchronisation: with it and the fills this dispatch no longer makes,
+        the H200's notify-to-data gap went from 66 to 32 us, bench/RESULTS.md), else, or when the
+        polls run out, it copies info with a synchronisation."""
         mail = getattr(self, "_ht_mail", None)
         if mail is None or mail[1].size < 1 + n:
             if mail is not None:
