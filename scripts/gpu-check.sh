@@ -31,9 +31,10 @@ nvidia-smi -L
 if want tests; then
 step "CUDA tests"
 # Every test file that exercises the CUDA arm (the *_cuda.py files, the platform probes, the
-# worked examples); the CPU-only tests run in CI, not here.
+# worked examples); the CPU-only tests run in CI, not here. 194 s on 2026-12-02 before the 4-rank
+# worlds were added; run this step alone in a call (GATE_STEPS=tests).
 CUDA_TESTS=$(ls tests/test_*cuda*.py tests/test_platform.py tests/test_examples.py 2>/dev/null)
-timeout 420 python3 -m pytest -q -rs --junitxml="$OUT/cuda_tests.xml" $CUDA_TESTS 2>&1 | tail -15
+timeout 480 python3 -m pytest -q -rs --junitxml="$OUT/cuda_tests.xml" $CUDA_TESTS 2>&1 | tail -15
 gate junit "CUDA tests" "$OUT/cuda_tests.xml"
 fi
 
