@@ -16,9 +16,12 @@ def main(argv=None):
     sub.add_parser("doctor", help="can the stack work on this machine, and why not: platform, "
                                   "toolchains, NICs, loopback checks, measured coherence; a table "
                                   "and JSON", add_help=False)
-    sub.add_parser("warmup", help="compile numba's caches and the HOST-arm kernels once (a "
-                                  "one-rank loopback per NIC transport), so the first run of "
-                                  "several ranks does not compile them in every rank at once")
+    warm_p = sub.add_parser("warmup", help="compile numba's caches and the HOST-arm kernels once (a "
+                                           "one-rank loopback per NIC transport), so the first run of "
+                                           "several ranks does not compile them in every rank at once")
+    warm_p.add_argument("--cuda", action="store_true",
+                        help="also compile the CUDA arm's kernel libraries (nvcc, in parallel, no GPU "
+                             "needed): the GPU machine's first tests and benchmarks then load them")
     args, rest = p.parse_known_args(argv)
     if args.cmd == "demo":
         from gpunet.demo import main as demo_main
@@ -37,9 +40,14 @@ def main(argv=None):
         return 0
     if args.cmd == "warmup":
         import time
-        from gpunet.doctor import warm
+        from gpunet.doctor import warm, warm_cuda
         t0 = time.perf_counter()
-        warm()
+        if args.cuda:
+            secs = warm_cuda(then=warm)
+            print("gpunet warm-up: CUDA libraries built (%s)" % ", ".join(
+                "%s %.0f s" % kv for kv in secs.items()))
+        else:
+            warm()
         print("gpunet warm-up: ibgda and proxy loopbacks ok, compile caches ready (%.1f s)"
               % (time.perf_counter() - t0))
         return 0

@@ -1,5 +1,6 @@
 """The command line's main jobs run end to end (the README's first command)."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -52,6 +53,27 @@ def test_warmup_runs_both_loopbacks():
     r = _run(["warmup"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ibgda and proxy loopbacks ok" in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA arm cannot be compiled")
+def test_cuda_warmup_fills_the_kernel_cache_in_parallel_and_names_failures(tmp_path, monkeypatch):
+    """warm_cuda (``warmup --cuda``, scripts/gpu-check.sh) builds each listed CUDA source in a
+    process of its own into the kernel cache, runs ``then`` meanwhile, and the next build of the
+    same source in this process is a cache hit (no compile); a source that does not exist makes
+    it raise a ToolchainError naming that source, after the others are built."""
+    from gpunet import doctor
+    from gpunet.device import loader
+    from gpunet.errors import GpunetError
+    monkeypatch.setenv("GPUNET_CACHE_DIR", str(tmp_path))
+    ran = []
+    secs = doctor.warm_cuda(sources=(("kernels", "doctor.cu"), ("testing", "proxy.cu")),
+                            then=lambda: ran.append(True))
+    assert set(secs) == {"doctor.cu", "proxy.cu"} and ran == [True], secs
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*-cuda-*.so")) == ["doctor", "proxy"]
+    lib = loader.build([doctor._cuda_source("kernels", "doctor.cu")], arch="cuda")
+    assert lib.gpunet_compiled is False
+    with pytest.raises(GpunetError, match=r"CUDA warm-up failed for nope\.cu"):
+        doctor.warm_cuda(sources=(("kernels", "nope.cu"), ("kernels", "doctor.cu")))
 
 
 def test_a_failed_warmup_names_the_failed_checks():
