@@ -40,10 +40,11 @@ def main(argv=None):
         return 0
     if args.cmd == "warmup":
         import time
-        from gpunet.doctor import warm, warm_cuda
+        from gpunet.doctor import warm
         t0 = time.perf_counter()
         if args.cuda:
-            secs = warm_cuda(then=warm)
+            from gpunet.doctor import prebuild_cuda
+            secs = prebuild_cuda(then=warm)
             print("gpunet warm-up: CUDA libraries built (%s)" % ", ".join(
                 "%s %.0f s" % kv for kv in secs.items()))
         else:

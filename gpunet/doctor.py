@@ -504,49 +504,48 @@ def warm(nic_kind="soft", timeout_s=60.0, log=None):
     return rep
 
 
-# The CUDA arm's kernel libraries the GPU gate's tests and benchmarks build on first use, as
-# (folder, source): "kernels" = device/kernels, "testing" = device/testing/kernels. warm_cuda
-# compiles them ahead in parallel (nvcc, no GPU needed): serially they took 79 s on this project's
-# 2-core CI VM, ep_ll.cu alone 25 s, and each GPU call starts on a fresh machine.
-CUDA_SOURCES = (("kernels", "ep_ll.cu"), ("kernels", "ep_ht.cu"), ("kernels", "ops.cu"),
-                ("testing", "schedule.cu"), ("testing", "p2p_bench.cu"), ("kernels", "doctor.cu"),
-                ("testing", "proxy.cu"))
+# The library's kernel sources (device/kernels) that its calls build for the CUDA arm on first
+# use: prebuild_cuda's default. Serially they took 55 s on this project's 2-core CI VM (ep_ll.cu
+# alone 25 s), and each GPU call of the development machines starts on a fresh machine.
+CUDA_KERNELS = ("ep_ll.cu", "ep_ht.cu", "ops.cu", "doctor.cu")
 
 
-def _cuda_source(folder, name):
-    from gpunet.device import loader, testing
-    return (loader.kernels_dir() if folder == "kernels" else testing.kernels_dir()) / name
-
-
-def _build_cuda(folder, name):
-    """One CUDA build (a worker process of warm_cuda): (name, seconds, error text or None)."""
+def _prebuild_one(path):
+    """One CUDA build in a worker process of prebuild_cuda: (file name, seconds, error or None)."""
     from gpunet.device import loader
     t0 = time.perf_counter()
     try:
-        loader.build([_cuda_source(folder, name)], arch="cuda")
+        loader.build([path], arch="cuda")
     except GpunetError as e:
-        return name, time.perf_counter() - t0, str(e)
-    return name, time.perf_counter() - t0, None
+        return path.name, time.perf_counter() - t0, str(e)
+    return path.name, time.perf_counter() - t0, None
 
 
-def warm_cuda(sources=CUDA_SOURCES, jobs=None, then=None):
-    """Compile ``sources`` (CUDA_SOURCES' form) for the CUDA arm into the kernel cache, one
-    process each (at most ``jobs``, default the CPU count), while ``then()`` (if given) runs here.
-    The GPU machine's tests and benchmarks then load the cached libraries (same sources, same
-    cache key) instead of compiling them one after another. Returns {source: seconds}; raises
-    ToolchainError naming every source that failed (with the compiler's message)."""
+def prebuild_cuda(sources=None, jobs=None, then=None):
+    """Compile each of ``sources`` (paths of .cu files; default: CUDA_KERNELS) for the CUDA arm
+    into the kernel cache, in a process of its own (at most ``jobs`` at once, default the CPU
+    count), while ``then()`` (if given) runs here; no GPU is needed. Later builds of the same
+    sources (same cache key) load the cached libraries instead of compiling: ``python -m gpunet
+    warmup --cuda``, and the GPU gate's scripts/gpu_warm.py. Returns {file name: seconds};
+    raises ToolchainError naming every source that failed (with the compiler's message), after
+    the others are built."""
     import concurrent.futures
+    from pathlib import Path
+
+    from gpunet.device import loader
     from gpunet.errors import ToolchainError
 
-    workers = max(1, min(len(sources), jobs or os.cpu_count() or 1))
+    paths = [Path(p) for p in sources] if sources is not None else \
+        [loader.kernels_dir() / k for k in CUDA_KERNELS]
+    workers = max(1, min(len(paths), jobs or os.cpu_count() or 1))
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
-        futs = [pool.submit(_build_cuda, folder, name) for folder, name in sources]
+        futs = [pool.submit(_prebuild_one, p) for p in paths]
         if then is not None:
             then()
         done = [f.result() for f in futs]
     bad = [(name, err) for name, _, err in done if err]
     if bad:
-        raise ToolchainError("CUDA warm-up failed for %s:\n%s" % (
+        raise ToolchainError("cuda prebuild failed for %s:\n%s" % (
             ", ".join(n for n, _ in bad), "\n".join("%s: %s" % (n, e[-2000:]) for n, e in bad)))
     return {name: sec for name, sec, _ in done}
 

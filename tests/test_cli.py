@@ -3,8 +3,11 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(args, timeout=600):
@@ -56,24 +59,30 @@ def test_warmup_runs_both_loopbacks():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA arm cannot be compiled")
-def test_cuda_warmup_fills_the_kernel_cache_in_parallel_and_names_failures(tmp_path, monkeypatch):
-    """warm_cuda (``warmup --cuda``, scripts/gpu-check.sh) builds each listed CUDA source in a
-    process of its own into the kernel cache, runs ``then`` meanwhile, and the next build of the
-    same source in this process is a cache hit (no compile); a source that does not exist makes
-    it raise a ToolchainError naming that source, after the others are built."""
+def test_cuda_prebuild_fills_the_kernel_cache_in_parallel_and_names_failures(tmp_path, monkeypatch):
+    """doctor.prebuild_cuda (``warmup --cuda``; the GPU gate's scripts/gpu_warm.py) builds each
+    listed source in a process of its own into the kernel cache, runs ``then`` meanwhile, and the
+    next build of the same source in this process is a cache hit (no compile); a source that does
+    not exist makes it raise a ToolchainError naming that source, after the others are built.
+    The gate's list names only files that exist."""
+    import importlib.util
+
     from gpunet import doctor
-    from gpunet.device import loader
-    from gpunet.errors import GpunetError
+    from gpunet.device import loader, testing
+    from gpunet.errors import ToolchainError
+    spec = importlib.util.spec_from_file_location("gpu_warm", ROOT / "scripts" / "gpu_warm.py")
+    gpu_warm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_warm)
+    assert all(p.is_file() for p in gpu_warm.sources()) and len(gpu_warm.sources()) == 7
     monkeypatch.setenv("GPUNET_CACHE_DIR", str(tmp_path))
     ran = []
-    secs = doctor.warm_cuda(sources=(("kernels", "doctor.cu"), ("testing", "proxy.cu")),
-                            then=lambda: ran.append(True))
+    small = [loader.kernels_dir() / "doctor.cu", testing.kernels_dir() / "proxy.cu"]
+    secs = doctor.prebuild_cuda(small, then=lambda: ran.append(True))
     assert set(secs) == {"doctor.cu", "proxy.cu"} and ran == [True], secs
     assert sorted(p.name.split("-")[0] for p in tmp_path.glob("*-cuda-*.so")) == ["doctor", "proxy"]
-    lib = loader.build([doctor._cuda_source("kernels", "doctor.cu")], arch="cuda")
-    assert lib.gpunet_compiled is False
-    with pytest.raises(GpunetError, match=r"CUDA warm-up failed for nope\.cu"):
-        doctor.warm_cuda(sources=(("kernels", "nope.cu"), ("kernels", "doctor.cu")))
+    assert loader.build([small[0]], arch="cuda").gpunet_compiled is False
+    with pytest.raises(ToolchainError, match=r"cuda prebuild failed for nope\.cu"):
+        doctor.prebuild_cuda([loader.kernels_dir() / "nope.cu", small[0]])
 
 
 def test_a_failed_warmup_names_the_failed_checks():
