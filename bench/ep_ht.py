@@ -4,9 +4,9 @@ dispatch / combine), run as ``python bench/ep.py --mode ht [...]`` (bench/ep.py 
 DeepEP's intranode workload and method (its tests/legacy/test_intranode.py, re-implemented):
 4096 tokens per rank, hidden 7168, top-8, 256 experts, 10 -1 holes per rank; BF16 and FP8
 dispatch, BF16 combine, and the BF16 dispatch with num_worst_tokens (every token of every rank:
-no host wait, the notify and the data phase in one launch, as under a CUDA graph); a sweep over Configs (channels = num_sms / 2, send chunk, receive ring)
-picks the best Config for each of BF16 dispatch, FP8 dispatch and combine (DeepEP's "best
-config" search); the rows report the best. Each timed call follows a barrier (launch skew does not count);
+no host wait, the notify and the data phase in one launch, as under a CUDA graph); a sweep over
+Configs (channels = num_sms / 2, send chunk, receive ring) picks the best Config for each op
+(DeepEP's "best config" search); the rows report the best. Each timed call follows a barrier (launch skew does not count);
 warm-up calls first; the figure is the median over iterations of the slowest rank's time.
 
 Bytes are counted as DeepEP counts them in that test: a rank's received rows x 2H (BF16 dispatch,
@@ -244,7 +244,7 @@ def _gather_yardstick(cfg, world):
 
 def _configs(args):
     """The sweep: --ht-configs "num_sms:chunk:ring:warps,..." or the defaults for the arm."""
-    if not getattr(args, "ht_configs", None):
+    if not args.ht_configs:
         return GPU_CONFIGS if args.gpu else CPU_CONFIGS
     out = []
     for item in args.ht_configs.split(","):

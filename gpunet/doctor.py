@@ -505,7 +505,7 @@ def warm(nic_kind="soft", timeout_s=60.0, log=None):
 
 
 # The library's kernel sources (device/kernels) that its calls build for the CUDA arm on first
-# use: prebuild_cuda's default. Serially they took 55 s on this project's 2-core CI VM (ep_ll.cu
+# use: prebuild_cuda's default. Serially they took 56 s on this project's 2-core CI VM (ep_ll.cu
 # alone 25 s), and each GPU call of the development machines starts on a fresh machine.
 CUDA_KERNELS = ("ep_ll.cu", "ep_ht.cu", "ops.cu", "doctor.cu")
 

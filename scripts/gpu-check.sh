@@ -28,9 +28,9 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.lo
   || { tail -20 "$OUT/install.log"; gate row test install FAIL "see install.log"; }
 nvidia-smi -L
 
-step "warm-up: the CUDA libraries compiled in parallel, the HOST-arm caches"
+step "warm-up: the CUDA libraries compiled in parallel (scripts/gpu_warm.py)"
 # (every later step loads the cached builds instead of compiling them one after another: a fresh
-# machine each call; 79 s serially on 2 cores): scripts/gpu_warm.py
+# machine each call; 79 s serially on 2 cores)
 python3 scripts/gpu_warm.py > "$OUT/warmup.log" 2>&1 \
   && { grep "warm-up" "$OUT/warmup.log"; gate row test warm-up PASS "$(grep -o 'CUDA libraries built.*' "$OUT/warmup.log" | cut -c1-200)"; } \
   || { tail -20 "$OUT/warmup.log"; gate row test warm-up FAIL "see warmup.log"; }

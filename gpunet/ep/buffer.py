@@ -198,7 +198,7 @@ CUDA_HT_WARPS = 8
 # A dispatch's one host wait (the notify's counts): polls of the mapped-host mailbox
 # (HtParams::host_info) before a stream synchronisation takes over. Only in worlds whose other
 # ranks are all p2p peers: the soft NIC's engine is a Python thread, which a spin holding the GIL
-# would starve. ~30 ns a poll: a few ms, far above a notify's tens of us.
+# would starve. ~100 ns a poll on the 2-core CI VM, so ~10 ms, far above a notify's tens of us.
 HT_NOTIFY_POLLS = 100_000
 
 
@@ -330,6 +330,7 @@ class Buffer:
         self._hflags_mem = ctx.platform.alloc("host", 4 * (1 + r))
         self._hflags_np = self._hflags_mem.view()[:4 * (1 + r)].view(np.int32)
         self._hflags_mv = memoryview(self._hflags_np)
+        self._ht_mail = None        # (allocation, int32 view, memoryview): _ht_notify's mailbox
         self._failed_mv, self._status_flag_mv = memoryview(self._failed_np), memoryview(self._status_flag)
         # the current-stream lookup of every LL launch (_stream)
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) if self._gpu else None
@@ -790,7 +791,7 @@ class Buffer:
         that flag (no stream synchronisation: with it and the fills this dispatch no longer makes,
         the H200's notify-to-data gap went from 66 to 32 us, bench/RESULTS.md), else, or when the
         polls run out, it copies info with a synchronisation."""
-        mail = getattr(self, "_ht_mail", None)
+        mail = self._ht_mail
         if mail is None or mail[1].size < 1 + n:
             if mail is not None:
                 mail[0].close()
