@@ -37,7 +37,7 @@ from gpunet.device import ops as dops
 from gpunet.device.testing import loopback as L
 from gpunet.device.testing import schedule as S
 from gpunet.device.testing.ordering_ref import check_schedule, prepare_schedule
-from gpunet.host.softnic import SoftNic
+from gpunet.host.softnic import SoftNic, u8_view
 
 ROUNDS = 16                           # schedules per launch (each thread runs them back to back)
 EXAMPLES_PER_PROFILE_EXAMPLE = 13     # ci: 50 * 13 = 650 examples * 16 rounds = 10,400 schedules
@@ -189,6 +189,27 @@ def test_fault_mid_schedule_raises_and_drains(lib, collapsed):
         with pytest.raises(errors.CompletionError) as ei:
             run_case(lib, lb, 99, 2, 2, 32, 6)
         assert ei.value.qpn == lb.a.qpn
+
+
+@pytest.mark.parametrize("ws", [32, 64])
+def test_bad_pe_by_number_and_by_peer_ref_posts_nothing(lib, ws):
+    """A schedule naming pe 7 of a 2-PE world (every verb, half of them by number and half by the
+    PeerRef that gpunet::peer_ref took of it, schedule.cu): the host raises ConfigError naming
+    pe 7, nothing is posted (the QP's heads do not move) and no destination byte changes."""
+    with SoftNic() as nic:
+        lb = L.Loopback(nic, sq_wqebbs=16, timeout_s=5, heap_bytes=HEAP)
+        p = abi.alloc_struct(S.SchedParams)
+        prepare_schedule(lb, p, 7, ROUNDS, ws, 1, 8, S.MIX_ALL, 4, L.PEER)
+        p.pe = 7
+        results = np.zeros(ROUNDS * ws * 8, dtype=np.uint64)
+        violations = np.zeros(ws, dtype=np.uint64)
+        p.results, p.violations = results.ctypes.data, violations.ctypes.data
+        dst = u8_view(p.put_dst, ROUNDS * ws * p.region)
+        before, heads0 = dst.copy(), lb.heads()
+        with pytest.raises(errors.ConfigError, match=r"pe 7 is out of range \[0, 2\)"):
+            S.run_schedule(lib, lb, p, dops.Launch(grid=1, block=ws, warp_size=ws))
+        assert lb.heads() == heads0
+        assert np.array_equal(dst, before)
 
 
 def test_zz_schedule_count(request):

@@ -103,6 +103,30 @@ GPUNET_DEVICE const PeerDesc* peer(const DevCtx& ctx, const Waiter& w, int pe, b
   }
   return p;
 }
+}  // namespace api
+
+// A PE's descriptor held by the caller (gpunet.cuh peer_ref): every verb that names a PE also
+// takes one instead of the number, and then reads no PeerDesc from memory. Valid for the kernel
+// that took it (the host writes the descriptors only before a launch). pe < 0: not a usable PE
+// (the bad argument was recorded when it was taken).
+struct PeerRef {
+  PeerDesc desc;
+  int pe;
+};
+
+namespace api {
+// What a verb resolves its PE argument to: the descriptor (nullptr: not usable) and the number.
+struct PeerArg {
+  const PeerDesc* p;
+  int pe;
+};
+GPUNET_DEVICE PeerArg take(const DevCtx& ctx, const Waiter& w, int pe, bool record = true) {
+  return PeerArg{peer(ctx, w, pe, record), pe};
+}
+// A held descriptor: checked when peer_ref took it, so nothing is loaded or recorded here.
+GPUNET_DEVICE PeerArg take(const DevCtx&, const Waiter&, const PeerRef& r, bool = true) {
+  return PeerArg{r.pe >= 0 ? &r.desc : nullptr, r.pe};
+}
 GPUNET_DEVICE uint64_t heap_off(const DevCtx& ctx, const void* local) {
   return uint64_t(uintptr_t(local)) - ctx.local_base;
 }

@@ -36,12 +36,13 @@
 //     argument checks). put_signal_nbi with 0 bytes posts only the signal's atomic.
 //
 // Transports: each PE has one explicit kind (PeerDesc::kind, devctx.cuh). Every verb that names a
-// PE checks it (api::peer) and then dispatches ONCE (dispatch() below, one switch) to the
-// transport's function of the same name: transport/ibgda.cuh (GPU-initiated posting) or
-// transport/proxy.cuh (a CPU proxy posts) or transport/p2p.cuh (stores into the PE's heap mapped
-// here; on the c500 profile stores only: get, atomics and ADD signals to such a PE fail). Code above this header — ops kernels, EP kernels, user
-// kernels — includes gpunet.cuh only (tests/test_include_rule.py), so the transports can change
-// beneath it.
+// PE (by number, or by a PeerRef: peer_ref below) checks it (api::take) and then dispatches ONCE
+// (dispatch() below, one switch) to the transport's function of the same name:
+// transport/ibgda.cuh (GPU-initiated posting) or transport/proxy.cuh (a CPU proxy posts) or
+// transport/p2p.cuh (stores into the PE's heap mapped here; on the c500 profile stores only:
+// get, atomics and ADD signals to such a PE fail). Code above this header — ops kernels, EP
+// kernels, user kernels — includes gpunet.cuh only (tests/test_include_rule.py), so the
+// transports can change beneath it.
 #pragma once
 
 #include <stdint.h>
@@ -76,33 +77,56 @@ GPUNET_DEVICE bool all_transports(Op op) {
   return ok;
 }
 
+// ---- peers -----------------------------------------------------------------------------------
+
+// Every verb below that names a PE takes its number `pe` or a PeerRef from peer_ref(ctx, pe): the
+// PE's descriptor copied into the caller's registers, once. With the number, each call loads the
+// PeerDesc from device memory before anything else it does, and after a wait's acquire (which
+// empties L1) that load is one more L2 round trip in front of the source's: a kernel that waits
+// and then puts, over and over, takes the PeerRef once (bench/p2p.py's ping-pong, mode 8). The
+// PeerRef is valid for the kernel that took it. A bad pe is recorded here (as a verb records it)
+// and the PeerRef's verbs then return false.
+GPUNET_DEVICE PeerRef peer_ref(const DevCtx& ctx, int pe) {
+  PeerRef r{};
+  const PeerDesc* p = api::peer(ctx, api::waiter(ctx), pe);
+  r.pe = p ? pe : -1;
+  if (p) r.desc = *p;
+  return r;
+}
+
 // ---- puts and gets ---------------------------------------------------------------------------
 
 // RDMA WRITE of [src, src+nbytes) (local heap) to dst_sym on `pe`. Non-blocking: complete at
 // quiet(); src must stay unchanged until then. In order with earlier ops to the same pe.
-GPUNET_DEVICE bool put_nbi(const DevCtx& ctx, void* dst_sym, const void* src, uint64_t nbytes, int pe) {
+template <class PE>
+GPUNET_DEVICE bool put_nbi(const DevCtx& ctx, void* dst_sym, const void* src, uint64_t nbytes, const PE& pe) {
   const Waiter w = api::waiter(ctx);
-  const PeerDesc* p = api::peer(ctx, w, pe);
-  return p && dispatch(p->kind, [&](auto t) { return t.put_nbi(ctx, w, *p, pe, dst_sym, src, nbytes); });
+  const api::PeerArg a = api::take(ctx, w, pe);
+  const PeerDesc* p = a.p;
+  return p && dispatch(p->kind, [&](auto t) { return t.put_nbi(ctx, w, *p, a.pe, dst_sym, src, nbytes); });
 }
 
 // RDMA WRITE with the payload copied into the WQE (nbytes <= kMaxInline): src may be reused as
 // soon as it returns. Delivery: at quiet(), in order with earlier ops to the same pe.
+template <class PE>
 GPUNET_DEVICE bool put_inline_nbi(const DevCtx& ctx, void* dst_sym, const void* src, uint32_t nbytes,
-                                  int pe) {
+                                  const PE& pe) {
   const Waiter w = api::waiter(ctx);
-  const PeerDesc* p = api::peer(ctx, w, pe);
+  const api::PeerArg a = api::take(ctx, w, pe);
+  const PeerDesc* p = a.p;
   return p && dispatch(p->kind, [&](auto t) {
-           return t.put_inline_nbi(ctx, w, *p, pe, dst_sym, src, nbytes);
+           return t.put_inline_nbi(ctx, w, *p, a.pe, dst_sym, src, nbytes);
          });
 }
 
 // RDMA READ of src_sym on `pe` into [dst, dst+nbytes) (local heap). Non-blocking: dst holds the
 // data after quiet().
-GPUNET_DEVICE bool get_nbi(const DevCtx& ctx, void* dst, const void* src_sym, uint64_t nbytes, int pe) {
+template <class PE>
+GPUNET_DEVICE bool get_nbi(const DevCtx& ctx, void* dst, const void* src_sym, uint64_t nbytes, const PE& pe) {
   const Waiter w = api::waiter(ctx);
-  const PeerDesc* p = api::peer(ctx, w, pe);
-  return p && dispatch(p->kind, [&](auto t) { return t.get_nbi(ctx, w, *p, pe, dst, src_sym, nbytes); });
+  const api::PeerArg a = api::take(ctx, w, pe);
+  const PeerDesc* p = a.p;
+  return p && dispatch(p->kind, [&](auto t) { return t.get_nbi(ctx, w, *p, a.pe, dst, src_sym, nbytes); });
 }
 
 // put then signal: the payload, then the signal on the 8-byte word sig_sym on `pe`: SIGNAL_ADD
@@ -111,13 +135,15 @@ GPUNET_DEVICE bool get_nbi(const DevCtx& ctx, void* dst, const void* src_sym, ui
 // transports post both as one reservation on the pe's QP (or channel). A receiver that sees the
 // signal reach k (wait_until) sees every payload put to it before that signal (in-order RC
 // execution; p2p: a system fence between payload and signal). Non-blocking.
+template <class PE>
 GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, void* dst_sym, const void* src, uint64_t nbytes,
-                                  uint64_t* sig_sym, uint64_t value, int pe,
+                                  uint64_t* sig_sym, uint64_t value, const PE& pe,
                                   uint32_t sig_op = SIGNAL_ADD) {
   const Waiter w = api::waiter(ctx);
-  const PeerDesc* p = api::peer(ctx, w, pe);
+  const api::PeerArg a = api::take(ctx, w, pe);
+  const PeerDesc* p = a.p;
   return p && dispatch(p->kind, [&](auto t) {
-           return t.put_signal_nbi(ctx, w, *p, pe, dst_sym, src, nbytes, sig_sym, value, sig_op);
+           return t.put_signal_nbi(ctx, w, *p, a.pe, dst_sym, src, nbytes, sig_sym, value, sig_op);
          });
 }
 
@@ -129,16 +155,18 @@ GPUNET_DEVICE bool put_signal_nbi(const DevCtx& ctx, void* dst_sym, const void* 
 // the same pe; complete (and visible) when it returns. Uses the result slot of this thread
 // (global thread id modulo ctx.scratch_slots): the context needs at least as many slots as
 // threads that may call it at the same time.
-GPUNET_DEVICE uint64_t atomic_fetch_add(const DevCtx& ctx, uint64_t* sym_addr, uint64_t v, int pe,
+template <class PE>
+GPUNET_DEVICE uint64_t atomic_fetch_add(const DevCtx& ctx, uint64_t* sym_addr, uint64_t v, const PE& pe,
                                         bool* ok = nullptr) {
   const Waiter w = api::waiter(ctx);
   if (ok) *ok = false;
-  const PeerDesc* p = api::peer(ctx, w, pe);
+  const api::PeerArg a = api::take(ctx, w, pe);
+  const PeerDesc* p = a.p;
   if (!p) return 0;
   uint64_t* result = api::result_slot(ctx);
   uint64_t old = 0;
   if (!dispatch(p->kind, [&](auto t) {
-        return t.atomic_fetch_add(ctx, w, *p, pe, sym_addr, v, result, &old);
+        return t.atomic_fetch_add(ctx, w, *p, a.pe, sym_addr, v, result, &old);
       }))
     return 0;
   if (ok) *ok = true;
@@ -213,9 +241,11 @@ GPUNET_DEVICE bool quiet(const DevCtx& ctx) {
 }
 
 // Complete every operation issued before it to `pe` only.
-GPUNET_DEVICE bool quiet_pe(const DevCtx& ctx, int pe) {
+template <class PE>
+GPUNET_DEVICE bool quiet_pe(const DevCtx& ctx, const PE& pe) {
   const Waiter w = api::waiter(ctx);
-  const PeerDesc* p = api::peer(ctx, w, pe);
+  const api::PeerArg a = api::take(ctx, w, pe);
+  const PeerDesc* p = a.p;
   return p && dispatch(p->kind, [&](auto t) { return t.quiet_pe(ctx, w, *p, pe); });
 }
 
@@ -244,9 +274,11 @@ struct maps_peer<transport::P2p> {
 // NIC peer (only the verbs reach it), a bad pe or an address outside the heap (nothing recorded).
 // Plain stores through it are like a p2p put's: visible at the PE after fence / quiet / a signal
 // to it. Kernels that move rows use it to skip staging: the source need not be in the heap.
-GPUNET_DEVICE void* ptr(const DevCtx& ctx, const void* sym, int pe) {
+template <class PE>
+GPUNET_DEVICE void* ptr(const DevCtx& ctx, const void* sym, const PE& pe) {
   const Waiter w = api::waiter(ctx);
-  const PeerDesc* p = api::peer(ctx, w, pe, false);
+  const api::PeerArg a = api::take(ctx, w, pe, false);
+  const PeerDesc* p = a.p;
   if (!p || api::heap_off(ctx, sym) >= ctx.heap_bytes) return nullptr;
   return dispatch(p->kind, [&](auto t) -> void* {
     if constexpr (api::maps_peer<decltype(t)>::value)
@@ -262,16 +294,18 @@ GPUNET_DEVICE void* ptr(const DevCtx& ctx, const void* sym, int pe) {
 // up to warp_size chunks of >= GPUNET_WARP_MIN_CHUNK bytes, one WQE per lane, posted with ONE
 // reservation (qp.cuh post_warp); proxy: lane 0 pushes one command. Same guarantees as put_nbi;
 // returns the same bool on all lanes.
-GPUNET_DEVICE bool put_nbi_warp(const DevCtx& ctx, void* dst_sym, const void* src, uint64_t nbytes, int pe) {
+template <class PE>
+GPUNET_DEVICE bool put_nbi_warp(const DevCtx& ctx, void* dst_sym, const void* src, uint64_t nbytes, const PE& pe) {
   const Waiter w = api::waiter(ctx);
-  const PeerDesc* p = api::peer(ctx, w, pe, false);
+  const api::PeerArg a = api::take(ctx, w, pe, false);
+  const PeerDesc* p = a.p;
   if (!p) {
-    if (arch::lane_id() == 0) api::peer(ctx, w, pe);  // records the bad argument once
+    if (arch::lane_id() == 0) api::take(ctx, w, pe);  // records the bad argument once
     arch::syncwarp();
     return false;
   }
   if (nbytes == 0) return arch::all(!failed(w));
-  return dispatch(p->kind, [&](auto t) { return t.put_nbi_warp(ctx, w, *p, pe, dst_sym, src, nbytes); });
+  return dispatch(p->kind, [&](auto t) { return t.put_nbi_warp(ctx, w, *p, a.pe, dst_sym, src, nbytes); });
 }
 
 // Every thread of the block calls it with the same arguments (converged; it contains a block
@@ -279,16 +313,18 @@ GPUNET_DEVICE bool put_nbi_warp(const DevCtx& ctx, void* dst_sym, const void* sr
 // wrapper's large puts and EP-style kernels use); ibgda: one piece per warp, each posted with
 // put_nbi_warp; proxy: thread 0 pushes one command. Same guarantees as put_nbi; returns the same
 // bool on every thread of the block.
+template <class PE>
 GPUNET_DEVICE bool put_nbi_block(const DevCtx& ctx, void* dst_sym, const void* src, uint64_t nbytes,
-                                 int pe) {
+                                 const PE& pe) {
   const Waiter w = api::waiter(ctx);
-  const PeerDesc* p = api::peer(ctx, w, pe, false);
+  const api::PeerArg a = api::take(ctx, w, pe, false);
+  const PeerDesc* p = a.p;
   if (!p) {
-    if (arch::thread_rank() == 0) api::peer(ctx, w, pe);  // records the bad argument once
+    if (arch::thread_rank() == 0) api::take(ctx, w, pe);  // records the bad argument once
     return !arch::block_any(true);
   }
   if (nbytes == 0) return !arch::block_any(failed(w));
-  return dispatch(p->kind, [&](auto t) { return t.put_nbi_block(ctx, w, *p, pe, dst_sym, src, nbytes); });
+  return dispatch(p->kind, [&](auto t) { return t.put_nbi_block(ctx, w, *p, a.pe, dst_sym, src, nbytes); });
 }
 
 }  // namespace gpunet

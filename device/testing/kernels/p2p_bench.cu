@@ -29,6 +29,11 @@
 //     MODE_VERB_PREFETCH as MODE_VERBS, the send preceded by L1 prefetches of the source and of
 //                       the peer's PeerDesc (CUDA prefetch.global.L1; elsewhere nothing): is the
 //                       verb's extra time its dependent loads after the wait's acquire?
+//     MODE_VERBS_HELD   as MODE_VERBS, the peer named by a PeerRef taken once before the loop
+//                       (gpunet::peer_ref): the send loads no PeerDesc, so after the wait's
+//                       acquire the source's load is the first memory round trip, as in the raw
+//                       send. The figure held to the target (what a kernel that waits and puts in
+//                       a loop writes; MODE_VERBS beside it is the by-number form).
 //               The raw modes need both heaps mapped here (a p2p peer); their waits are bounded
 //               by the context's timeout like any wait (a timeout is recorded as SITE_WAIT_UNTIL).
 //
@@ -43,7 +48,7 @@ namespace {
 
 enum : uint32_t {
   MODE_VERBS = 0, MODE_VERBS_PTR = 1, MODE_RAW_ACQ = 2, MODE_RAW_RELAXED = 3, MODE_RAW_PAUSE = 4,
-  MODE_SEND_VERB = 5, MODE_WAIT_VERB = 6, MODE_VERB_PREFETCH = 7,
+  MODE_SEND_VERB = 5, MODE_WAIT_VERB = 6, MODE_VERB_PREFETCH = 7, MODE_VERBS_HELD = 8,
 };
 
 // Bounded poll of `word` until it is >= v (raw modes). false (and a recorded timeout) after
@@ -85,12 +90,13 @@ GPUNET_DEVICE void raw_send(uint8_t* peer_buf, const uint8_t* buf, uint32_t nbyt
 GPUNET_DEVICE bool run(const DevCtx& c, uint8_t* buf, uint64_t* sig, uint64_t base, uint32_t iters,
                        uint32_t warmup, uint32_t nbytes, int32_t peer, uint32_t ping, uint32_t mode,
                        uint64_t* out) {
-  const bool raw = mode >= MODE_RAW_ACQ;
-  const bool verb_send = mode <= MODE_VERBS_PTR || mode == MODE_SEND_VERB || mode == MODE_VERB_PREFETCH;
-  const bool verb_wait = mode <= MODE_VERBS_PTR || mode == MODE_WAIT_VERB || mode == MODE_VERB_PREFETCH;
+  const bool raw = mode >= MODE_RAW_ACQ && mode <= MODE_WAIT_VERB;
+  const bool verb_send = !raw || mode == MODE_SEND_VERB;
+  const bool verb_wait = !raw || mode == MODE_WAIT_VERB;
+  const gpunet::PeerRef held = gpunet::peer_ref(c, peer);  // MODE_VERBS_HELD's
   const void* peer_desc = gpunet::api::peers(c) + peer;
   (void)peer_desc;  // read by MODE_VERB_PREFETCH on CUDA only
-  const uint32_t poll = mode >= MODE_SEND_VERB ? uint32_t(MODE_RAW_ACQ) : mode;
+  const uint32_t poll = mode == MODE_SEND_VERB || mode == MODE_WAIT_VERB ? uint32_t(MODE_RAW_ACQ) : mode;
   uint8_t* peer_buf = static_cast<uint8_t*>(gpunet::ptr(c, buf, peer));
   uint64_t* peer_sig = static_cast<uint64_t*>(gpunet::ptr(c, sig, peer));
   bool ok = !raw || (peer_buf && peer_sig);
@@ -102,6 +108,8 @@ GPUNET_DEVICE bool run(const DevCtx& c, uint8_t* buf, uint64_t* sig, uint64_t ba
       asm volatile("prefetch.global.L1 [%0];" ::"l"(peer_desc));
     }
 #endif
+    if (mode == MODE_VERBS_HELD)
+      return gpunet::put_signal_nbi(c, buf, buf, nbytes, &sig[to], v, held, gpunet::SIGNAL_SET);
     if (verb_send)
       return gpunet::put_signal_nbi(c, buf, buf, nbytes, &sig[to], v, peer, gpunet::SIGNAL_SET);
     raw_send(peer_buf, buf, nbytes, &peer_sig[to], v);
@@ -145,7 +153,7 @@ extern "C" {
 int gpunet_bench_pingpong(uint32_t warp_size, const DevCtx* ctx, void* buf, uint64_t* sig,
                           uint64_t base, uint32_t iters, uint32_t warmup, uint32_t nbytes,
                           int32_t peer, uint32_t ping, uint32_t mode, uint64_t* out, void* stream) {
-  if (mode > MODE_VERB_PREFETCH || (nbytes & 7) != 0) return -1;
+  if (mode > MODE_VERBS_HELD || (nbytes & 7) != 0) return -1;
   gpunet::LaunchSpec s;
   s.warp_size = warp_size;
   s.stream = stream;

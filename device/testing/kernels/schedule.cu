@@ -72,6 +72,10 @@ GPUNET_GLOBAL void k_schedule(const DevCtx* ctxp, const SchedParams* pp) {
   uint64_t* results = reinterpret_cast<uint64_t*>(p.results);
   uint64_t* violations = reinterpret_cast<uint64_t*>(p.violations);
   bool ok = true;
+  // Each op names the peer by number or by this PeerRef (hash bit 7; warp puts: odd rounds), so
+  // every schedule runs both forms of every verb (gpunet.cuh peer_ref).
+  const gpunet::PeerRef ref = gpunet::peer_ref(ctx, int(p.pe));
+  auto with_pe = [&](bool held, auto f) { return held ? f(ref) : f(int(p.pe)); };
   for (uint32_t r = 0; r < p.rounds; ++r) {
     uint64_t nsig = 0;
     for (uint32_t i = 0; i < p.ops; ++i) {
@@ -84,8 +88,10 @@ GPUNET_GLOBAL void k_schedule(const DevCtx* ctxp, const SchedParams* pp) {
         const uint64_t dst = p.warp_dst + (uint64_t(r) * nwarps + gwarp) * p.warp_region + off;
         const uint64_t src = p.wsrc + gwarp * p.warp_region + off;
         const bool all_ok = arch::all(ok);
-        ok = all_ok && gpunet::put_nbi_warp(ctx, reinterpret_cast<void*>(dst),
-                                            reinterpret_cast<const void*>(src), size, int(p.pe));
+        ok = all_ok && with_pe(r & 1, [&](const auto& pe) {
+               return gpunet::put_nbi_warp(ctx, reinterpret_cast<void*>(dst),
+                                           reinterpret_cast<const void*>(src), size, pe);
+             });
         continue;
       }
       if (!ok) continue;
@@ -99,26 +105,36 @@ GPUNET_GLOBAL void k_schedule(const DevCtx* ctxp, const SchedParams* pp) {
       const uint64_t soff = (h >> 44) % (p.region - size + 1);
       const uint64_t src = p.src + g * p.region + soff;
       const uint64_t dst = p.put_dst + (uint64_t(r) * p.nthreads + g) * p.region + off;
+      const bool held = (h >> 7) & 1;
       switch (kind) {
         case K_PUT:
-          ok = gpunet::put_nbi(ctx, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), size,
-                               int(p.pe));
+          ok = with_pe(held, [&](const auto& pe) {
+            return gpunet::put_nbi(ctx, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                                   size, pe);
+          });
           break;
         case K_INLINE:
-          ok = gpunet::put_inline_nbi(ctx, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                                      uint32_t(size), int(p.pe));
+          ok = with_pe(held, [&](const auto& pe) {
+            return gpunet::put_inline_nbi(ctx, reinterpret_cast<void*>(dst),
+                                          reinterpret_cast<const void*>(src), uint32_t(size), pe);
+          });
           break;
         case K_GET: {
           const uint64_t ldst = p.get_dst + (uint64_t(r) * p.nthreads + g) * p.region + off;
           const uint64_t rsrc = p.get_src + g * p.region + soff;
-          ok = gpunet::get_nbi(ctx, reinterpret_cast<void*>(ldst), reinterpret_cast<const void*>(rsrc), size,
-                               int(p.pe));
+          ok = with_pe(held, [&](const auto& pe) {
+            return gpunet::get_nbi(ctx, reinterpret_cast<void*>(ldst),
+                                   reinterpret_cast<const void*>(rsrc), size, pe);
+          });
           break;
         }
         case K_SIGNAL: {
           const uint64_t sig = p.sig + (uint64_t(r) * p.nthreads + g) * 8;
-          ok = gpunet::put_signal_nbi(ctx, reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                                      size, reinterpret_cast<uint64_t*>(sig), 1, int(p.pe));
+          ok = with_pe(held, [&](const auto& pe) {
+            return gpunet::put_signal_nbi(ctx, reinterpret_cast<void*>(dst),
+                                          reinterpret_cast<const void*>(src), size,
+                                          reinterpret_cast<uint64_t*>(sig), 1, pe);
+          });
           ++nsig;
           if (ok && p.check_every && ((h >> 56) % p.check_every) == 0) {
             // Receiver role (the peer's memory is in this process): once the signal reads >= nsig,
@@ -141,7 +157,9 @@ GPUNET_GLOBAL void k_schedule(const DevCtx* ctxp, const SchedParams* pp) {
           const uint64_t c = p.counters + ((h >> 20) % p.ncounters) * 8;
           const uint64_t add = 1 + ((h >> 32) % 1000);
           bool aok = false;
-          const uint64_t old = gpunet::atomic_fetch_add(ctx, reinterpret_cast<uint64_t*>(c), add, int(p.pe), &aok);
+          const uint64_t old = with_pe(held, [&](const auto& pe) {
+            return gpunet::atomic_fetch_add(ctx, reinterpret_cast<uint64_t*>(c), add, pe, &aok);
+          });
           ok = aok;
           if (ok) results[(uint64_t(r) * p.nthreads + g) * p.ops + i] = old;
           break;
