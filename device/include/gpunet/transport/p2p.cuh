@@ -133,6 +133,17 @@ struct P2p {
   template <uint32_t Unroll = kUnroll, bool Plain = false>
   static GPUNET_DEVICE void copy(uint8_t* dst, const uint8_t* src, uint64_t n, uint32_t me,
                                  uint32_t count) {
+    // One thread, one or two 8-byte-aligned words (a flag, a value, an index: the small puts a
+    // kernel makes between waits): both loads, then both stores, without the alignment ladder
+    // below, whose integer work sits between a wait's acquire and the signal.
+    if (count == 1 && (n == 8 || n == 16) && ((uintptr_t(dst) | uintptr_t(src)) & 7) == 0) {
+      const uint64_t* s = reinterpret_cast<const uint64_t*>(src);
+      uint64_t* d = reinterpret_cast<uint64_t*>(dst);
+      const uint64_t a = s[0], b = n == 16 ? s[1] : 0;
+      arch::store_relaxed(d, a);
+      if (n == 16) arch::store_relaxed(d + 1, b);
+      return;
+    }
     const uintptr_t mis = uintptr_t(dst) ^ uintptr_t(src);
     uint32_t unit = (mis & 15) == 0 ? 16 : (mis & 7) == 0 ? 8 : (mis & 3) == 0 ? 4
                     : (mis & 1) == 0 ? 2 : 1;
