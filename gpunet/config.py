@@ -27,6 +27,12 @@ KNOBS = (
          "coherence model of the soft NIC on the CPU or CUDA platform (default: nvidia; MACA is c500)"),
     Knob("GPUNET_SOFTNIC_ATOMIC_ENDIANNESS", "env", "choice", "host", ("host", "big"),
          "the soft NIC's 8-byte atomics (and so signal words): native order, or big-endian (IB wire)"),
+    Knob("GPUNET_HEAP_MEMORY", "env", "choice", "auto", ("auto", "device"),
+         "the symmetric heap's memory: auto (CUDA: device memory when a peer may be p2p, else "
+         "host-mapped; CPU: the soft NIC's arena) or device (device memory for every world; on "
+         "the CPU the arena heap is registered with the soft NIC as device memory, so its engine "
+         "moves every byte of it through the copy-engine hook: the CUDA device-heap paths' test "
+         "bench)"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),

@@ -22,7 +22,8 @@ Platforms (host/platform.py decides; GPUNET_PLATFORM=cpu forces the CPU):
   names that call, not the failed put). Heap tensors are CUDA tensors (``device="cuda"``) over
   ordinary DEVICE memory when some peer may be p2p (asked, or "auto": cudaMalloc of the
   policy's p2p_dst kind), fast for the user's kernels; a world asked for NIC transports only
-  keeps them over the soft NIC's HOST-MAPPED arena (see _setup_local for why). p2p peers open each other's heaps by CUDA IPC handles exchanged
+  keeps them over the soft NIC's HOST-MAPPED arena (see _heap_in_device_memory for why;
+  GPUNET_HEAP_MEMORY=device gives it device memory anyway). p2p peers open each other's heaps by CUDA IPC handles exchanged
   over the bootstrap and the kernels store into them directly. NIC peers (ibgda / proxy) reach
   it as a NIC reaches GPU memory: the soft NIC's engine moves the bytes with the CUDA runtime
   (SoftNic.attach_copy_engine: cudaMemcpyAsync on its own non-blocking stream, as a NIC's DMA
@@ -60,7 +61,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gpunet import _launch
+from gpunet import _launch, config
 from gpunet.device import abi
 from gpunet.device.descriptors import DeviceContext
 from gpunet.errors import ClosedError, ConfigError, GpunetError
@@ -300,13 +301,7 @@ class Context(Resource):
                               % (MAX_RANKS, self.world_size))
         self.platform = get_platform()
         self._gpu = self.platform.name == "cuda"
-        # CUDA: the heap is ordinary device memory when any peer may be p2p (asked, or "auto",
-        # which is p2p for this rank itself), fast for the user's kernels: p2p peers open it by
-        # CUDA IPC, NIC peers reach it as a NIC reaches GPU memory (the soft NIC's copy engine, a
-        # real NIC's dma-buf registration). A world asked for NIC transports only keeps the
-        # host-mapped heap: EP over the soft NIC's copy engine on a device heap lost a peer's
-        # messages on the H200 (tests/test_ep_cuda.py two ranks over ibgda, 2026-12-02).
-        self._device_heap = self._gpu and self._maybe_p2p(transport)
+        self._device_heap = self._heap_in_device_memory(transport)
         if self.platform.name not in ("cpu", "cuda"):
             raise ConfigError("gpunet.init on %s: the Python API runs on the CPU and CUDA platforms "
                               "in this release (the MACA arm is unverified); set GPUNET_PLATFORM=cpu "
@@ -320,14 +315,26 @@ class Context(Resource):
                               % (warp_size, self.platform.name, self.platform.warp_size))
         self.nic = self._adopt(open_nic(nic, profile=self.platform.profile,
                                         retry_timeout_s=min(timeout_s / 2, 2.0),
-                                        arena_bytes=(0 if self._device_heap else heap_bytes)
-                                        + NIC_EXTRA_BYTES,
+                                        arena_bytes=(0 if self._device_heap and self._gpu
+                                                     else heap_bytes) + NIC_EXTRA_BYTES,
                                         name="rank%d" % self.rank), "NIC")
         self._mem = self._mapping = None     # descriptors: HOST arm = the host structs themselves
         if self._gpu:
             self._setup_gpu_memory()
+        elif self._device_heap:
+            self._attach_copy_engine()
         self.heap_bytes, self.timeout_s = heap_bytes, timeout_s
-        if self._device_heap:
+        if self._device_heap and not self._gpu:
+            # CPU, GPUNET_HEAP_MEMORY=device: the heap stays in the arena (peers map it by name,
+            # as p2p does), but the NIC is told it is device memory, so its engine reaches it
+            # only through the copy engine (a memmove stand-in): the paths a CUDA device heap
+            # takes, on the HOST arm
+            buf = self.nic.alloc(heap_bytes, 4096)
+            self.heap_base = buf.ctypes.data
+            mr = self.nic.reg_mr(self.heap_base, heap_bytes, device_memory=True,
+                                 kind=self.platform.policy("p2p_dst").kind)
+            self._lkey, self._rkey = mr.lkey, mr.rkey
+        elif self._device_heap:
             buf = None
             self.heap_base = self._setup_device_heap(heap_bytes)
             # NIC peers reach it as a NIC reaches GPU memory (GPUDirect): the soft NIC's engine
@@ -374,6 +381,44 @@ class Context(Resource):
                                  mem=self._mem, mapping=self._mapping)
         self._launcher.dev = self._dev
 
+    def _heap_in_device_memory(self, transport):
+        """Whether this rank's heap is device memory (GPUNET_HEAP_MEMORY; ``_device_heap``).
+
+        "auto" on CUDA: ordinary device memory when any peer may be p2p (asked, or "auto", which
+        is p2p for this rank itself), fast for the user's kernels: p2p peers open it by CUDA IPC,
+        NIC peers reach it as a NIC reaches GPU memory (the soft NIC's copy engine, a real NIC's
+        dma-buf registration). A world asked for NIC transports only keeps the host-mapped heap:
+        EP over the soft NIC's copy engine on a device heap lost a peer's messages on the H200
+        (tests/test_ep_cuda.py two ranks over ibgda, 2026-12-02). "auto" on the CPU: the arena.
+
+        "device": device memory whatever the transports. On the CPU that is the arena heap
+        registered with the soft NIC as device memory (reg_mr(device_memory=True)) and reached
+        by its engine only through the CPU platform's copy engine, with every host-side reader
+        (gpunet.ep.Buffer's control mirror) taking the device-heap path: the test bench of the
+        CUDA device heap's paths (tests/test_ep_ll.py's device-heap rounds)."""
+        try:
+            choice = config.get("GPUNET_HEAP_MEMORY")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if choice == "device":
+            if not self._gpu and self.platform.profile != "nvidia":
+                raise ConfigError("GPUNET_HEAP_MEMORY=device on the CPU needs the nvidia profile "
+                                  "(the c500 model keeps CPU images of device memory instead), "
+                                  "not GPUNET_PROFILE=%s" % self.platform.profile)
+            return True
+        return self._gpu and self._maybe_p2p(transport)
+
+    def _attach_copy_engine(self):
+        """How the NIC's engine reaches device memory (this rank's heap, or a peer's), as a NIC's
+        DMA does over GPUDirect: the platform's copy engine (on the CPU a memmove stand-in); a
+        NIC without the hook (a real one) reaches device memory by its own DMA."""
+        attach = getattr(self.nic, "attach_copy_engine", None)
+        if attach is not None:
+            attach(self.platform.copy_engine())
+        elif not self._gpu:
+            raise ConfigError("GPUNET_HEAP_MEMORY=device on the CPU needs the soft NIC (its copy "
+                              "engine hook), not %s" % type(self.nic).__name__)
+
     def _maybe_p2p(self, transport):
         """True when ``transport`` asks p2p or "auto" for some peer (this rank included)."""
         return any(peer_transport(transport, self.rank, p) in ("p2p", "auto")
@@ -406,11 +451,7 @@ class Context(Resource):
                               "driver), because the NIC and the GPU use the same heap addresses"
                               % ", ".join("0x%x -> 0x%x" % (b, d) for b, _, d in self._mapping.ranges))
         self._mem = self._adopt(DeviceMemory(self.platform), "device descriptors")
-        # how the NIC's engine reaches device memory (this rank's heap, or a peer's), as a NIC's
-        # DMA does over GPUDirect; a NIC without one reaches host memory only
-        attach = getattr(self.nic, "attach_copy_engine", None)
-        if attach is not None:
-            attach(self.platform.copy_engine())
+        self._attach_copy_engine()
 
     # --- lifetime -----------------------------------------------------------------------------
     _connected = False                   # init completed on every rank (set by _setup)

@@ -104,7 +104,13 @@ class SymmetricHeap:
             if self.device == "cuda":
                 whole = _cuda_view(self.base + off, size, self._owner)
                 if self.buf is None:
-                    whole.zero_()          # device heap: on the current stream, as alloc syncs it
+                    # device heap: a fill on the current stream, then WAITED for. Context.alloc's
+                    # sync comes before it, and a peer may store into the range (NIC or p2p) as
+                    # soon as the alloc's exchange returns on its side: a fill still queued then
+                    # would erase the peer's first rows and signals after they landed.
+                    # tests/test_heap_zero.py
+                    whole.zero_()
+                    torch.cuda.current_stream().synchronize()
             else:
                 whole = torch.frombuffer(memoryview(self.buf[off:off + size]), dtype=torch.uint8)
             t = whole[:nbytes].view(dtype).reshape(dims)

@@ -280,11 +280,11 @@ class Transports(Resource):
                 "gpu": _gpu_identity() if self._gpu else None, "pid": os.getpid()}
 
     def _exported(self):
-        """Whether a peer may map this rank's heap: a p2p peer, a peer "auto" may make p2p, or on
-        a GPU with a device heap any other peer (a soft NIC maps it for its copy engine)."""
+        """Whether a peer may map this rank's heap: a p2p peer, a peer "auto" may make p2p, or
+        with a device heap any other peer (a soft NIC maps it for its copy engine)."""
         others = [p for p in range(self.world_size) if p != self.rank]
         return any(self.kinds[p] == "p2p" or p in self._auto for p in others) or \
-            bool(self._gpu and self._device_heap and others)
+            bool(self._device_heap and others)
 
     def connect(self, everyone, dev, local_heap, mem=None, mapping=None):
         """Connect every QP to its partner on the peer and fill ``dev`` (a DeviceContext): per
@@ -367,15 +367,18 @@ class Transports(Resource):
         dev.set_peer_p2p(p, m.base, store_only, keep=m, same_device=same)
 
     def _map_for_nic(self, p, everyone):
-        """NIC peer ``p``'s heap is device memory (CUDA) and this rank's NIC is a soft NIC: map
-        the heap here by its IPC handle and tell the NIC where (Nic.add_peer_memory), so that
+        """NIC peer ``p``'s heap is device memory and this rank's NIC is a soft NIC: map the heap
+        here (CUDA: by its IPC handle; CPU: the peer arena's range) and tell the NIC where
+        (Nic.add_peer_memory), so that
         this rank's soft NIC engine, which executes the RDMA writes, reads and atomics towards
         ``p`` itself, reaches it through its copy engine, as a responder NIC would by DMA. The
         mapping is a child, closed with the transports."""
         from gpunet.host.platform import VendorRuntimeError
         try:
-            m = self.platform.ipc_open(everyone[p]["p2p"], everyone[p]["heap_bytes"],
-                                       pid=everyone[p].get("pid"))
+            # CPU (GPUNET_HEAP_MEMORY=device): the peer's arena range, by name, as p2p maps it
+            m = (self.platform.ipc_open(everyone[p]["p2p"], everyone[p]["heap_bytes"],
+                                        pid=everyone[p].get("pid")) if self._gpu
+                 else self.nic.map_peer_heap(everyone[p]["p2p"]))
         except (ConfigError, VendorRuntimeError) as e:
             raise ConfigError("peer %d (%s): its heap is device memory and this rank cannot map "
                               "it for the soft NIC (%s); the peer must be on this machine, alive"
@@ -386,9 +389,11 @@ class Transports(Resource):
             if q is not None:
                 self.nic.add_peer_memory(q, everyone[p]["heap"], everyone[p]["heap_bytes"],
                                          m.base)
-        self.reasons[p] += "; its heap is device memory, mapped here (CUDA IPC) for the NIC"
+        self.reasons[p] += "; its heap is device memory, mapped here (%s) for the NIC" % (
+            "CUDA IPC" if self._gpu else "its arena")
         log.info("gpunet rank %d -> peer %d: %s over its device heap (the soft NIC's engine "
-                 "copies through the CUDA runtime)", self.rank, p, self.kinds[p])
+                 "copies through %s)", self.rank, p, self.kinds[p],
+                 "the CUDA runtime" if self._gpu else "the CPU platform's copy engine")
 
     def _setup_proxy(self, proxied, everyone, dev, local_heap):
         """One proxy channel per proxied peer, all drained by the proxy threads. Per peer, because

@@ -755,11 +755,14 @@ class Platform:
         """A :class:`CopyEngine` on ``device`` (default: torch's current one): the runtime's
         memcpy-async and stream-synchronize entry points and a non-blocking stream, for the soft
         NIC's engine thread to copy between host and device memory (CUDA cudaMemcpyAsync +
-        cudaStreamSynchronize; MACA mc*, *unverified*). ConfigError on the CPU platform (no
-        device memory there)."""
+        cudaStreamSynchronize; MACA mc*, *unverified*). CPU platform: a stand-in whose copy is
+        a native memmove and whose sync does nothing (rawmem.memmove_copy_engine), for a heap the
+        soft NIC is told is device memory (GPUNET_HEAP_MEMORY=device): every byte its engine
+        moves to or from that heap then goes through this hook, as on a GPU."""
         if self.name == "cpu":
-            raise ConfigError("the CPU platform has no device memory: the soft NIC copies with "
-                              "memmove there")
+            from gpunet.host.rawmem import memmove_copy_engine
+            copy_fn, sync_fn = memmove_copy_engine()
+            return CopyEngine(self, copy_fn, sync_fn, 0, 0)
         rt = self.runtime()
         api = rt.api
         if device is None:

@@ -375,3 +375,41 @@ def pin_current_thread(cpus=None):
             raise ConfigError("cannot pin a thread to CPUs %s: %s (allowed here: %s)"
                               % (sorted(want), e, sorted(os.sched_getaffinity(0)))) from None
     return {"tid": threading.get_native_id(), "cpus": sorted(os.sched_getaffinity(0))}
+
+
+# --- a copy engine in native code (the CPU platform's; host/platform.py Platform.copy_engine) ----
+_memmove_engine = None
+
+
+def memmove_copy_engine():
+    """(copy, sync) addresses of two native functions with the copy engine's C signatures
+    (host/platform.py CopyEngine): ``int copy(void* dst, const void* src, size_t n, int kind,
+    void* stream)`` does memmove(dst, src, n) and returns 0, ``int sync(void* stream)`` returns
+    0. Numba cfuncs, compiled once per process: the soft NIC's engine calls them without the GIL
+    (a ctypes callback would take it on every copy)."""
+    global _memmove_engine
+    if _memmove_engine is None:
+        from numba import cfunc
+
+        @cfunc(types.int32(types.voidptr, types.voidptr, types.uint64, types.int32, types.voidptr),
+               nopython=True, cache=True)
+        def _copy(dst, src, n, kind, stream):
+            c_memmove(_int_of(dst), _int_of(src), n)
+            return 0
+
+        @cfunc(types.int32(types.voidptr), nopython=True, cache=True)
+        def _sync(stream):
+            return 0
+
+        _memmove_engine = (_copy, _sync)            # the cfuncs keep their code alive
+    return _memmove_engine[0].address, _memmove_engine[1].address
+
+
+@intrinsic
+def _int_of(typingctx, p):
+    """A void* as an int64 address (c_memmove takes integer addresses)."""
+    sig = types.int64(p)
+
+    def codegen(context, builder, signature, args):
+        return builder.ptrtoint(args[0], ir.IntType(64))
+    return sig, codegen

@@ -82,6 +82,19 @@ def buffer_variants(state, variants, num_rdma_bytes):
     return out
 
 
+def heap_paths(state):
+    """How this rank's heap is reached: {device_heap (Context._device_heap), ctl_mirror (the
+    Buffer reads its control block through a copy), dma_copies and dma_error (the soft NIC's
+    copy-engine calls so far and its last error), dma_peers (peers whose heap this rank's NIC
+    maps for its copy engine)}."""
+    buf = state["ep_buf"]
+    ctx = buf.runtime
+    st = ctx.nic.stats()
+    return {"device_heap": ctx._device_heap, "ctl_mirror": buf._ctl_mirror,
+            "dma_copies": st.get("dma_copies", 0), "dma_error": st.get("dma_error", 0),
+            "dma_peers": sorted(ctx._transports.dma_heaps)}
+
+
 def close(state):
     buf = state.pop("ep_buf", None)
     if buf is not None:
@@ -481,7 +494,8 @@ TWO_RANK_ROUNDS = (dict(seed=3, t_max=8, hidden=256, topk=4, num_experts=8, hole
 def two_rank_rounds(transport, env):
     """Two rank processes (tests/mp_ranks.py) with ``env``: a Buffer over ``transport``, then a
     tagged BF16 round with -1 holes and an FP8 round with hooks; every rank's dispatch equals
-    gpunet.ep.reference's and combine is within DeepEP's calc_diff bounds. Returns the init info."""
+    gpunet.ep.reference's and combine is within DeepEP's calc_diff bounds. Returns the init info,
+    each rank's with "heap" (heap_paths after the rounds) added."""
     from mp_ranks import Ranks
 
     r = Ranks(2, env=env)
@@ -492,6 +506,8 @@ def two_rank_rounds(transport, env):
             for rank, o in enumerate(r.run("ep_jobs:round_", spec, timeout=300)):
                 assert o["raised"] is None and o["bad"] == [], (rank, o)
                 assert o["calc_diff"] < (9e-4 if spec.get("use_fp8") else 1e-5), (rank, o["calc_diff"])
+        for i, h in zip(info, r.run("ep_jobs:heap_paths", timeout=60)):
+            i["heap"] = h
         r.run("ep_jobs:close", timeout=120)
     finally:
         r.close()

@@ -636,6 +636,23 @@ def test_four_ranks_mixed_transports(mixed4, mode):
     _assert_round(mixed4.run("ep_jobs:round_", spec), spec)
 
 
+# ---- a device-memory heap (GPUNET_HEAP_MEMORY=device): the soft NIC's copy-engine paths -------
+@pytest.mark.parametrize("transport", ["ibgda", "proxy"])
+def test_two_ranks_over_a_device_heap_move_every_byte_through_the_copy_engine(transport):
+    """The CUDA device heap's paths on the HOST arm: each rank's heap registered with the soft NIC
+    as device memory (reg_mr(device_memory=True)), each NIC mapping the peer's heap for its copy
+    engine (add_peer_memory) and moving every byte of it through that hook (the CPU platform's
+    native memmove stand-in), the Buffer reading its control block through a copy (_ctl_mirror):
+    tests/test_ep_cuda.py::test_two_ranks_share_the_gpu's rounds (a tagged BF16 round, an FP8
+    round with hooks) are exact, and the copy engine did move them (no copy failed)."""
+    info = ep_jobs.two_rank_rounds(transport, {"GPUNET_HEAP_MEMORY": "device"})
+    for i in info:
+        h = i["heap"]
+        assert set(i["transports"].values()) == {transport}, i
+        assert h["device_heap"] and h["ctl_mirror"], h
+        assert h["dma_peers"] == [1 - i["rank"]] and h["dma_copies"] > 0 and h["dma_error"] == 0, h
+
+
 # ---- over p2p (stores into the peer's mapped heap; tests/test_p2p.py) ------------------------
 @pytest.fixture(scope="module")
 def p2p2():
