@@ -204,6 +204,23 @@ def test_two_ranks_ep_dispatch_and_combine_over_p2p_match_the_reference(mps):
 
 
 @needs_gpu
+@pytest.mark.parametrize("transport", ["ibgda", "proxy"])
+def test_two_ranks_ep_over_nic_transports_on_device_heaps(mps, transport):
+    """The same EP rounds over a NIC transport with both heaps in device memory
+    (GPUNET_HEAP_MEMORY=device): the soft NIC's engine moves every row, header and signal between
+    the two device heaps with the CUDA runtime (each NIC maps the peer's heap by CUDA IPC), and
+    the Buffer reads its control block through a copy; dispatch equals the reference, combine is
+    within DeepEP's bounds, and no copy failed."""
+    info = ep_jobs.two_rank_rounds(transport, dict(mps, GPUNET_PLATFORM="cuda",
+                                                   GPUNET_HEAP_MEMORY="device"))
+    for i in info:
+        h = i["heap"]
+        assert set(i["transports"].values()) == {transport}, i
+        assert h["device_heap"] and h["ctl_mirror"], h
+        assert h["dma_peers"] == [1 - i["rank"]] and h["dma_copies"] > 0 and h["dma_error"] == 0, h
+
+
+@needs_gpu
 def test_auto_is_p2p_between_two_ranks_on_one_gpu(mps):
     """transport="auto", two rank processes on this node: every pair and each rank to itself is
     p2p (the reason says same node / itself), each rank opened the other's device heap by CUDA
