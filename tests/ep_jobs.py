@@ -95,6 +95,17 @@ def heap_paths(state):
             "dma_peers": sorted(ctx._transports.dma_heaps)}
 
 
+def check_device_heap_rounds(info, transport):
+    """Every rank of two_rank_rounds(transport, GPUNET_HEAP_MEMORY=device): over ``transport``
+    only, its heap device memory read through the control mirror, the peer's heap mapped for its
+    NIC's copy engine, copies made and none failed."""
+    for i in info:
+        h = i["heap"]
+        assert set(i["transports"].values()) == {transport}, i
+        assert h["device_heap"] and h["ctl_mirror"], h
+        assert h["dma_peers"] == [1 - i["rank"]] and h["dma_copies"] > 0 and h["dma_error"] == 0, h
+
+
 def close(state):
     buf = state.pop("ep_buf", None)
     if buf is not None:

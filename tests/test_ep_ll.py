@@ -646,11 +646,7 @@ def test_two_ranks_over_a_device_heap_move_every_byte_through_the_copy_engine(tr
     tests/test_ep_cuda.py::test_two_ranks_share_the_gpu's rounds (a tagged BF16 round, an FP8
     round with hooks) are exact, and the copy engine did move them (no copy failed)."""
     info = ep_jobs.two_rank_rounds(transport, {"GPUNET_HEAP_MEMORY": "device"})
-    for i in info:
-        h = i["heap"]
-        assert set(i["transports"].values()) == {transport}, i
-        assert h["device_heap"] and h["ctl_mirror"], h
-        assert h["dma_peers"] == [1 - i["rank"]] and h["dma_copies"] > 0 and h["dma_error"] == 0, h
+    ep_jobs.check_device_heap_rounds(info, transport)
 
 
 # ---- over p2p (stores into the peer's mapped heap; tests/test_p2p.py) ------------------------

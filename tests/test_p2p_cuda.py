@@ -213,11 +213,7 @@ def test_two_ranks_ep_over_nic_transports_on_device_heaps(mps, transport):
     within DeepEP's bounds, and no copy failed."""
     info = ep_jobs.two_rank_rounds(transport, dict(mps, GPUNET_PLATFORM="cuda",
                                                    GPUNET_HEAP_MEMORY="device"))
-    for i in info:
-        h = i["heap"]
-        assert set(i["transports"].values()) == {transport}, i
-        assert h["device_heap"] and h["ctl_mirror"], h
-        assert h["dma_peers"] == [1 - i["rank"]] and h["dma_copies"] > 0 and h["dma_error"] == 0, h
+    ep_jobs.check_device_heap_rounds(info, transport)
 
 
 @needs_gpu
