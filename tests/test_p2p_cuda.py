@@ -380,16 +380,6 @@ def test_the_soft_nic_engine_moves_device_bytes_through_the_copy_hook():
             assert {D2 + 4096, D2 + 8192, D2 + 8} <= set(dev_side), copies
             assert any(ldev.ctypes.data <= t < ldev.ctypes.data + ldev.size for t in touched)
             assert a.stats()["dma_copies"] == len(copies) and a.stats()["dma_error"] == 0
-            # the host side of every copy (a source buffer, an inline WQE, the atomics' bounce
-            # word) lies in what the NIC gives the GPU to register (mapped_ranges: pinned on a
-            # GPU): a bounce in pageable memory is staged by the CUDA runtime, and on the H200
-            # such a copy waited behind a pageable .cpu() of the caller queued behind the very
-            # kernel that waited for the atomic (softnic.py, the engine's scratch)
-            (abase, asize), = a.mapped_ranges()
-            in_dev = lambda t: D2 <= t < D2 + N or ldev.ctypes.data <= t < ldev.ctypes.data + ldev.size  # noqa: E731
-            host_side = [t for x in copies for t in x[1:3] if not in_dev(t)]
-            assert host_side and all(abase <= t < abase + asize for t in host_side), \
-                [hex(t) for t in host_side]
 
             n0 = len(calls)
             sq2.post_write(hmr.addr, hmr.lkey, D1, dmr.rkey, 64, signaled=True)   # any QP to b
