@@ -938,15 +938,7 @@ class SoftNic(Nic):
             self._peer_bases[0] = self._arena.base
             self._peers = {self.arena_name: 0}
             self._peer_arenas = [None]
-            # The engine's scratch (a CQE being built; the bounce word of an atomic on device
-            # memory, _dma_atomic) lives in the arena, which a GPU Context registers with the
-            # GPU (NicMapping): a copy-engine copy to or from PAGEABLE host memory is staged by
-            # the CUDA runtime. On the H200 (2026-12-02) every signal this engine set in a
-            # device heap, through a bounce in pageable scratch, landed only after the EP
-            # kernel waiting for it had timed out, while the caller's thread sat in a pageable
-            # .cpu() queued behind that kernel (scripts/_repro_pageable.py checks the cause).
-            off = self._heap_alloc(mlx5.CQE_SIZE, 64)
-            self._scratch = self._arena.u8[off:off + mlx5.CQE_SIZE]
+            self._scratch = np.zeros(mlx5.CQE_SIZE, dtype=np.uint8)
             self._segs = np.zeros(2 * (mlx5.MAX_DS + 1), dtype=np.int64)
             # compile (or load from cache) before the thread starts, then run GIL-free
             engine_run(self._arena.base, self._peer_bases, self._scratch, self._segs, 1)
