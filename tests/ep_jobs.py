@@ -249,6 +249,16 @@ def _device(buf):
     return "cuda" if buf.runtime.platform.name == "cuda" else "cpu"
 
 
+def _settled(buf):
+    """Wait for the Buffer's launches with a stream synchronize before the checks copy results
+    to the CPU. Not a pageable ``.cpu()`` behind a running EP kernel: while one thread sits in
+    that copy, the soft NIC engine's own CUDA copies (its copy engine, GPUNET_HEAP_MEMORY=device
+    worlds) wait for it, so a kernel waiting for a NIC-set signal saw it only after its bound
+    (bench/copy_engine_stall.py measures the stall on the H200)."""
+    if buf._gpu:
+        torch.cuda.synchronize()
+
+
 def _cpu(obj):
     """Tensors (also inside tuples) moved to the CPU for checking; everything else as is."""
     if isinstance(obj, torch.Tensor):
@@ -407,6 +417,7 @@ def round_(state, spec):
         out["t_dispatch"] = time.monotonic() - t0
         if wire is not None:
             out["wire"] = wire_read(buf, spec, wire)
+        _settled(buf)
         recv_x, count, handle = _cpu(recv_d), count_d.cpu(), _cpu(handle_d)
         cum, wstats = _cpu(cum), _cpu(wstats)
         out["bad"] += _check_dispatch(spec, world, rank, inputs, (recv_x, count, handle), masked_dispatch)
@@ -423,6 +434,7 @@ def round_(state, spec):
         t0 = time.monotonic()
         combined, chook, cstats = _combine(buf, spec, mine, recv_d, handle_d, stats)
         chook()
+        _settled(buf)
         combined, cstats = combined.cpu(), _cpu(cstats)
         out["t_combine"] = time.monotonic() - t0
     except EPTimeout as e:
