@@ -29,7 +29,10 @@ KNOBS = (
          "the soft NIC's 8-byte atomics (and so signal words): native order, or big-endian (IB wire)"),
     Knob("GPUNET_HEAP_MEMORY", "env", "choice", "auto", ("auto", "device"),
          "the symmetric heap's memory: auto (CUDA: device memory when a peer may be p2p, else "
-         "host-mapped; CPU: the soft NIC's arena) or device (device memory for every world; on "
+         "host-mapped; CPU: the soft NIC's arena) or device (device memory for every world: on CUDA "
+         "the soft NIC's engine then copies with the CUDA runtime, which stalls while the caller "
+         "is in a .cpu() behind a kernel that waits for NIC data (bench/copy_engine_stall.py): "
+         "wait with torch.cuda.synchronize() first; on "
          "the CPU the arena heap is registered with the soft NIC as device memory, so its engine "
          "moves every byte of it through the copy-engine hook: the CUDA device-heap paths' test "
          "bench)"),

@@ -388,8 +388,11 @@ class Context(Resource):
         is p2p for this rank itself), fast for the user's kernels: p2p peers open it by CUDA IPC,
         NIC peers reach it as a NIC reaches GPU memory (the soft NIC's copy engine, a real NIC's
         dma-buf registration). A world asked for NIC transports only keeps the host-mapped heap:
-        EP over the soft NIC's copy engine on a device heap lost a peer's messages on the H200
-        (tests/test_ep_cuda.py two ranks over ibgda, 2026-12-02). "auto" on the CPU: the arena.
+        the soft NIC's copy engine, which moves a device heap's bytes with this process's CUDA
+        runtime, stalls while the caller's thread is in a synchronous pageable copy (a .cpu())
+        queued behind a running kernel, so a kernel waiting for NIC-set data then times out
+        (bench/copy_engine_stall.py: 1.62 s of a 1.9 s kernel on the H200, 2026-12-02; EP over
+        ibgda lost every peer's signal that way). "auto" on the CPU: the arena.
 
         "device": device memory whatever the transports. On the CPU that is the arena heap
         registered with the soft NIC as device memory (reg_mr(device_memory=True)) and reached

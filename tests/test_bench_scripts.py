@@ -271,3 +271,18 @@ def test_icache_probe_builds_for_cuda_and_needs_a_gpu():
                        capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert r.returncode == 2, r.stdout + r.stderr
     assert "needs an NVIDIA GPU" in r.stderr
+
+
+def test_copy_engine_stall_says_it_needs_a_gpu_on_a_machine_without_one():
+    """bench/copy_engine_stall.py (a CUDA-only measurement) exits non-zero with a one-line reason
+    where torch.cuda is not available, instead of a traceback."""
+    import subprocess
+    import sys
+
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script measures instead (scripts/gpu-check.sh)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, os.path.join(here, "..", "bench", "copy_engine_stall.py")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr, r
