@@ -19,7 +19,8 @@ import torch
 
 from gpunet.device import abi
 from gpunet.device.ops import op_list  # noqa: F401 - the Context builds its op lists with it
-from gpunet.errors import ConfigError, GpunetError
+from gpunet.errors import ConfigError, GpunetError, with_hint
+from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import progress
 from gpunet.host.rawmem import HOOKED_IDLE_SLEEP_MAX_US
 from gpunet.resource import Resource
@@ -102,6 +103,7 @@ class Launcher(Resource):
         from gpunet.device.ops import Launch, load_ops
 
         self._gpu = gpu
+        self._nic = nic               # its timeout_hint goes into a timed-out launch's error
         self._sms = 0                 # GPU: the device's SM count, read at the first bulk put
         self._device = torch.cuda.current_device() if gpu else None   # the Context's GPU
         self.dev = None
@@ -231,6 +233,8 @@ class Launcher(Resource):
     def _take_failure(self, what):
         err = abi.status_error(self.dev.read_status(), what)
         self.dev.clear_status()
+        if isinstance(err, GpunetTimeoutError):
+            err = with_hint(err, self._nic.timeout_hint())
         return err
 
     def _release(self):

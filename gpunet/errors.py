@@ -62,3 +62,11 @@ class EPTimeout(TimeoutError):
         self.phase = phase
         self.peers_silent = sorted(int(p) for p in peers_silent)
         self.counts_seen = dict(counts_seen or {})
+
+
+def with_hint(err, hint):
+    """``err`` with ``hint`` (a sentence, e.g. a NIC's timeout_hint) appended to its message, the
+    class and attributes kept; ``err`` unchanged when ``hint`` is empty."""
+    if hint and err is not None and err.args:
+        err.args = ("%s; %s" % (err.args[0], hint),) + tuple(err.args[1:])
+    return err

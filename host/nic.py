@@ -109,6 +109,11 @@ class Nic(Resource, abc.ABC):
         ``mapped_ranges()`` (the soft NIC) and before ``map_doorbell`` mapped anything."""
         return []
 
+    def timeout_hint(self):
+        """What this NIC saw that may explain a timed-out wait of the kernels using it, as a
+        sentence to append to the timeout's message, or "" (the default: nothing)."""
+        return ""
+
     # --- peer heaps (the p2p transport, gpunet/transports.py) ----------------------------------
     # Optional: a NIC that cannot share memory with a peer process keeps these defaults, and
     # transport="p2p" then raises ConfigError naming the NIC.

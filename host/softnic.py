@@ -83,6 +83,9 @@ H_DMA_COPY, H_DMA_SYNC, H_DMA_KIND, H_DMA_STREAM, H_DMA_SETDEV, H_DMA_DEVICE, H_
 # time runs the engine's tables, scratch and QPs. 0 free, 1 held; only ever try-locked.
 H_EXEC = 35
 H_SLEEP_MAX_US = 36                  # the engine thread's idle sleep cap (set_idle_sleep_max)
+# Copy-engine calls that took longer than DMA_STALL_NS (one copy: set-device, copy, sync), and
+# the longest: on CUDA such a copy waited for another CUDA call of this process (timeout_hint)
+H_DMA_STALLS, H_DMA_STALL_MAX_NS = 37, 38
 DEVMAP_BASE = 160                    # words: per peer slot (addr, nbytes, mapped) of its device
 DEVMAP_WORDS = 3                     # memory as reachable in this process (add_peer_memory)
 H_NAME_BYTE = 1024                   # arena name, NUL-terminated, 256 bytes at most
@@ -134,6 +137,10 @@ PID_CHECK_NS = 5_000_000             # heartbeat age (> the idle sleep cap, 0.2 
 # below what the heartbeat is compared with (PID_CHECK_NS, retry_timeout_s).
 HEARTBEAT_NS = 100_000
 CQ_LOCK_SPINS = 1 << 26              # bound on the CQ lock spin (a holder that died)
+# A copy-engine call slower than this stalled: an 8-byte or row-sized copy takes ~10-200 us on
+# the H200; one that waited for a .cpu() queued behind a kernel took 1.62 s
+# (bench/copy_engine_stall.py)
+DMA_STALL_NS = 20_000_000
 STALE_MIN_AGE_S = 10.0               # an unlocked arena without a header is young for this long:
                                      # its creator may be between O_CREAT and flock
 
@@ -292,12 +299,18 @@ def _dma_move(T, dst, src, n):
         T[H_DMA_ERR] = -1
         return False
     rc = np.int32(0)
+    t0 = clock_ns()
     if T[H_DMA_SETDEV] != 0:
         rc = _dma_int_call(T[H_DMA_SETDEV], T[H_DMA_DEVICE])
     if rc == 0:
         rc = _dma_copy_call(fn, dst, src, n, T[H_DMA_KIND], T[H_DMA_STREAM])
     if rc == 0:
         rc = _dma_ptr_call(T[H_DMA_SYNC], T[H_DMA_STREAM])
+    took = clock_ns() - t0
+    if took > DMA_STALL_NS:
+        T[H_DMA_STALLS] += 1
+        if took > T[H_DMA_STALL_MAX_NS]:
+            T[H_DMA_STALL_MAX_NS] = took
     T[H_DMA_COPIES] += 1
     if rc != 0:
         T[H_DMA_ERR] = rc
@@ -1406,7 +1419,22 @@ class SoftNic(Nic):
         T = self._arena.T
         return {"wqes": int(T[H_WQES]), "engine_passes": int(T[H_ITERS]),
                 "heartbeat_age_s": (time.monotonic_ns() - int(T[H_HEARTBEAT])) / 1e9,
-                "dma_copies": int(T[H_DMA_COPIES]), "dma_error": int(T[H_DMA_ERR])}
+                "dma_copies": int(T[H_DMA_COPIES]), "dma_error": int(T[H_DMA_ERR]),
+                "dma_stalls": int(T[H_DMA_STALLS]), "dma_stall_max_s": int(T[H_DMA_STALL_MAX_NS]) / 1e9}
+
+    def timeout_hint(self):
+        """Nic.timeout_hint: the copy-engine calls that stalled (took longer than DMA_STALL_NS)
+        since this NIC started, if any."""
+        self._check_open()
+        T = self._arena.T
+        n = int(T[H_DMA_STALLS])
+        if n == 0:
+            return ""
+        return ("this rank's soft NIC copy engine stalled %d time(s), up to %.3f s a copy: on CUDA "
+                "its copies of device-heap bytes wait while another thread of this process is in a "
+                "synchronous CUDA copy (e.g. a .cpu() queued behind the waiting kernel); wait with "
+                "torch.cuda.synchronize() or an event first (bench/copy_engine_stall.py)"
+                % (n, int(T[H_DMA_STALL_MAX_NS]) / 1e9))
 
     # --- coherence, liveness ---
     def check(self):

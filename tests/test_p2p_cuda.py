@@ -636,3 +636,58 @@ def test_a_nic_that_maps_no_peer_memory_leaves_nic_peers_heaps_alone():
         t.close()
     finally:
         nic.close()
+
+
+def test_a_stalled_copy_engine_is_counted_and_named_in_a_timeout():
+    """A copy engine stand-in whose copy blocks for 60 ms (as the CUDA runtime's did behind a
+    .cpu() queued behind the waiting kernel, bench/copy_engine_stall.py): the soft NIC counts the
+    stall and its longest copy, and says so in timeout_hint; a fast copy counts nothing. A
+    Context's timed-out wait_until carries its NIC's hint in the TimeoutError's message."""
+    import ctypes
+    import time
+
+    import numpy as np
+
+    from gpunet.host.softnic import SoftNic
+    from gpunet.host.wq import CompletionQueue, SendQueue
+
+    delay = {"s": 0.0}
+    COPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                            ctypes.c_int, ctypes.c_void_p)
+    SYNC = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+    def copy(dst, src, n, kind, stream):
+        time.sleep(delay["s"])
+        ctypes.memmove(dst, src, n)
+        return 0
+
+    fns = [COPY(copy), SYNC(lambda st: 0)]
+    fake = types_ns(copy_fn=ctypes.cast(fns[0], ctypes.c_void_p).value,
+                    sync_fn=ctypes.cast(fns[1], ctypes.c_void_p).value, kind=4, stream=0,
+                    set_device_fn=0, device=0)
+    with SoftNic(retry_timeout_s=0.5) as a:
+        a.attach_copy_engine(fake)
+        dev = np.zeros(4096, np.uint8)             # "device memory" of this process
+        dmr = a.reg_mr(dev.ctypes.data, dev.size, kind="device", device_memory=True)
+        host = a.alloc(4096)
+        hmr = a.reg_mr(host)
+        cq = a.create_cq(64)
+        q, partner = a.create_qp(cq, sq_wqebbs=64), a.create_qp(a.create_cq(64))
+        a.connect(q, partner.info())
+        a.connect(partner, q.info())
+        sq = SendQueue(q, CompletionQueue(cq))
+        host[:64] = 7
+        sq.post_write(hmr.addr, hmr.lkey, dmr.addr, dmr.rkey, 64, signaled=True)
+        assert not sq.cq.wait(1)[0].error
+        assert a.stats()["dma_stalls"] == 0 and a.timeout_hint() == ""
+        delay["s"] = 0.06
+        sq.post_write(hmr.addr, hmr.lkey, dmr.addr + 64, dmr.rkey, 64, signaled=True)
+        assert not sq.cq.wait(1)[0].error and bytes(dev[64:128]) == bytes([7]) * 64
+        st = a.stats()
+        assert st["dma_stalls"] == 1 and 0.05 < st["dma_stall_max_s"] < 5.0, st
+        assert "copy engine stalled 1 time(s), up to 0.0" in a.timeout_hint(), a.timeout_hint()
+    with gpunet.init(nic="soft", heap_bytes=1 << 20, timeout_s=0.3) as ctx:
+        sig = ctx.alloc((1,), torch.int64)
+        ctx.nic.timeout_hint = lambda: "the NIC's hint"
+        with pytest.raises(gpunet.TimeoutError, match="the NIC's hint"):
+            ctx.wait_until(sig, 1, "ge")

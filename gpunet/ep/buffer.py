@@ -24,7 +24,7 @@ import torch
 
 from gpunet.device import abi
 from gpunet.device import ep as dep
-from gpunet.errors import ClosedError, ConfigError, EPTimeout, GpunetError
+from gpunet.errors import ClosedError, ConfigError, EPTimeout, GpunetError, with_hint
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.ep import _layout as lay
 
@@ -1199,11 +1199,12 @@ class Buffer:
         if not heap:
             self._ctl_refresh()     # the counts seen (the failure path may copy the heap)
         seen = {p: (int(self._nrecv_np[p]) if self._got_np[p] else None) for p in range(self.group_size)}
-        raise EPTimeout("%s on rank %d: peer(s) %s did not answer or failed within %.3g s (%s); pass "
-                        "enable_shrink=True to mask them and go on" % (
-                            what, self.rank, failed, self._timeout_s,
-                            "; ".join(self._peer_detail(p) for p in failed)),
-                        phase=phase, peers_silent=failed, counts_seen=seen)
+        raise with_hint(EPTimeout(
+            "%s on rank %d: peer(s) %s did not answer or failed within %.3g s (%s); pass "
+            "enable_shrink=True to mask them and go on" % (
+                what, self.rank, failed, self._timeout_s,
+                "; ".join(self._peer_detail(p) for p in failed)),
+            phase=phase, peers_silent=failed, counts_seen=seen), self._ctx.nic.timeout_hint())
 
     def _peer_detail(self, p):
         raw = self._peer_status[128 * p:128 * (p + 1)].cpu().numpy().tobytes()
@@ -1222,7 +1223,7 @@ class Buffer:
             dep.EP_SITE_NAMES.get(int(st.site), "site %d" % st.site), st.peer, st.block,
             st.expected, st.observed, st.waited_ns / 1e9)
         if code == dep.EP_ERR_GRID_WAIT:
-            return GpunetTimeoutError(text)
+            return with_hint(GpunetTimeoutError(text), self._ctx.nic.timeout_hint())
         if code in (dep.EP_ERR_MISMATCH, dep.EP_ERR_LAYOUT):
             return ConfigError(text)
         return GpunetError(text)
