@@ -8,7 +8,8 @@ bound if the engine's copy has to wait for the caller's call. This measures exac
 gpunet kernel: a ~2 s kernel (torch.cuda._sleep) on the current stream; 0.3 s into it a second
 thread makes one 8-byte device-to-host copy through the copy engine and times it, while the main
 thread does nothing, a pageable ``.cpu()`` of a device tensor (queued behind the kernel), or
-``torch.cuda.synchronize()``; destination pageable or pinned host memory. A copy that takes about
+``torch.cuda.synchronize()``, or gpunet's ``to_host`` (a stream synchronize, then the copy: what
+the library's own host reads use); destination pageable or pinned host memory. A copy that takes about
 as long as the rest of the kernel stalled.
 
   python3 bench/copy_engine_stall.py [--json FILE]      (prints a table; JSON has every row)
@@ -22,11 +23,13 @@ import time
 import numpy as np
 import torch
 
+from gpunet._launch import to_host
 from gpunet.host.platform import get_platform
 
 KERNEL_S = 2.0
 START_AFTER_S = 0.3
-BLOCKERS = ("nothing", ".cpu() of a device tensor", "torch.cuda.synchronize()")
+BLOCKERS = ("nothing", ".cpu() of a device tensor", "torch.cuda.synchronize()",
+            "gpunet to_host() of it")
 
 
 def main():
@@ -67,6 +70,8 @@ def main():
                 dev.cpu()
             elif blocker.startswith("torch.cuda.synchronize"):
                 torch.cuda.synchronize()
+            elif blocker.startswith("gpunet to_host"):
+                to_host(dev)
             th.join()
             torch.cuda.synchronize()
             kernel_s = time.perf_counter() - t0

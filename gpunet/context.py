@@ -833,6 +833,6 @@ def read_signal(tensor_or_array, index=0, endianness=None):
         raise ConfigError("read_signal: endianness must be 'host' or 'big', not %r" % (endianness,))
     a = tensor_or_array
     if isinstance(a, torch.Tensor):
-        a = a.detach().cpu()             # CUDA: a stream-ordered copy
+        a = _launch.to_host(a.detach())  # CUDA: a stream-ordered copy
     b = bytes(np.asarray(a).view(np.uint8)[8 * index:8 * index + 8])
     return int.from_bytes(b, "big" if endianness == "big" else sys.byteorder)

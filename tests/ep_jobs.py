@@ -16,6 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from gpunet._launch import to_host
 from gpunet.ep import Buffer, EPTimeout
 from gpunet.ep import _layout as lay
 from gpunet.ep import reference as ref
@@ -224,7 +225,7 @@ def wire_read(buf, spec, prepared):
     area, stride, payload = prepared
     world, rank, t_max = buf.group_size, buf.rank, spec["t_max"]
     nrecv = [int(v) for v in buf._nrecv_np[:world]]
-    slots = area.cpu().view(world * t_max, stride)[:, payload:payload + 4].contiguous().view(torch.int32)
+    slots = _cpu(area).view(world * t_max, stride)[:, payload:payload + 4].contiguous().view(torch.int32)
     toks = slots.view(world, t_max).tolist()
     return {"nrecv": nrecv, "slot_tokens": [None if j == rank else toks[j] for j in range(world)]}
 
@@ -249,20 +250,13 @@ def _device(buf):
     return "cuda" if buf.runtime.platform.name == "cuda" else "cpu"
 
 
-def _settled(buf):
-    """Wait for the Buffer's launches with a stream synchronize before the checks copy results
-    to the CPU. Not a pageable ``.cpu()`` behind a running EP kernel: while one thread sits in
-    that copy, the soft NIC engine's own CUDA copies (its copy engine, GPUNET_HEAP_MEMORY=device
-    worlds) wait for it, so a kernel waiting for a NIC-set signal saw it only after its bound
-    (bench/copy_engine_stall.py measures the stall on the H200)."""
-    if buf._gpu:
-        torch.cuda.synchronize()
-
-
 def _cpu(obj):
-    """Tensors (also inside tuples) moved to the CPU for checking; everything else as is."""
+    """Tensors (also inside tuples) moved to the CPU for checking, through gpunet's to_host (the
+    stream synchronized first: a .cpu() queued behind an EP kernel that waits for NIC-set data
+    holds up the soft NIC's copies on device heaps, bench/copy_engine_stall.py); everything else
+    as is."""
     if isinstance(obj, torch.Tensor):
-        return obj.cpu()
+        return to_host(obj)
     if isinstance(obj, tuple):
         return tuple(_cpu(o) for o in obj)
     return obj
@@ -417,8 +411,7 @@ def round_(state, spec):
         out["t_dispatch"] = time.monotonic() - t0
         if wire is not None:
             out["wire"] = wire_read(buf, spec, wire)
-        _settled(buf)
-        recv_x, count, handle = _cpu(recv_d), count_d.cpu(), _cpu(handle_d)
+        recv_x, count, handle = _cpu(recv_d), _cpu(count_d), _cpu(handle_d)
         cum, wstats = _cpu(cum), _cpu(wstats)
         out["bad"] += _check_dispatch(spec, world, rank, inputs, (recv_x, count, handle), masked_dispatch)
         if cum is not None and not torch.equal(cum, count):
@@ -434,8 +427,7 @@ def round_(state, spec):
         t0 = time.monotonic()
         combined, chook, cstats = _combine(buf, spec, mine, recv_d, handle_d, stats)
         chook()
-        _settled(buf)
-        combined, cstats = combined.cpu(), _cpu(cstats)
+        combined, cstats = _cpu(combined), _cpu(cstats)
         out["t_combine"] = time.monotonic() - t0
     except EPTimeout as e:
         out["raised"] = {"phase": e.phase, "peers_silent": e.peers_silent,
@@ -477,7 +469,7 @@ def two_in_flight(state, spec_a, spec_b):
         c[1]()
     for name, spec, inputs, c in combs:
         want = _ref_combine(spec, inputs, world, rank, (), ())
-        res[name]["calc_diff"] = ref.calc_diff(c[0].cpu(), want) if c[0].numel() else 0.0
+        res[name]["calc_diff"] = ref.calc_diff(_cpu(c[0]), want) if c[0].numel() else 0.0
     return res
 
 

@@ -26,6 +26,7 @@ from gpunet.device import abi
 from gpunet.device import ep as dep
 from gpunet.errors import ClosedError, ConfigError, EPTimeout, GpunetError, with_hint
 from gpunet.errors import TimeoutError as GpunetTimeoutError
+from gpunet._launch import to_host
 from gpunet.ep import _layout as lay
 
 log = logging.getLogger("gpunet.ep")
@@ -808,7 +809,7 @@ class Buffer:
             for _ in range(HT_NOTIFY_POLLS):
                 if flag[0]:
                     return arr[1:1 + n].copy()
-        return info.cpu().numpy()
+        return to_host(info).numpy()
 
     def _ht_recv_x(self, fp8, rows, hidden):
         dev = self._device
@@ -988,7 +989,7 @@ class Buffer:
         read (stream-ordered, after the launches queued so far; not while a CUDA graph is being
         captured, where no copy may run). A host-mapped heap needs nothing."""
         if self._ctl_mirror and not torch.cuda.is_current_stream_capturing():
-            self._ctl_np[:] = self._ctl.cpu().numpy()
+            self._ctl_np[:] = to_host(self._ctl).numpy()
 
     def masked_ranks(self):
         """(gpunet) The ranks masked now, as a sorted list."""
@@ -1002,7 +1003,7 @@ class Buffer:
         self._alive()
         out = {"masked": self.masked_ranks(), "slowest": {}}
         for phase, m in self._stats.items():
-            row = m[self.rank].cpu().tolist()
+            row = to_host(m[self.rank]).tolist()
             out[phase] = row
             if any(row):
                 j = max(range(len(row)), key=lambda i: row[i])
@@ -1207,7 +1208,7 @@ class Buffer:
             phase=phase, peers_silent=failed, counts_seen=seen), self._ctx.nic.timeout_hint())
 
     def _peer_detail(self, p):
-        raw = self._peer_status[128 * p:128 * (p + 1)].cpu().numpy().tobytes()
+        raw = to_host(self._peer_status[128 * p:128 * (p + 1)]).numpy().tobytes()
         err = abi.status_error(abi.Status.from_buffer_copy(raw), "rank %d" % p)
         # No verb recorded an error for p: the EP kernel's own bounded waits marked it (ht.cuh: no
         # credit or tail progress from it for the indirect timeout; ll.cuh: no header / message)
@@ -1216,7 +1217,7 @@ class Buffer:
             "timeout; no put or wait to it recorded an error)" % p)
 
     def _ep_error(self, what):
-        st = dep.EpStatus.from_buffer_copy(self._ep_status.cpu().numpy().tobytes())
+        st = dep.EpStatus.from_buffer_copy(to_host(self._ep_status).numpy().tobytes())
         code = int(st.code)
         text = "%s on rank %d: %s, at %s (peer %d, block %d; expected %d, observed %d, %.3f s)" % (
             what, self.rank, dep.EP_ERR_NAMES.get(code, "EP failure %d" % code),
