@@ -77,6 +77,7 @@ def main():
             kernel_s = time.perf_counter() - t0
             stalled = res["copy_s"] > 0.5 * (kernel_s - START_AFTER_S)
             rows.append(dict(destination=kind, main_thread=blocker, kernel_s=kernel_s, stalled=stalled, **res))
+    eng.close()                      # its non-blocking stream
     print("copy engine (an 8-byte D2H cudaMemcpyAsync + sync on its own non-blocking stream, from a "
           "second thread, %.1f s into a %.1f s kernel), GPU %s, %s"
           % (START_AFTER_S, KERNEL_S, torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")))

@@ -1425,16 +1425,14 @@ class SoftNic(Nic):
     def timeout_hint(self):
         """Nic.timeout_hint: the copy-engine calls that stalled (took longer than DMA_STALL_NS)
         since this NIC started, if any."""
-        self._check_open()
-        T = self._arena.T
-        n = int(T[H_DMA_STALLS])
-        if n == 0:
+        st = self.stats()
+        if st["dma_stalls"] == 0:
             return ""
         return ("this rank's soft NIC copy engine stalled %d time(s), up to %.3f s a copy: on CUDA "
                 "its copies of device-heap bytes wait while another thread of this process is in a "
                 "synchronous CUDA copy (e.g. a .cpu() queued behind the waiting kernel); wait with "
                 "torch.cuda.synchronize() or an event first (bench/copy_engine_stall.py)"
-                % (n, int(T[H_DMA_STALL_MAX_NS]) / 1e9))
+                % (st["dma_stalls"], st["dma_stall_max_s"]))
 
     # --- coherence, liveness ---
     def check(self):
