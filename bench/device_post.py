@@ -244,7 +244,7 @@ class SinkWorld:
     """``nqps`` QPs (rings of ``sq`` WQEBBs) on a soft NIC that never executes them, the sink thread,
     device QpDescs, device payload buffers."""
 
-    def __init__(self, plat, nqps, sq, collapsed):
+    def __init__(self, plat, nqps, sq, collapsed, post_mode="batched"):
         from gpunet.host.softnic import SoftNic
         self.plat, self.nqps, self.sq = plat, nqps, sq
         need = nqps * sq * 64 * (1 if collapsed else 2) + (4 << 20)
@@ -258,7 +258,7 @@ class SinkWorld:
         self.dev = Dev(plat)
         arr = (abi.QpDesc * nqps)()
         for i, (qp, cq) in enumerate(self.pairs):
-            arr[i] = device_qpdesc(self.m, self.dev, qp, cq, 1)
+            arr[i] = device_qpdesc(self.m, self.dev, qp, cq, 1, post_mode)
         self.qds = arr
         self.qds_dev = self.dev.put(arr)
         self.status_dev = self.dev.zeros(ctypes.sizeof(abi.Status))
@@ -441,19 +441,20 @@ def _timed_row(row, n, runs):
 
 def _fmt_table(rows, mach, ordering):
     lines = []
-    lines.append("| row | warps | QPs | ring | CQ | WQEs | median time (ms) | M WQE/s median "
+    lines.append("| row | warps | QPs | post mode | ring | CQ | WQEs | median time (ms) | M WQE/s median "
                  "[min, max] | note |")
-    lines.append("|---|---:|---:|---:|---|---:|---:|---:|---|")
+    lines.append("|---|---:|---:|---|---:|---|---:|---:|---:|---|")
     for r in rows:
         spread = " [%.1f, %.1f]" % (r["mwqes_min"], r["mwqes_max"]) if "mwqes_min" in r else ""
-        lines.append("| %s | %d | %s | %s | %s | %d | %.2f | %.1f%s | %s |" % (
-            r["row"], r["warps"], r.get("qps", "-"), r.get("ring", "-"),
+        lines.append("| %s | %d | %s | %s | %s | %s | %d | %.2f | %.1f%s | %s |" % (
+            r["row"], r["warps"], r.get("qps", "-"), r.get("post_mode", "-"), r.get("ring", "-"),
             r.get("cq", "-"), r["wqes"], r["seconds"] * 1e3, r["mwqes"], spread, r.get("note", "")))
     for r in rows:
         if r.get("phases"):
             lines.append("")
-            lines.append("phases of a warp post (lane 0; %s, %d warps, %s QPs): %.0f ns per post measured"
-                         % (r["row"], r["warps"], r.get("qps", "-"), r["ns_per_post"]))
+            lines.append("phases of a warp post (lane 0; %s, %d warps, %s QPs, %s): %.0f ns per post measured"
+                         % (r["row"], r["warps"], r.get("qps", "-"), r.get("post_mode", "-"),
+                            r["ns_per_post"]))
             lines.append("| phase | clocks / post | share | ns / post |")
             lines.append("|---|---:|---:|---:|")
             for p in r["phases"]:
@@ -483,6 +484,12 @@ def main(argv=None):
     ap.add_argument("--qps", default="1,8", help="QP counts of the sink rows")
     ap.add_argument("--sq", type=int, default=4096, help="ring depth (WQEBBs) of the sink rows")
     ap.add_argument("--cq", choices=["owner", "collapsed", "both"], default="owner")
+    ap.add_argument("--post-modes", default="batched",
+                    help="comma list of QP posting modes for the sink rows: batched (any number of "
+                         "posters, one ring for several) and/or serial (one poster at a time)")
+    ap.add_argument("--serial-warps", default="1,32",
+                    help="warp counts that get serial-mode sink rows (serial rings one post at a "
+                         "time: the many-warp rows say nothing new)")
     ap.add_argument("--wqes", type=int, default=1 << 22, help="WQEs per sink row (about)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed runs per row (the median is reported, with min and max)")
@@ -544,44 +551,45 @@ def main(argv=None):
 
     if "sink" not in skip:
         cqs = ["owner", "collapsed"] if args.cq == "both" else [args.cq]
-        for cqmode in cqs:
-            for nq in [int(q) for q in args.qps.split(",")]:
-                world = SinkWorld(plat, nq, args.sq, cqmode == "collapsed")
-                try:
-                    for w in warps_list:
-                        if nq > w:
-                            continue
-                        iters = max(16, total // (w * 32 * args.per_lane))
-                        try:
-                            world.run(blib, w, min(iters, 16), args.per_lane)     # warm-up
-                            read_phases(blib)                                   # cleared
-                            runs, n = [], 0
-                            for _ in range(args.repeat):
-                                s, n = world.run(blib, w, iters, args.per_lane)
-                                runs.append(s)
-                        except errors.GpunetError as e:
-                            rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
-                                         "cq": cqmode, "wqes": 0, "seconds": 1.0,
-                                         "mwqes": 0.0, "note": "FAIL: %s" % str(e)[:300]})
-                            print(rows[-1], flush=True)
-                            raise _Abandon()
-                        row = _timed_row(
-                            {"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
-                             "cq": cqmode, "wqes": n,
-                             "note": "sink CQEs %d, %d WQEs/lane/post%s" % (
-                                 int(world.sink.stats[0]), args.per_lane,
-                                 ", phases build" if args.phases else "")}, n, runs)
-                        sums = read_phases(blib)
-                        if sums is not None:
-                            # every warp posts `iters` times per run; a warp's time per post
-                            row["ns_per_post"] = row["seconds"] / iters * 1e9
-                            row["phases"] = phase_table(sums, w * iters * len(runs), row["seconds"] / iters)
-                        rows.append(row)
+        modes = [m for m in args.post_modes.split(",") if m]
+        serial_warps = {int(w) for w in args.serial_warps.split(",") if w}
+        for cqmode, nq, mode in [(c, int(q), m) for c in cqs for q in args.qps.split(",") for m in modes]:
+            world = SinkWorld(plat, nq, args.sq, cqmode == "collapsed", mode)
+            try:
+                for w in warps_list:
+                    if nq > w or (mode == "serial" and w not in serial_warps):
+                        continue
+                    iters = max(16, total // (w * 32 * args.per_lane))
+                    try:
+                        world.run(blib, w, min(iters, 16), args.per_lane)     # warm-up
+                        read_phases(blib)                                   # cleared
+                        runs, n = [], 0
+                        for _ in range(args.repeat):
+                            s, n = world.run(blib, w, iters, args.per_lane)
+                            runs.append(s)
+                    except errors.GpunetError as e:
+                        rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
+                                     "post_mode": mode, "cq": cqmode, "wqes": 0, "seconds": 1.0,
+                                     "mwqes": 0.0, "note": "FAIL: %s" % str(e)[:300]})
                         print(rows[-1], flush=True)
-                except _Abandon:
-                    pass                  # this world's QPs are in an unknown state: next config
-                finally:
-                    world.close()
+                        raise _Abandon()
+                    row = _timed_row(
+                        {"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
+                         "post_mode": mode, "cq": cqmode, "wqes": n,
+                         "note": "sink CQEs %d, %d WQEs/lane/post%s" % (
+                             int(world.sink.stats[0]), args.per_lane,
+                             ", phases build" if args.phases else "")}, n, runs)
+                    sums = read_phases(blib)
+                    if sums is not None:
+                        # every warp posts `iters` times per run; a warp's time per post
+                        row["ns_per_post"] = row["seconds"] / iters * 1e9
+                        row["phases"] = phase_table(sums, w * iters * len(runs), row["seconds"] / iters)
+                    rows.append(row)
+                    print(rows[-1], flush=True)
+            except _Abandon:
+                pass                  # this world's QPs are in an unknown state: next config
+            finally:
+                world.close()
 
     world = None
     if not ({"e2e", "ordering"} <= skip):

@@ -41,6 +41,7 @@ FAILURE_COHERENCE = 0x100
 
 SITE_NONE = 0
 SITE_SQ_SPACE = 1
+SITE_DOORBELL_TURN = 11
 SITE_QUIET = 4
 SITE_CQE = 5
 SITE_WAIT_UNTIL = 6
@@ -57,6 +58,7 @@ SITE_P2P_STORE_ONLY = 33
 SITE_NAMES = {
     SITE_NONE: "nothing",
     SITE_SQ_SPACE: "a post waiting for send-queue space (completions)",
+    SITE_DOORBELL_TURN: "a post on a serial-mode QP waiting for the posts reserved before it to ring",
     SITE_QUIET: "quiet waiting for completions",
     SITE_CQE: "the CQ poller (error CQE)",
     SITE_WAIT_UNTIL: "wait_until on a signal word",
@@ -96,6 +98,8 @@ P2P_REFUSED = {1: "a get (remote loads)", 2: "an atomic", 3: "an ADD signal (a r
 
 # --- qp.cuh -------------------------------------------------------------------------------------
 MAX_INLINE = 4 * mlx5.WQEBB - 32 - 4        # gpunet::kMaxInline (qp.cuh: kMaxWqeBBs = 4)
+POST_BATCHED, POST_SERIAL = 0, 1              # QpDesc.post_mode (qp.cuh "Posting modes")
+POST_MODES = {"batched": POST_BATCHED, "serial": POST_SERIAL}
 
 # --- ops.cu ------------------------------------------------------------------------------------
 OP_NOP, OP_PUT, OP_PUT_INLINE, OP_GET, OP_PUT_SIGNAL, OP_ATOMIC_ADD, OP_QUIET, OP_FENCE, \
@@ -165,7 +169,7 @@ class CqDesc(ctypes.Structure):
 class QpDesc(ctypes.Structure):
     _fields_ = [("sq", u64), ("dbrec", u64), ("db", u64), ("slot_db", u64), ("slot_nbb", u64),
                 ("sq_wqebbs", u32), ("qpn", u32), ("peer", u32),
-                ("max_inline", u32), ("pad0", u32 * 2), ("cq", CqDesc), ("slot_ready", u64),
+                ("max_inline", u32), ("post_mode", u32), ("pad0", u32), ("cq", CqDesc), ("slot_ready", u64),
                 ("pad1", u64 * 3),
                 ("resv_head", u64), ("ready_head", u64), ("db_head", u64), ("done_head", u64),
                 ("poll_lock", u64), ("errored", u64), ("pad2", u64 * 2)]

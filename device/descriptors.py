@@ -133,10 +133,22 @@ def proxy_channel_desc(ch):
     return d
 
 
-def fill_qpdesc(d, qp, peer, slot_db, slot_nbb, slot_ready, g=int):
+def post_mode_of(post_mode):
+    """QpDesc.post_mode for ``post_mode`` ("batched" or "serial"; qp.cuh's "Posting modes")."""
+    try:
+        return abi.POST_MODES[post_mode]
+    except KeyError:
+        raise ValueError("post_mode must be one of %s, not %r"
+                         % (", ".join(sorted(abi.POST_MODES)), post_mode)) from None
+
+
+def fill_qpdesc(d, qp, peer, slot_db, slot_nbb, slot_ready, g=int, post_mode="batched"):
     """Fill QpDesc ``d`` for NIC ``qp`` (host/nic.py's QP attributes): ring addresses through
-    ``g``, slot arrays given (zeroed; qp.cuh says what each holds)."""
+    ``g``, slot arrays given (zeroed; qp.cuh says what each holds); ``post_mode``: "batched"
+    (any number of posters, one ring for several) or "serial" (fewest round trips for one poster
+    at a time)."""
     cq = qp.send_cq
+    d.post_mode = post_mode_of(post_mode)
     d.sq, d.dbrec, d.db = g(qp.sq_addr), g(qp.dbrec_addr), g(qp.db_addr)
     d.slot_db, d.slot_nbb, d.slot_ready = slot_db, slot_nbb, slot_ready
     d.sq_wqebbs, d.qpn, d.peer = qp.sq_wqebbs, qp.qpn, peer
@@ -146,12 +158,13 @@ def fill_qpdesc(d, qp, peer, slot_db, slot_nbb, slot_ready, g=int):
     return d
 
 
-def device_qpdesc(m, dev, nic_qp, cq, peer):
+def device_qpdesc(m, dev, nic_qp, cq, peer, post_mode="batched"):
     """A host QpDesc for ``nic_qp`` whose ring pointers are GPU addresses (``m``: NicMapping) and
     whose slot arrays are in device memory (``dev``: DeviceMemory). ``cq`` must be its send CQ."""
     assert cq is nic_qp.send_cq
     return fill_qpdesc(abi.QpDesc(), nic_qp, peer, dev.zeros(nic_qp.sq_wqebbs * 8),
-                       dev.zeros(nic_qp.sq_wqebbs * 4), dev.zeros(nic_qp.sq_wqebbs * 8), m.g)
+                       dev.zeros(nic_qp.sq_wqebbs * 4), dev.zeros(nic_qp.sq_wqebbs * 8), m.g,
+                       post_mode)
 
 
 class QpDescriptor:
@@ -160,9 +173,10 @@ class QpDescriptor:
     ``qp``: a NIC QP (host/nic.py); ``peer``: the PE it reaches. The CQ must hold at least
     ``qp.sq_wqebbs`` CQEs in owner-bit mode (every device WQE is signalled), or be collapsed. ``mem``/``mapped``: on a GPU,
     a DeviceMemory for the descriptor and slot arrays and the NicMapping holding the rings.
+    ``post_mode``: "batched" (default) or "serial" (fill_qpdesc).
     """
 
-    def __init__(self, qp, peer, mem=None, mapped=None):
+    def __init__(self, qp, peer, mem=None, mapped=None, post_mode="batched"):
         cq = qp.send_cq
         if not cq.collapsed and cq.cqe_cnt < qp.sq_wqebbs:
             raise ValueError("device QPs signal every WQE: the CQ needs >= %d CQEs (has %d)"
@@ -174,12 +188,13 @@ class QpDescriptor:
             self.slot_nbb = np.zeros(qp.sq_wqebbs, dtype=np.uint32)
             self.slot_ready = np.zeros(qp.sq_wqebbs, dtype=np.uint64)
             fill_qpdesc(self.desc, qp, peer, address_of(self.slot_db),
-                        address_of(self.slot_nbb), address_of(self.slot_ready))
+                        address_of(self.slot_nbb), address_of(self.slot_ready),
+                        post_mode=post_mode)
             self._dptr = None
         else:
             fill_qpdesc(self.desc, qp, peer, mem.zeros(qp.sq_wqebbs * 8),
                         mem.zeros(qp.sq_wqebbs * 4), mem.zeros(qp.sq_wqebbs * 8),
-                        mapped.g if mapped is not None else int)
+                        mapped.g if mapped is not None else int, post_mode)
             self._dptr = mem.put(self.desc)
 
     @property

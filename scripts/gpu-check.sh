@@ -59,7 +59,7 @@ fi
 
 if want post; then
 step "device post rate (sink consumer, collapsed CQ, post_warp: one WQE per lane)"
-timeout 300 python3 bench/device_post.py --cq collapsed --qps 1,32 --warps 1,32,132,264 \
+timeout 300 python3 bench/device_post.py --cq collapsed --qps 1,32 --warps 1,32,132,264 --post-modes batched,serial \
     --skip store,e2e,ordering --repeat 3 --json "$OUT/device_post.json" > "$OUT/device_post.log" 2>&1
 tail -14 "$OUT/device_post.log"
 gate device_post "$OUT/device_post.json"

@@ -7,7 +7,8 @@ the expansion):
   - each thread: ROUNDS schedules back to back (own memory per round, quiet between), each a
     sequence of 2-8 operations drawn from put / inline put / get / put_signal / atomic fetch-add /
     quiet / fence, random sizes 0..256 and offsets; warp-collective bulk puts (put_nbi_warp);
-  - ring depths 8/16/64 (small enough to fill and wrap), both CQ modes;
+  - ring depths 8/16/64 (small enough to fill and wrap), both CQ modes, both posting modes
+    (qp.cuh: batched hand-over by tags, serial turn by db_head);
   - the weak-memory model on or off, with its drain order and seed;
   - on the c500 profile: finegrained (NIC-coherent) heaps with eviction events drawn anywhere.
 Invariants checked after every launch:
@@ -51,21 +52,21 @@ def _examples(k=EXAMPLES_PER_PROFILE_EXAMPLE):
 
 @pytest.fixture(scope="module")
 def world():
-    """One NIC per profile and a cache of Loopbacks per (profile, depth, collapsed, kind)."""
+    """One NIC per profile and a cache of Loopbacks per (profile, depth, collapsed, kind, post_mode)."""
     # idle_spin_us=0: a spinning engine (pure spin) would starve the emulator's threads on 2 cores;
     # the default yields for a few passes, then sleeps between examples.
     nics = {"nvidia": SoftNic(arena_bytes=512 << 20, idle_spin_us=0)}
     lbs = {}
 
-    def get(profile="nvidia", depth=16, collapsed=False, kind="host"):
+    def get(profile="nvidia", depth=16, collapsed=False, kind="host", post_mode="batched"):
         if profile not in nics:
             nics[profile] = SoftNic(profile=profile, arena_bytes=256 << 20, idle_spin_us=0)
-        key = (profile, depth, collapsed, kind)
+        key = (profile, depth, collapsed, kind, post_mode)
         if key in lbs and not _healthy(lbs[key]):
             del lbs[key]                  # a failed example left it stuck or in error: rebuild
         if key not in lbs:
             lb = L.Loopback(nics[profile], sq_wqebbs=depth, collapsed=collapsed, timeout_s=20,
-                            heap_bytes=HEAP, kind=kind)
+                            heap_bytes=HEAP, kind=kind, post_mode=post_mode)
             lb.keep = lb._top
             lbs[key] = lb
         lb = lbs[key]
@@ -123,6 +124,7 @@ schedule_params = dict(
     nops=st.integers(2, 8),
     depth=st.sampled_from([8, 16, 64]),
     collapsed=st.booleans(),
+    post_mode=st.sampled_from(["batched", "serial"]),
     weak=st.booleans(),
     weak_seed=st.integers(0, 1 << 32),
     order=st.sampled_from([0, 1, 2]),
@@ -133,13 +135,13 @@ schedule_params = dict(
           derandomize=False)
 @given(**schedule_params)
 def test_schedules_match_sequential_reference(world, lib, seed, blocks, warps_per_block, ws, nops, depth,
-                                              collapsed, weak, weak_seed, order):
+                                              collapsed, post_mode, weak, weak_seed, order):
     """Generated schedules (see the module docstring) leave exactly the sequential reference's memory,
     complete every operation exactly once and never show a signal before its payload. Warps of 64
     run as one block (64 OS threads; 2 blocks of 64: test_schedules_many_warps)."""
     if ws == 64:
         blocks = 1
-    lb = world(depth=depth, collapsed=collapsed)
+    lb = world(depth=depth, collapsed=collapsed, post_mode=post_mode)
     run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, weak=weak, weak_seed=weak_seed, order=order)
 
 
@@ -147,9 +149,10 @@ def test_schedules_match_sequential_reference(world, lib, seed, blocks, warps_pe
           suppress_health_check=list(HealthCheck))
 @given(**dict(schedule_params, blocks=st.just(2), warps_per_block=st.just(2)))
 def test_schedules_many_warps(world, lib, seed, blocks, warps_per_block, ws, nops, depth, collapsed,
-                              weak, weak_seed, order):
-    """As above with 2 blocks x 2 warps (up to 256 threads): fewer examples, they cost more here."""
-    lb = world(depth=depth, collapsed=collapsed)
+                              post_mode, weak, weak_seed, order):
+    """As above with 2 blocks x 2 warps (up to 256 threads): fewer examples, they cost more here.
+    On a serial QP the posts of 4 warps and their lanes wait for each other's turn."""
+    lb = world(depth=depth, collapsed=collapsed, post_mode=post_mode)
     run_case(lib, lb, seed, blocks, warps_per_block, ws, nops, weak=weak, weak_seed=weak_seed, order=order)
 
 
@@ -179,12 +182,14 @@ def test_c500_device_kind_payload_is_stale(world, lib):
         run_case(lib, lb, 12345, 1, 1, 32, 8, mix=(1 << S.K_PUT) | (1 << S.K_GET), check_every=0)
 
 
+@pytest.mark.parametrize("post_mode", ["batched", "serial"])
 @pytest.mark.parametrize("collapsed", [False, True])
-def test_fault_mid_schedule_raises_and_drains(lib, collapsed):
+def test_fault_mid_schedule_raises_and_drains(lib, collapsed, post_mode):
     """A bad rkey while 2 blocks x 2 warps run schedules: the launch returns (no hang), the status
     names the error CQE, the host raises CompletionError."""
     with SoftNic() as nic:
-        lb = L.Loopback(nic, sq_wqebbs=8, collapsed=collapsed, timeout_s=5, heap_bytes=HEAP)
+        lb = L.Loopback(nic, sq_wqebbs=8, collapsed=collapsed, timeout_s=5, heap_bytes=HEAP,
+                        post_mode=post_mode)
         lb.peers[L.PEER].rkey ^= 0x40
         with pytest.raises(errors.CompletionError) as ei:
             run_case(lib, lb, 99, 2, 2, 32, 6)

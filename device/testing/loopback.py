@@ -18,10 +18,12 @@ SCRATCH_SLOTS = 1024          # atomic result slots: one per thread that may cal
 class Loopback:
     """Args: nic (SoftNic of PE 0); sq_wqebbs (ring depth); collapsed (CQ mode);
     timeout_s (device waits); heap_bytes; kind (memory kind of both heaps); peer_nic (default nic);
-    max_inline (QP limit); max_wqe_bytes (DevCtx split size, 0 = 1 GiB)."""
+    max_inline (QP limit); max_wqe_bytes (DevCtx split size, 0 = 1 GiB); post_mode (QP a's
+    posting mode: "batched" or "serial", qp.cuh)."""
 
     def __init__(self, nic, sq_wqebbs=64, collapsed=False, timeout_s=5.0,
-                 heap_bytes=1 << 20, kind="host", peer_nic=None, max_inline=256, max_wqe_bytes=0):
+                 heap_bytes=1 << 20, kind="host", peer_nic=None, max_inline=256, max_wqe_bytes=0,
+                 post_mode="batched"):
         self.nic = nic
         self.peer_nic = peer_nic or nic
         self.heap_bytes = heap_bytes
@@ -42,7 +44,7 @@ class Loopback:
         self._top = 0
         scratch = self.sym(SCRATCH_SLOTS * 8)
         discard = self.sym(64)
-        self.qpd = QpDescriptor(self.a, PEER)
+        self.qpd = QpDescriptor(self.a, PEER, post_mode=post_mode)
         self.qp, self.slot_db, self.slot_nbb = self.qpd.desc, self.qpd.slot_db, self.qpd.slot_nbb
         self.dev = DeviceContext(self.local_base, heap_bytes, self.local_mr.lkey, 2, 0,
                                  self.local_base + scratch, SCRATCH_SLOTS, self.local_base + discard,

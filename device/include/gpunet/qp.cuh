@@ -57,6 +57,16 @@
 //   two system fences, one round trip to leave (the leave-CAS); the tag slots that CAS and the
 //   scan compare with are read while the WQEs are written.
 //
+//   Posting modes (QpDesc::post_mode, set by the host per QP). POST_BATCHED is the protocol
+//   above. POST_SERIAL has no tags and no hand-over: a publisher whose turn is not its own at
+//   step 1 waits (bounded, SITE_DOORBELL_TURN) until db_head reaches its base, then rings its own
+//   reservation and stores db_head = end. One warp alone on the QP never waits, and pays one
+//   round trip (the reservation) and the ring's two system fences: no tag loads, no leave-CAS.
+//   Several posters are still correct (each rings in reservation order) but ring one at a
+//   time, so a QP shared by many warps keeps POST_BATCHED (bench/device_post.py has both).
+//   Why the DBR still only grows: db_head == base is read (acquire) before the fence_sys that
+//   precedes our DBR, and the poster before us stored it after its own DBR's fence.
+//
 //   Every WQE is signalled (CQ_UPDATE) and completes in order, so one CQE tells how far the ring
 //   is done (one poller at a time: try-lock poll_lock). Owner-bit CQ: that poller consumes every valid CQE
 //   (rdma-core's ownership rule), credits done_head, then writes the CQ DBR. cqe_cnt >=
@@ -145,7 +155,8 @@ struct QpDesc {
   uint32_t qpn;
   uint32_t peer;        // the PE this QP reaches (for Status)
   uint32_t max_inline;  // bytes of inline payload the QP accepts
-  uint32_t pad0[2];
+  uint32_t post_mode;   // POST_BATCHED or POST_SERIAL (the header's "Posting modes")
+  uint32_t pad0;
   CqDesc cq;            // at 64
   uint64_t slot_ready;  // device memory, uint64[sq_wqebbs]: end of the reservation STARTING there
   uint64_t pad1[3];     // to 128
@@ -159,6 +170,10 @@ struct QpDesc {
   uint64_t pad2[2];
 };
 static_assert(sizeof(QpDesc) == 192, "QpDesc layout is mirrored in device/abi.py");
+
+// QpDesc::post_mode (device/abi.py POST_*): how a publisher gets the doorbell turn.
+constexpr uint32_t POST_BATCHED = 0;  // hand-over by tags: one ring covers several posts
+constexpr uint32_t POST_SERIAL = 1;   // wait until db_head reaches the reservation: no tags
 static_assert(__builtin_offsetof(QpDesc, resv_head) == 128, "QpDesc state at 128");
 
 // ------------------------------------------------------------------------------------------------
@@ -345,7 +360,7 @@ GPUNET_DEVICE bool tagged(uint64_t t, uint64_t r) { return (t & kLeft) == 0 && t
 // the WQE ending at r when the caller has it, else 0 (read from slot_db; a doorbell word is never
 // 0: ds >= 1). Two system fences: the WQEs (ours, or others' through their tags), slot_db and
 // ready_head before the DBR; the DBR before the doorbell (the NIC reads the DBR when it sees the
-// doorbell; tests/test_device_qp.py test_fence_test_weak_memory[drop_doorbell_fence]).
+// doorbell; tests/test_device_qp.py test_fence_test_weak_memory[drop_doorbell_fence-*]).
 GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
   arch::atomic_store(&qp->ready_head, r);  // before the DBR: bounds collapsed-CQ credits (poll_cq)
   arch::fence_sys();
@@ -449,19 +464,41 @@ GPUNET_DEVICE bool wait_room(QpDesc* qp, const Waiter& w, const Resv& v, uint64_
   return true;
 }
 
-// The tag slots publish() reads, loaded while the WQEs are written (their age does not matter).
+// The tag slots publish() reads, loaded while the WQEs are written (their age does not matter;
+// a POST_SERIAL QP has none).
 GPUNET_DEVICE void read_hints(const QpDesc* qp, Resv& v) {
+  if (qp->post_mode == POST_SERIAL) return;
   const uint64_t mask = qp->sq_wqebbs - 1;
   const uint64_t* tags = qpd::u64p(qp->slot_ready);
   v.t_base = arch::load_relaxed(&tags[v.base & mask]);
   v.t_next = arch::load_relaxed(&tags[(v.base + v.n) & mask]);
 }
 
+// Step 4 on a POST_SERIAL QP: wait for the turn (bounded; a failure leaves [base, end) unrung,
+// and every later wait gives up), ring [base, end) alone, pass the turn on through db_head.
+GPUNET_DEVICE void publish_serial(QpDesc* qp, const Waiter& w, const Resv& v, uint64_t last_word0) {
+  const uint64_t end = v.base + v.n;
+  if (!v.turn) {
+    Spin spin;
+    uint64_t dh = arch::load_acquire_gpu(&qp->db_head);
+    while (dh < v.base) {
+      if (!spin.keep_going(w, dh, qpd::on_qp(qp, SITE_DOORBELL_TURN, v.base, v.base))) return;
+      dh = arch::load_acquire_gpu(&qp->db_head);
+    }
+  }
+  qpd::ring_to(qp, end, last_word0);
+  arch::atomic_store(&qp->db_head, end);  // after the doorbell's fence (ring_to): the next turn
+}
+
 // Step 4 for the reservation v whose WQE words (and slot_nbb) are already stored by this thread
 // (or by lanes that then passed a syncwarp with it). `last_word0` is the doorbell word of the
 // last WQE. Returns once they are rung or handed to the turn's owner; never waits for another
-// thread.
-GPUNET_DEVICE void publish(QpDesc* qp, const Resv& v, uint64_t last_word0) {
+// thread (POST_BATCHED; a POST_SERIAL QP waits for the posts reserved before it: publish_serial).
+GPUNET_DEVICE void publish(QpDesc* qp, const Waiter& w, const Resv& v, uint64_t last_word0) {
+  if (qp->post_mode == POST_SERIAL) {
+    publish_serial(qp, w, v, last_word0);
+    return;
+  }
   const uint64_t mask = qp->sq_wqebbs - 1;
   uint64_t* tags = qpd::u64p(qp->slot_ready);
   const uint64_t end = v.base + v.n;
@@ -574,7 +611,7 @@ GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
     word = fill_nops(qp, v.base, 0, n, 1);
   }
   if (end) *end = v.base + n;
-  publish(qp, v, word);
+  publish(qp, w, v, word);
   return ok;
 }
 
@@ -653,7 +690,7 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
   }
   arch::syncwarp();  // lanes' WQE stores happen-before lane 0's publish (cumulative fences)
   GPUNET_POST_STAMP(1);
-  if (lane == 0) publish(qp, v, word);
+  if (lane == 0) publish(qp, w, v, word);
   arch::syncwarp();
   GPUNET_POST_STAMP(6);
   return ok;
@@ -698,7 +735,7 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
     word = fill_nops(qp, base, lane, total, ws);
   }
   arch::syncwarp();  // every lane's WQE stores happen-before lane 0's publish (cumulative)
-  if (lane == 0) publish(qp, v, word);
+  if (lane == 0) publish(qp, w, v, word);
   arch::syncwarp();
   return ok;
 }

@@ -37,6 +37,7 @@ enum : uint32_t {
   SITE_NONE = 0,
   // ibgda (qp.cuh)
   SITE_SQ_SPACE = 1,     // post: waiting for ring space (done_head)
+  SITE_DOORBELL_TURN = 11,  // post on a POST_SERIAL QP: waiting for the posts reserved before it
   SITE_QUIET = 4,        // quiet: waiting for done_head to reach the ready head
   SITE_CQE = 5,          // an error CQE (a QP's CQ, or the proxy's QP behind a channel)
   SITE_WAIT_UNTIL = 6,   // wait_until on a signal word (no transport: a local word)
