@@ -36,6 +36,10 @@ KNOBS = (
          "the CPU the arena heap is registered with the soft NIC as device memory, so its engine "
          "moves every byte of it through the copy-engine hook: the CUDA device-heap paths' test "
          "bench)"),
+    Knob("GPUNET_QP_POST_MODE", "env", "choice", "batched", ("batched", "serial"),
+         "posting mode of every ibgda peer's QP (qp.cuh \"Posting modes\"): batched (any number "
+         "of warps, one doorbell for several posts) or serial (the fewest round trips when one "
+         "warp at a time posts to each peer; several still work but ring one after another)"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),

@@ -46,7 +46,7 @@ import time
 
 import numpy as np
 
-from gpunet import mlx5
+from gpunet import config, mlx5
 from gpunet._floor import Deadline
 from gpunet.device.descriptors import QpDescriptor, proxy_channel_desc
 from gpunet.errors import ConfigError, GpunetError
@@ -294,6 +294,7 @@ class Transports(Resource):
         rkey); ``local_heap``: (address, lkey) of this rank's heap; ``mem`` / ``mapping``: on a
         GPU, the DeviceMemory for descriptors and the NicMapping of the NIC's rings."""
         n, me = self.world_size, self.rank
+        post_mode = config.get("GPUNET_QP_POST_MODE")
         self._settle(everyone)
         for (u, p), q in self._qps.items():
             if p == me:
@@ -305,7 +306,8 @@ class Transports(Resource):
             # (a proxied peer is reached through its channel only; kinds agree pairwise)
         for p in range(n):
             if self.kinds[p] == "ibgda":
-                qpd = QpDescriptor(self._qps["ibgda", p], p, mem=mem, mapped=mapping)
+                qpd = QpDescriptor(self._qps["ibgda", p], p, mem=mem, mapped=mapping,
+                                   post_mode=post_mode)
                 dev.set_peer_qp(p, qpd, everyone[p]["heap"], everyone[p]["rkey"])
                 self.qpds[p] = qpd
         # who maps this rank's heap: its p2p peers, and with a device heap the NIC peers whose

@@ -7,6 +7,7 @@ import time
 import torch
 
 import gpunet
+from gpunet.device import abi
 
 SLOT_ELEMS = 1 << 14          # per-rank slot of the exchange buffer, in bytes (uint8 elements)
 
@@ -21,8 +22,10 @@ def init(state, transport, heap_bytes=8 << 20, timeout_s=10.0):
     state["sig"] = ctx.alloc((n,), torch.int64)               # word r: signalled by rank r
     state["ctr"] = ctx.alloc((1,), torch.int64)               # a shared atomic counter
     ctx.barrier()
+    modes = {v: k for k, v in abi.POST_MODES.items()}
     return {"rank": ctx.rank, "transports": dict(ctx.transports), "pid": os.getpid(),
-            "arena": ctx.nic.arena_name}
+            "arena": ctx.nic.arena_name,
+            "post_modes": [modes[int(q.desc.post_mode)] for _, q in sorted(ctx._transports.qpds.items())]}
 
 
 def _pattern(rank, round_, n):

@@ -18,14 +18,19 @@ from mp_ranks import Ranks
 TRANSPORTS = ["ibgda", "proxy"]
 
 
-@pytest.fixture(scope="module", params=[(2, "ibgda"), (2, "proxy"), (4, "ibgda"), (4, "proxy")],
-                ids=lambda p: "%dranks-%s" % p)
+# (ranks, transport, the ibgda QPs' posting mode: GPUNET_QP_POST_MODE)
+@pytest.fixture(scope="module", params=[(2, "ibgda", "batched"), (2, "proxy", "batched"),
+                                        (4, "ibgda", "batched"), (4, "proxy", "batched"),
+                                        (2, "ibgda", "serial")],
+                ids=lambda p: "%dranks-%s" % p[:2] + ("-serial" if p[2] == "serial" else ""))
 def ranks(request):
-    world, transport = request.param
-    r = Ranks(world)
+    world, transport, post_mode = request.param
+    r = Ranks(world, env={"GPUNET_QP_POST_MODE": post_mode})
     try:
         info = r.run("init", transport)
         assert all(set(i["transports"].values()) == {transport} for i in info)
+        if transport == "ibgda":
+            assert all(i["post_modes"] == [post_mode] * world for i in info), info
         r.world, r.transport = world, transport
         yield r
     finally:
