@@ -367,6 +367,10 @@ GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
   GPUNET_POST_STAMP(3);
   if (word == 0) word = arch::load_relaxed(&u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)]);
   arch::store_relaxed(u32p(qp->dbrec + 4 * mlx5::DBREC_SND), mlx5::sq_dbrec_value(r));
+  // A fence, not a release store of the doorbell: the fence also orders the DBR before the
+  // db_head update that hands the turn on (a relaxed RMW or store after a release may overtake
+  // it, and the next owner's DBR could land first: the DBR would go back; the weak-memory model
+  // fails tests/test_device_qp.py test_collapsed_cq_many_threads_past_65536[weak-*] that way).
 #if !defined(GPUNET_TEST_DROP_DOORBELL_FENCE)
   arch::fence_sys();
 #endif
