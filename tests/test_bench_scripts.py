@@ -31,16 +31,29 @@ def test_device_post_compile_only():
 
 
 def test_device_post_cpu_smoke(tmp_path):
-    """The same script on the HOST arm: sink rows, soft-NIC rows and ordering schedules all pass."""
+    """The same script on the HOST arm: sink rows of both posting modes, soft-NIC rows and ordering
+    schedules all pass; the gate's reader (scripts/gate.py device_post) takes the one-warp target
+    from the serial row and the shared-QP targets from batched rows."""
     out = tmp_path / "dp.json"
-    r = _run("--cpu-smoke", "--json", str(out))
+    r = _run("--cpu-smoke", "--post-modes", "batched,serial", "--json", str(out))
     assert r.returncode == 0, r.stdout + r.stderr
     import json
     d = json.loads(out.read_text())
     assert d["ordering_pass"] is True
     assert all(o["ok"] for o in d["ordering"])
-    assert any(row["row"] == "post, sink" for row in d["rows"])
+    sink = [row for row in d["rows"] if row["row"] == "post, sink"]
+    assert {(row["warps"], row["post_mode"]) for row in sink} == {(1, "batched"), (2, "batched"),
+                                                                  (1, "serial")}, sink
     assert all(row["note"].startswith("OK") for row in d["rows"] if row["row"] == "post, soft NIC")
+    rows = tmp_path / "rows.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gate.py"), "device_post", str(out)],
+                   check=True, timeout=60, env=dict(os.environ, GATE_ROWS=str(rows)))
+    got = {g["name"]: g for g in map(json.loads, rows.read_text().splitlines())}
+    serial = next(row for row in sink if row["warps"] == 1 and row["post_mode"] == "serial")
+    one = got["post 1 warp(s), 1 QP(s), serial"]
+    assert one["figure"].startswith("%.1f M WQE/s" % serial["mwqes"]), one
+    assert got["post 32 warp(s), 1 QP(s), batched"]["figure"] == "row missing"
+    assert got["device post rows ran"]["result"] == "PASS"
 
 
 def test_post_warp_k_moves_every_byte_on_the_host_arm(tmp_path):
