@@ -554,11 +554,15 @@ def main(argv=None):
         modes = [m for m in args.post_modes.split(",") if m]
         serial_warps = {int(w) for w in args.serial_warps.split(",") if w}
         for cqmode, nq, mode in [(c, int(q), m) for c in cqs for q in args.qps.split(",") for m in modes]:
+            row_warps = [w for w in warps_list
+                         if nq <= w and (mode != "serial" or w in serial_warps)]
+            if not row_warps:
+                continue          # no row of this world would run: do not build it
             world = SinkWorld(plat, nq, args.sq, cqmode == "collapsed", mode)
             try:
-                for w in warps_list:
-                    if nq > w or (mode == "serial" and w not in serial_warps):
-                        continue
+                for w in row_warps:
+                    key = {"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
+                           "post_mode": mode, "cq": cqmode}
                     iters = max(16, total // (w * 32 * args.per_lane))
                     try:
                         world.run(blib, w, min(iters, 16), args.per_lane)     # warm-up
@@ -568,17 +572,14 @@ def main(argv=None):
                             s, n = world.run(blib, w, iters, args.per_lane)
                             runs.append(s)
                     except errors.GpunetError as e:
-                        rows.append({"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
-                                     "post_mode": mode, "cq": cqmode, "wqes": 0, "seconds": 1.0,
-                                     "mwqes": 0.0, "note": "FAIL: %s" % str(e)[:300]})
+                        rows.append(dict(key, wqes=0, seconds=1.0, mwqes=0.0,
+                                         note="FAIL: %s" % str(e)[:300]))
                         print(rows[-1], flush=True)
                         raise _Abandon()
                     row = _timed_row(
-                        {"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
-                         "post_mode": mode, "cq": cqmode, "wqes": n,
-                         "note": "sink CQEs %d, %d WQEs/lane/post%s" % (
-                             int(world.sink.stats[0]), args.per_lane,
-                             ", phases build" if args.phases else "")}, n, runs)
+                        dict(key, wqes=n, note="sink CQEs %d, %d WQEs/lane/post%s" % (
+                            int(world.sink.stats[0]), args.per_lane,
+                            ", phases build" if args.phases else "")), n, runs)
                     sums = read_phases(blib)
                     if sums is not None:
                         # every warp posts `iters` times per run; a warp's time per post

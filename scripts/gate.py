@@ -79,8 +79,7 @@ def proxy_cpu(path):
             ">= 10 M/s per thread")
 
 
-# (warps, QPs) -> M WQE/s goal, issue 8.4
-# (warps, QPs, QpDesc post mode): goal in M WQE/s. One warp alone on a QP is the serial mode's
+# (warps, QPs, QpDesc post mode) -> M WQE/s goal, issue 8.4. One warp alone on a QP is the serial mode's
 # case (qp.cuh "Posting modes"); a shared QP keeps the batched protocol.
 POST_GOALS = [((1, 1, "serial"), 15.0), ((32, 1, "batched"), 40.0), ((132, 32, "batched"), 150.0),
               ((264, 32, "batched"), 150.0)]
