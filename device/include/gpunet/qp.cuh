@@ -362,11 +362,18 @@ GPUNET_DEVICE bool tagged(uint64_t t, uint64_t r) { return (t & kLeft) == 0 && t
 // ready_head before the DBR; the DBR before the doorbell (the NIC reads the DBR when it sees the
 // doorbell; tests/test_device_qp.py test_fence_test_weak_memory[drop_doorbell_fence-*]).
 GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
+  // The descriptor's addresses are read BEFORE the first fence: the compiler may not move a load
+  // across a fence, and a load after a system fence misses L1, so reading them after it put two
+  // dependent L2 round trips on the ring's chain (about 0.6 us a post; bench/RESULTS.md, tenth
+  // session).
+  const uint64_t* const word_at = &u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)];
+  uint32_t* const dbr = u32p(qp->dbrec + 4 * mlx5::DBREC_SND);
+  volatile uint64_t* const db = reinterpret_cast<volatile uint64_t*>(uintptr_t(qp->db));
   arch::atomic_store(&qp->ready_head, r);  // before the DBR: bounds collapsed-CQ credits (poll_cq)
   arch::fence_sys();
   GPUNET_POST_STAMP(3);
-  if (word == 0) word = arch::load_relaxed(&u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)]);
-  arch::store_relaxed(u32p(qp->dbrec + 4 * mlx5::DBREC_SND), mlx5::sq_dbrec_value(r));
+  if (word == 0) word = arch::load_relaxed(word_at);  // after the fence: another publisher's word
+  arch::store_relaxed(dbr, mlx5::sq_dbrec_value(r));
   // A fence, not a release store of the doorbell: the fence also orders the DBR before the
   // db_head update that hands the turn on (a relaxed RMW or store after a release may overtake
   // it, and the next owner's DBR could land first: the DBR would go back; the weak-memory model
@@ -374,7 +381,7 @@ GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
 #if !defined(GPUNET_TEST_DROP_DOORBELL_FENCE)
   arch::fence_sys();
 #endif
-  arch::doorbell_store64(reinterpret_cast<volatile uint64_t*>(uintptr_t(qp->db)), word);
+  arch::doorbell_store64(db, word);
   GPUNET_POST_STAMP(4);
   GPUNET_DELAY_POINT();
 }
@@ -528,43 +535,57 @@ GPUNET_DEVICE void publish(QpDesc* qp, const Waiter& w, const Resv& v, uint64_t 
   }
 }
 
+// The QP constants the WQE stores need, read by every posting lane BEFORE the reservation: the
+// compiler may not move a load across the reservation's atomics, and loads issued after them
+// waited for its round trip (then missed L1) before the first WQE store (bench/RESULTS.md, tenth
+// session).
+struct SqView {
+  uint64_t sq;        // QpDesc::sq
+  uint64_t slot_nbb;  // QpDesc::slot_nbb
+  uint32_t mask;      // sq_wqebbs - 1
+  uint32_t qpn;
+};
+GPUNET_DEVICE SqView sq_view(const QpDesc* qp) {
+  return SqView{qp->sq, qp->slot_nbb, qp->sq_wqebbs - 1, qp->qpn};
+}
+
 // The ctrl segment of WQE `q` at producer index `pi` on this QP (mlx5.cuh's ctrl_seg).
-GPUNET_DEVICE mlx5::Seg16 ctrl_of(const QpDesc* qp, uint64_t pi, const Wqe& q) {
-  return mlx5::ctrl_seg(uint32_t(pi), q.opcode, 0, qp->qpn, q.fm_ce_se, q.ds, 0, 0);
+GPUNET_DEVICE mlx5::Seg16 ctrl_of(const SqView& sv, uint64_t pi, const Wqe& q) {
+  return mlx5::ctrl_seg(uint32_t(pi), q.opcode, 0, sv.qpn, q.fm_ce_se, q.ds, 0, 0);
 }
 
 // Write a built WQE at counter `base` with its ctrl segment `ctrl` (ctrl_of: this thread's stores,
 // one 16-byte store per segment, wrapping per WQEBB) and record its size. Returns its doorbell word.
-GPUNET_DEVICE uint64_t write_wqe(const QpDesc* qp, uint64_t base, const Wqe& q,
+GPUNET_DEVICE uint64_t write_wqe(const SqView& sv, uint64_t base, const Wqe& q,
                                  const mlx5::Seg16& ctrl) {
-  const uint64_t mask = qp->sq_wqebbs - 1;
-  uint64_t* bb = qpd::u64p(qp->sq + (base & mask) * mlx5::WQEBB);
+  const uint64_t mask = sv.mask;
+  uint64_t* bb = qpd::u64p(sv.sq + (base & mask) * mlx5::WQEBB);
   arch::store_relaxed_v2(bb, ctrl.w[0], ctrl.w[1]);
   if (q.nbb == 1) {  // the common case (RDMA, atomic, short inline): one WQEBB, no wrap
     for (uint32_t i = 1; i < 4; ++i) arch::store_relaxed_v2(bb + 2 * i, q.seg[i].w[0], q.seg[i].w[1]);
   } else {
     for (uint32_t i = 1; i < q.nbb * 4; ++i) {
-      uint64_t* p = qpd::u64p(qp->sq + ((base + i / 4) & mask) * mlx5::WQEBB + (i % 4) * mlx5::DS_UNIT);
+      uint64_t* p = qpd::u64p(sv.sq + ((base + i / 4) & mask) * mlx5::WQEBB + (i % 4) * mlx5::DS_UNIT);
       arch::store_relaxed_v2(p, q.seg[i].w[0], q.seg[i].w[1]);
     }
   }
-  arch::store_relaxed(&qpd::u32p(qp->slot_nbb)[base & mask], q.nbb);
+  arch::store_relaxed(&qpd::u32p(sv.slot_nbb)[base & mask], q.nbb);
   GPUNET_DELAY_POINT();
   return mlx5::doorbell_word(ctrl);
 }
-GPUNET_DEVICE uint64_t write_wqe(const QpDesc* qp, uint64_t base, const Wqe& q) {
-  return write_wqe(qp, base, q, ctrl_of(qp, base, q));
+GPUNET_DEVICE uint64_t write_wqe(const SqView& sv, uint64_t base, const Wqe& q) {
+  return write_wqe(sv, base, q, ctrl_of(sv, base, q));
 }
 
 // A post that saw a failure after reserving fills its WQEBBs [base + from, base + to) with
 // signalled NOPs, `step` apart (1 per thread, warp_size per lane), and still publishes, so the
 // ring stays whole and the turn moves on. Returns the doorbell word of the NOP at base + to - 1.
-GPUNET_DEVICE uint64_t fill_nops(const QpDesc* qp, uint64_t base, uint64_t from, uint64_t to,
+GPUNET_DEVICE uint64_t fill_nops(const SqView& sv, uint64_t base, uint64_t from, uint64_t to,
                                  uint32_t step) {
   Wqe nop;
   wqe_nop(nop);
-  for (uint64_t i = from; i < to; i += step) write_wqe(qp, base + i, nop);
-  return mlx5::doorbell_word(ctrl_of(qp, base + to - 1, nop));
+  for (uint64_t i = from; i < to; i += step) write_wqe(sv, base + i, nop);
+  return mlx5::doorbell_word(ctrl_of(sv, base + to - 1, nop));
 }
 
 // What a post checks against the Status and the QP, read with its reservation in flight: records
@@ -596,6 +617,7 @@ GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
     if (!failed(w)) record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, n);
     return false;
   }
+  const SqView sv = sq_view(qp);
   // One round trip: the Status, errored, done_head, db_head and the reservation together.
   const bool st_failed = failed(w);
   const bool qp_errored = arch::atomic_load(&qp->errored) != 0;
@@ -608,11 +630,11 @@ GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
   if (ok) {
     uint64_t at = v.base;
     for (uint32_t i = 0; i < count; ++i) {
-      word = write_wqe(qp, at, wqes[i]);
+      word = write_wqe(sv, at, wqes[i]);
       at += wqes[i].nbb;
     }
   } else {
-    word = fill_nops(qp, v.base, 0, n, 1);
+    word = fill_nops(sv, v.base, 0, n, 1);
   }
   if (end) *end = v.base + n;
   publish(qp, w, v, word);
@@ -675,6 +697,7 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
       record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
     return false;
   }
+  const SqView sv = sq_view(qp);
   Resv v;
   uint64_t base;
   bool ok;
@@ -684,13 +707,13 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
   if (ok) {
     // The last posting lane's doorbell word goes to lane 0 BEFORE the WQE stores: after them the
     // only collective is the syncwarp whose ordering the publish relies on (and tests check).
-    const mlx5::Seg16 ctrl = ctrl_of(qp, base + off, q);
+    const mlx5::Seg16 ctrl = ctrl_of(sv, base + off, q);
     word = mine ? mlx5::doorbell_word(ctrl) : 0;
     const uint32_t last_lane = (nposts < ws ? nposts : ws) - 1;
     word = arch::shfl(word, last_lane);
-    if (mine) write_wqe(qp, base + off, q, ctrl);
+    if (mine) write_wqe(sv, base + off, q, ctrl);
   } else {
-    word = fill_nops(qp, base, lane, total, ws);
+    word = fill_nops(sv, base, lane, total, ws);
   }
   arch::syncwarp();  // lanes' WQE stores happen-before lane 0's publish (cumulative fences)
   GPUNET_POST_STAMP(1);
@@ -718,25 +741,26 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
       record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
     return false;
   }
+  const SqView sv = sq_view(qp);
   Resv v;
   uint64_t base;
   bool ok;
   if (!reserve_warp(qp, w, uint32_t(total), v, base, ok)) return false;
   uint64_t word;
   if (ok) {
-    const mlx5::Seg16 last_ctrl = ctrl_of(qp, base + total - ws + lane, last);
+    const mlx5::Seg16 last_ctrl = ctrl_of(sv, base + total - ws + lane, last);
     word = arch::shfl(mlx5::doorbell_word(last_ctrl), ws - 1);
     for (uint32_t j = 0; j < k; ++j) {
       if (j + 1 == k) {
-        write_wqe(qp, base + uint64_t(j) * ws + lane, last, last_ctrl);
+        write_wqe(sv, base + uint64_t(j) * ws + lane, last, last_ctrl);
       } else {
         Wqe q;
         make(j, q);
-        write_wqe(qp, base + uint64_t(j) * ws + lane, q);
+        write_wqe(sv, base + uint64_t(j) * ws + lane, q);
       }
     }
   } else {
-    word = fill_nops(qp, base, lane, total, ws);
+    word = fill_nops(sv, base, lane, total, ws);
   }
   arch::syncwarp();  // every lane's WQE stores happen-before lane 0's publish (cumulative)
   if (lane == 0) publish(qp, w, v, word);
