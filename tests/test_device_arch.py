@@ -326,6 +326,36 @@ def test_cuda_arm_compiles_and_emits_the_intended_ptx():
         assert needle in ptx, needle
 
 
+RING_TO_PROBE = r"""
+#include <gpunet/qp.cuh>
+extern "C" __global__ void k_ring_to(gpunet::QpDesc* qp, uint64_t r, uint64_t word) {
+  gpunet::qpd::ring_to(qp, r, word);
+}
+"""
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc is not on PATH: the CUDA arm cannot be compiled here")
+def test_ring_to_reads_no_descriptor_after_its_fences(tmp_path):
+    """qp.cuh ring_to's rule: the QP's addresses (DBR, doorbell, slot_db) are read before the first
+    system fence. A descriptor load after a fence is a dependent L2 round trip on every post's
+    chain (bench/RESULTS.md, tenth session: 0.3 us of a one-warp post). In the PTX of ring_to
+    alone, no ld.global may follow the first fence.acq_rel.sys (the only load there is the
+    ld.volatile of another publisher's doorbell word, which must come after the fence)."""
+    src = tmp_path / "ring_to_probe.cu"
+    src.write_text(RING_TO_PROBE)
+    ptx = subprocess.run(
+        [_nvcc(), "-std=c++17", "-O3", "-arch=sm_90", "-ptx", "-x", "cu", f"-I{loader.include_dir()}",
+         str(src), "-o", "-"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    body = ptx[ptx.index(".entry k_ring_to"):]
+    fences = body.count("fence.acq_rel.sys")
+    assert fences == 2, "ring_to should have its two system fences, found %d" % fences
+    after = body[body.index("fence.acq_rel.sys"):]
+    loads = [ln.strip() for ln in after.splitlines() if "ld.global" in ln]
+    assert not loads, "descriptor loads after ring_to's first fence: %s" % loads
+    assert "ld.volatile" in after  # the slot_db word (word == 0): read after the fence, as it must
+
+
 MACA_STUB = r"""
 // Declarations standing in for the MACA runtime, only to type-check arch.cuh's MACA arm with g++.
 #define GPUNET_SYNTAX_CHECK_ONLY
