@@ -36,11 +36,12 @@ BULK_BLOCK_GPU = 256              # threads per block on a GPU (8 warps of 32)
 # bench/RESULTS.md): (largest put of the tier in bytes, bytes per block, blocks per SM at most,
 # variant of ops.cu k_put_p2p: bit 0 Unroll 8 16-byte loads in flight per thread (else 4), bit 1
 # weak vector stores (else volatile)). Up to 1 MiB a block per 8 KiB (more blocks, one round of
-# 4 loads per thread: 2.89 us for 1 MiB against 3.06 with 16 KiB blocks of Unroll 8); to 32 MiB a
-# block per 16 KiB with Unroll 4; above, 32 KiB blocks, 8 a SM, Unroll 8 (36.8 us for 64 MiB
-# against 37.5-38.7). Beyond a tier's blocks per SM the threads take more rounds.
+# 4 loads per thread: 2.92 us for 1 MiB against 3.23 with 32 KiB blocks of Unroll 8); to 4 MiB a
+# block per 16 KiB with Unroll 4; above, 32 KiB blocks, 8 a SM, Unroll 8 (16 MiB: 7.42 us against
+# 8.38 with 16 KiB blocks of Unroll 4; 8 MiB 5.08 against 5.28; 64 MiB 37.0 against 38.6; the
+# tenth session's sweep). Beyond a tier's blocks per SM the threads take more rounds.
 BULK_TIERS_GPU = ((1 << 20, 8 << 10, 8, 2),
-                  (32 << 20, 16 << 10, 4, 2),
+                  (4 << 20, 16 << 10, 4, 2),
                   (None, 32 << 10, 8, 3))
 BULK_CHUNK_ALIGN = 256            # chunk boundaries keep 16-byte (vector) alignment and whole lines
 BULK_MIN_BYTES_CPU = 256 << 10    # HOST arm: a block of one warp per 256 KiB, at most

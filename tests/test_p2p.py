@@ -143,15 +143,16 @@ def test_bulk_geometry_gives_a_gpu_put_blocks_for_its_bytes():
     """bulk_geometry on a GPU of 132 SMs follows the size tiers (BULK_TIERS_GPU): 4 KiB is one
     block, 1 MiB a block per 8 KiB (128), 2 MiB a block per 16 KiB (128), 256 MiB the cap of 8
     blocks per SM (1056); every geometry's chunks cover the bytes (grid * chunk >= n, chunk a
-    multiple of 256) and no block is left without a chunk; the variant is Unroll 4 up to 32 MiB,
-    Unroll 8 above, weak stores in every tier; the CPU takes the one-thread launch below 256 KiB."""
+    multiple of 256) and no block is left without a chunk; the variant is Unroll 4 up to 4 MiB,
+    Unroll 8 above (16 MiB: 512 blocks of 32 KiB), weak stores in every tier; the CPU takes the one-thread launch below 256 KiB."""
     from gpunet._launch import BULK_BLOCK_GPU, bulk_geometry, bulk_tier
 
     assert bulk_geometry(4096, True, 32, 132) == (1, BULK_BLOCK_GPU, 4096)
     assert bulk_geometry(1 << 20, True, 32, 132)[0] == 128
     assert bulk_geometry(2 << 20, True, 32, 132)[0] == 128
     assert bulk_geometry(256 << 20, True, 32, 132)[0] == 1056
-    assert [bulk_tier(n)[2] for n in (1, 1 << 20, 32 << 20, (32 << 20) + 1)] == [2, 2, 2, 3]
+    assert bulk_geometry(16 << 20, True, 32, 132)[0] == 512
+    assert [bulk_tier(n)[2] for n in (1, 1 << 20, 4 << 20, (4 << 20) + 1)] == [2, 2, 2, 3]
     for n in (0, 1, 4095, 4096, 100001, 1 << 20, 3 << 20, 256 << 20):
         grid, block, chunk = bulk_geometry(n, True, 32, 132)
         assert block == BULK_BLOCK_GPU and chunk % 256 == 0 and grid * chunk >= n
