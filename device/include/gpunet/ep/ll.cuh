@@ -757,14 +757,16 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
     const uint32_t nw = g.nwarps < P.bits_warps ? g.nwarps : P.bits_warps;
     for (uint32_t tile = g.wid; tile < P.ntiles; tile += nw) {
       const uint32_t t = tile * g.ws + g.lane;
-      // The loops over k are unrolled to kMaxTopk with k < K guards, so the token's experts stay
-      // in registers (indexed by a run-time k they were a stack array in local memory). kept /
-      // first: bit k = selection k counts (not a hole, not a repeat) / is the token's first
-      // selection on its rank. Both come from the bitmaps themselves: this lane's bit is already
-      // set in expert e's word (rank d's) when an earlier selection of its token named e (an
-      // expert on d), so one atomic_or's old value tells a repeat, with no O(K^2) unrolled
-      // compare chain (this block's code runs once per launch while the grid waits for it; the
-      // plan's tile bitmaps took 8-13 us on the H200 whatever K, bench/RESULTS.md 2026-12-02).
+      // Only the load loop over k is unrolled (to kMaxTopk, k < K guards: every load in flight at
+      // once); the atomic and plan loops are not. This code runs once per launch, cold, while the
+      // grid waits for it: every KB of it is fetched from L2 / HBM (bench/icache.py: ~150 ns per KB
+      // cold), and unrolled to kMaxTopk the three loops were 42 KB of SASS against 11 rolled (the
+      // rolled loops' serial chain, K shared atomics, is the unrolled one's too: each atomic's
+      // old value decides the next step). kept / first: bit k = selection k counts (not a hole,
+      // not a repeat) / is the token's first selection on its rank. Both come from the bitmaps
+      // themselves: this lane's bit is already set in expert e's word (rank d's) when an earlier
+      // selection of its token named e (an expert on d), so one atomic_or's old value tells a
+      // repeat, with no O(K^2) compare chain.
       int32_t ex[kMaxTopk];
 #pragma unroll
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
@@ -776,7 +778,7 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
       // 64-bit one a CAS loop (CUDA sm_90), which contending lanes made the plan's chain.
       const uint32_t mine = 1u << (g.lane & 31), half = g.lane >> 5;
       uint32_t kept = 0, first = 0;
-#pragma unroll
+#pragma unroll 1
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
         const int32_t e = ex[k];
         if (e < 0 || (arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[e]) + half, mine) & mine))
@@ -786,7 +788,7 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
         if (!(arch::atomic_or(rw, mine) & mine)) first |= 1u << k;
       }
       arch::syncwarp();
-#pragma unroll
+#pragma unroll 1
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
         if (k >= K || t >= T) continue;
         const int32_t e = ex[k];
