@@ -144,7 +144,8 @@ def test_bulk_geometry_gives_a_gpu_put_blocks_for_its_bytes():
     block, 1 MiB a block per 8 KiB (128), 2 MiB a block per 16 KiB (128), 256 MiB the cap of 8
     blocks per SM (1056); every geometry's chunks cover the bytes (grid * chunk >= n, chunk a
     multiple of 256) and no block is left without a chunk; the variant is Unroll 4 up to 4 MiB,
-    Unroll 8 above (16 MiB: 512 blocks of 32 KiB), weak stores in every tier; the CPU takes the one-thread launch below 256 KiB."""
+    Unroll 8 above (16 MiB: 512 blocks of 32 KiB), weak stores in every tier; the CPU takes the
+    one-thread launch below 256 KiB."""
     from gpunet._launch import BULK_BLOCK_GPU, bulk_geometry, bulk_tier
 
     assert bulk_geometry(4096, True, 32, 132) == (1, BULK_BLOCK_GPU, 4096)

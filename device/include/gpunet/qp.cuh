@@ -364,8 +364,8 @@ GPUNET_DEVICE bool tagged(uint64_t t, uint64_t r) { return (t & kLeft) == 0 && t
 GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
   // The descriptor's addresses are read BEFORE the first fence: the compiler may not move a load
   // across a fence, and a load after a system fence misses L1, so reading them after it put two
-  // dependent L2 round trips on the ring's chain (about 0.6 us a post; bench/RESULTS.md, tenth
-  // session).
+  // dependent L2 round trips on the ring's chain (about 0.3 us a post; bench/RESULTS.md, tenth
+  // session). Guard: tests/test_device_arch.py test_ring_to_reads_no_descriptor_after_its_fences.
   const uint64_t* const word_at = &u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)];
   uint32_t* const dbr = u32p(qp->dbrec + 4 * mlx5::DBREC_SND);
   volatile uint64_t* const db = reinterpret_cast<volatile uint64_t*>(uintptr_t(qp->db));
