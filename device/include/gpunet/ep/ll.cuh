@@ -684,6 +684,32 @@ GPUNET_DEVICE bool header_matches(const LlParams& P, const int32_t* h, uint32_t 
   return false;
 }
 
+// The header this rank fills for destination d: its own receive slot for itself (rhdr: the
+// receive headers of this op, slot `rank` on every rank), the same slot ON a mapped peer (the
+// block stores the header there itself, and the signal then carries no payload: copying it
+// from staging was one thread's chain of ~10 dependent 16-byte loads before every signal, most of
+// the last block's ~7 us in the H200 profile), or the staging slot (shdr) a NIC peer's put reads.
+GPUNET_DEVICE int32_t* header_slot(const LlParams& P, uint64_t rhdr, uint64_t shdr, uint32_t d) {
+  const uint64_t mine = rhdr + uint64_t(P.rank) * P.hdr_stride;
+  if (d == P.rank) return ptr<int32_t>(mine);
+  if (void* m = gpunet::ptr(peer_ctx(P, d), ptr<const void>(mine), int(d))) return static_cast<int32_t*>(m);
+  return ptr<int32_t>(shdr + uint64_t(d) * P.hdr_stride);
+}
+
+// Thread of destination d != rank: the header h (header_slot's) is complete, every row before
+// it handed over (last_block); the signal (kind, buf, rank) on d is raised by one put_signal,
+// which copies the header from staging for a NIC peer and nothing for a mapped one.
+GPUNET_DEVICE void header_signal(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
+                                 uint32_t d, const int32_t* h) {
+  const DevCtx& cx = peer_ctx(P, d);
+  const bool staged = h == ptr<const int32_t>(shdr + uint64_t(d) * P.hdr_stride);
+  const uint32_t hdr_bytes = staged ? (kHdrHead + P.e_loc) * 4 : 0;
+  if (!(header_fence(P, cx) &&
+        put_signal_nbi(cx, ptr<void>(rhdr + uint64_t(P.rank) * P.hdr_stride), h, hdr_bytes,
+                       sig_word(P, kind, P.buf, P.rank), 1, int(d))))
+    peer_fail(P, d);
+}
+
 // Send and receive in ONE launch (no hook), BF16 dispatch or any combine: the receive reads this
 // rank's own rows straight from x (device memory on GPUs), which stays valid for the whole launch;
 // with a hook the caller may reuse x after the send, so the send phase copies them.
@@ -977,31 +1003,21 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
     const int32_t* total = hist + uint64_t(P.ntiles) * C;
-    const uint32_t hdr_bytes = (kHdrHead + P.e_loc) * 4;
-    // self: straight into its own header slot
-    auto hdr = [&](uint32_t d) {
-      return ptr<int32_t>(d == P.rank ? P.d_rhdr + uint64_t(P.rank) * P.hdr_stride
-                                      : P.d_shdr + uint64_t(d) * P.hdr_stride);
-    };
-    // the per-expert counts of every header by the whole block (one round of loads), then one
-    // thread per destination finishes its header and signals
+    // the per-expert counts of every header by the whole block (one round of loads; a peer
+    // masked in this block's view gets none), then one thread per destination finishes its
+    // header and signals
     for (uint32_t i = g.tid; i < P.nranks * P.e_loc; i += g.bdim)
-      hdr(i / P.e_loc)[kHdrHead + i % P.e_loc] = total[i];
+      if (!out[i / P.e_loc])
+        header_slot(P, P.d_rhdr, P.d_shdr, i / P.e_loc)[kHdrHead + i % P.e_loc] = total[i];
     arch::syncthreads();
     stamp(P, g, ST_HDR_FILLED);
     for (uint32_t d = g.tid; d < P.nranks; d += g.bdim) {
-      if (peer_out(P, d)) continue;
-      const bool self = d == P.rank;
-      int32_t* h = hdr(d);
+      if (out[d] || peer_out(P, d)) continue;
+      int32_t* h = header_slot(P, P.d_rhdr, P.d_shdr, d);
       h[0] = total[E + d];
       h[1] = int32_t(T);
       fill_header_tail(P, h);
-      if (self) continue;
-      const DevCtx& cx = peer_ctx(P, d);
-      const uint64_t rh = P.d_rhdr + uint64_t(P.rank) * P.hdr_stride;
-      if (!(header_fence(P, cx) && put_signal_nbi(cx, ptr<void>(rh), h, hdr_bytes,
-                                                  sig_word(P, SIG_DISPATCH, P.buf, P.rank), 1, int(d))))
-        peer_fail(P, d);
+      if (d != P.rank) header_signal(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, h);
     }
     stamp_after_block(P, g, ST_HDR_SIGNALED);
     announce_self(P, g, SIG_DISPATCH);
@@ -1261,30 +1277,20 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   stamp(P, g, ST_SEND_LOOP);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
-    const uint32_t hdr_bytes = (kHdrHead + EL) * 4;
-    auto hdr = [&](uint32_t j) {
-      return ptr<int32_t>(j == P.rank ? P.c_rhdr + uint64_t(P.rank) * P.hdr_stride
-                                      : P.c_shdr + uint64_t(j) * P.hdr_stride);
-    };
-    // the per-expert counts of every header by the whole block (one round of loads), then one
-    // thread per destination finishes its header and signals
-    for (uint32_t i = g.tid; i < R * EL; i += g.bdim)
-      hdr(i % R)[kHdrHead + i / R] = int32_t(lr[i] & 0xffffffff);  // lr is [E_loc][R]
+    // the per-expert counts of every header by the whole block (one round of loads; as in
+    // dispatch_send), then one thread per destination finishes its header and signals
+    for (uint32_t i = g.tid; i < R * EL; i += g.bdim)  // lr is [E_loc][R]
+      if (!out[i % R])
+        header_slot(P, P.c_rhdr, P.c_shdr, i % R)[kHdrHead + i / R] = int32_t(lr[i] & 0xffffffff);
     arch::syncthreads();
     stamp(P, g, ST_HDR_FILLED);
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
-      if (ntot[j] < 0 || peer_out(P, j)) continue;
-      const bool self = j == P.rank;
-      int32_t* h = hdr(j);
+      if (ntot[j] < 0 || out[j] || peer_out(P, j)) continue;
+      int32_t* h = header_slot(P, P.c_rhdr, P.c_shdr, j);
       h[0] = ntot[j];
       h[1] = int32_t(P.t_max);
       fill_header_tail(P, h);
-      if (self) continue;
-      const DevCtx& cx = peer_ctx(P, j);
-      const uint64_t rh = P.c_rhdr + uint64_t(P.rank) * P.hdr_stride;
-      if (!(header_fence(P, cx) && put_signal_nbi(cx, ptr<void>(rh), h, hdr_bytes,
-                                                  sig_word(P, SIG_COMBINE, P.buf, P.rank), 1, int(j))))
-        peer_fail(P, j);
+      if (j != P.rank) header_signal(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, h);
     }
     stamp_after_block(P, g, ST_HDR_SIGNALED);
     if (ntot[P.rank] >= 0) announce_self(P, g, SIG_COMBINE);
