@@ -686,8 +686,9 @@ def test_dispatch_combine_over_p2p(p2p_world, mode):
 
 def test_p2p_rows_cut_over_several_warps_when_tokens_are_few(p2p_world):
     """BF16 over all-p2p peers with fewer tokens than the grid's warps (1-2 tokens a rank, 4
-    warps): dispatch_send cuts each row in S = 2..4 parts, a warp each (ll.cuh send_parts), and
-    the packed rows still equal the reference's byte for byte (tagged rows name their source)."""
+    warps): dispatch_send and dispatch_recv cut each row in S = 2..4 parts, a warp each (ll.cuh
+    row_parts), and the packed rows still equal the reference's byte for byte (tagged rows name
+    their source)."""
     for seed in (91, 92):
         spec = _spec(p2p_world.world, seed=seed, t_max=2, vary_tokens=True, tagged=True)
         _assert_round(p2p_world.run("ep_jobs:round_", spec), spec)

@@ -187,8 +187,11 @@ def _addr(t):
 # threads wait on peers, so the grid must be co-resident (it is: far below the emulator's wave).
 HOST_BLOCKS = 2
 HOST_WARPS_PER_BLOCK = 2
-# CUDA: one block per two SMs, 8 warps each: room for another process's blocks on the same SMs
-# (ranks sharing a GPU under MPS must all be resident at once: the blocks wait for each other).
+# CUDA: 8 warps a block; the ranks sharing this GPU (MPS) take one block per SM between them, a
+# lone rank one per two SMs: every rank's blocks must be resident at once (they wait for each
+# other), and two such blocks fit an SM, so half the SMs' room stays free for other work. (32
+# blocks a rank, the old default, left 2 ranks on an H200 with 64 of 132 SMs: the receive's
+# copies are SM-bound.)
 CUDA_WARPS_PER_BLOCK = 8
 # High-throughput mode: 2 blocks per channel (send, receive). HOST: at most 2 channels of 2 warps
 # (OS threads on 2 cores); CUDA: 8 warps a block (a sender's warps each own destinations, a
@@ -371,7 +374,7 @@ class Buffer:
         if self._gpu:
             self._cuda_index = torch.cuda.current_device()      # the device of every LL launch
             sms = torch.cuda.get_device_properties(self._cuda_index).multi_processor_count
-            self._grid = num_blocks or max(1, min(32, sms // 2))
+            self._grid = num_blocks or max(1, min(sms // 2, sms // self._ranks_on_this_gpu()))
             self._block = block_threads or CUDA_WARPS_PER_BLOCK * 32
         else:
             self._grid = num_blocks or HOST_BLOCKS
@@ -389,6 +392,13 @@ class Buffer:
             raise ConfigError("Buffer: on the CPU platform the grid (num_blocks * block_threads = %d) "
                               "must be co-resident in the HOST emulator's wave of 1024 threads"
                               % (self._grid * self._block))
+
+    def _ranks_on_this_gpu(self):
+        """This rank and the peers whose heap is on its GPU (p2p, P2P_SAME_DEVICE)."""
+        peers = self._ctx._dev.peers
+        return 1 + sum(1 for p in range(self.group_size) if p != self.rank
+                       and int(peers[p].kind) == abi.TRANSPORT_P2P
+                       and int(peers[p].rkey) & abi.P2P_SAME_DEVICE)
 
     # ---- lifetime ---------------------------------------------------------------------------
     @staticmethod

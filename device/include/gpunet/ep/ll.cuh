@@ -861,13 +861,13 @@ GPUNET_DEVICE void stage_row(const LlParams& P, const Geo& g, uint32_t t) {
 }
 
 constexpr uint32_t kCombineParts = 4;  // combine_send: parts of an item when every peer is mapped
-constexpr uint32_t kSendParts = 4;     // dispatch_send: at most this many warps per unstaged row
+constexpr uint32_t kRowParts = 4;      // dispatch: at most this many warps per row
 
-// Warps per token of an unstaged dispatch send: the grid's warps over the tokens, 1..kSendParts
-// (the same for every warp of the launch).
-GPUNET_DEVICE uint32_t send_parts(const Geo& g, uint32_t T) {
-  const uint32_t s = T ? g.gwarps / T : 1;
-  return s < 1 ? 1 : (s > kSendParts ? kSendParts : s);
+// Warps per row of a dispatch send (unstaged) or receive: the grid's warps over the n rows,
+// 1..kRowParts (the same for every warp of the launch).
+GPUNET_DEVICE uint32_t row_parts(const Geo& g, uint64_t n) {
+  const uint64_t s = n ? g.gwarps / n : 1;
+  return s < 1 ? 1 : (s > kRowParts ? kRowParts : uint32_t(s));
 }
 
 // Every peer other than this rank is mapped here (gpunet::ptr: p2p), so a BF16 row can go from
@@ -917,7 +917,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   // meta, the self message and any NIC put. Staged rows keep S = 1: a warp sends the tokens it
   // staged above (same loop, ws the same for every warp), so its own row stores precede its
   // syncwarp below.
-  const uint32_t S = stage ? 1u : send_parts(g, T);
+  const uint32_t S = stage ? 1u : row_parts(g, T);
   const uint64_t part_bytes = (uint64_t(P.payload_bytes) / S + 15) / 16 * 16;
   for (uint64_t u = g.gw; u < uint64_t(T) * S; u += g.gwarps) {
     const uint32_t t = uint32_t(u / S), part = uint32_t(u % S);
@@ -1091,7 +1091,15 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
   const bool self_direct = self_reads_source(P);
   const uint32_t G = H / kGroup, NW = (G + 3) / 4;
   const uint32_t e0 = P.rank * EL;
-  for (uint64_t it = g.gw; it < total; it += g.gwarps) {
+  // A message's row is cut in S contiguous parts, a warp each, when the grid has warps to spare
+  // (as the unstaged send: DeepEP's 128 tokens from 2 ranks are 256 messages, fewer than a
+  // grid's warps); part 0 also writes src_info and the FP8 scales.
+  const uint32_t S = row_parts(g, total);
+  const uint64_t row_bytes = fp8 ? uint64_t(H) : uint64_t(H) * 2;
+  const uint64_t part_bytes = (row_bytes / S + 15) / 16 * 16;
+  for (uint64_t u = g.gw; u < total * S; u += g.gwarps) {
+    const uint64_t it = u / S;
+    const uint32_t part = uint32_t(u % S);
     uint32_t j = 0;
     uint64_t m = it;
     while (m >= uint64_t(nmsg[j])) m -= uint64_t(nmsg[j++]);
@@ -1117,7 +1125,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
         } else {
           my_dst = uint64_t(le) * rows + uint64_t(begin[uint64_t(le) * R + j] + idx);
           mine = true;
-          ptr<int32_t>(P.src_info)[my_dst] = t;
+          if (part == 0) ptr<int32_t>(P.src_info)[my_dst] = t;
         }
       }
     }
@@ -1129,7 +1137,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
       const uint64_t dk = arch::shfl(my_dst, k);
       dst[nd++] = dk;
       const uint64_t le = dk / rows, pos = dk % rows;
-      if (!fp8) continue;
+      if (!fp8 || part != 0) continue;
       const float* sc = ptr<const float>(msg + H);
       if (!ue8m0) {
         for (uint32_t grp = g.lane; grp < G; grp += g.ws)
@@ -1143,14 +1151,16 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
         }
       }
     }
-    // the row is read once (on GPUs it is in host-mapped memory) and written to every copy
-    const uint64_t row_bytes = fp8 ? uint64_t(H) : uint64_t(H) * 2;
-    const uint64_t src = (j == P.rank && self_direct) ? P.x + uint64_t(t) * row_bytes : msg;
+    // the part is read once and written to every copy
+    const uint64_t lo = part * part_bytes;
+    const uint64_t hi = lo + part_bytes < row_bytes ? lo + part_bytes : row_bytes;
+    if (lo >= hi) continue;
+    const uint64_t src = ((j == P.rank && self_direct) ? P.x + uint64_t(t) * row_bytes : msg) + lo;
     if (nd == 1) {
-      warp_copy(g, P.out_x + dst[0] * row_bytes, src, row_bytes);
+      warp_copy(g, P.out_x + dst[0] * row_bytes + lo, src, hi - lo);
     } else {  // as warp_copy (kCopyUnroll loads in flight), each 16 bytes stored to every copy
-      warp_copy_rounds(g, src, row_bytes, [&](uint64_t off, const V16& v) {
-        for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + off) = v;
+      warp_copy_rounds(g, src, hi - lo, [&](uint64_t off, const V16& v) {
+        for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + lo + off) = v;
       });
     }
   }
