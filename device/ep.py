@@ -11,6 +11,13 @@ GROUP = 128
 META_HEAD = 16
 META_BYTES = META_HEAD + 8 * MAX_TOPK
 HDR_HEAD = 8
+
+
+def dmask_words(t_max):
+    """u32 words of one destination's slot bitmap (ll.cuh dmask_words): whole 64-token tiles."""
+    return (t_max + 63) // 64 * 2
+
+
 OP_DISPATCH, OP_COMBINE, OP_CLEAN = 0, 1, 2
 PH_SEND, PH_RECV = 1, 2
 F_FP8, F_ROUND_SCALE, F_UE8M0, F_ZERO_COPY, F_SHRINK, F_WAIT_STATS_2D = 1, 2, 4, 8, 16, 32

@@ -40,9 +40,11 @@ def align(n, a=ALIGN):
 
 
 def msg_stride(hidden, fp8):
-    """Bytes of one dispatch message: the row, then the fixed-size meta (16-byte multiple)."""
-    payload = hidden + 4 * (hidden // dep.GROUP) if fp8 else 2 * hidden
-    return align(payload + dep.META_BYTES, 16), payload
+    """(stride, payload) of one dispatch message: the row (FP8: and its scales) padded to 16
+    bytes, then the fixed-size meta (a 16-byte multiple): row and meta are whole 16-byte units,
+    which the kernels copy separately (ll.cuh dispatch_send)."""
+    payload = align(hidden + 4 * (hidden // dep.GROUP) if fp8 else 2 * hidden, 16)
+    return payload + dep.META_BYTES, payload
 
 
 def check_shape(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, what="shape"):
@@ -82,7 +84,8 @@ class LlLayout:
         self.t_max, self.hidden, self.nranks, self.num_experts = t, h, r, e
         self.e_loc = el = e // r
         self.msg_bf16 = msg_stride(h, False)[0]
-        self.hdr_stride = align(4 * (dep.HDR_HEAD + el))
+        # header: head words, per-local-expert counts, then (dispatch) the slot bitmap
+        self.hdr_stride = align(4 * (dep.HDR_HEAD + el + dep.dmask_words(t)))
         self.c_rows = t * min(dep.MAX_TOPK, el)
         if r * self.c_rows > INT32_MAX:
             raise ConfigError("num_ranks * num_max_dispatch_tokens_per_rank * min(16, local experts) "

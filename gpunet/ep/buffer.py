@@ -1034,7 +1034,9 @@ class Buffer:
         ws = {
             "bits": torch.zeros(nw * cols, dtype=torch.int64, device=dev),
             "hist": torch.zeros((ntiles + 1) * cols, dtype=torch.int32, device=dev),
-            "plan": torch.zeros(2 * t_max * dep.MAX_TOPK, dtype=torch.int32, device=dev),
+            # tile-local expert ranks [t_max, 16], then the destination bitmaps (ll.cuh dmask_row)
+            "plan": torch.zeros(t_max * dep.MAX_TOPK + r * dep.dmask_words(t_max), dtype=torch.int32,
+                                device=dev),
             "tab": torch.zeros(3 * r * e_loc + r, dtype=torch.int32, device=dev),
             "table": torch.full((t_max * dep.MAX_TOPK,), -1, dtype=torch.int64, device=dev),
         }

@@ -13,26 +13,29 @@
 //   E_loc = E / R; global expert e lives on rank e / E_loc as local expert e % E_loc.
 //   SEND  1. block 0 quiets every live peer (the previous use of this LL buffer's send staging is
 //            complete at the NIC before it is overwritten; a failure names the peer), then plans:
-//            per tile of warp_size tokens, per-expert and per-destination-rank bitmaps give each
-//            (token, expert) its rank among the tile's tokens selecting that expert and each
-//            (token, destination) its rank among the tile's tokens going there; an exclusive
-//            prefix over tiles turns them into idx_e(t) = #{t' < t selecting e} and the message
-//            slot s_d(t) = #{t' < t sending to d}. Meanwhile (after the quiet: a grid flag) the
-//            other blocks stage their tokens' rows (step 2's row part), then wait for the plan.
-//         2. warp per token: the row (bf16, or fp8 + one f32 scale per 128 columns, quantised
-//            here) and its meta (t, then K pairs (global expert, idx_e(t)), -1 for holes and
-//            repeats) are staged ONCE in the send buffer, then ONE put per destination RANK (not
-//            per expert) writes it to slot s_d(t) of this rank's area on d.
+//            per tile of warp_size tokens, per-expert bitmaps give each (token, expert) its rank
+//            among the tile's tokens selecting that expert, and per-destination-rank bitmaps say
+//            which tokens go to each rank (dmask_row); an exclusive prefix over tiles turns the
+//            ranks into idx_e(t) = #{t' < t selecting e}.
+//         2. meanwhile the other blocks' warps, a token each: the row (bf16, or fp8 + one f32
+//            scale per 128 columns, quantised here) is staged ONCE in the send buffer where
+//            staging is needed (after the quiet: a grid flag) and stored ONCE per mapped
+//            destination RANK (not per expert) at slot t of this rank's area there; the slot
+//            needs no plan. After the plan the same warp writes the token's meta (t, then K pairs
+//            (global expert, idx_e(t)), -1 for holes and repeats) there too, and a NIC
+//            destination gets the staged row and meta in ONE put to slot t.
 //         3. the block that finishes last (every other block's puts are reserved before its own,
 //            so they execute first on each peer's in-order RC QP or proxy channel) puts a header
-//            per destination (n_d messages, per-local-expert counts) and adds 1 to the signal word
-//            (dispatch, buffer b, source me) on d, in one put_signal.
+//            per destination (n_d messages, the token count T, per-local-expert counts, the slot
+//            bitmap of d) and adds 1 to the signal word (dispatch, buffer b, source me) on d, in
+//            one put_signal (a mapped peer's header is stored there in place).
 //   RECV  4. block 0 waits (bounded, per source) for each live source's signal to pass the count it
 //            expects (device-resident, so a CUDA graph replays correctly), reads the headers, and
 //            writes begin_j(e) = sum_{i<j} count_i(e), layout_range, packed_recv_count and the
 //            stats. A source that stays silent or fails is masked (enable_shrink) or recorded as
 //            failed (the host raises EPTimeout); it contributes count 0 either way.
-//         5. every warp unpacks messages: pos = begin_j(e) + idx_e(t) for each pair naming a local
+//         5. every warp unpacks messages (slot t < T_j of source j whose bitmap bit is set; the
+//            meta must name t): pos = begin_j(e) + idx_e(t) for each pair naming a local
 //            expert; the row goes to packed_recv_x[e][pos] (fp8: scales column-major, float or
 //            packed UE8M0), t to src_info[e][pos]. The result is the contract's deterministic
 //            layout (gpunet/ep/reference.py ll_dispatch_ref) whatever the arrival order.
@@ -190,7 +193,7 @@ struct LlParams {
   uint64_t sync;          // u64 [SYNC_WORDS * kSyncStride], zero between launches
   uint64_t bits;          // u64 [bits_warps][hist_cols], zero between tiles
   uint64_t hist;          // int32 [ntiles + 1][hist_cols]
-  uint64_t plan;          // int32 [2][t_max * K]: tile-local expert rank, tile-local slot
+  uint64_t plan;          // int32 [t_max * kMaxTopk] tile-local expert ranks, then dmask_row
   uint64_t tab;           // int32 [3][R * E_loc] + [R]: per-launch controller tables (combine:
                           // send [E_loc*R] + [R], then receive [2][R*E_loc]: both live at once)
   uint64_t table;         // int64 [t_max * K], -1 between launches: combine (source, row) slots
@@ -696,14 +699,14 @@ GPUNET_DEVICE int32_t* header_slot(const LlParams& P, uint64_t rhdr, uint64_t sh
   return ptr<int32_t>(shdr + uint64_t(d) * P.hdr_stride);
 }
 
-// Thread of destination d != rank: the header h (header_slot's) is complete, every row before
+// Thread of destination d != rank: the header h (header_slot's, `bytes` long) is complete, every row before
 // it handed over (last_block); the signal (kind, buf, rank) on d is raised by one put_signal,
 // which copies the header from staging for a NIC peer and nothing for a mapped one.
 GPUNET_DEVICE void header_signal(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
-                                 uint32_t d, const int32_t* h) {
+                                 uint32_t d, const int32_t* h, uint32_t bytes) {
   const DevCtx& cx = peer_ctx(P, d);
   const bool staged = h == ptr<const int32_t>(shdr + uint64_t(d) * P.hdr_stride);
-  const uint32_t hdr_bytes = staged ? (kHdrHead + P.e_loc) * 4 : 0;
+  const uint32_t hdr_bytes = staged ? bytes : 0;
   if (!(header_fence(P, cx) &&
         put_signal_nbi(cx, ptr<void>(rhdr + uint64_t(P.rank) * P.hdr_stride), h, hdr_bytes,
                        sig_word(P, kind, P.buf, P.rank), 1, int(d))))
@@ -760,13 +763,22 @@ GPUNET_DEVICE void quantise_group(const uint16_t* src, uint8_t* q, float* scale,
   *scale = s;
 }
 
-// Step 1 (block 0): tile-local ranks into plan, tile histograms into hist, then the exclusive
-// prefix over tiles (hist row `ntiles` holds the totals).
+// The plan's destination bitmaps (after its tile-local ranks in LlParams::plan): u32
+// [R][dmask_words(t_max)], bit t % 32 of word t / 32 of row d = token t has an expert on rank d.
+// The header to d carries row d: which of its t_max message slots this launch filled.
+// (Rows of whole u64 tiles: a warp of 64 writes two words per tile.)
+GPUNET_HOST_DEVICE uint32_t dmask_words(uint32_t t_max) { return (t_max + 63) / 64 * 2; }
+GPUNET_DEVICE uint32_t* dmask_row(const LlParams& P, uint32_t d) {
+  return ptr<uint32_t>(P.plan) + uint64_t(P.t_max) * kMaxTopk + uint64_t(d) * dmask_words(P.t_max);
+}
+
+// Step 1 (block 0): tile-local expert ranks into plan, tile histograms into hist, the
+// destination bitmaps (dmask_row), then the exclusive prefix over tiles (hist row `ntiles` holds
+// the totals).
 GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
   const uint32_t K = P.topk, T = P.num_tokens, E = P.num_experts, C = P.hist_cols;
   const int64_t* topk = ptr<const int64_t>(P.topk_idx);
   int32_t* plan_idx = ptr<int32_t>(P.plan);
-  int32_t* plan_slot = plan_idx + uint64_t(P.t_max) * K;
   int32_t* hist = ptr<int32_t>(P.hist);
   const uint64_t below = g.lane == 0 ? 0 : (~uint64_t(0) >> (64 - g.lane));
   // the bitmaps: shared memory when they fit (their atomics and loads are the plan's inner loop,
@@ -788,11 +800,10 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
       // grid waits for it: every KB of it is fetched from L2 / HBM (bench/icache.py: ~150 ns per KB
       // cold), and unrolled to kMaxTopk the three loops were 42 KB of SASS against 11 rolled (the
       // rolled loops' serial chain, K shared atomics, is the unrolled one's too: each atomic's
-      // old value decides the next step). kept / first: bit k = selection k counts (not a hole,
-      // not a repeat) / is the token's first selection on its rank. Both come from the bitmaps
-      // themselves: this lane's bit is already set in expert e's word (rank d's) when an earlier
-      // selection of its token named e (an expert on d), so one atomic_or's old value tells a
-      // repeat, with no O(K^2) compare chain.
+      // old value decides the next step). kept: bit k = selection k counts (not a hole, not a
+      // repeat), from the bitmap itself: this lane's bit is already set in expert e's word when
+      // an earlier selection of its token named e, so one atomic_or's old value tells a repeat,
+      // with no O(K^2) compare chain. The rank words only collect the destination bitmap.
       int32_t ex[kMaxTopk];
 #pragma unroll
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
@@ -803,30 +814,32 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
       // high half: every arm is little-endian): a 32-bit atomic is native on shared memory, the
       // 64-bit one a CAS loop (CUDA sm_90), which contending lanes made the plan's chain.
       const uint32_t mine = 1u << (g.lane & 31), half = g.lane >> 5;
-      uint32_t kept = 0, first = 0;
+      uint32_t kept = 0;
 #pragma unroll 1
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
         const int32_t e = ex[k];
         if (e < 0 || (arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[e]) + half, mine) & mine))
           continue;  // a repeat counts once
         kept |= 1u << k;
-        uint32_t* rw = reinterpret_cast<uint32_t*>(&bits[E + uint32_t(e) / P.e_loc]) + half;
-        if (!(arch::atomic_or(rw, mine) & mine)) first |= 1u << k;
+        arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[E + uint32_t(e) / P.e_loc]) + half, mine);
       }
       arch::syncwarp();
 #pragma unroll 1
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
         if (k >= K || t >= T) continue;
-        const int32_t e = ex[k];
         plan_idx[uint64_t(t) * K + k] =
-            ((kept >> k) & 1) ? int32_t(popc64(arch::atomic_load(&bits[e]) & below)) : -1;
-        plan_slot[uint64_t(t) * K + k] =
-            ((first >> k) & 1) ? int32_t(popc64(arch::atomic_load(&bits[E + uint32_t(e) / P.e_loc]) & below)) : -1;
+            ((kept >> k) & 1) ? int32_t(popc64(arch::atomic_load(&bits[ex[k]]) & below)) : -1;
       }
       arch::syncwarp();
+      const uint32_t w0 = tile * g.ws / 32;  // the tile's first bitmap word
       for (uint32_t c = g.lane; c < C; c += g.ws) {
         const uint64_t m = arch::atomic_load(&bits[c]);
         hist[uint64_t(tile) * C + c] = int32_t(popc64(m));
+        if (c >= E) {
+          uint32_t* row = dmask_row(P, c - E);
+          row[w0] = uint32_t(m);
+          if (g.ws > 32) row[w0 + 1] = uint32_t(m >> 32);
+        }
         if (m) arch::atomic_store(&bits[c], uint64_t(0));
       }
       arch::syncwarp();
@@ -863,10 +876,10 @@ GPUNET_DEVICE void stage_row(const LlParams& P, const Geo& g, uint32_t t) {
 constexpr uint32_t kCombineParts = 4;  // combine_send: parts of an item when every peer is mapped
 constexpr uint32_t kRowParts = 4;      // dispatch: at most this many warps per row
 
-// Warps per row of a dispatch send (unstaged) or receive: the grid's warps over the n rows,
+// Warps per row of a dispatch send (unstaged) or receive: the `warps` over the n rows,
 // 1..kRowParts (the same for every warp of the launch).
-GPUNET_DEVICE uint32_t row_parts(const Geo& g, uint64_t n) {
-  const uint64_t s = n ? g.gwarps / n : 1;
+GPUNET_DEVICE uint32_t row_parts(uint32_t warps, uint64_t n) {
+  const uint64_t s = n ? warps / n : 1;
   return s < 1 ? 1 : (s > kRowParts ? kRowParts : uint32_t(s));
 }
 
@@ -878,137 +891,24 @@ GPUNET_DEVICE uint32_t row_parts(const Geo& g, uint64_t n) {
 // tests: a NIC peer would then be sent unstaged send slots.
 GPUNET_DEVICE bool all_peers_mapped(const LlParams& P) { return (P.flags & F_ALL_MAPPED) != 0; }
 
-GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
-  const uint32_t K = P.topk, T = P.num_tokens, E = P.num_experts, C = P.hist_cols, H = P.hidden;
-  const bool fp8 = (P.flags & F_FP8) != 0;
-  // the send slot holds the row for a NIC peer (the verbs read the heap), for this rank's own
-  // receive with a hook, and in FP8 (quantised once, copied to each destination)
-  const bool stage = fp8 || !self_reads_source(P) || !all_peers_mapped(P);
-  // Rows are staged while block 0 plans: once block 0's quiet has freed the staging
-  // (SYNC_SEND_QUIET), the other blocks copy / quantise their tokens' rows, then wait for the
-  // plan; block 0 stages its own after planning. (The plan is block 0's alone: the grid waited
-  // for it, doing nothing, before any row moved.)
-  if (g.bid == 0) {
-    quiet_live_peers(P, g);
-    stamp(P, g, ST_QUIET);
-    if (stage) block_publish(P, g, SYNC_SEND_QUIET);  // (nothing to stage: nobody waits for it)
-    arch::syncthreads();
-    plan_tokens(P, g);
-    stamp(P, g, ST_PLAN_DONE);
-    block_publish(P, g, SYNC_SEND_READY);
-    for (uint32_t t = g.gw; t < T && stage; t += g.gwarps) stage_row(P, g, t);
-  } else {
-    if (stage) {
-      if (!block_wait(P, g, SYNC_SEND_QUIET, 1, EP_SITE_PLAN)) return false;
-      for (uint32_t t = g.gw; t < T; t += g.gwarps) stage_row(P, g, t);
-    }
-    if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) return false;
-  }
-  stamp(P, g, ST_SEND_PLAN);
-  uint8_t* out = load_peer_view(P, g);
-  const int64_t* topk = ptr<const int64_t>(P.topk_idx);
-  const int32_t* plan_idx = ptr<const int32_t>(P.plan);
-  const int32_t* plan_slot = plan_idx + uint64_t(P.t_max) * K;
+// The block that finishes dispatch's send last: headers (per-local-expert counts, the slot
+// bitmap) and one signal per destination.
+GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uint8_t* out) {
+  const uint32_t T = P.num_tokens, E = P.num_experts, C = P.hist_cols;
   const int32_t* hist = ptr<const int32_t>(P.hist);
-  const bool self_direct = self_reads_source(P);
-  // Unstaged rows (BF16 to mapped peers, !stage): a token's row is cut in S contiguous parts, a
-  // warp each, when the grid has warps to spare (DeepEP's 128 tokens on 32 blocks of 8 warps:
-  // S = 2; with one warp per token half the grid's warps copied nothing). Part 0 also writes the
-  // meta, the self message and any NIC put. Staged rows keep S = 1: a warp sends the tokens it
-  // staged above (same loop, ws the same for every warp), so its own row stores precede its
-  // syncwarp below.
-  const uint32_t S = stage ? 1u : row_parts(g, T);
-  const uint64_t part_bytes = (uint64_t(P.payload_bytes) / S + 15) / 16 * 16;
-  for (uint64_t u = g.gw; u < uint64_t(T) * S; u += g.gwarps) {
-    const uint32_t t = uint32_t(u / S), part = uint32_t(u % S);
-    const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
-    int32_t* meta = ptr<int32_t>(msg + P.payload_bytes);
-    const uint32_t tile = t / g.ws;
-    int32_t e = -1, idx = -1;
-    if (g.lane == 0 && part == 0) {
-      meta[0] = int32_t(t);
-      meta[1] = int32_t(K);
-      meta[2] = int32_t(H);
-      meta[3] = 0;
-    }
-    if (g.lane < K) {
-      const int32_t pi = plan_idx[uint64_t(t) * K + g.lane];
-      if (pi >= 0) {
-        e = int32_t(topk[uint64_t(t) * K + g.lane]);
-        idx = hist[uint64_t(tile) * C + e] + pi;
-      }
-      if (part == 0) {
-        meta[4 + 2 * g.lane] = e;
-        meta[5 + 2 * g.lane] = idx;
-      }
-    }
-    arch::syncwarp();  // row and meta stores of every lane before the posting lanes' fences
-    if (part == 0 && !out[P.rank]) {
-      // to self: the warp stores the message into its own receive slot (no NIC)
-      int32_t self_slot = -1;
-      for (uint32_t k = 0; k < K; ++k) {
-        const int32_t ps = plan_slot[uint64_t(t) * K + k];
-        if (ps >= 0 && uint32_t(topk[uint64_t(t) * K + k]) / P.e_loc == P.rank)
-          self_slot = hist[uint64_t(tile) * C + E + P.rank] + ps;
-      }
-      // BF16 with the receive in this launch: only the meta (the receive reads the row from x)
-      const uint64_t from = self_direct ? P.payload_bytes : 0;
-      if (self_slot >= 0)
-        warp_copy(g, P.d_recv + (uint64_t(P.rank) * P.t_max + uint32_t(self_slot)) * P.msg_stride + from,
-                  msg + from, P.msg_stride - from);
-    }
-    // lane k < K names destination d = rank of its expert when k is the token's first selection
-    // there; then the whole warp puts the message to each named destination in turn
-    uint32_t dest = 0, slot = 0;
-    bool named = false;
-    if (g.lane < K) {
-      const int32_t ps = plan_slot[uint64_t(t) * K + g.lane];
-      if (ps >= 0) {
-        dest = uint32_t(e) / P.e_loc;
-        slot = uint32_t(hist[uint64_t(tile) * C + E + dest] + ps);
-        named = !out[dest] && dest != P.rank;
-      }
-    }
-    const uint64_t todo = arch::ballot(named);
-    bool fenced = false;
-    for (uint32_t k = 0; k < K; ++k) {
-      if (!((todo >> k) & 1)) continue;
-      const uint32_t d = arch::shfl(dest, k), sl = arch::shfl(slot, k);
-      const DevCtx& cx = peer_ctx(P, d);
-      const uint64_t dst = P.d_recv + (uint64_t(P.rank) * P.t_max + sl) * P.msg_stride;
-      // a mapped peer: the warp stores the message there itself (BF16: the row from x, then the
-      // meta), published by the last block's fences and signal like a p2p put
-      if (void* mapped = gpunet::ptr(cx, ptr<const void>(dst), int(d))) {
-        const uint64_t rd = uint64_t(uintptr_t(mapped));
-        if (fp8) {
-          warp_copy(g, rd, msg, P.msg_stride);
-        } else {
-          const uint64_t lo = part * part_bytes;
-          const uint64_t hi = lo + part_bytes < P.payload_bytes ? lo + part_bytes : P.payload_bytes;
-          if (lo < hi) warp_copy(g, rd + lo, P.x + uint64_t(t) * H * 2 + lo, hi - lo);
-          if (part == 0)
-            warp_copy(g, rd + P.payload_bytes, msg + P.payload_bytes, P.msg_stride - P.payload_bytes);
-        }
-        continue;
-      }
-      if (part != 0) continue;  // (S > 1 only when every peer is mapped: never taken)
-      // one fence per token (the staged row and meta before the first post), on every lane
-      bool ok = fenced || arch::all(fence(cx));
-      fenced = true;
-      ok = ok && put_nbi_warp(cx, ptr<void>(dst), ptr<const void>(msg), P.msg_stride, int(d));
-      if (!ok && g.lane == 0) peer_fail_view(P, out, d);
-    }
-  }
-  stamp(P, g, ST_SEND_LOOP);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
     const int32_t* total = hist + uint64_t(P.ntiles) * C;
-    // the per-expert counts of every header by the whole block (one round of loads; a peer
-    // masked in this block's view gets none), then one thread per destination finishes its
-    // header and signals
-    for (uint32_t i = g.tid; i < P.nranks * P.e_loc; i += g.bdim)
-      if (!out[i / P.e_loc])
-        header_slot(P, P.d_rhdr, P.d_shdr, i / P.e_loc)[kHdrHead + i % P.e_loc] = total[i];
+    // the per-expert counts and the slot bitmap (its words for t < T) of every header by the
+    // whole block (one round of loads; a peer masked in this block's view gets none), then one
+    // thread per destination finishes its header and signals
+    const uint32_t words = P.e_loc + (T + 31) / 32;
+    for (uint32_t i = g.tid; i < P.nranks * words; i += g.bdim) {
+      const uint32_t d = i / words, q = i % words;
+      if (!out[d])
+        header_slot(P, P.d_rhdr, P.d_shdr, d)[kHdrHead + q] =
+            q < P.e_loc ? total[d * P.e_loc + q] : int32_t(dmask_row(P, d)[q - P.e_loc]);
+    }
     arch::syncthreads();
     stamp(P, g, ST_HDR_FILLED);
     for (uint32_t d = g.tid; d < P.nranks; d += g.bdim) {
@@ -1017,7 +917,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
       h[0] = total[E + d];
       h[1] = int32_t(T);
       fill_header_tail(P, h);
-      if (d != P.rank) header_signal(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, h);
+      if (d != P.rank) header_signal(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, h, (kHdrHead + words) * 4);
     }
     stamp_after_block(P, g, ST_HDR_SIGNALED);
     announce_self(P, g, SIG_DISPATCH);
@@ -1028,32 +928,182 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   return true;
 }
 
+
+// Lane k < K of the warp names destination `dest` (its selection's rank) when selection k is
+// the token's first on that rank (not a hole); returns the ballot of the naming lanes. From
+// topk_idx alone (no plan): the rows go out while block 0 plans.
+GPUNET_DEVICE uint64_t token_dests(const LlParams& P, const Geo& g, uint32_t t, uint32_t& dest) {
+  const uint32_t K = P.topk;
+  int32_t d = -1;
+  if (g.lane < K) {
+    const int64_t e = ptr<const int64_t>(P.topk_idx)[uint64_t(t) * K + g.lane];
+    if (e >= 0 && e < int64_t(P.num_experts)) d = int32_t(uint32_t(e) / P.e_loc);
+  }
+  bool first = d >= 0;
+  for (uint32_t k = 0; k < K; ++k) {  // an earlier selection on the same rank
+    const int32_t dk = arch::shfl(d, k);
+    if (k < g.lane && dk == d) first = false;
+  }
+  dest = uint32_t(d);
+  return arch::ballot(first);
+}
+
+// Message slot of token t from this rank on any destination: slot t of this rank's area.
+GPUNET_DEVICE uint64_t dispatch_slot(const LlParams& P, uint32_t t) {
+  return P.d_recv + (uint64_t(P.rank) * P.t_max + t) * P.msg_stride;
+}
+
+// Dispatch's send. A token's message goes to slot t of this rank's area on each destination
+// (its header's bitmap says which slots hold one), so the rows need no plan: the worker warps
+// (every block but block 0, which plans; block 0 itself in a one-block grid) stage rows where
+// staging is needed and store them on every mapped destination (and into this rank's own
+// receive slot when the receive does not read x) while block 0 plans: the grid no longer waits
+// idle for the plan (~8-11 us of every call on the H200) before any row moves. After the plan the
+// same warps write each token's meta (its experts' positions) and put whole messages to NIC
+// peers (one put of the staged row and meta: the warp staged that row itself).
+GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
+  const uint32_t K = P.topk, T = P.num_tokens, C = P.hist_cols, H = P.hidden;
+  const bool fp8 = (P.flags & F_FP8) != 0;
+  const bool self_direct = self_reads_source(P);
+  // the send slot holds the row for a NIC peer (the verbs read the heap), for this rank's own
+  // receive with a hook, and in FP8 (quantised once, copied to each destination)
+  const bool stage = fp8 || !self_direct || !all_peers_mapped(P);
+  const bool alone = g.nblocks == 1;
+  uint8_t* out = load_peer_view(P, g);
+  if (g.bid == 0) {
+    quiet_live_peers(P, g);
+    stamp(P, g, ST_QUIET);
+    // the staging is free once the quiet is done (nothing to stage: nobody waits for it)
+    if (stage && !alone) block_publish(P, g, SYNC_SEND_QUIET);
+    arch::syncthreads();
+    plan_tokens(P, g);
+    stamp(P, g, ST_PLAN_DONE);
+    block_publish(P, g, SYNC_SEND_READY);
+    stamp(P, g, ST_SEND_PLAN);
+    if (!alone) {
+      stamp(P, g, ST_SEND_LOOP);
+      return dispatch_send_last(P, g, out);
+    }
+  } else if (stage && !block_wait(P, g, SYNC_SEND_QUIET, 1, EP_SITE_PLAN)) {
+    return false;
+  }
+  // the worker warps: w of nw
+  const uint32_t w = alone ? g.gw : g.gw - g.nwarps, nw = alone ? g.gwarps : g.gwarps - g.nwarps;
+  // Unstaged rows (BF16 to mapped peers, !stage): a token's row is cut in S contiguous parts, a
+  // warp each, when there are warps to spare (DeepEP's 128 tokens on 65 worker blocks of 8
+  // warps: S = 4). Part 0 also writes the meta, the self message and any NIC put. Staged rows
+  // keep S = 1: the warp that staged a row sends it.
+  const uint32_t S = stage ? 1u : row_parts(nw, T);
+  const uint64_t part_bytes = (uint64_t(P.payload_bytes) / S + 15) / 16 * 16;
+  for (uint64_t u = w; u < uint64_t(T) * S; u += nw) {
+    const uint32_t t = uint32_t(u / S), part = uint32_t(u % S);
+    const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
+    if (stage) stage_row(P, g, t);
+    uint32_t dest = 0;
+    const uint64_t todo = token_dests(P, g, t, dest);
+    arch::syncwarp();  // the staged row's stores before other lanes read it
+    const uint64_t src = stage ? msg : P.x + uint64_t(t) * H * 2;
+    const uint64_t lo = part * part_bytes;
+    const uint64_t hi = lo + part_bytes < P.payload_bytes ? lo + part_bytes : P.payload_bytes;
+    for (uint32_t k = 0; k < K && lo < hi; ++k) {
+      if (!((todo >> k) & 1)) continue;
+      const uint32_t d = arch::shfl(dest, k);
+      if (d == P.rank) {  // this rank's own slot (no NIC), unless the receive reads x
+        if (!self_direct && !out[d]) warp_copy(g, dispatch_slot(P, t) + lo, src + lo, hi - lo);
+        continue;
+      }
+      if (out[d]) continue;
+      // a mapped peer: the warp stores the row there itself, published by the last block's
+      // fences and signal like a p2p put (a NIC peer gets the whole message after the plan)
+      if (void* mapped = gpunet::ptr(peer_ctx(P, d), ptr<const void>(dispatch_slot(P, t)), int(d)))
+        warp_copy(g, uint64_t(uintptr_t(mapped)) + lo, src + lo, hi - lo);
+    }
+  }
+  if (!alone && !block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) return false;
+  stamp(P, g, ST_SEND_PLAN);
+  const int64_t* topk = ptr<const int64_t>(P.topk_idx);
+  const int32_t* plan_idx = ptr<const int32_t>(P.plan);
+  const int32_t* hist = ptr<const int32_t>(P.hist);
+  for (uint64_t u = w; u < uint64_t(T) * S; u += nw) {
+    if (u % S) continue;  // part 0 of each token
+    const uint32_t t = uint32_t(u / S);
+    const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
+    int32_t* meta = ptr<int32_t>(msg + P.payload_bytes);
+    const uint32_t tile = t / g.ws;
+    if (g.lane == 0) {
+      meta[0] = int32_t(t);
+      meta[1] = int32_t(K);
+      meta[2] = int32_t(H);
+      meta[3] = 0;
+    }
+    if (g.lane < K) {
+      const int32_t pi = plan_idx[uint64_t(t) * K + g.lane];
+      int32_t e = -1, idx = -1;
+      if (pi >= 0) {
+        e = int32_t(topk[uint64_t(t) * K + g.lane]);
+        idx = hist[uint64_t(tile) * C + e] + pi;
+      }
+      meta[4 + 2 * g.lane] = e;
+      meta[5 + 2 * g.lane] = idx;
+    }
+    uint32_t dest = 0;
+    const uint64_t todo = token_dests(P, g, t, dest);
+    arch::syncwarp();  // row and meta stores of every lane before the copies and the posts
+    const uint64_t meta_bytes = P.msg_stride - P.payload_bytes;
+    bool fenced = false;
+    for (uint32_t k = 0; k < K; ++k) {
+      if (!((todo >> k) & 1)) continue;
+      const uint32_t d = arch::shfl(dest, k);
+      if (out[d]) continue;
+      if (d == P.rank) {
+        warp_copy(g, dispatch_slot(P, t) + P.payload_bytes, msg + P.payload_bytes, meta_bytes);
+        continue;
+      }
+      const DevCtx& cx = peer_ctx(P, d);
+      if (void* mapped = gpunet::ptr(cx, ptr<const void>(dispatch_slot(P, t)), int(d))) {
+        warp_copy(g, uint64_t(uintptr_t(mapped)) + P.payload_bytes, msg + P.payload_bytes, meta_bytes);
+        continue;
+      }
+      // one fence per token (the staged row and meta before the first post), on every lane
+      bool ok = fenced || arch::all(fence(cx));
+      fenced = true;
+      ok = ok && put_nbi_warp(cx, ptr<void>(dispatch_slot(P, t)), ptr<const void>(msg), P.msg_stride, int(d));
+      if (!ok && g.lane == 0) peer_fail_view(P, out, d);
+    }
+  }
+  stamp(P, g, ST_SEND_LOOP);
+  return dispatch_send_last(P, g, out);
+}
+
 GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
   const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden;
   const uint64_t rows = uint64_t(R) * P.t_max;  // second dimension of the packed outputs
   int32_t* cnt = ptr<int32_t>(P.tab);           // [R][E_loc] per-source counts
   int32_t* begin = cnt + uint64_t(R) * EL;      // [E_loc][R]
-  int32_t* nmsg = begin + uint64_t(EL) * R;     // [R] messages per source (device memory)
-  int32_t* nrecv = ptr<int32_t>(P.nrecv);       // the same, host-mapped: for the host only
+  int32_t* nmsg = begin + uint64_t(EL) * R;     // [R] message slots to scan per source (its T)
+  int32_t* nrecv = ptr<int32_t>(P.nrecv);       // messages per source: for the host only
   int32_t* got = ptr<int32_t>(P.got);
   if (g.bid == 0) {
-    // thread j waits for source j and checks its header (nmsg[j] = -1: nothing from j); then the
-    // whole block copies the per-expert counts of every source (one round of loads: a thread
-    // walking a source's E_loc counts was E_loc / kBatch dependent rounds, 9 for DeepEP's 2 x 144)
+    // thread j waits for source j and checks its header: n messages in the first `slots` of
+    // its t_max slots (nmsg[j] = -1: nothing from j); then the whole block copies the
+    // per-expert counts of every source (one round of loads: a thread walking a source's E_loc
+    // counts was E_loc / kBatch dependent rounds, 9 for DeepEP's 2 x 144)
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
       bool ok = !peer_out(P, j) && wait_source(P, SIG_DISPATCH, j);
-      int32_t n = 0;
+      int32_t n = 0, slots = 0;
       if (ok) {
         const int32_t* h = ptr<const int32_t>(P.d_rhdr + uint64_t(j) * P.hdr_stride);
         n = h[0];
+        slots = h[1];
         if (!header_matches(P, h, j)) {
           ok = false;
-        } else if (n < 0 || uint32_t(n) > P.t_max) {
-          ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_HEADER, j, P.t_max, uint64_t(uint32_t(n)), 0);
+        } else if (slots < 0 || uint32_t(slots) > P.t_max || n < 0 || n > slots) {
+          ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_HEADER, j, P.t_max,
+                  (uint64_t(uint32_t(n)) << 32) | uint32_t(slots), 0);
           ok = false;
         }
       }
-      nmsg[j] = ok ? n : -1;
+      nmsg[j] = ok ? slots : -1;
       nrecv[j] = ok ? n : 0;
       got[j] = ok ? 1 : 0;
     }
@@ -1094,7 +1144,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
   // A message's row is cut in S contiguous parts, a warp each, when the grid has warps to spare
   // (as the unstaged send: DeepEP's 128 tokens from 2 ranks are 256 messages, fewer than a
   // grid's warps); part 0 also writes src_info and the FP8 scales.
-  const uint32_t S = row_parts(g, total);
+  const uint32_t S = row_parts(g.gwarps, total);
   const uint64_t row_bytes = fp8 ? uint64_t(H) : uint64_t(H) * 2;
   const uint64_t part_bytes = (row_bytes / S + 15) / 16 * 16;
   for (uint64_t u = g.gw; u < total * S; u += g.gwarps) {
@@ -1103,6 +1153,9 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     uint32_t j = 0;
     uint64_t m = it;
     while (m >= uint64_t(nmsg[j])) m -= uint64_t(nmsg[j++]);
+    // slot m holds a message of this launch when the header's bitmap says so
+    const uint32_t word = ptr<const uint32_t>(P.d_rhdr + uint64_t(j) * P.hdr_stride)[kHdrHead + EL + m / 32];
+    if (!((word >> (m % 32)) & 1)) continue;
     const uint64_t msg = P.d_recv + (uint64_t(j) * P.t_max + m) * P.msg_stride;
     const int32_t* meta = ptr<const int32_t>(msg + P.payload_bytes);
     // t, K and lane k's selection k are loaded together (the meta is kMetaBytes whatever the
@@ -1120,7 +1173,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
       if (e >= int32_t(e0) && e < int32_t(e0 + EL)) {
         const uint32_t le = uint32_t(e) - e0;
         const int32_t c = cnt[uint64_t(j) * EL + le];
-        if (idx < 0 || idx >= c || t < 0 || uint32_t(t) >= P.t_max) {
+        if (idx < 0 || idx >= c || t != int32_t(m)) {
           ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, j, uint64_t(c), uint64_t(uint32_t(idx)), 0);
         } else {
           my_dst = uint64_t(le) * rows + uint64_t(begin[uint64_t(le) * R + j] + idx);
@@ -1300,7 +1353,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
       h[0] = ntot[j];
       h[1] = int32_t(P.t_max);
       fill_header_tail(P, h);
-      if (j != P.rank) header_signal(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, h);
+      if (j != P.rank) header_signal(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, h, (kHdrHead + EL) * 4);
     }
     stamp_after_block(P, g, ST_HDR_SIGNALED);
     if (ntot[P.rank] >= 0) announce_self(P, g, SIG_COMBINE);
