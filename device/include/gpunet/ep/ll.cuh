@@ -128,6 +128,8 @@ enum : uint32_t {
   // (bits 64..512 are ht.cuh's F_HT_*: HtParams::base.flags shares this word)
   F_ALL_MAPPED = 1u << 16,  // every peer but this rank is mapped here (p2p): rows go unstaged
   F_GPU_SCOPE = 1u << 17,   // every peer (this rank too) is p2p on this GPU: see grid_fence
+  F_PLAN_RANK_ATOMICS = 1u << 18,  // plan_tokens: the rank words by atomics even with <= 64 ranks
+                                   // (the path of larger worlds, for tests/test_ep_ll.py)
 };
 enum : uint32_t { SIG_DISPATCH = 0, SIG_COMBINE = 1 };
 // grid sync words (each on its own 64-byte line of LlParams::sync), zero between launches
@@ -814,15 +816,28 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
       // high half: every arm is little-endian): a 32-bit atomic is native on shared memory, the
       // 64-bit one a CAS loop (CUDA sm_90), which contending lanes made the plan's chain.
       const uint32_t mine = 1u << (g.lane & 31), half = g.lane >> 5;
+      // The destination bitmap: with at most 64 ranks each lane collects its token's ranks in a
+      // register and one ballot per rank makes each rank's word; the atomic_or per selection on
+      // the rank words (R of them: with 2 ranks every lane of the tile on one of two words, K
+      // times) serialised on those few addresses. More ranks (or F_PLAN_RANK_ATOMICS): the atomics.
+      const bool few = P.nranks <= 64 && !(P.flags & F_PLAN_RANK_ATOMICS);
       uint32_t kept = 0;
+      uint64_t dests = 0;
 #pragma unroll 1
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
         const int32_t e = ex[k];
         if (e < 0 || (arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[e]) + half, mine) & mine))
           continue;  // a repeat counts once
         kept |= 1u << k;
-        arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[E + uint32_t(e) / P.e_loc]) + half, mine);
+        const uint32_t d = uint32_t(e) / P.e_loc;
+        if (few) dests |= uint64_t(1) << d;
+        else arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[E + d]) + half, mine);
       }
+      if (few)
+        for (uint32_t d = 0; d < P.nranks; ++d) {
+          const uint64_t m = arch::ballot(((dests >> d) & 1) != 0);
+          if (g.lane == 0 && m) arch::atomic_store(&bits[E + d], m);
+        }
       arch::syncwarp();
 #pragma unroll 1
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
