@@ -187,11 +187,11 @@ def _addr(t):
 # threads wait on peers, so the grid must be co-resident (it is: far below the emulator's wave).
 HOST_BLOCKS = 2
 HOST_WARPS_PER_BLOCK = 2
-# CUDA: 8 warps a block; the ranks sharing this GPU (MPS) take one block per SM between them, a
-# lone rank one per two SMs: every rank's blocks must be resident at once (they wait for each
-# other), and two such blocks fit an SM, so half the SMs' room stays free for other work. (32
-# blocks a rank, the old default, left 2 ranks on an H200 with 64 of 132 SMs: the receive's
-# copies are SM-bound.)
+# CUDA: one block per two SMs (at most 32), 8 warps each: room for another process's blocks on
+# the same SMs (ranks sharing a GPU under MPS must all be resident at once: the blocks wait for
+# each other). The LL kernel takes 206 registers a thread (nvcc 13, sm_90): ONE such block fits an
+# SM, so 2 ranks of 66 blocks would need every SM of an H200; measured, 66 blocks a rank were not
+# clearly faster than 32 (bench/RESULTS.md, 2026-12-02 eleventh session, call 1).
 CUDA_WARPS_PER_BLOCK = 8
 # High-throughput mode: 2 blocks per channel (send, receive). HOST: at most 2 channels of 2 warps
 # (OS threads on 2 cores); CUDA: 8 warps a block (a sender's warps each own destinations, a
@@ -347,7 +347,8 @@ class Buffer:
         # reads its context's Status); the host reads one only to describe a failure
         self._peer_status = torch.zeros(128 * r, dtype=torch.uint8, device=self._device)
         # workspace (device memory): signal counts seen, grid sync words; per shape: the rest
-        self._expected = torch.zeros(5 * r + 8, dtype=torch.int64, device=self._device)
+        # (ll.cuh LlParams::expected: seen counts, barrier, self words, the signals raised)
+        self._expected = torch.zeros(9 * r + 8, dtype=torch.int64, device=self._device)
         self._sync = torch.zeros(dep.SYNC_WORDS * dep.SYNC_STRIDE, dtype=torch.int64, device=self._device)
         self._shape_ws = {}
         self._ctxs_buf = None
@@ -375,7 +376,7 @@ class Buffer:
         if self._gpu:
             self._cuda_index = torch.cuda.current_device()      # the device of every LL launch
             sms = torch.cuda.get_device_properties(self._cuda_index).multi_processor_count
-            self._grid = num_blocks or max(1, min(sms // 2, sms // self._ranks_on_this_gpu()))
+            self._grid = num_blocks or max(1, min(32, sms // 2))
             self._block = block_threads or CUDA_WARPS_PER_BLOCK * 32
         else:
             self._grid = num_blocks or HOST_BLOCKS
@@ -393,13 +394,6 @@ class Buffer:
             raise ConfigError("Buffer: on the CPU platform the grid (num_blocks * block_threads = %d) "
                               "must be co-resident in the HOST emulator's wave of 1024 threads"
                               % (self._grid * self._block))
-
-    def _ranks_on_this_gpu(self):
-        """This rank and the peers whose heap is on its GPU (p2p, P2P_SAME_DEVICE)."""
-        peers = self._ctx._dev.peers
-        return 1 + sum(1 for p in range(self.group_size) if p != self.rank
-                       and int(peers[p].kind) == abi.TRANSPORT_P2P
-                       and int(peers[p].rkey) & abi.P2P_SAME_DEVICE)
 
     # ---- lifetime ---------------------------------------------------------------------------
     @staticmethod

@@ -191,7 +191,8 @@ struct LlParams {
                           // on host-mapped memory (PCIe atomics are not guaranteed everywhere)
   // workspace (device memory)
   uint64_t expected;      // u64 [2 kinds][2 bufs][R] + barrier [R]: signal counts seen so far,
-                          // then self expected [2][2] and self_sig [2][2] (see "Self" above)
+                          // then self expected [2][2] and self_sig [2][2] (see "Self" above),
+                          // then the signals raised [2 kinds][2 bufs][R] (sent_word)
   uint64_t sync;          // u64 [SYNC_WORDS * kSyncStride], zero between launches
   uint64_t bits;          // u64 [bits_warps][hist_cols], zero between tiles
   uint64_t hist;          // int32 [ntiles + 1][hist_cols]
@@ -401,6 +402,34 @@ GPUNET_DEVICE void warp_copy(const Geo& g, uint64_t dst, uint64_t src, uint64_t 
   warp_copy_rounds(g, src, n, [&](uint64_t off, const V16& v) { *ptr<V16>(dst + off) = v; });
 }
 
+// warp_copy in two steps, for a copy whose destinations are not known yet: round_load issues the
+// first round's loads (kCopyUnroll steps), the caller works out where the bytes go meanwhile
+// (the receive: meta, counts, begin, each a memory latency, none depending on the row), then
+// round_store_rest hands that round to store(offset, value) and copies the rest as
+// warp_copy_rounds does.
+struct Round {
+  V16 v[kCopyUnroll];
+};
+GPUNET_DEVICE void round_load(const Geo& g, uint64_t src, uint64_t n, Round& r) {
+  const uint64_t step = uint64_t(g.ws) * 16;
+#pragma unroll
+  for (uint32_t u = 0; u < kCopyUnroll; ++u) {
+    const uint64_t off = uint64_t(g.lane) * 16 + u * step;
+    if (off < n) r.v[u] = *ptr<const V16>(src + off);
+  }
+}
+template <class Store>
+GPUNET_DEVICE void round_store_rest(const Geo& g, uint64_t src, uint64_t n, const Round& r, Store store) {
+  const uint64_t step = uint64_t(g.ws) * 16, head = uint64_t(kCopyUnroll) * step;
+#pragma unroll
+  for (uint32_t u = 0; u < kCopyUnroll; ++u) {
+    const uint64_t off = uint64_t(g.lane) * 16 + u * step;
+    if (off < n) store(off, r.v[u]);
+  }
+  if (n > head)
+    warp_copy_rounds(g, src + head, n - head, [&](uint64_t off, const V16& v) { store(head + off, v); });
+}
+
 // One thread's walk over n values (per-expert counts: E_loc is 100s): load(i) for kBatch values
 // at a time, all issued before use(i, value) of any of them. Header and layout walks store as
 // they go, and a store to int32 memory may alias the next load, so a plain loop waits one memory
@@ -460,6 +489,14 @@ GPUNET_DEVICE uint64_t* self_expected(const LlParams& P, uint32_t kind, uint32_t
 }
 GPUNET_DEVICE uint64_t* self_sig(const LlParams& P, uint32_t kind, uint32_t b) {
   return ptr<uint64_t>(P.expected) + (uint64_t(5) * P.nranks + 4 + kind * 2 + b);
+}
+// The dispatch / combine signals are SET, not ADD: the value is this rank's count of the signals
+// of that (kind, buffer) it raised on d, kept here (after the self words). Over p2p that is one
+// release store where an ADD was a fence, a load and a CAS, one round trip after another (the
+// last block's ~5 us per signal in the H200 profile), and the only form the c500 profile's
+// p2p peers take (store-only); over a NIC an 8-byte WRITE instead of an atomic.
+GPUNET_DEVICE uint64_t* sent_word(const LlParams& P, uint32_t kind, uint32_t b, uint32_t d) {
+  return ptr<uint64_t>(P.expected) + (uint64_t(5) * P.nranks + 8 + uint64_t(kind * 2 + b) * P.nranks + d);
 }
 GPUNET_DEVICE uint64_t* sync_word(const LlParams& P, uint32_t w) {
   return ptr<uint64_t>(P.sync) + uint64_t(w) * kSyncStride;
@@ -651,12 +688,20 @@ GPUNET_DEVICE bool wait_source(const LlParams& P, uint32_t kind, uint32_t j) {
   const bool ok = self ? grid_wait(P, self_sig(P, kind, P.buf), want, EP_SITE_SELF)
                        : wait_until(peer_ctx(P, j), sig_word(P, kind, P.buf, j), CMP_GE, want);
   const uint64_t waited = arch::now_ns() - t0;
+  // A SET signal carries the source's own count (sent_word), which can run ahead of what this
+  // rank expected (a signal it stopped waiting for, counted by the source): the count seen is
+  // adopted, so a later wait is never satisfied by an earlier launch's value.
+  uint64_t seen = want;
+  if (ok && !self) {
+    const uint64_t v = signal_read(peer_ctx(P, j), sig_word(P, kind, P.buf, j));
+    seen = v > want ? v : want;
+  }
   if (P.wait_stats) {
     int64_t* ws = ptr<int64_t>(P.wait_stats) +
                   ((P.flags & F_WAIT_STATS_2D) ? uint64_t(P.rank) * P.nranks + j : j);
     *ws += int64_t(waited);
   }
-  if (ok) *exp = want;
+  if (ok) *exp = seen;
   else peer_fail(P, j);
   return ok;
 }
@@ -709,9 +754,12 @@ GPUNET_DEVICE void header_signal(const LlParams& P, uint32_t kind, uint64_t rhdr
   const DevCtx& cx = peer_ctx(P, d);
   const bool staged = h == ptr<const int32_t>(shdr + uint64_t(d) * P.hdr_stride);
   const uint32_t hdr_bytes = staged ? bytes : 0;
+  uint64_t* sent = sent_word(P, kind, P.buf, d);
+  const uint64_t v = *sent + 1;
+  *sent = v;  // (counted even when the put fails: the peer is failed then)
   if (!(header_fence(P, cx) &&
         put_signal_nbi(cx, ptr<void>(rhdr + uint64_t(P.rank) * P.hdr_stride), h, hdr_bytes,
-                       sig_word(P, kind, P.buf, P.rank), 1, int(d))))
+                       sig_word(P, kind, P.buf, P.rank), v, int(d), SIGNAL_SET)))
     peer_fail(P, d);
 }
 
@@ -1172,6 +1220,13 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     const uint32_t word = ptr<const uint32_t>(P.d_rhdr + uint64_t(j) * P.hdr_stride)[kHdrHead + EL + m / 32];
     if (!((word >> (m % 32)) & 1)) continue;
     const uint64_t msg = P.d_recv + (uint64_t(j) * P.t_max + m) * P.msg_stride;
+    // this part of the row (slot m is token m: the source is known before the meta is read),
+    // its first round loaded now, in flight while the meta and the tables are read
+    const uint64_t lo = part * part_bytes;
+    const uint64_t hi = lo + part_bytes < row_bytes ? lo + part_bytes : row_bytes;
+    const uint64_t src = ((j == P.rank && self_direct) ? P.x + m * row_bytes : msg) + lo;
+    Round first;
+    if (lo < hi) round_load(g, src, hi - lo, first);
     const int32_t* meta = ptr<const int32_t>(msg + P.payload_bytes);
     // t, K and lane k's selection k are loaded together (the meta is kMetaBytes whatever the
     // sender's K: selection k's words exist for every k < kMaxTopk), not K after t
@@ -1220,17 +1275,10 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
       }
     }
     // the part is read once and written to every copy
-    const uint64_t lo = part * part_bytes;
-    const uint64_t hi = lo + part_bytes < row_bytes ? lo + part_bytes : row_bytes;
-    if (lo >= hi) continue;
-    const uint64_t src = ((j == P.rank && self_direct) ? P.x + uint64_t(t) * row_bytes : msg) + lo;
-    if (nd == 1) {
-      warp_copy(g, P.out_x + dst[0] * row_bytes + lo, src, hi - lo);
-    } else {  // as warp_copy (kCopyUnroll loads in flight), each 16 bytes stored to every copy
-      warp_copy_rounds(g, src, hi - lo, [&](uint64_t off, const V16& v) {
-        for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + lo + off) = v;
-      });
-    }
+    if (lo >= hi || nd == 0) continue;
+    round_store_rest(g, src, hi - lo, first, [&](uint64_t off, const V16& v) {
+      for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + lo + off) = v;
+    });
   }
   stamp(P, g, ST_RECV_LOOP);
   if (last_block(P, g, SYNC_RECV_DONE)) reset_sync(P, g, SYNC_RECV_READY, SYNC_RECV_DONE);
