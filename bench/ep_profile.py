@@ -43,7 +43,8 @@ import ep as epbench  # noqa: E402  (bench/ep.py: aligner, checks, yardsticks)
 from machine import machine  # noqa: E402
 
 OPS = ("dispatch bf16", "dispatch fp8", "combine bf16")
-PHASES = ("event", "host", "kernel", "start", "plan", "quiet", "plan.t", "plan.c", "send", "hdr",
+PHASES = ("event", "host", "kernel", "start", "plan", "quiet", "plan.a", "plan.i", "plan.h",
+          "plan.t", "plan.c", "send", "hdr",
           "hdr.f", "hdr.s", "hdr.a", "wait", "recv", "table", "skew", "sig lat")
 GPU_DEFAULTS = dict(ranks="2", tokens=128, hidden=7168, topk=8, experts=288, iters=30, warmup=5)
 CPU_DEFAULTS = dict(ranks="2", tokens=16, hidden=256, topk=4, experts=8, iters=4, warmup=1)
@@ -72,6 +73,13 @@ def _phases(st, names):
             out["plan.c"] = b0["plan_done"] - b0["quiet"]
         if b0.get("plan_tiles"):
             out["plan.t"] = b0["plan_tiles"] - b0["quiet"]
+        # thread 0's own tile: selections loaded + atomics, expert ranks, histogram (then the
+        # block barrier: plan.t)
+        prev = b0["quiet"]
+        for key, name in (("plan.a", "plan_atomics"), ("plan.i", "plan_idx"), ("plan.h", "plan_hist")):
+            if b0.get(name):
+                out[key] = b0[name] - prev
+                prev = b0[name]
     last, filled = live("send_last") if "send_last" in col else [], \
         live("hdr_filled") if "hdr_filled" in col else []
     plan, loop, hdr = live("send_plan"), live("send_loop"), live("send_hdr")
@@ -329,6 +337,8 @@ LEGEND = """columns (us, median over calls; device columns from the global timer
   plan    block 0: quiet + plan (+ dispatch: its rows staged)   send  plan .. every block's puts posted
   quiet   block 0: its quiet of the peers       plan.c block 0: quiet .. plan computed (unpublished)
   plan.t  block 0: quiet .. the plan's tile bitmaps done (the rest of plan.c: the prefix over tiles)
+  plan.a / plan.i / plan.h  thread 0's own tile, one after another from the quiet: its selections
+          loaded and their shared atomics, the expert ranks stored, the histogram + bitmaps stored
   hdr     last block: headers + signals (hdr.f: counts filled after it knew it was last;
           hdr.s: the signals after that; hdr.a: of hdr.s, self announce + sync reset after
           every signal was posted)              wait   own headers posted .. all sources seen

@@ -404,7 +404,6 @@ def round_(state, spec):
     if rank == victim and stage == "dispatch":
         os._exit(0)
     wire = wire_prepare(buf, spec) if spec.get("wire") else None
-    buf._plan_rank_atomics = bool(spec.get("plan_rank_atomics"))
     try:
         t0 = time.monotonic()
         recv_d, count_d, handle_d, hook, cum, wstats = _dispatch(buf, spec, mine, stats)

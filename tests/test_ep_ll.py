@@ -712,15 +712,6 @@ def test_ll_flags_are_off_with_nic_peers(mixed4):
     assert [i["ll_world_flags"] for i in mixed4.info] == [0] * 4
 
 
-def test_plan_rank_words_by_atomics_match_the_ballots(mixed4):
-    """The plan's destination bitmaps come from one ballot per rank up to 64 ranks and from
-    shared-memory atomics above (ll.cuh plan_tokens); F_PLAN_RANK_ATOMICS takes the atomic path
-    here, and the round (holes, varying token counts, a hot expert, tagged rows) still equals
-    the reference on every rank of the mixed world."""
-    spec = _spec(4, seed=74, vary_tokens=True, hot_expert=2, tagged=True, plan_rank_atomics=True)
-    _assert_round(mixed4.run("ep_jobs:round_", spec), spec)
-
-
 def test_four_ranks_two_in_flight_mixed(mixed4):
     """Two dispatches in flight over the mixed world."""
     for rank, res in enumerate(mixed4.run("ep_jobs:two_in_flight", _spec(4, seed=72),

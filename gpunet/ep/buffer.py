@@ -354,7 +354,6 @@ class Buffer:
         self._ctxs_buf = None
         self.set_timeout(timeout_s)
         self._ll_idx = 0
-        self._plan_rank_atomics = False  # tests: ll.cuh F_PLAN_RANK_ATOMICS (the > 64-rank plan path)
         # the high-throughput region (symmetric heap): num_nvl_bytes, or without it in normal mode
         # the num_rdma_bytes allocation; and its device-memory workspace (ht.cuh)
         self._nvl = ctx.alloc((self.num_nvl_bytes,), torch.uint8) if self.num_nvl_bytes else None
@@ -1073,7 +1072,7 @@ class Buffer:
         Buffer's allocations never move), and building it field by field cost more host time
         than the kernel (bench/ep_profile.py). The caller sets the tensor addresses."""
         key = (op, phases, flags, buf, layout.t_max, layout.hidden, layout.num_experts, num_tokens,
-               topk, self._timeout_s, self._plan_rank_atomics)
+               topk, self._timeout_s)
         tmpl = self._param_cache.get(key)
         if tmpl is None:
             if len(self._param_cache) >= 256:
@@ -1114,7 +1113,7 @@ class Buffer:
         P.host_flags = self._hflags_mem.ptr
         if self.enable_shrink:
             P.flags |= dep.F_SHRINK
-        P.flags |= self._ll_world_flags() | (dep.F_PLAN_RANK_ATOMICS if self._plan_rank_atomics else 0)
+        P.flags |= self._ll_world_flags()
         return P
 
     def _ll_world_flags(self):

@@ -128,8 +128,6 @@ enum : uint32_t {
   // (bits 64..512 are ht.cuh's F_HT_*: HtParams::base.flags shares this word)
   F_ALL_MAPPED = 1u << 16,  // every peer but this rank is mapped here (p2p): rows go unstaged
   F_GPU_SCOPE = 1u << 17,   // every peer (this rank too) is p2p on this GPU: see grid_fence
-  F_PLAN_RANK_ATOMICS = 1u << 18,  // plan_tokens: the rank words by atomics even with <= 64 ranks
-                                   // (the path of larger worlds, for tests/test_ep_ll.py)
 };
 enum : uint32_t { SIG_DISPATCH = 0, SIG_COMBINE = 1 };
 // grid sync words (each on its own 64-byte line of LlParams::sync), zero between launches
@@ -225,7 +223,10 @@ enum : uint32_t {
   ST_HDR_FILLED = 11, // the last block: headers written, before the signals
   ST_PLAN_TILES = 12, // block 0: the plan's tile bitmaps done, before the prefix over tiles
   ST_HDR_SIGNALED = 13,  // the last block: every header's signal posted, before announce / reset
-  kStamps = 14,
+  ST_PLAN_ATOMICS = 14,  // block 0, thread 0: its tile's selections loaded and their atomics done
+  ST_PLAN_IDX = 15,      // block 0, thread 0: its tile's expert ranks stored
+  ST_PLAN_HIST = 16,     // block 0, thread 0: its tile's histogram and bitmaps stored
+  kStamps = 17,
 };
 
 // The first EP-level failure of a launch (first wins). 64 B. device/ep.py: EpStatus.
@@ -402,34 +403,6 @@ GPUNET_DEVICE void warp_copy(const Geo& g, uint64_t dst, uint64_t src, uint64_t 
   warp_copy_rounds(g, src, n, [&](uint64_t off, const V16& v) { *ptr<V16>(dst + off) = v; });
 }
 
-// warp_copy in two steps, for a copy whose destinations are not known yet: round_load issues the
-// first round's loads (kCopyUnroll steps), the caller works out where the bytes go meanwhile
-// (the receive: meta, counts, begin, each a memory latency, none depending on the row), then
-// round_store_rest hands that round to store(offset, value) and copies the rest as
-// warp_copy_rounds does.
-struct Round {
-  V16 v[kCopyUnroll];
-};
-GPUNET_DEVICE void round_load(const Geo& g, uint64_t src, uint64_t n, Round& r) {
-  const uint64_t step = uint64_t(g.ws) * 16;
-#pragma unroll
-  for (uint32_t u = 0; u < kCopyUnroll; ++u) {
-    const uint64_t off = uint64_t(g.lane) * 16 + u * step;
-    if (off < n) r.v[u] = *ptr<const V16>(src + off);
-  }
-}
-template <class Store>
-GPUNET_DEVICE void round_store_rest(const Geo& g, uint64_t src, uint64_t n, const Round& r, Store store) {
-  const uint64_t step = uint64_t(g.ws) * 16, head = uint64_t(kCopyUnroll) * step;
-#pragma unroll
-  for (uint32_t u = 0; u < kCopyUnroll; ++u) {
-    const uint64_t off = uint64_t(g.lane) * 16 + u * step;
-    if (off < n) store(off, r.v[u]);
-  }
-  if (n > head)
-    warp_copy_rounds(g, src + head, n - head, [&](uint64_t off, const V16& v) { store(head + off, v); });
-}
-
 // One thread's walk over n values (per-expert counts: E_loc is 100s): load(i) for kBatch values
 // at a time, all issued before use(i, value) of any of them. Header and layout walks store as
 // they go, and a store to int32 memory may alias the next load, so a plain loop waits one memory
@@ -491,10 +464,11 @@ GPUNET_DEVICE uint64_t* self_sig(const LlParams& P, uint32_t kind, uint32_t b) {
   return ptr<uint64_t>(P.expected) + (uint64_t(5) * P.nranks + 4 + kind * 2 + b);
 }
 // The dispatch / combine signals are SET, not ADD: the value is this rank's count of the signals
-// of that (kind, buffer) it raised on d, kept here (after the self words). Over p2p that is one
-// release store where an ADD was a fence, a load and a CAS, one round trip after another (the
-// last block's ~5 us per signal in the H200 profile), and the only form the c500 profile's
-// p2p peers take (store-only); over a NIC an 8-byte WRITE instead of an atomic.
+// of that (kind, buffer) it raised on d, kept here (after the self words). The c500 profile's p2p
+// peers take stores only (transport/p2p.cuh: an ADD to one is refused), so an ADD made EP over
+// p2p impossible there; over p2p a SET is one release store (an ADD: fence, load, CAS), over a NIC
+// an 8-byte WRITE. (On the H200 the last block's signal phase did not get shorter with it:
+// bench/RESULTS.md, eleventh session, call 2.)
 GPUNET_DEVICE uint64_t* sent_word(const LlParams& P, uint32_t kind, uint32_t b, uint32_t d) {
   return ptr<uint64_t>(P.expected) + (uint64_t(5) * P.nranks + 8 + uint64_t(kind * 2 + b) * P.nranks + d);
 }
@@ -864,28 +838,16 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
       // high half: every arm is little-endian): a 32-bit atomic is native on shared memory, the
       // 64-bit one a CAS loop (CUDA sm_90), which contending lanes made the plan's chain.
       const uint32_t mine = 1u << (g.lane & 31), half = g.lane >> 5;
-      // The destination bitmap: with at most 64 ranks each lane collects its token's ranks in a
-      // register and one ballot per rank makes each rank's word; the atomic_or per selection on
-      // the rank words (R of them: with 2 ranks every lane of the tile on one of two words, K
-      // times) serialised on those few addresses. More ranks (or F_PLAN_RANK_ATOMICS): the atomics.
-      const bool few = P.nranks <= 64 && !(P.flags & F_PLAN_RANK_ATOMICS);
       uint32_t kept = 0;
-      uint64_t dests = 0;
 #pragma unroll 1
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
         const int32_t e = ex[k];
         if (e < 0 || (arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[e]) + half, mine) & mine))
           continue;  // a repeat counts once
         kept |= 1u << k;
-        const uint32_t d = uint32_t(e) / P.e_loc;
-        if (few) dests |= uint64_t(1) << d;
-        else arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[E + d]) + half, mine);
+        arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[E + uint32_t(e) / P.e_loc]) + half, mine);
       }
-      if (few)
-        for (uint32_t d = 0; d < P.nranks; ++d) {
-          const uint64_t m = arch::ballot(((dests >> d) & 1) != 0);
-          if (g.lane == 0 && m) arch::atomic_store(&bits[E + d], m);
-        }
+      stamp(P, g, ST_PLAN_ATOMICS);
       arch::syncwarp();
 #pragma unroll 1
       for (uint32_t k = 0; k < kMaxTopk; ++k) {
@@ -893,6 +855,7 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
         plan_idx[uint64_t(t) * K + k] =
             ((kept >> k) & 1) ? int32_t(popc64(arch::atomic_load(&bits[ex[k]]) & below)) : -1;
       }
+      stamp(P, g, ST_PLAN_IDX);
       arch::syncwarp();
       const uint32_t w0 = tile * g.ws / 32;  // the tile's first bitmap word
       for (uint32_t c = g.lane; c < C; c += g.ws) {
@@ -905,6 +868,7 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
         }
         if (m) arch::atomic_store(&bits[c], uint64_t(0));
       }
+      stamp(P, g, ST_PLAN_HIST);
       arch::syncwarp();
     }
   }
@@ -1220,13 +1184,6 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     const uint32_t word = ptr<const uint32_t>(P.d_rhdr + uint64_t(j) * P.hdr_stride)[kHdrHead + EL + m / 32];
     if (!((word >> (m % 32)) & 1)) continue;
     const uint64_t msg = P.d_recv + (uint64_t(j) * P.t_max + m) * P.msg_stride;
-    // this part of the row (slot m is token m: the source is known before the meta is read),
-    // its first round loaded now, in flight while the meta and the tables are read
-    const uint64_t lo = part * part_bytes;
-    const uint64_t hi = lo + part_bytes < row_bytes ? lo + part_bytes : row_bytes;
-    const uint64_t src = ((j == P.rank && self_direct) ? P.x + m * row_bytes : msg) + lo;
-    Round first;
-    if (lo < hi) round_load(g, src, hi - lo, first);
     const int32_t* meta = ptr<const int32_t>(msg + P.payload_bytes);
     // t, K and lane k's selection k are loaded together (the meta is kMetaBytes whatever the
     // sender's K: selection k's words exist for every k < kMaxTopk), not K after t
@@ -1275,10 +1232,17 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
       }
     }
     // the part is read once and written to every copy
+    const uint64_t lo = part * part_bytes;
+    const uint64_t hi = lo + part_bytes < row_bytes ? lo + part_bytes : row_bytes;
     if (lo >= hi || nd == 0) continue;
-    round_store_rest(g, src, hi - lo, first, [&](uint64_t off, const V16& v) {
-      for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + lo + off) = v;
-    });
+    const uint64_t src = ((j == P.rank && self_direct) ? P.x + m * row_bytes : msg) + lo;
+    if (nd == 1) {
+      warp_copy(g, P.out_x + dst[0] * row_bytes + lo, src, hi - lo);
+    } else {  // as warp_copy (kCopyUnroll loads in flight), each 16 bytes stored to every copy
+      warp_copy_rounds(g, src, hi - lo, [&](uint64_t off, const V16& v) {
+        for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + lo + off) = v;
+      });
+    }
   }
   stamp(P, g, ST_RECV_LOOP);
   if (last_block(P, g, SYNC_RECV_DONE)) reset_sync(P, g, SYNC_RECV_READY, SYNC_RECV_DONE);
