@@ -113,10 +113,35 @@ def _bind_ll(lib):
     lib.gpunet_ep_ll_max_block.argtypes, lib.gpunet_ep_ll_max_block.restype = [], u32
 
 
-def load_ep(arch="host", defines=None):
-    """Build (cached) and bind device/kernels/ep_ll.cu for ``arch``; checks the struct sizes."""
+def transports_define(kinds):
+    """The ``GPUNET_TRANSPORTS`` define (devctx.cuh: bit k for kind k) of a build for the
+    transport kinds ``kinds`` (device/abi.py TRANSPORT_*), or None for the default build with
+    every transport."""
+    from gpunet.device import abi
+    kinds = set(kinds)
+    if not kinds or not kinds <= {abi.TRANSPORT_IBGDA, abi.TRANSPORT_PROXY, abi.TRANSPORT_P2P}:
+        raise ValueError("transport kinds %r: each must be one of abi.TRANSPORT_IBGDA/PROXY/P2P"
+                         % sorted(kinds))
+    if kinds == {abi.TRANSPORT_IBGDA, abi.TRANSPORT_PROXY, abi.TRANSPORT_P2P}:
+        return None
+    return "%du" % sum(1 << k for k in kinds)
+
+
+def load_ep(arch="host", defines=None, kinds=None):
+    """Build (cached) and bind device/kernels/ep_ll.cu for ``arch``; checks the struct sizes.
+    ``kinds``: the transport kinds (abi.TRANSPORT_*) the kernels may meet (None: all); a build
+    for fewer carries no code of the others (transports_define)."""
     return _load("ep_ll.cu", "ll", "gpunet_ep_abi_size", SIZES, ("LlParams", "EpStatus"), arch,
-                 defines, _bind_ll)
+                 with_transports(defines, kinds), _bind_ll)
+
+
+def with_transports(defines, kinds):
+    """A copy of ``defines`` plus the GPUNET_TRANSPORTS of a build for ``kinds`` (None: every transport)."""
+    defines = dict(defines or {})
+    mask = transports_define(kinds) if kinds is not None else None
+    if mask is not None:
+        defines["GPUNET_TRANSPORTS"] = mask
+    return defines
 
 
 # ---- ht.cuh (the high-throughput mode) ---------------------------------------------------------
@@ -152,7 +177,8 @@ class HtParams(ctypes.Structure):
 HT_SIZES = {"HtParams": 624, "EpStatus": 64, "DevCtx": 128}
 
 
-def load_ep_ht(arch="host", defines=None):
-    """Build (cached) and bind device/kernels/ep_ht.cu for ``arch``; checks the struct sizes."""
+def load_ep_ht(arch="host", defines=None, kinds=None):
+    """Build (cached) and bind device/kernels/ep_ht.cu for ``arch``; checks the struct sizes.
+    ``kinds``: as load_ep's."""
     return _load("ep_ht.cu", "ht", "gpunet_ep_ht_abi_size", HT_SIZES, ("HtParams", "EpStatus"),
-                 arch, defines, lambda lib: None)
+                 arch, with_transports(defines, kinds), lambda lib: None)

@@ -40,6 +40,10 @@ KNOBS = (
          "posting mode of every ibgda peer's QP (qp.cuh \"Posting modes\"): batched (any number "
          "of warps, one doorbell for several posts) or serial (the fewest round trips when one "
          "warp at a time posts to each peer; several still work but ring one after another)"),
+    Knob("GPUNET_EP_KERNEL_BUILD", "env", "choice", "world", ("world", "all"),
+         "gpunet.ep's kernels: world (a world whose peers are all p2p runs a build with the p2p "
+         "transport only, half the code: devctx.cuh GPUNET_TRANSPORTS) or all (every world runs "
+         "the build with every transport: the A/B of bench/ep_profile.py)"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),
@@ -57,6 +61,9 @@ KNOBS = (
     # --- build defines (pass with device/loader.py build(defines=...)) --------------------------
     Knob("GPUNET_WARP_MIN_CHUNK", "define", "int", 256, (),
          "put_nbi_warp: smallest chunk one lane posts (a WQE per few bytes costs NIC work)"),
+    Knob("GPUNET_TRANSPORTS", "define", "int", 14, (),
+         "devctx.cuh: the transports a unit is built with, bit k for kind k (14: ibgda, proxy, "
+         "p2p; 8: p2p only); a verb to a PE of a kind left out records SITE_PEER_KIND"),
     Knob("GPUNET_MACA_CLOCK_MHZ", "define", "int", 1500, (),
          "MACA arm: clock64() rate used to turn device timeouts into ticks (unverified)"),
     Knob("GPUNET_TEST_DELAY_POINTS", "define", "flag", None, (),

@@ -510,19 +510,31 @@ def warm(nic_kind="soft", timeout_s=60.0, log=None):
 CUDA_KERNELS = ("ep_ll.cu", "ep_ht.cu", "ops.cu", "doctor.cu")
 
 
-def _prebuild_one(path):
-    """One CUDA build in a worker process of prebuild_cuda: (file name, seconds, error or None)."""
+def cuda_variants():
+    """(file, defines) of the builds with defines that the library's calls also load: gpunet.ep's
+    kernels for a world of p2p peers only (gpunet/ep/buffer.py _kernel_kinds)."""
+    from gpunet.device import abi
+    from gpunet.device import ep as dep
+    d = dep.with_transports({}, {abi.TRANSPORT_P2P})
+    return (("ep_ll.cu", d), ("ep_ht.cu", d))
+
+
+def _prebuild_one(path, defines=None):
+    """One CUDA build in a worker process of prebuild_cuda: (name, seconds, error or None); the
+    name is the file's, with its defines after it."""
     from gpunet.device import loader
+    name = path.name + "".join(" %s=%s" % kv for kv in sorted((defines or {}).items()))
     t0 = time.perf_counter()
     try:
-        loader.build([path], arch="cuda")
+        loader.build([path], arch="cuda", defines=defines or {})
     except GpunetError as e:
-        return path.name, time.perf_counter() - t0, str(e)
-    return path.name, time.perf_counter() - t0, None
+        return name, time.perf_counter() - t0, str(e)
+    return name, time.perf_counter() - t0, None
 
 
 def prebuild_cuda(sources=None, jobs=None, then=None):
-    """Compile each of ``sources`` (paths of .cu files; default: CUDA_KERNELS) for the CUDA arm
+    """Compile each of ``sources`` (paths of .cu files, or (path, defines) pairs; default:
+    CUDA_KERNELS and cuda_variants()) for the CUDA arm
     into the kernel cache, in a process of its own (at most ``jobs`` at once, default the CPU
     count), while ``then()`` (if given) runs here; no GPU is needed. Later builds of the same
     sources (same cache key) load the cached libraries instead of compiling: ``python -m gpunet
@@ -535,11 +547,13 @@ def prebuild_cuda(sources=None, jobs=None, then=None):
     from gpunet.device import loader
     from gpunet.errors import ToolchainError
 
-    paths = [Path(p) for p in sources] if sources is not None else \
-        [loader.kernels_dir() / k for k in CUDA_KERNELS]
-    workers = max(1, min(len(paths), jobs or os.cpu_count() or 1))
+    if sources is None:
+        sources = [loader.kernels_dir() / k for k in CUDA_KERNELS] + \
+            [(loader.kernels_dir() / k, d) for k, d in cuda_variants()]
+    builds = [(Path(p[0]), p[1]) if isinstance(p, tuple) else (Path(p), None) for p in sources]
+    workers = max(1, min(len(builds), jobs or os.cpu_count() or 1))
     with concurrent.futures.ProcessPoolExecutor(max_workers=workers) as pool:
-        futs = [pool.submit(_prebuild_one, p) for p in paths]
+        futs = [pool.submit(_prebuild_one, p, d) for p, d in builds]
         if then is not None:
             then()
         done = [f.result() for f in futs]

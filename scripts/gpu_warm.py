@@ -17,8 +17,10 @@ TESTING_KERNELS = ("schedule.cu", "p2p_bench.cu", "proxy.cu")
 
 
 def sources():
-    """Every .cu file the gate's warm-up compiles: the library's, then the testing ones."""
+    """Every build the gate's warm-up compiles: the library's .cu files, their variants ((path,
+    defines) pairs: doctor.cuda_variants()), then the testing ones."""
     return ([loader.kernels_dir() / k for k in doctor.CUDA_KERNELS] +
+            [(loader.kernels_dir() / k, d) for k, d in doctor.cuda_variants()] +
             [testing.kernels_dir() / k for k in TESTING_KERNELS])
 
 

@@ -286,6 +286,7 @@ def round_(state, spec):
                      "combined": ref.hash_tensor(comb)}
     out["masked"] = buf.masked_ranks() if buf.enable_shrink else []
     out["host_failed"] = _host_failed(buf)
+    out["ht_lib"] = str(buf._ht_lib.gpunet_path)
     return out
 
 

@@ -50,7 +50,7 @@ def make_buffer(state, transport, **kwargs):
     buf = Buffer(dist.group.WORLD, explicitly_destroy=True, transport=transport, **kwargs)
     state["ep_buf"] = buf
     return {"rank": buf.rank, "transports": dict(buf.runtime.transports), "pid": os.getpid(),
-            "ll_world_flags": buf._ll_world_flags()}
+            "ll_world_flags": buf._ll_world_flags(), "ll_lib": str(buf._lib.gpunet_path)}
 
 
 def init(state, transport, num_rdma_bytes, timeout_s=20.0, shrink=False, warp_size=32,

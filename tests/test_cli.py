@@ -73,7 +73,8 @@ def test_cuda_prebuild_fills_the_kernel_cache_in_parallel_and_names_failures(tmp
     spec = importlib.util.spec_from_file_location("gpu_warm", ROOT / "scripts" / "gpu_warm.py")
     gpu_warm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_warm)
-    assert all(p.is_file() for p in gpu_warm.sources()) and len(gpu_warm.sources()) == 7
+    paths = [p[0] if isinstance(p, tuple) else p for p in gpu_warm.sources()]
+    assert all(p.is_file() for p in paths) and len(paths) == 9
     monkeypatch.setenv("GPUNET_CACHE_DIR", str(tmp_path))
     ran = []
     small = [loader.kernels_dir() / "doctor.cu", testing.kernels_dir() / "proxy.cu"]

@@ -458,3 +458,25 @@ def test_fence_test_weak_memory(nic, variant, post_mode):
     else:
         assert set(outcomes) != {"ok"}, "the %s build passed %d weak-memory seeds: the fence test " \
                                         "cannot see the bug" % (variant, FENCE_SEEDS)
+
+
+@pytest.mark.parametrize("built,ok", [(None, True), ("8u", False), ("2u", True)],
+                         ids=["all", "p2p-only", "ibgda-only"])
+def test_a_build_without_a_transport_refuses_its_peers(nic, built, ok):
+    """devctx.cuh GPUNET_TRANSPORTS: a unit built without the ibgda transport (8u: p2p only, what
+    gpunet.ep runs for an all-p2p world) posts nothing to the loopback's ibgda peer and records
+    SITE_PEER_KIND naming it; the default build and an ibgda-only build (2u) put the bytes."""
+    vlib = dops.load_ops(defines={} if built is None else {"GPUNET_TRANSPORTS": built})
+    lb = L.Loopback(nic, sq_wqebbs=16, heap_bytes=1 << 16)
+    src, dst = lb.sym(256), lb.sym(256)
+    lb.local[src:src + 256] = np.arange(256, dtype=np.uint8)
+    arr, per = _ops_array([[_op(abi.OP_PUT, lb.local_base + dst, lb.local_base + src, 256)]])
+    if ok:
+        dops.run_ops(vlib, lb, arr, per, dops.Launch(grid=1, block=1, warp_size=32))
+        assert (lb.remote[dst:dst + 256] == lb.local[src:src + 256]).all()
+        return
+    with pytest.raises(errors.GpunetError, match="GPUNET_TRANSPORTS") as ei:
+        dops.run_ops(vlib, lb, arr, per, dops.Launch(grid=1, block=1, warp_size=32))
+    assert (lb.status.site, lb.status.peer, lb.status.observed) == \
+        (abi.SITE_PEER_KIND, L.PEER, abi.TRANSPORT_IBGDA), ei.value
+    assert not lb.remote[dst:dst + 256].any()

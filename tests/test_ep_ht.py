@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 import torch
 
+from gpunet.device import abi
+from gpunet.device import ep as dep
 from gpunet.ep import Buffer, Config
 from gpunet.ep import reference as ref
 from gpunet.errors import ConfigError
@@ -143,7 +145,6 @@ def test_size_hint_is_the_layout_and_independent_of_the_token_count():
 def test_ht_kernels_compile_for_the_cuda_arm_with_the_mirrored_layout():
     """device/kernels/ep_ht.cu builds with nvcc (sm_90) and its HtParams / EpStatus / DevCtx sizes
     are the ones device/ep.py mirrors (load_ep_ht checks them), as the HOST build's are."""
-    from gpunet.device import ep as dep
     import ctypes
     for arch in ("host", "cuda"):
         lib = dep.load_ep_ht(arch)
@@ -350,7 +351,12 @@ def test_ht_then_ll_with_a_clean_between(p2p2):
     r = p2p2
     assert {t for i in r.info for t in i["transports"].values()} == {"p2p"}
     spec = _spec(2, seed=31, tagged=True)
-    _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
+    outs = r.run("ep_ht_jobs:round_", spec)
+    _assert_round(outs, spec)
+    # an all-p2p world runs ep_ht.cu built with the p2p transport only (Buffer._kernel_kinds)
+    p2p_only = str(dep.load_ep_ht("host", kinds={abi.TRANSPORT_P2P}).gpunet_path)
+    assert p2p_only != str(dep.load_ep_ht("host").gpunet_path)
+    assert [o["ht_lib"] for o in outs] == [p2p_only, p2p_only]
     ll = dict(seed=32, t_max=8, hidden=256, topk=4, num_experts=8, holes=2, use_fp8=True)
     for rank, o in enumerate(r.run("ep_ht_jobs:ll_round", ll)):
         assert o["raised"] is None and o["bad"] == [] and o["calc_diff"] < 9e-4, (rank, o)

@@ -23,6 +23,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import gpunet.ep as gep
+from gpunet.device import abi
 from gpunet.device import ep as dep
 from gpunet.ep import Buffer, Config, EventOverlap
 from gpunet.ep import reference as ref
@@ -710,6 +711,19 @@ def test_ll_flags_name_the_world(p2p_world):
 def test_ll_flags_are_off_with_nic_peers(mixed4):
     """A world of NIC peers (ibgda and proxy pairs) sets no world flag on any rank."""
     assert [i["ll_world_flags"] for i in mixed4.info] == [0] * 4
+
+
+def test_an_all_p2p_world_runs_the_p2p_only_build(p2p_world, mixed4):
+    """Buffer._kernel_kinds: every rank of an all-p2p world loads ep_ll.cu built with the p2p
+    transport only (device/ep.py load_ep, GPUNET_TRANSPORTS=8u); a world with any NIC peer loads
+    the build with every transport. The rounds above ran on those builds (a p2p-only kernel
+    meeting a NIC peer records SITE_PEER_KIND: test_device_qp.py)."""
+    full = str(dep.load_ep("host").gpunet_path)
+    p2p_only = str(dep.load_ep("host", kinds={abi.TRANSPORT_P2P}).gpunet_path)
+    assert full != p2p_only
+    want = p2p_only if p2p_world.world == 2 else full
+    assert [i["ll_lib"] for i in p2p_world.info] == [want] * p2p_world.world
+    assert [i["ll_lib"] for i in mixed4.info] == [full] * 4
 
 
 def test_four_ranks_two_in_flight_mixed(mixed4):

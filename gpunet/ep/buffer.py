@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 import torch
 
+from gpunet import config
 from gpunet.device import abi
 from gpunet.device import ep as dep
 from gpunet.errors import ClosedError, ConfigError, EPTimeout, GpunetError, with_hint
@@ -303,7 +304,7 @@ class Buffer:
         r = self.group_size
         self._gpu = ctx.platform.name == "cuda"
         self._device = torch.device("cuda") if self._gpu else torch.device("cpu")
-        self._lib = dep.load_ep("cuda" if self._gpu else "host")
+        self._lib = dep.load_ep("cuda" if self._gpu else "host", kinds=self._kernel_kinds())
         self._ws = 32 if self._gpu else ctx.warp_size
         # collective, like the Context's steps: a grid one rank refuses raises on every rank
         ctx._boot.collective("gpunet.ep.Buffer (grid)", self._check_grid, num_blocks, block_threads)
@@ -569,7 +570,8 @@ class Buffer:
 
     def _ht_launch(self, P, grid, block, what):
         if self._ht_lib is None:
-            self._ht_lib = dep.load_ep_ht("cuda" if self._gpu else "host")
+            self._ht_lib = dep.load_ep_ht("cuda" if self._gpu else "host",
+                                          kinds=self._kernel_kinds())
         if P.base.prof and self._prof_ref.numel() < grid * dep.STAMPS:
             raise ConfigError("%s: the profile stamps tensor holds %d blocks, this launch has %d"
                               % (what, self._prof_ref.numel() // dep.STAMPS, grid))
@@ -1115,6 +1117,17 @@ class Buffer:
             P.flags |= dep.F_SHRINK
         P.flags |= self._ll_world_flags()
         return P
+
+    def _kernel_kinds(self):
+        """The transports the LL and HT kernels are built with: a world whose peers are all p2p (this
+        rank too) gets the p2p-only build (device/ep.py load_ep: half the code, so fewer
+        instruction fetches in a launch whose code is cold; bench/RESULTS.md), any other world
+        the build with every transport. GPUNET_EP_KERNEL_BUILD=all gives every world the latter."""
+        if config.get("GPUNET_EP_KERNEL_BUILD") == "all":
+            return None
+        peers = self._ctx._dev.peers
+        kinds = {int(peers[p].kind) for p in range(self._ctx.world_size)}
+        return kinds if kinds == {abi.TRANSPORT_P2P} else None
 
     def _ll_world_flags(self):
         """LlParams flags that follow from the peers' transports (fixed for the Context's life):

@@ -20,6 +20,18 @@ enum : uint32_t {
   TRANSPORT_P2P = 3,    // stores into the PE's heap mapped here (transport/p2p.cuh; remote_base)
 };
 
+// The transports compiled into this translation unit: bit k for kind k (default: all three).
+// A kernel built for fewer (e.g. -DGPUNET_TRANSPORTS=8u, p2p only: gpunet.ep's kernels for a
+// world of p2p peers, device/ep.py load_ep) carries no code of the others, which makes it half
+// the size (ep_ll.cu: 23 k PTX lines against 45 k), and every verb to a PE of a kind left out
+// records a bad argument (SITE_PEER_KIND) instead of posting (tests/test_ep_ll.py).
+#ifndef GPUNET_TRANSPORTS
+#define GPUNET_TRANSPORTS 14u
+#endif
+GPUNET_DEVICE constexpr bool transport_built(uint32_t kind) {
+  return kind < 32 && ((uint32_t(GPUNET_TRANSPORTS) >> kind) & 1u) != 0;
+}
+
 // PeerDesc::rkey of a TRANSPORT_P2P peer: flags (a mapping needs no key). abi.py: P2P_*.
 enum : uint32_t {
   P2P_STORE_ONLY = 1u,  // stores only: no remote loads, no remote atomics (the c500 profile)
@@ -97,7 +109,8 @@ GPUNET_DEVICE const PeerDesc* peer(const DevCtx& ctx, const Waiter& w, int pe, b
     return nullptr;
   }
   const PeerDesc* p = peers(ctx) + pe;
-  if (p->kind != TRANSPORT_IBGDA && p->kind != TRANSPORT_PROXY && p->kind != TRANSPORT_P2P) {
+  if ((p->kind != TRANSPORT_IBGDA && p->kind != TRANSPORT_PROXY && p->kind != TRANSPORT_P2P) ||
+      !transport_built(p->kind)) {
     if (record) record_bad_argument(w, SITE_PEER_KIND, 0, uint32_t(pe), TRANSPORT_P2P, p->kind);
     return nullptr;
   }

@@ -57,23 +57,32 @@
 namespace gpunet {
 
 // The one transport dispatch: op(T{}) for the transport T of `kind`. api::peer admits only the
-// kinds listed here, so `default` is never taken. A new transport adds a case here and a line in
+// kinds listed here that this unit was built with (devctx.cuh GPUNET_TRANSPORTS), so the final
+// return is never taken. A new transport adds a case here and a line in
 // all_transports.
 template <class Op>
 GPUNET_DEVICE auto dispatch(uint32_t kind, Op op) -> decltype(op(transport::Ibgda{})) {
   switch (kind) {
-    case TRANSPORT_IBGDA: return op(transport::Ibgda{});
-    case TRANSPORT_PROXY: return op(transport::Proxy{});
-    case TRANSPORT_P2P: return op(transport::P2p{});
-    default: return decltype(op(transport::Ibgda{}))();
+    case TRANSPORT_IBGDA:
+      if constexpr (transport_built(TRANSPORT_IBGDA)) return op(transport::Ibgda{});
+      break;
+    case TRANSPORT_PROXY:
+      if constexpr (transport_built(TRANSPORT_PROXY)) return op(transport::Proxy{});
+      break;
+    case TRANSPORT_P2P:
+      if constexpr (transport_built(TRANSPORT_P2P)) return op(transport::P2p{});
+      break;
+    default: break;
   }
+  return decltype(op(transport::Ibgda{}))();
 }
 // op(T{}) for every transport (verbs without a peer: quiet); true iff all returned true.
 template <class Op>
 GPUNET_DEVICE bool all_transports(Op op) {
-  bool ok = op(transport::Ibgda{});
-  ok = op(transport::Proxy{}) && ok;
-  ok = op(transport::P2p{}) && ok;
+  bool ok = true;
+  if constexpr (transport_built(TRANSPORT_IBGDA)) ok = op(transport::Ibgda{}) && ok;
+  if constexpr (transport_built(TRANSPORT_PROXY)) ok = op(transport::Proxy{}) && ok;
+  if constexpr (transport_built(TRANSPORT_P2P)) ok = op(transport::P2p{}) && ok;
   return ok;
 }
 
