@@ -722,19 +722,26 @@ GPUNET_DEVICE int32_t* header_slot(const LlParams& P, uint64_t rhdr, uint64_t sh
 
 // Thread of destination d != rank: the header h (header_slot's, `bytes` long) is complete, every row before
 // it handed over (last_block); the signal (kind, buf, rank) on d is raised by one put_signal,
-// which copies the header from staging for a NIC peer and nothing for a mapped one.
+// which copies the header from staging for a NIC peer and nothing for a mapped one. `pe`: d, or
+// its PeerRef taken earlier; `sent0`: the count last raised on d (sent_word), read earlier (only
+// the last block writes it, once a launch): dispatch_send_last reads both before its fences.
+template <class PE>
 GPUNET_DEVICE void header_signal(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
-                                 uint32_t d, const int32_t* h, uint32_t bytes) {
+                                 uint32_t d, const int32_t* h, uint32_t bytes, const PE& pe,
+                                 uint64_t sent0) {
   const DevCtx& cx = peer_ctx(P, d);
   const bool staged = h == ptr<const int32_t>(shdr + uint64_t(d) * P.hdr_stride);
   const uint32_t hdr_bytes = staged ? bytes : 0;
-  uint64_t* sent = sent_word(P, kind, P.buf, d);
-  const uint64_t v = *sent + 1;
-  *sent = v;  // (counted even when the put fails: the peer is failed then)
+  const uint64_t v = sent0 + 1;
+  *sent_word(P, kind, P.buf, d) = v;  // (counted even when the put fails: the peer is failed then)
   if (!(header_fence(P, cx) &&
         put_signal_nbi(cx, ptr<void>(rhdr + uint64_t(P.rank) * P.hdr_stride), h, hdr_bytes,
-                       sig_word(P, kind, P.buf, P.rank), v, int(d), SIGNAL_SET)))
+                       sig_word(P, kind, P.buf, P.rank), v, pe, SIGNAL_SET)))
     peer_fail(P, d);
+}
+GPUNET_DEVICE void header_signal(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
+                                 uint32_t d, const int32_t* h, uint32_t bytes) {
+  header_signal(P, kind, rhdr, shdr, d, h, bytes, int(d), *sent_word(P, kind, P.buf, d));
 }
 
 // Send and receive in ONE launch (no hook), BF16 dispatch or any combine: the receive reads this
@@ -922,30 +929,50 @@ GPUNET_DEVICE bool all_peers_mapped(const LlParams& P) { return (P.flags & F_ALL
 // bitmap) and one signal per destination.
 GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uint8_t* out) {
   const uint32_t T = P.num_tokens, E = P.num_experts, C = P.hist_cols;
-  const int32_t* hist = ptr<const int32_t>(P.hist);
+  const int32_t* total = ptr<const int32_t>(P.hist) + uint64_t(P.ntiles) * C;
+  const uint32_t words = P.e_loc + (T + 31) / 32;
+  // Warp w's destination w: what its header needs that does not change in this launch (its slot,
+  // the peer's descriptor, the count it last raised, the plan's totals: block 0 published them
+  // before this), loaded BEFORE last_block's fences. After a fence every such load is one more
+  // L2 round trip on the last block's chain, and the headers waited for ~9 of them in a row
+  // (hdr.s ~5.5 us on the H200).
+  const uint32_t d0 = g.wid;
+  int32_t* h0 = nullptr;
+  PeerRef r0{};
+  r0.pe = -1;
+  uint64_t sent0 = 0;
+  int32_t msgs0 = 0;
+  if (d0 < P.nranks && !out[d0]) {
+    h0 = header_slot(P, P.d_rhdr, P.d_shdr, d0);
+    msgs0 = total[E + d0];
+    if (d0 != P.rank) {
+      r0 = peer_ref(peer_ctx(P, d0), int(d0));
+      sent0 = *sent_word(P, SIG_DISPATCH, P.buf, d0);
+    }
+  }
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
-    const int32_t* total = hist + uint64_t(P.ntiles) * C;
-    // the per-expert counts and the slot bitmap (its words for t < T) of every header by the
-    // whole block (one round of loads; a peer masked in this block's view gets none), then one
-    // thread per destination finishes its header and signals
-    const uint32_t words = P.e_loc + (T + 31) / 32;
-    for (uint32_t i = g.tid; i < P.nranks * words; i += g.bdim) {
-      const uint32_t d = i / words, q = i % words;
-      if (!out[d])
-        header_slot(P, P.d_rhdr, P.d_shdr, d)[kHdrHead + q] =
-            q < P.e_loc ? total[d * P.e_loc + q] : int32_t(dmask_row(P, d)[q - P.e_loc]);
-    }
-    arch::syncthreads();
-    stamp(P, g, ST_HDR_FILLED);
-    for (uint32_t d = g.tid; d < P.nranks; d += g.bdim) {
-      if (out[d] || peer_out(P, d)) continue;
-      int32_t* h = header_slot(P, P.d_rhdr, P.d_shdr, d);
-      h[0] = total[E + d];
+    // warp per destination: the per-expert counts and the slot bitmap (its words for t < T) by
+    // the lanes, then lane 0 finishes the header and signals (a peer masked in this block's view
+    // gets none); the syncwarp orders the lanes' stores before lane 0's release
+    for (uint32_t d = g.wid; d < P.nranks; d += g.nwarps) {
+      if (out[d]) continue;
+      const bool pre = d == d0;
+      int32_t* h = pre ? h0 : header_slot(P, P.d_rhdr, P.d_shdr, d);
+      for (uint32_t q = g.lane; q < words; q += g.ws)
+        h[kHdrHead + q] = q < P.e_loc ? total[d * P.e_loc + q] : int32_t(dmask_row(P, d)[q - P.e_loc]);
+      arch::syncwarp();
+      if (g.lane != 0 || peer_out(P, d)) continue;
+      h[0] = pre ? msgs0 : total[E + d];
       h[1] = int32_t(T);
       fill_header_tail(P, h);
-      if (d != P.rank) header_signal(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, h, (kHdrHead + words) * 4);
+      if (d == P.rank) continue;
+      if (pre)
+        header_signal(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, h, (kHdrHead + words) * 4, r0, sent0);
+      else
+        header_signal(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, h, (kHdrHead + words) * 4);
     }
+    stamp(P, g, ST_HDR_FILLED);
     stamp_after_block(P, g, ST_HDR_SIGNALED);
     announce_self(P, g, SIG_DISPATCH);
     reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
