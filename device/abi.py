@@ -330,9 +330,9 @@ def failure_error(f, what="device kernel"):
         if f.site == SITE_PEER_RANGE:
             detail = "pe %d is out of range [0, %d)" % (_signed32(f.observed), f.expected)
         elif f.site == SITE_PEER_KIND:
-            detail = "pe %d has no transport in this kernel (PeerDesc.kind %d: none, or a kind " \
-                     "this build does not know or was built without: devctx.cuh " \
-                     "GPUNET_TRANSPORTS)" % (f.peer, f.observed)
+            detail = "pe %d has no transport (PeerDesc.kind %d: none, or a kind this build " \
+                     "does not know or was built without: devctx.cuh GPUNET_TRANSPORTS)" \
+                     % (f.peer, f.observed)
         elif f.site == SITE_P2P_STORE_ONLY:
             detail = ("pe %d is reached by p2p under the c500 profile, which allows stores only "
                       "(sustained remote loads over MetaXLink left C500s unusable, FACTS.md), so "
