@@ -304,7 +304,8 @@ class Buffer:
         r = self.group_size
         self._gpu = ctx.platform.name == "cuda"
         self._device = torch.device("cuda") if self._gpu else torch.device("cpu")
-        self._lib = dep.load_ep("cuda" if self._gpu else "host", kinds=self._kernel_kinds())
+        self._build_kinds = self._kernel_kinds()  # the LL and HT kernels' (fixed for the Context)
+        self._lib = dep.load_ep("cuda" if self._gpu else "host", kinds=self._build_kinds)
         self._ws = 32 if self._gpu else ctx.warp_size
         # collective, like the Context's steps: a grid one rank refuses raises on every rank
         ctx._boot.collective("gpunet.ep.Buffer (grid)", self._check_grid, num_blocks, block_threads)
@@ -570,8 +571,7 @@ class Buffer:
 
     def _ht_launch(self, P, grid, block, what):
         if self._ht_lib is None:
-            self._ht_lib = dep.load_ep_ht("cuda" if self._gpu else "host",
-                                          kinds=self._kernel_kinds())
+            self._ht_lib = dep.load_ep_ht("cuda" if self._gpu else "host", kinds=self._build_kinds)
         if P.base.prof and self._prof_ref.numel() < grid * dep.STAMPS:
             raise ConfigError("%s: the profile stamps tensor holds %d blocks, this launch has %d"
                               % (what, self._prof_ref.numel() // dep.STAMPS, grid))

@@ -24,7 +24,8 @@ enum : uint32_t {
 // A kernel built for fewer (e.g. -DGPUNET_TRANSPORTS=8u, p2p only: gpunet.ep's kernels for a
 // world of p2p peers, device/ep.py load_ep) carries no code of the others, which makes it half
 // the size (ep_ll.cu: 23 k PTX lines against 45 k), and every verb to a PE of a kind left out
-// records a bad argument (SITE_PEER_KIND) instead of posting (tests/test_ep_ll.py).
+// records a bad argument (SITE_PEER_KIND) instead of posting
+// (tests/test_device_qp.py test_a_build_without_a_transport_refuses_its_peers).
 #ifndef GPUNET_TRANSPORTS
 #define GPUNET_TRANSPORTS 14u
 #endif
