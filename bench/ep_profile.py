@@ -24,7 +24,8 @@ It prints one table per rank count (medians over the timed calls, microseconds),
 gather yardstick of bench/ep.py, and writes the JSON (every call's figures) beside it.
 
 Usage (GPU; 2+ ranks on one GPU need MPS: bash bench/ep_gpu.sh profile starts a private daemon):
-  python bench/ep_profile.py --gpu [--ranks 2] [--transport p2p] [--iters 30] [--json PATH]
+  python bench/ep_profile.py --gpu [--ranks 2] [--transport p2p] [--iters 30] [--hold-us 300]
+                             [--json PATH]
 On the CPU (no --gpu) it runs the same on the soft NIC and HOST arm, small sizes: a sanity check of
 the script and the stamps only, not a measurement.
 """
@@ -223,6 +224,8 @@ def _rank_profile(rank, world, cfg):
                 align()
                 if gpu:
                     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    if cfg["call_hold_s"]:
+                        torch.cuda._sleep(int(cfg["call_hold_s"] * epbench.HOLD_GPU_HZ))
                     t0 = time.perf_counter()
                     s.record()
                     fn()
@@ -366,6 +369,10 @@ def main(argv=None):
                     help="Buffer num_blocks, a list (e.g. 0,64: one run each; 0: the default grid)")
     ap.add_argument("--threads", type=int, default=0, help="Buffer block_threads (0: default)")
     ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--hold-us", type=float, default=0.0,
+                    help="GPU: hold the stream this long before each timed call (bench/ep.py's "
+                         "'(device)' rows): every rank's kernel then starts together, after the "
+                         "hosts' launches, so the phases are those of aligned ranks (0: no hold)")
     ap.add_argument("--no-kineto", action="store_true")
     ap.add_argument("--kineto-iters", type=int, default=10)
     ap.add_argument("--json")
@@ -383,6 +390,7 @@ def main(argv=None):
                                          "threads", "timeout_s", "no_kineto", "kineto_iters")}
     cfg["sweep"] = [args.tokens]
     cfg["hold_s"] = epbench.HOLD_S          # the yardsticks: also timed with the stream held
+    cfg["call_hold_s"] = args.hold_us * 1e-6 if args.gpu else 0.0
     from gpunet.demo import run_ranks
     from gpunet.errors import GpunetError
 

@@ -211,11 +211,11 @@ static_assert(sizeof(LlParams) == 384, "LlParams layout is mirrored in device/ep
 enum : uint32_t {
   ST_BEGIN = 0,       // kernel entry
   ST_SEND_PLAN = 1,   // the block has the plan (dispatch: and its rows staged)
-  ST_SEND_LOOP = 2,   // the block's puts / copies are posted
+  ST_SEND_LOOP = 2,   // every warp of the block has posted its puts / copies
   ST_SEND_HDR = 3,    // (last block) headers + signals posted, self announced
   ST_RECV_READY = 4,  // the block has the receive tables (block 0: every source arrived)
   ST_RECV_TABLE = 5,  // combine: after the slot-table barrier
-  ST_RECV_LOOP = 6,   // the block's unpack / reduce is done
+  ST_RECV_LOOP = 6,   // every warp of the block is done with its unpack / reduce
   ST_END = 7,         // the block leaves
   ST_QUIET = 8,       // block 0: its quiet of the live peers done
   ST_PLAN_DONE = 9,   // block 0: the plan / layout computed, before it is published
@@ -1035,7 +1035,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     block_publish(P, g, SYNC_SEND_READY);
     stamp(P, g, ST_SEND_PLAN);
     if (!alone) {
-      stamp(P, g, ST_SEND_LOOP);
+      stamp_after_block(P, g, ST_SEND_LOOP);
       return dispatch_send_last(P, g, out);
     }
   } else if (stage && !block_wait(P, g, SYNC_SEND_QUIET, 1, EP_SITE_PLAN)) {
@@ -1125,7 +1125,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
       if (!ok && g.lane == 0) peer_fail_view(P, out, d);
     }
   }
-  stamp(P, g, ST_SEND_LOOP);
+  stamp_after_block(P, g, ST_SEND_LOOP);
   return dispatch_send_last(P, g, out);
 }
 
@@ -1271,7 +1271,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
       });
     }
   }
-  stamp(P, g, ST_RECV_LOOP);
+  stamp_after_block(P, g, ST_RECV_LOOP);
   if (last_block(P, g, SYNC_RECV_DONE)) reset_sync(P, g, SYNC_RECV_READY, SYNC_RECV_DONE);
   return true;
 }
@@ -1332,23 +1332,34 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   const bool zero_copy = (P.flags & F_ZERO_COPY) != 0;
   const int64_t* topk = ptr<const int64_t>(P.topk_idx);
   int64_t* table = ptr<int64_t>(P.table);
-  const uint64_t items = uint64_t(EL) * R;
   // With every peer mapped, an item (expert, source) is cut in S parts, part p taking its rows
   // p, p + S, ...: the rows a warp copies itself are then spread over the grid's warps (an item
-  // has ~3.5 rows of 14 KB in DeepEP's workload, and with 2 ranks half the items are this rank's
-  // own, which copy nothing). A put to a NIC peer stays one per item (S = 1).
+  // has ~3.5 rows of 14 KB in DeepEP's workload). A put to a NIC peer stays one per item (S = 1).
+  // The work list is the (R - 1) * E_loc * S parts of the other ranks' items, then this rank's
+  // own E_loc items (whole: with one launch only their slots are tabled, rows read in place).
+  // Enumerated as (expert, destination), a warp's destination was fixed by its index (the grid's
+  // warp count is a multiple of R * S), so with 2 ranks half the warps only ever got this rank's
+  // own items and the other half copied every row (thread 0's stamps hid it: the send phase of
+  // the rank whose warp 0 copies was ~25 us, the other's last-block fence as long).
   const uint32_t S = all_peers_mapped(P) ? kCombineParts : 1;
-  for (uint64_t u = g.gw; u < items * S; u += g.gwarps) {
-    const uint64_t it = u / S;
-    const uint32_t part = uint32_t(u % S);
-    const uint32_t j = uint32_t(it % R), le = uint32_t(it / R);
+  const uint64_t remote = uint64_t(EL) * (R - 1) * S, work = remote + EL;
+  for (uint64_t u = g.gw; u < work; u += g.gwarps) {
+    uint32_t j = P.rank, le = 0, part = 0;
+    if (u < remote) {
+      const uint64_t it = u / S;
+      part = uint32_t(u % S);
+      const uint32_t jj = uint32_t(it % (R - 1));
+      le = uint32_t(it / (R - 1));
+      j = jj < P.rank ? jj : jj + 1;
+    } else {
+      le = uint32_t(u - remote);
+    }
     if (arch::any(ntot[j] < 0 || out[j])) continue;  // warp-uniform: the warp puts below
     const int64_t v = lr[uint64_t(le) * R + j];
     const uint64_t b = uint64_t(v >> 32), c = uint64_t(v & 0xffffffff);
     if (c <= part) continue;
     const uint64_t r0 = uint64_t(le) * rows + b;
     if (j == P.rank) {
-      if (part != 0) continue;
       if (self_reads_source(P)) {
         // the receive of this launch reads these rows from x: their slots go in the table now
         const int64_t ge = int64_t(P.rank) * EL + le;
@@ -1391,7 +1402,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
                             ptr<const void>(P.c_stags + r0 * 4), c * 4, int(j));
     if (!ok && g.lane == 0) peer_fail_view(P, out, j);
   }
-  stamp(P, g, ST_SEND_LOOP);
+  stamp_after_block(P, g, ST_SEND_LOOP);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
     // the per-expert counts of every header by the whole block (one round of loads; as in
@@ -1556,7 +1567,7 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
   stamp(P, g, ST_RECV_TABLE);
   if (K <= kMaxTopk / 2) combine_reduce<kMaxTopk / 2, 2>(P, g);
   else combine_reduce<kMaxTopk, 1>(P, g);
-  stamp(P, g, ST_RECV_LOOP);
+  stamp_after_block(P, g, ST_RECV_LOOP);
   // the slot table back to -1 (between launches) once every block has read it
   if (last_block(P, g, SYNC_RECV_DONE)) {
     for (uint64_t i = g.tid; i < uint64_t(T) * K; i += g.bdim) table[i] = -1;
