@@ -380,6 +380,8 @@ class Context(Resource):
         self._transports.connect(everyone, self._dev, (self.heap_base, self._lkey),
                                  mem=self._mem, mapping=self._mapping)
         self._launcher.dev = self._dev
+        # the ranks (this one included) whose processes share this rank's GPU: (rank,) on the CPU
+        self.ranks_on_gpu = self._transports.ranks_on_gpu
 
     def _heap_in_device_memory(self, transport):
         """Whether this rank's heap is device memory (GPUNET_HEAP_MEMORY; ``_device_heap``).

@@ -75,6 +75,15 @@ def _gpu_identity():
         return None
 
 
+def ranks_on_gpu(everyone, me):
+    """The ranks whose processes use rank ``me``'s GPU, ``me`` included, whatever their transport,
+    from the exchanged infos (Transports.info: "gpu" and "node"): kernels that wait for each
+    other must all fit on its SMs (gpunet.ep's grid). (me,) without a GPU identity."""
+    gpu, node = everyone[me].get("gpu"), everyone[me].get("node")
+    return tuple(p for p in range(len(everyone)) if p == me or (
+        gpu is not None and everyone[p].get("gpu") == gpu and everyone[p].get("node") == node))
+
+
 def _maybe_alive(mapping):
     """False when ``mapping`` (a peer heap mapped here) says its owner's rank is gone
     (PeerHeap.owner_alive, IpcMapping.owner_alive: the exporting process exited); True when it
@@ -295,6 +304,7 @@ class Transports(Resource):
         GPU, the DeviceMemory for descriptors and the NicMapping of the NIC's rings."""
         n, me = self.world_size, self.rank
         post_mode = config.get("GPUNET_QP_POST_MODE")
+        self.ranks_on_gpu = ranks_on_gpu(everyone, me)
         self._settle(everyone)
         for (u, p), q in self._qps.items():
             if p == me:

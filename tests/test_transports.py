@@ -96,6 +96,30 @@ def _infos(nodes, asked):
     return out
 
 
+def test_ranks_on_gpu_count_every_process_of_the_same_gpu_on_the_same_node():
+    """ranks_on_gpu (gpunet.ep's grid splits a GPU's SMs among them): the ranks whose info names
+    this rank's GPU on this node, whatever their transport; the same GPU id on another node is
+    another GPU; without a GPU identity (the CPU platform) only the rank itself."""
+    from gpunet.transports import ranks_on_gpu
+    infos = [{"node": NODE_A, "gpu": "GPU-0"}, {"node": NODE_A, "gpu": "GPU-1"},
+             {"node": NODE_A, "gpu": "GPU-0"}, {"node": NODE_B, "gpu": "GPU-0"},
+             {"node": NODE_A, "gpu": None}]
+    assert ranks_on_gpu(infos, 0) == (0, 2) and ranks_on_gpu(infos, 2) == (0, 2)
+    assert ranks_on_gpu(infos, 1) == (1,) and ranks_on_gpu(infos, 3) == (3,)
+    assert ranks_on_gpu(infos, 4) == (4,)
+
+
+def test_the_ll_grid_leaves_every_sharing_rank_room_on_the_gpu():
+    """gpunet.ep.buffer.ll_grid: half the SMs for a rank alone on its GPU; ranks sharing it split
+    its SMs but CUDA_SPARE_SMS, so all their blocks (one an SM) are resident together."""
+    from gpunet.ep.buffer import CUDA_SPARE_SMS, ll_grid
+    assert ll_grid(132, 1) == 66
+    for sharing in (2, 3, 4, 8):
+        assert ll_grid(132, sharing) * sharing <= 132 - CUDA_SPARE_SMS
+        assert (ll_grid(132, sharing) + 1) * sharing > 132 - CUDA_SPARE_SMS
+    assert ll_grid(132, 2) == 65 and ll_grid(132, 4) == 32 and ll_grid(4, 8) == 1
+
+
 def test_settled_kinds_agree_on_both_ends_of_every_pair():
     """settled_kinds over 4 ranks on two nodes (0, 1, 2 on A, 3 on B), all "auto": p2p within a
     node (and to itself), ibgda across; kinds[i][j] == kinds[j][i] for every pair. A rank asking

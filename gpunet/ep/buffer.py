@@ -188,12 +188,17 @@ def _addr(t):
 # threads wait on peers, so the grid must be co-resident (it is: far below the emulator's wave).
 HOST_BLOCKS = 2
 HOST_WARPS_PER_BLOCK = 2
-# CUDA: one block per two SMs (at most 32), 8 warps each: room for another process's blocks on
-# the same SMs (ranks sharing a GPU under MPS must all be resident at once: the blocks wait for
-# each other). The LL kernel takes 206 registers a thread (nvcc 13, sm_90): ONE such block fits an
-# SM, so 2 ranks of 66 blocks would need every SM of an H200; measured, 66 blocks a rank were not
-# clearly faster than 32 (bench/RESULTS.md, 2026-12-02 eleventh session, call 1).
+# CUDA: 8 warps a block; the LL kernel takes 162-208 registers a thread (nvcc 13, sm_90: the
+# p2p-only and the full build), so ONE block fits an SM. The grid (ll_grid): half the SMs for a
+# rank alone on its GPU; ranks sharing a GPU under MPS must all be resident at once (their
+# blocks wait for each other), so they split its SMs but CUDA_SPARE_SMS. 65 blocks a rank for 2
+# ranks on an H200 against 32: combine kernel 49-58 us against 59-64, dispatch's receive 11-13
+# against 14-15 (bench/RESULTS.md, 2026-12-03 thirteenth session, call 1, aligned starts).
 CUDA_WARPS_PER_BLOCK = 8
+CUDA_SPARE_SMS = 2
+# LL dispatch: up to this many tokens a rank, each token's warp ranks it per expert (F_DIRECT);
+# above, block 0 plans (GPUNET_EP_LL_PLAN).
+LL_DIRECT_MAX_TOKENS = 256
 # High-throughput mode: 2 blocks per channel (send, receive). HOST: at most 2 channels of 2 warps
 # (OS threads on 2 cores); CUDA: 8 warps a block (a sender's warps each own destinations, a
 # receiver's warps take one token each per round).
@@ -205,6 +210,16 @@ CUDA_HT_WARPS = 8
 # ranks are all p2p peers: the soft NIC's engine is a Python thread, which a spin holding the GIL
 # would starve. ~100 ns a poll on the 2-core CI VM, so ~10 ms, far above a notify's tens of us.
 HT_NOTIFY_POLLS = 100_000
+
+
+def ll_grid(sms, sharing):
+    """Default LL grid on CUDA: blocks of one rank whose GPU has ``sms`` SMs and is used by
+    ``sharing`` rank processes (this one included): sms // 2 alone, else
+    (sms - CUDA_SPARE_SMS) // sharing, so every sharing rank's blocks are resident together
+    (one block an SM)."""
+    if sharing <= 1:
+        return max(1, sms // 2)
+    return max(1, (sms - CUDA_SPARE_SMS) // sharing)
 
 
 class Buffer:
@@ -377,7 +392,7 @@ class Buffer:
         if self._gpu:
             self._cuda_index = torch.cuda.current_device()      # the device of every LL launch
             sms = torch.cuda.get_device_properties(self._cuda_index).multi_processor_count
-            self._grid = num_blocks or max(1, min(32, sms // 2))
+            self._grid = num_blocks or ll_grid(sms, len(self._ctx.ranks_on_gpu))
             self._block = block_threads or CUDA_WARPS_PER_BLOCK * 32
         else:
             self._grid = num_blocks or HOST_BLOCKS
@@ -1116,7 +1131,20 @@ class Buffer:
         if self.enable_shrink:
             P.flags |= dep.F_SHRINK
         P.flags |= self._ll_world_flags()
+        if op == dep.OP_DISPATCH and self._ll_direct(num_tokens):
+            P.flags |= dep.F_DIRECT
         return P
+
+    def _ll_direct(self, num_tokens):
+        """Whether an LL dispatch of ``num_tokens`` tokens ranks them per expert in each token's
+        warp (ll.cuh F_DIRECT: no block-0 plan; the kernel's work grows as tokens^2, so "auto"
+        keeps the plan above LL_DIRECT_MAX_TOKENS) rather than in block 0 (GPUNET_EP_LL_PLAN,
+        read once per Buffer). The launcher drops F_DIRECT where topk_idx does not fit in
+        shared memory."""
+        how = getattr(self, "_ll_plan", None)
+        if how is None:
+            how = self._ll_plan = config.get("GPUNET_EP_LL_PLAN")
+        return how == "warps" or (how == "auto" and num_tokens <= LL_DIRECT_MAX_TOKENS)
 
     def _kernel_kinds(self):
         """The transports the LL and HT kernels are built with: a world whose peers are all p2p (this
