@@ -21,7 +21,7 @@ def dmask_words(t_max):
 OP_DISPATCH, OP_COMBINE, OP_CLEAN = 0, 1, 2
 PH_SEND, PH_RECV = 1, 2
 F_FP8, F_ROUND_SCALE, F_UE8M0, F_ZERO_COPY, F_SHRINK, F_WAIT_STATS_2D = 1, 2, 4, 8, 16, 32
-F_ALL_MAPPED, F_GPU_SCOPE, F_DIRECT = 1 << 16, 1 << 17, 1 << 18
+F_ALL_MAPPED, F_GPU_SCOPE = 1 << 16, 1 << 17
 SYNC_WORDS, SYNC_STRIDE = 8, 8
 # LlParams::prof: per block, now_ns() at these points (ll.cuh ST_*); bench/ep_profile.py
 ST_NAMES = ("begin", "send_plan", "send_loop", "send_hdr", "recv_ready", "recv_table", "recv_loop",

@@ -44,10 +44,6 @@ KNOBS = (
          "gpunet.ep's kernels: world (a world whose peers are all p2p runs a build with the p2p "
          "transport only, half the code: devctx.cuh GPUNET_TRANSPORTS) or all (every world runs "
          "the build with every transport: the A/B of bench/ep_profile.py)"),
-    Knob("GPUNET_EP_LL_PLAN", "env", "choice", "auto", ("auto", "warps", "block"),
-         "how gpunet.ep's LL dispatch ranks tokens per expert: warps (each token's warp counts the "
-         "tokens before it: no plan for the grid to wait for; O(tokens^2)), block (block 0 plans "
-         "while the other blocks send rows) or auto (warps up to 256 tokens per rank, else block)"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from gpunet._launch import to_host
-from gpunet.device import ep as dep
 from gpunet.ep import Buffer, EPTimeout
 from gpunet.ep import _layout as lay
 from gpunet.ep import reference as ref
@@ -106,15 +105,6 @@ def check_device_heap_rounds(info, transport):
         assert set(i["transports"].values()) == {transport}, i
         assert h["device_heap"] and h["ctl_mirror"], h
         assert h["dma_peers"] == [1 - i["rank"]] and h["dma_copies"] > 0 and h["dma_error"] == 0, h
-
-
-def plan_ran(state):
-    """Whether block 0's plan (ll.cuh plan_tokens) ever ran on this rank's Buffer: its tile-local
-    ranks (the first t_max * 16 words of every workspace's "plan") are zero until it does; the
-    per-token warps (F_DIRECT) never write them."""
-    buf = state["ep_buf"]
-    return any(bool(ws["plan"][:t_max * dep.MAX_TOPK].any())
-               for (t_max, _), ws in buf._shape_ws.items())
 
 
 def close(state):

@@ -52,11 +52,10 @@ def _gen_bytes(world):
                                                  GEN_EXPERTS_PER_RANK * world)
 
 
-def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, num_rdma_bytes=None, env=None):
+def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, num_rdma_bytes=None):
     nbytes = num_rdma_bytes or Buffer.get_low_latency_rdma_size_hint(
         BASE["t_max"], BASE["hidden"], world, EXPERTS_PER_RANK * world)
-    r = Ranks.start(world, "ep_jobs:init", transport, nbytes, timeout_s, shrink, warp_size, env=env,
-                    timeout=180)
+    r = Ranks.start(world, "ep_jobs:init", transport, nbytes, timeout_s, shrink, warp_size, timeout=180)
     r.transport = transport
     return r
 
@@ -474,35 +473,6 @@ def test_same_seed_reruns_hash_identically(ibgda2):
             assert again == first, "a rerun of %r hashed differently" % spec
         other = [o["hashes"] for o in ibgda2.run("ep_jobs:round_", dict(spec, seed=6))]
         assert other != first, "a different seed hashed the same: the hashes see nothing"
-
-
-@pytest.fixture(scope="module")
-def ibgda2_block_plan():
-    """2 ranks over ibgda, warps of 64, whose dispatch always ranks tokens in block 0's plan
-    (GPUNET_EP_LL_PLAN=block): the other pools' few tokens run the per-token warps (F_DIRECT)."""
-    r = _pool(2, "ibgda", 64, num_rdma_bytes=_gen_bytes(2), env={"GPUNET_EP_LL_PLAN": "block"})
-    yield r
-    _close(r)
-
-
-def test_the_block_plan_and_the_per_token_warps_rank_tokens_alike(ibgda2, ibgda2_block_plan):
-    """The two ways the dispatch ranks each (token, expert) (ll.cuh plan_tokens in block 0, or
-    direct_idx / direct_count in each token's warp) give bit-identical rounds: packed rows,
-    counts, layouts, src_info and the combined output hash the same on both pools (warps of 32
-    and 64), over BF16 and FP8, hooks, holes, a hot expert, varying token counts and tokens that
-    pick several experts on one rank; each round also equals the reference. The pools did take
-    different paths: block 0's plan wrote its tile ranks on the block pool only."""
-    specs = [_spec(2, seed=31), _spec(2, seed=32, use_fp8=True, round_scale=True, hook=True),
-             _spec(2, seed=33, hot_expert=2, holes=6, vary_tokens=True),
-             _spec(2, seed=34, t_max=16, hidden=256, topk=8, num_experts=16, holes=5),
-             _spec(2, seed=35, routing="rank_repeats", use_fp8=True)]
-    for spec in specs:
-        a, b = ibgda2.run("ep_jobs:round_", spec), ibgda2_block_plan.run("ep_jobs:round_", spec)
-        _assert_round(a, spec)
-        _assert_round(b, spec)
-        assert [o["hashes"] for o in a] == [o["hashes"] for o in b], spec
-    assert ibgda2.run("ep_jobs:plan_ran") == [False, False]
-    assert ibgda2_block_plan.run("ep_jobs:plan_ran") == [True, True]
 
 
 def test_two_dispatches_in_flight_use_both_buffers(ibgda2):

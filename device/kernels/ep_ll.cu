@@ -54,21 +54,16 @@ int gpunet_ep_ll_launch(const void* params, uint32_t grid, uint32_t block, uint3
                         uint32_t sync) {
   namespace ep = gpunet::ep;
   ep::LlParams P = *static_cast<const ep::LlParams*>(params);
-  // shared memory: the blocks' copies of the peer mask, and a dispatch send's copy of topk_idx
-  // (F_DIRECT, when it fits; else block 0's plan) or its plan bitmaps when they fit (ll.cuh
-  // smem_view_bytes / smem_direct_bytes / plan_tokens)
+  // shared memory: the blocks' copies of the peer mask, and a dispatch send's plan bitmaps when
+  // they fit (ll.cuh smem_view_bytes / plan_tokens)
   const uint32_t view = ep::smem_view_bytes(P.nranks);
-  const bool send = P.op == ep::OP_DISPATCH && (P.phases & ep::PH_SEND);
-  const uint64_t direct = ep::smem_direct_bytes(P.num_tokens, P.topk);
-  if (!send || view + direct > ep::kMaxPlanSmem) P.flags &= ~uint32_t(ep::F_DIRECT);
-  const bool is_direct = (P.flags & ep::F_DIRECT) != 0;
   const uint64_t bits = uint64_t(P.bits_warps) * P.hist_cols * 8;
-  P.bits_smem = send && !is_direct && view + bits <= ep::kMaxPlanSmem;
+  P.bits_smem = P.op == ep::OP_DISPATCH && (P.phases & ep::PH_SEND) && view + bits <= ep::kMaxPlanSmem;
   gpunet::LaunchSpec s;
   s.grid = grid;
   s.block = block;
   s.warp_size = ws;
-  s.shared_bytes = view + (P.bits_smem ? uint32_t(bits) : 0) + (is_direct ? uint32_t(direct) : 0) +
+  s.shared_bytes = view + (P.bits_smem ? uint32_t(bits) : 0) +
                    (P.op == ep::OP_COMBINE ? ep::smem_combine_bytes(P.nranks) : 0);
   s.stream = stream;
   s.sync = sync != 0;

@@ -188,17 +188,15 @@ def _addr(t):
 # threads wait on peers, so the grid must be co-resident (it is: far below the emulator's wave).
 HOST_BLOCKS = 2
 HOST_WARPS_PER_BLOCK = 2
-# CUDA: 8 warps a block; the LL kernel takes 162-208 registers a thread (nvcc 13, sm_90: the
+# CUDA: 8 warps a block; the LL kernel takes 168-208 registers a thread (nvcc 13, sm_90: the
 # p2p-only and the full build), so ONE block fits an SM. The grid (ll_grid): half the SMs for a
 # rank alone on its GPU; ranks sharing a GPU under MPS must all be resident at once (their
-# blocks wait for each other), so they split its SMs but CUDA_SPARE_SMS. 65 blocks a rank for 2
-# ranks on an H200 against 32: combine kernel 49-58 us against 59-64, dispatch's receive 11-13
-# against 14-15 (bench/RESULTS.md, 2026-12-03 thirteenth session, call 1, aligned starts).
+# blocks wait for each other), so they split its SMs but CUDA_SPARE_SMS. 2 ranks on an H200, 64
+# blocks a rank against 32: combine kernel 49.1-57.9 us against 58.6-64.3, dispatch's receive
+# 11.3-12.7 against 13.7-14.8 (bench/RESULTS.md, 2026-12-03 thirteenth session, calls 1-2,
+# aligned starts).
 CUDA_WARPS_PER_BLOCK = 8
 CUDA_SPARE_SMS = 2
-# LL dispatch: up to this many tokens a rank, each token's warp ranks it per expert (F_DIRECT);
-# above, block 0 plans (GPUNET_EP_LL_PLAN).
-LL_DIRECT_MAX_TOKENS = 256
 # High-throughput mode: 2 blocks per channel (send, receive). HOST: at most 2 channels of 2 warps
 # (OS threads on 2 cores); CUDA: 8 warps a block (a sender's warps each own destinations, a
 # receiver's warps take one token each per round).
@@ -1131,20 +1129,7 @@ class Buffer:
         if self.enable_shrink:
             P.flags |= dep.F_SHRINK
         P.flags |= self._ll_world_flags()
-        if op == dep.OP_DISPATCH and self._ll_direct(num_tokens):
-            P.flags |= dep.F_DIRECT
         return P
-
-    def _ll_direct(self, num_tokens):
-        """Whether an LL dispatch of ``num_tokens`` tokens ranks them per expert in each token's
-        warp (ll.cuh F_DIRECT: no block-0 plan; the kernel's work grows as tokens^2, so "auto"
-        keeps the plan above LL_DIRECT_MAX_TOKENS) rather than in block 0 (GPUNET_EP_LL_PLAN,
-        read once per Buffer). The launcher drops F_DIRECT where topk_idx does not fit in
-        shared memory."""
-        how = getattr(self, "_ll_plan", None)
-        if how is None:
-            how = self._ll_plan = config.get("GPUNET_EP_LL_PLAN")
-        return how == "warps" or (how == "auto" and num_tokens <= LL_DIRECT_MAX_TOKENS)
 
     def _kernel_kinds(self):
         """The transports the LL and HT kernels are built with: a world whose peers are all p2p (this

@@ -128,7 +128,6 @@ enum : uint32_t {
   // (bits 64..512 are ht.cuh's F_HT_*: HtParams::base.flags shares this word)
   F_ALL_MAPPED = 1u << 16,  // every peer but this rank is mapped here (p2p): rows go unstaged
   F_GPU_SCOPE = 1u << 17,   // every peer (this rank too) is p2p on this GPU: see grid_fence
-  F_DIRECT = 1u << 18,      // dispatch: no block-0 plan; each token's warp ranks it (direct_idx)
 };
 enum : uint32_t { SIG_DISPATCH = 0, SIG_COMBINE = 1 };
 // grid sync words (each on its own 64-byte line of LlParams::sync), zero between launches
@@ -513,11 +512,6 @@ GPUNET_DEVICE void stamp_after_block(const LlParams& P, const Geo& g, uint32_t w
 // receive controller's per-source counts (smem_combine_bytes) (ep_ll.cu sizes it).
 GPUNET_HOST_DEVICE uint32_t smem_view_bytes(uint32_t nranks) { return (nranks + 15) / 16 * 16; }
 constexpr uint32_t kMaxPlanSmem = 40u << 10;  // under the 48 KB a launch gets without opting in
-// F_DIRECT: every block's copy of topk_idx as int32 [T][K] (-1 for a hole or an id out of range),
-// after the peer view (ep_ll.cu clears F_DIRECT when it does not fit in kMaxPlanSmem).
-GPUNET_HOST_DEVICE uint32_t smem_direct_bytes(uint32_t tokens, uint32_t topk) {
-  return (tokens * topk * 4 + 15) / 16 * 16;
-}
 // Combine's receive controller (block 0): after the peer view, int64 [R] per-source row counts.
 GPUNET_HOST_DEVICE uint32_t smem_combine_bytes(uint32_t nranks) { return 8 * nranks; }
 
@@ -898,65 +892,6 @@ GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
   }
 }
 
-// F_DIRECT, step 1 without the plan, for few tokens (the host's GPUNET_EP_LL_PLAN): the warp of
-// token t ranks it among the tokens before it itself, from the block's copy `st` of topk_idx:
-// lane k < K gets e = its kept selection (not a hole, not a repeat of an earlier k; else -1) and
-// returns idx_e(t) = #{t' < t naming e} (a token naming e twice counts once), the plan's
-// numbers. Lanes take the rows t' < t a warp's width at a time; bit k of a lane's mask says its
-// row names selection k, and one ballot per k counts the rows. O(t * K^2) compares a token, so
-// the host keeps block 0's plan for many tokens; here block 0 no longer holds the grid back
-// (~10 us of plan on the H200 for DeepEP's 128 tokens, bench/RESULTS.md) and only zeroes the
-// totals the warps' atomics then fill (direct_count).
-GPUNET_DEVICE int32_t direct_idx(const LlParams& P, const Geo& g, uint32_t t, const int32_t* st,
-                                 int32_t& e_out) {
-  const uint32_t K = P.topk;
-  int32_t e = g.lane < K ? st[t * K + g.lane] : -1;
-  bool kept = e >= 0;
-  for (uint32_t k = 0; k < K; ++k) {  // an earlier selection naming the same expert
-    const int32_t ek = arch::shfl(e, k);
-    if (k < g.lane && ek == e) kept = false;
-  }
-  if (!kept) e = -1;
-  int32_t sel[kMaxTopk];  // every lane: the token's kept selections (-2: none)
-#pragma unroll
-  for (uint32_t k = 0; k < kMaxTopk; ++k) {
-    const int32_t ek = arch::shfl(e, k < K ? k : 0);
-    sel[k] = (k < K && ek >= 0) ? ek : -2;
-  }
-  uint32_t cnt = 0;
-  for (uint32_t base = 0; base < t; base += g.ws) {
-    const uint32_t tp = base + g.lane;
-    uint32_t m = 0;
-    if (tp < t) {
-      for (uint32_t kp = 0; kp < K; ++kp) {
-        const int32_t v = st[tp * K + kp];
-#pragma unroll
-        for (uint32_t k = 0; k < kMaxTopk; ++k)
-          if (v == sel[k]) m |= 1u << k;
-      }
-    }
-    for (uint32_t k = 0; k < K; ++k) {
-      const uint32_t c = popc64(arch::ballot((m >> k) & 1u));
-      if (g.lane == k) cnt += c;
-    }
-  }
-  e_out = e;
-  return e >= 0 ? int32_t(cnt) : -1;
-}
-
-// F_DIRECT: the totals the header needs, counted by the tokens' warps (block 0 zeroed them before
-// publishing SYNC_SEND_READY): total[e] per expert, total[E + d] messages to d, and bit t of d's
-// slot bitmap. Lane k: its kept selection e; `todo` / `dest`: token_dests'.
-GPUNET_DEVICE void direct_count(const LlParams& P, const Geo& g, uint32_t t, int32_t e,
-                                uint64_t todo, uint32_t dest) {
-  uint32_t* total = reinterpret_cast<uint32_t*>(ptr<int32_t>(P.hist) + uint64_t(P.ntiles) * P.hist_cols);
-  if (e >= 0) arch::atomic_add(total + e, 1u);
-  if ((todo >> g.lane) & 1) {
-    arch::atomic_add(total + P.num_experts + dest, 1u);
-    arch::atomic_or(dmask_row(P, dest) + t / 32, 1u << (t % 32));
-  }
-}
-
 // Step 2's row: bf16 copied, or fp8 quantised with its scales, into the token's send slot.
 GPUNET_DEVICE void stage_row(const LlParams& P, const Geo& g, uint32_t t) {
   const uint32_t H = P.hidden;
@@ -1007,10 +942,9 @@ GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uin
   r0.pe = -1;
   uint64_t sent0 = 0;
   int32_t msgs0 = 0;
-  const bool direct = (P.flags & F_DIRECT) != 0;  // the totals are counted until last_block
   if (d0 < P.nranks && !out[d0]) {
     h0 = header_slot(P, P.d_rhdr, P.d_shdr, d0);
-    if (!direct) msgs0 = total[E + d0];
+    msgs0 = total[E + d0];
     if (d0 != P.rank) {
       r0 = peer_ref(peer_ctx(P, d0), int(d0));
       sent0 = *sent_word(P, SIG_DISPATCH, P.buf, d0);
@@ -1029,7 +963,7 @@ GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uin
         h[kHdrHead + q] = q < P.e_loc ? total[d * P.e_loc + q] : int32_t(dmask_row(P, d)[q - P.e_loc]);
       arch::syncwarp();
       if (g.lane != 0 || peer_out(P, d)) continue;
-      h[0] = pre && !direct ? msgs0 : total[E + d];
+      h[0] = pre ? msgs0 : total[E + d];
       h[1] = int32_t(T);
       fill_header_tail(P, h);
       if (d == P.rank) continue;
@@ -1089,8 +1023,6 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   // receive with a hook, and in FP8 (quantised once, copied to each destination)
   const bool stage = fp8 || !self_direct || !all_peers_mapped(P);
   const bool alone = g.nblocks == 1;
-  const bool direct = (P.flags & F_DIRECT) != 0;
-  const bool planner = !alone && !direct;  // block 0 plans while the others send rows
   uint8_t* out = load_peer_view(P, g);
   if (g.bid == 0) {
     quiet_live_peers(P, g);
@@ -1098,18 +1030,11 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     // the staging is free once the quiet is done (nothing to stage: nobody waits for it)
     if (stage && !alone) block_publish(P, g, SYNC_SEND_QUIET);
     arch::syncthreads();
-    if (direct) {  // the totals direct_count fills; then block 0 sends rows like the others
-      int32_t* total = ptr<int32_t>(P.hist) + uint64_t(P.ntiles) * C;
-      const uint32_t words = (T + 31) / 32;
-      for (uint32_t i = g.tid; i < C; i += g.bdim) total[i] = 0;
-      for (uint32_t i = g.tid; i < P.nranks * words; i += g.bdim) dmask_row(P, i / words)[i % words] = 0;
-    } else {
-      plan_tokens(P, g);
-    }
+    plan_tokens(P, g);
     stamp(P, g, ST_PLAN_DONE);
     block_publish(P, g, SYNC_SEND_READY);
-    if (planner) {
-      stamp(P, g, ST_SEND_PLAN);
+    stamp(P, g, ST_SEND_PLAN);
+    if (!alone) {
       stamp_after_block(P, g, ST_SEND_LOOP);
       return dispatch_send_last(P, g, out);
     }
@@ -1117,7 +1042,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     return false;
   }
   // the worker warps: w of nw
-  const uint32_t w = planner ? g.gw - g.nwarps : g.gw, nw = planner ? g.gwarps - g.nwarps : g.gwarps;
+  const uint32_t w = alone ? g.gw : g.gw - g.nwarps, nw = alone ? g.gwarps : g.gwarps - g.nwarps;
   // Unstaged rows (BF16 to mapped peers, !stage): a token's row is cut in S contiguous parts, a
   // warp each, when there are warps to spare (DeepEP's 128 tokens on 65 worker blocks of 8
   // warps: S = 4). Part 0 also writes the meta, the self message and any NIC put. Staged rows
@@ -1148,18 +1073,9 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
         warp_copy(g, uint64_t(uintptr_t(mapped)) + lo, src + lo, hi - lo);
     }
   }
-  // F_DIRECT: the block's copy of topk_idx for direct_idx (the barrier below orders it)
-  const int64_t* topk = ptr<const int64_t>(P.topk_idx);
-  int32_t* st = reinterpret_cast<int32_t*>(arch::shared_mem() + smem_view_bytes(P.nranks));
-  if (direct) {
-    for (uint32_t i = g.tid; i < T * K; i += g.bdim) {
-      const int64_t e = topk[i];
-      st[i] = (e < 0 || e >= int64_t(P.num_experts)) ? -1 : int32_t(e);
-    }
-    arch::syncthreads();
-  }
   if (!alone && !block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) return false;
   stamp(P, g, ST_SEND_PLAN);
+  const int64_t* topk = ptr<const int64_t>(P.topk_idx);
   const int32_t* plan_idx = ptr<const int32_t>(P.plan);
   const int32_t* hist = ptr<const int32_t>(P.hist);
   for (uint64_t u = w; u < uint64_t(T) * S; u += nw) {
@@ -1174,23 +1090,18 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
       meta[2] = int32_t(H);
       meta[3] = 0;
     }
-    int32_t e = -1, idx = -1;
-    if (direct) {
-      idx = direct_idx(P, g, t, st, e);
-    } else if (g.lane < K) {
+    if (g.lane < K) {
       const int32_t pi = plan_idx[uint64_t(t) * K + g.lane];
+      int32_t e = -1, idx = -1;
       if (pi >= 0) {
         e = int32_t(topk[uint64_t(t) * K + g.lane]);
         idx = hist[uint64_t(tile) * C + e] + pi;
       }
-    }
-    if (g.lane < K) {
       meta[4 + 2 * g.lane] = e;
       meta[5 + 2 * g.lane] = idx;
     }
     uint32_t dest = 0;
     const uint64_t todo = token_dests(P, g, t, dest);
-    if (direct) direct_count(P, g, t, e, todo, dest);
     arch::syncwarp();  // row and meta stores of every lane before the copies and the posts
     const uint64_t meta_bytes = P.msg_stride - P.payload_bytes;
     bool fenced = false;
