@@ -34,9 +34,10 @@ MPSRUN="python3 -m gpunet.device.testing.mps --"
 MPS="MPS (private daemon per run)"
 if [ "${1:-}" = "profile" ]; then
   PARGS=${EP_PROFILE_ARGS:-}
-  # p2p: the default grid and 64 blocks (is the grid too small?); then the soft NIC, default grid
-  # (ibgda by name: "auto" on CUDA is p2p between ranks of one node)
-  for run in "p2p 320 --blocks 0,64" "ibgda 220"; do
+  # p2p: the default grid and 32 blocks (the default before ll_grid), each rank's stream held
+  # before every timed call so the ranks start together (--hold-us); then the soft NIC, default
+  # grid (ibgda by name: "auto" on CUDA is p2p between ranks of one node)
+  for run in "p2p 320 --blocks 0,32 --hold-us 300" "ibgda 220"; do
     set -- $run
     tr=$1 lim=$2
     shift 2

@@ -720,28 +720,54 @@ GPUNET_DEVICE int32_t* header_slot(const LlParams& P, uint64_t rhdr, uint64_t sh
   return ptr<int32_t>(shdr + uint64_t(d) * P.hdr_stride);
 }
 
-// Thread of destination d != rank: the header h (header_slot's, `bytes` long) is complete, every row before
-// it handed over (last_block); the signal (kind, buf, rank) on d is raised by one put_signal,
-// which copies the header from staging for a NIC peer and nothing for a mapped one. `pe`: d, or
-// its PeerRef taken earlier; `sent0`: the count last raised on d (sent_word), read earlier (only
-// the last block writes it, once a launch): dispatch_send_last reads both before its fences.
-template <class PE>
-GPUNET_DEVICE void header_signal(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
-                                 uint32_t d, const int32_t* h, uint32_t bytes, const PE& pe,
-                                 uint64_t sent0) {
+// What a send's last block needs for its header to destination d that does not change in the
+// launch: the header slot, the count n for word 0 (messages or rows to d), whether there is
+// nothing to send (n < 0, d out in this block's view or in the mask / failed words, host-mapped:
+// a PCIe read on GPUs), a PeerRef and the count last raised on d (sent_word: only the last block
+// writes it, once a launch). Each last block loads its destinations' BEFORE last_block's fences
+// (header_pre): after them every such load was one more round trip on the last block's chain,
+// the headers waiting for ~9 in a row (dispatch hdr.s ~5.5 us on the H200, combine ~5.8). A
+// peer failing meanwhile is seen by its put (its own Status) or masked by the next launch.
+struct HeaderPre {
+  int32_t* h = nullptr;
+  int32_t n = 0;
+  bool skip = true;
+  PeerRef ref{{}, -1};
+  uint64_t sent = 0;
+};
+GPUNET_DEVICE HeaderPre header_pre(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
+                                   uint32_t d, int32_t n, const uint8_t* out) {
+  HeaderPre x;
+  x.n = n;
+  x.skip = n < 0 || out[d] || peer_out(P, d);
+  if (x.skip) return x;
+  x.h = header_slot(P, rhdr, shdr, d);
+  if (d != P.rank) {
+    x.ref = peer_ref(peer_ctx(P, d), int(d));
+    x.sent = *sent_word(P, kind, P.buf, d);
+  }
+  return x;
+}
+
+// One thread, destination d, after last_block (every row before the header handed over) and
+// the header's other words: words 0, 1 (h1) and the tail, then for d != rank the signal (kind,
+// buf, rank) on d raised by one put_signal, which copies the header (`bytes`) from staging for a
+// NIC peer and nothing for a mapped one (header_slot).
+GPUNET_DEVICE void header_finish(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
+                                 uint32_t d, const HeaderPre& x, int32_t h1, uint32_t bytes) {
+  int32_t* h = x.h;
+  h[0] = x.n;
+  h[1] = h1;
+  fill_header_tail(P, h);
+  if (d == P.rank) return;
   const DevCtx& cx = peer_ctx(P, d);
   const bool staged = h == ptr<const int32_t>(shdr + uint64_t(d) * P.hdr_stride);
-  const uint32_t hdr_bytes = staged ? bytes : 0;
-  const uint64_t v = sent0 + 1;
+  const uint64_t v = x.sent + 1;
   *sent_word(P, kind, P.buf, d) = v;  // (counted even when the put fails: the peer is failed then)
   if (!(header_fence(P, cx) &&
-        put_signal_nbi(cx, ptr<void>(rhdr + uint64_t(P.rank) * P.hdr_stride), h, hdr_bytes,
-                       sig_word(P, kind, P.buf, P.rank), v, pe, SIGNAL_SET)))
+        put_signal_nbi(cx, ptr<void>(rhdr + uint64_t(P.rank) * P.hdr_stride), h, staged ? bytes : 0,
+                       sig_word(P, kind, P.buf, P.rank), v, x.ref, SIGNAL_SET)))
     peer_fail(P, d);
-}
-GPUNET_DEVICE void header_signal(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
-                                 uint32_t d, const int32_t* h, uint32_t bytes) {
-  header_signal(P, kind, rhdr, shdr, d, h, bytes, int(d), *sent_word(P, kind, P.buf, d));
 }
 
 // Send and receive in ONE launch (no hook), BF16 dispatch or any combine: the receive reads this
@@ -931,49 +957,24 @@ GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uin
   const uint32_t T = P.num_tokens, E = P.num_experts, C = P.hist_cols;
   const int32_t* total = ptr<const int32_t>(P.hist) + uint64_t(P.ntiles) * C;
   const uint32_t words = P.e_loc + (T + 31) / 32;
-  // Warp w's destination w: what its header needs that does not change in this launch (its slot,
-  // whether the peer is out (a peer failing meanwhile is seen by its put, its own Status), the
-  // peer's descriptor, the count it last raised, the plan's totals: block 0 published them
-  // before this), loaded BEFORE last_block's fences. After a fence every such load is one more
-  // L2 round trip on the last block's chain, and the headers waited for ~9 of them in a row
-  // (hdr.s ~5.5 us on the H200).
+  // warp w loads destination w's HeaderPre before last_block's fences (header_pre)
   const uint32_t d0 = g.wid;
-  int32_t* h0 = nullptr;
-  PeerRef r0{};
-  r0.pe = -1;
-  uint64_t sent0 = 0;
-  int32_t msgs0 = 0;
-  bool gone0 = false;  // peer_out: host-mapped words, a PCIe read on GPUs
-  if (d0 < P.nranks && !out[d0]) {
-    gone0 = peer_out(P, d0);
-    h0 = header_slot(P, P.d_rhdr, P.d_shdr, d0);
-    msgs0 = total[E + d0];
-    if (d0 != P.rank) {
-      r0 = peer_ref(peer_ctx(P, d0), int(d0));
-      sent0 = *sent_word(P, SIG_DISPATCH, P.buf, d0);
-    }
-  }
+  HeaderPre pre0;
+  if (d0 < P.nranks) pre0 = header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d0, total[E + d0], out);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
     // warp per destination: the per-expert counts and the slot bitmap (its words for t < T) by
-    // the lanes, then lane 0 finishes the header and signals (a peer masked in this block's view
-    // gets none); the syncwarp orders the lanes' stores before lane 0's release
+    // the lanes, then lane 0 finishes the header and signals; the syncwarp orders the lanes'
+    // stores before lane 0's release
     for (uint32_t d = g.wid; d < P.nranks; d += g.nwarps) {
-      if (out[d]) continue;
-      const bool pre = d == d0;
-      int32_t* h = pre ? h0 : header_slot(P, P.d_rhdr, P.d_shdr, d);
+      const HeaderPre x = d == d0 ? pre0 : header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d,
+                                                      total[E + d], out);
+      if (x.skip) continue;
       for (uint32_t q = g.lane; q < words; q += g.ws)
-        h[kHdrHead + q] = q < P.e_loc ? total[d * P.e_loc + q] : int32_t(dmask_row(P, d)[q - P.e_loc]);
+        x.h[kHdrHead + q] = q < P.e_loc ? total[d * P.e_loc + q] : int32_t(dmask_row(P, d)[q - P.e_loc]);
       arch::syncwarp();
-      if (g.lane != 0 || (pre ? gone0 : peer_out(P, d))) continue;
-      h[0] = pre ? msgs0 : total[E + d];
-      h[1] = int32_t(T);
-      fill_header_tail(P, h);
-      if (d == P.rank) continue;
-      if (pre)
-        header_signal(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, h, (kHdrHead + words) * 4, r0, sent0);
-      else
-        header_signal(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, h, (kHdrHead + words) * 4);
+      if (g.lane == 0)
+        header_finish(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, x, int32_t(T), (kHdrHead + words) * 4);
     }
     stamp(P, g, ST_HDR_FILLED);
     stamp_after_block(P, g, ST_HDR_SIGNALED);
@@ -1406,30 +1407,10 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     if (!ok && g.lane == 0) peer_fail_view(P, out, j);
   }
   stamp_after_block(P, g, ST_SEND_LOOP);
-  // Thread j's destination j: what its header and signal need that does not change in this
-  // launch (the row count block 0 published, whether the peer is out, the header slot, a PeerRef,
-  // the count last raised there), loaded BEFORE last_block's fences, as dispatch_send_last does:
-  // after them each was one more round trip on the last block's chain (hdr.s ~5.8 us on the
-  // H200, against ~2.7 in the dispatch after the same change). A peer failing meanwhile is seen
-  // by its put (its own Status), or masked by the next launch.
+  // thread j loads destination j's HeaderPre before last_block's fences (header_pre)
   const uint32_t j0 = g.tid;
-  bool skip0 = true;
-  int32_t* h0 = nullptr;
-  int32_t n0 = 0;
-  PeerRef r0{};
-  r0.pe = -1;
-  uint64_t sent0 = 0;
-  if (j0 < R) {
-    n0 = ntot[j0];
-    skip0 = n0 < 0 || out[j0] || peer_out(P, j0);
-    if (!skip0) {
-      h0 = header_slot(P, P.c_rhdr, P.c_shdr, j0);
-      if (j0 != P.rank) {
-        r0 = peer_ref(peer_ctx(P, j0), int(j0));
-        sent0 = *sent_word(P, SIG_COMBINE, P.buf, j0);
-      }
-    }
-  }
+  HeaderPre pre0;
+  if (j0 < R) pre0 = header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j0, ntot[j0], out);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
     // the per-expert counts of every header by the whole block (one round of loads; as in
@@ -1440,17 +1421,9 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     arch::syncthreads();
     stamp(P, g, ST_HDR_FILLED);
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
-      const bool pre = j == j0;
-      if (pre ? skip0 : (ntot[j] < 0 || out[j] || peer_out(P, j))) continue;
-      int32_t* h = pre ? h0 : header_slot(P, P.c_rhdr, P.c_shdr, j);
-      h[0] = pre ? n0 : ntot[j];
-      h[1] = int32_t(P.t_max);
-      fill_header_tail(P, h);
-      if (j == P.rank) continue;
-      if (pre)
-        header_signal(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, h, (kHdrHead + EL) * 4, r0, sent0);
-      else
-        header_signal(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, h, (kHdrHead + EL) * 4);
+      const HeaderPre x = j == j0 ? pre0 : header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, ntot[j], out);
+      if (!x.skip)
+        header_finish(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, x, int32_t(P.t_max), (kHdrHead + EL) * 4);
     }
     stamp_after_block(P, g, ST_HDR_SIGNALED);
     if (ntot[P.rank] >= 0) announce_self(P, g, SIG_COMBINE);
