@@ -189,14 +189,17 @@ def _addr(t):
 HOST_BLOCKS = 2
 HOST_WARPS_PER_BLOCK = 2
 # CUDA: 8 warps a block; the LL kernel takes 168-208 registers a thread (nvcc 13, sm_90: the
-# p2p-only and the full build), so ONE block fits an SM. The grid (ll_grid): half the SMs for a
-# rank alone on its GPU; ranks sharing a GPU under MPS must all be resident at once (their
-# blocks wait for each other), so they split its SMs but CUDA_SPARE_SMS. 2 ranks on an H200, 64
-# blocks a rank against 32: combine kernel 49.1-57.9 us against 58.6-64.3, dispatch's receive
-# 11.3-12.7 against 13.7-14.8 (bench/RESULTS.md, 2026-12-03 thirteenth session, calls 1-2,
-# aligned starts).
+# p2p-only and the full build), so ONE block fits an SM. The grid (ll_grid): ranks sharing a GPU
+# under MPS must all be resident at once (their blocks wait for each other), so a world of
+# several ranks all p2p on one GPU splits its SMs but CUDA_SPARE_SMS among them: 2 ranks on an H200,
+# 64-65 blocks a rank against 32: combine kernel 49.1-57.9 us against 58.6-64.4, dispatch's
+# receive 11.3-12.7 against 13.7-14.8 (bench/RESULTS.md, 2026-12-03 thirteenth session, calls
+# 1-2, aligned starts). Other worlds (a rank alone, NIC peers) keep one block per two SMs, at
+# most CUDA_LL_BLOCKS (the split is not measured there), and no more than the sharing ranks
+# leave room for.
 CUDA_WARPS_PER_BLOCK = 8
 CUDA_SPARE_SMS = 2
+CUDA_LL_BLOCKS = 32
 # High-throughput mode: 2 blocks per channel (send, receive). HOST: at most 2 channels of 2 warps
 # (OS threads on 2 cores); CUDA: 8 warps a block (a sender's warps each own destinations, a
 # receiver's warps take one token each per round).
@@ -210,14 +213,16 @@ CUDA_HT_WARPS = 8
 HT_NOTIFY_POLLS = 100_000
 
 
-def ll_grid(sms, sharing):
+def ll_grid(sms, sharing, split):
     """Default LL grid on CUDA: blocks of one rank whose GPU has ``sms`` SMs and is used by
-    ``sharing`` rank processes (this one included): sms // 2 alone, else
-    (sms - CUDA_SPARE_SMS) // sharing, so every sharing rank's blocks are resident together
-    (one block an SM)."""
-    if sharing <= 1:
-        return max(1, sms // 2)
-    return max(1, (sms - CUDA_SPARE_SMS) // sharing)
+    ``sharing`` rank processes (this one included). ``split`` (every rank p2p on this GPU) and
+    shared: (sms - CUDA_SPARE_SMS) // sharing; else min(CUDA_LL_BLOCKS, sms // 2), and shared
+    never more than (sms - CUDA_SPARE_SMS) // sharing: every sharing rank's blocks (one an SM)
+    are resident together."""
+    room = (sms - CUDA_SPARE_SMS) // sharing if sharing > 1 else sms
+    if split and sharing > 1:
+        return max(1, room)
+    return max(1, min(CUDA_LL_BLOCKS, sms // 2, room))
 
 
 class Buffer:
@@ -390,7 +395,8 @@ class Buffer:
         if self._gpu:
             self._cuda_index = torch.cuda.current_device()      # the device of every LL launch
             sms = torch.cuda.get_device_properties(self._cuda_index).multi_processor_count
-            self._grid = num_blocks or ll_grid(sms, len(self._ctx.ranks_on_gpu))
+            self._grid = num_blocks or ll_grid(sms, len(self._ctx.ranks_on_gpu),
+                                               bool(self._ll_world_flags() & dep.F_GPU_SCOPE))
             self._block = block_threads or CUDA_WARPS_PER_BLOCK * 32
         else:
             self._grid = num_blocks or HOST_BLOCKS
