@@ -41,7 +41,12 @@ step "CUDA tests"
 # worked examples); the CPU-only tests run in CI, not here. 194 s on 2026-12-02 before the 4-rank
 # worlds were added; run this step alone in a call (GATE_STEPS=tests).
 CUDA_TESTS=$(ls tests/test_*cuda*.py tests/test_platform.py tests/test_examples.py 2>/dev/null)
-timeout 480 python3 -m pytest -q -rs --junitxml="$OUT/cuda_tests.xml" $CUDA_TESTS 2>&1 | tail -15
+# Every test's name and outcome go to $OUT/cuda_tests.log as they finish (-v), with the 15
+# slowest at the end: a step cut off by the call's limit still says which test was running.
+timeout 480 python3 -m pytest -v -rs --durations=15 --junitxml="$OUT/cuda_tests.xml" $CUDA_TESTS \
+    > "$OUT/cuda_tests.log" 2>&1
+grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/cuda_tests.log" | tail -15
+awk '/slowest 15 durations/ {f = 1; print; next} /^=/ {f = 0} f' "$OUT/cuda_tests.log"
 gate junit "CUDA tests" "$OUT/cuda_tests.xml"
 fi
 
