@@ -40,7 +40,8 @@ def job_exchange_all_pairs(state):
         landed = [int(v) for v in dst[:, 0]]
         whole = all(bool((dst[r] == r * 1000 + me).all()) for r in range(n))
         ctx.barrier()
-        return {"transports": dict(ctx.transports), "landed": landed, "whole": whole}
+        return {"transports": dict(ctx.transports), "landed": landed, "whole": whole,
+                "ranks_on_gpu": ctx.ranks_on_gpu}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,8 @@ def three():
 def test_a_rank_that_never_uses_the_proxy_beside_one_that_does(three):
     """3 ranks: 0 <-> 1 over the proxy, every pair with rank 2 over ibgda, so rank 2 makes no
     proxy QPs while ranks 0 and 1 make one towards it. Init connects only QPs whose peer made a
-    partner (before: KeyError on ranks 0 and 1), and every pair exchanges data over its kind."""
+    partner (before: KeyError on ranks 0 and 1), and every pair exchanges data over its kind.
+    Without a GPU no rank shares one (Context.ranks_on_gpu: the rank itself)."""
     res = three.run("test_transports:job_exchange_all_pairs")
     assert [r["transports"] for r in res] == [
         {0: "ibgda", 1: "proxy", 2: "ibgda"}, {0: "proxy", 1: "ibgda", 2: "ibgda"},
@@ -61,6 +63,7 @@ def test_a_rank_that_never_uses_the_proxy_beside_one_that_does(three):
     for me, r in enumerate(res):
         assert r["landed"] == [s * 1000 + me for s in range(3)], (me, r["landed"])
         assert r["whole"], me
+        assert r["ranks_on_gpu"] == (me,), (me, r["ranks_on_gpu"])
 
 
 # --- "auto" on CUDA: p2p on the same node, the NIC across nodes (gpunet/transports.py) -------------
