@@ -70,6 +70,14 @@ GPU_DEFAULTS = dict(ranks="2,4", sweep="16,32,64,128", tokens=128, hidden=7168, 
 # ---------------------------------------------------------------------------------------------
 # rank side
 
+def hold_stream(seconds):
+    """Queue a sleep of at least ``seconds`` on the current CUDA stream (torch.cuda._sleep at
+    HOLD_GPU_HZ): what is enqueued after it starts when the sleep ends, not when the host
+    enqueued it (bench/ep_profile.py --hold-us uses it too)."""
+    import torch
+    torch.cuda._sleep(int(seconds * HOLD_GPU_HZ))
+
+
 class _Timer:
     """Times single calls: CUDA events on GPU (read after the run), perf_counter on CPU.
 
@@ -89,7 +97,7 @@ class _Timer:
         if self.gpu:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if self.hold_s:
-                torch.cuda._sleep(int(self.hold_s * HOLD_GPU_HZ))
+                hold_stream(self.hold_s)
             s.record()
             out = fn()
             e.record()

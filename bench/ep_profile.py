@@ -225,7 +225,7 @@ def _rank_profile(rank, world, cfg):
                 if gpu:
                     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     if cfg["call_hold_s"]:
-                        torch.cuda._sleep(int(cfg["call_hold_s"] * epbench.HOLD_GPU_HZ))
+                        epbench.hold_stream(cfg["call_hold_s"])
                     t0 = time.perf_counter()
                     s.record()
                     fn()

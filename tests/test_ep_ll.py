@@ -713,6 +713,20 @@ def test_ll_flags_are_off_with_nic_peers(mixed4):
     assert [i["ll_world_flags"] for i in mixed4.info] == [0] * 4
 
 
+def test_the_ll_grid_leaves_every_sharing_rank_room_on_the_gpu():
+    """gpunet.ep.buffer.ll_grid: several ranks all p2p on one GPU split its SMs but
+    CUDA_SPARE_SMS among them; a rank alone and worlds with NIC peers keep min(CUDA_LL_BLOCKS,
+    SMs / 2); shared, no grid leaves a sharing rank without room."""
+    from gpunet.ep.buffer import CUDA_LL_BLOCKS, CUDA_SPARE_SMS, ll_grid
+    assert ll_grid(132, 1, True) == ll_grid(132, 1, False) == CUDA_LL_BLOCKS
+    assert ll_grid(132, 2, True) == 65 and ll_grid(132, 2, False) == CUDA_LL_BLOCKS
+    for sharing in (2, 3, 4, 8):
+        assert ll_grid(132, sharing, True) * sharing <= 132 - CUDA_SPARE_SMS
+        assert (ll_grid(132, sharing, True) + 1) * sharing > 132 - CUDA_SPARE_SMS
+        assert ll_grid(132, sharing, False) * sharing <= 132 - CUDA_SPARE_SMS
+    assert ll_grid(132, 4, True) == 32 and ll_grid(132, 8, False) == 16 and ll_grid(4, 8, True) == 1
+
+
 def test_an_all_p2p_world_runs_the_p2p_only_build(p2p_world, mixed4):
     """Buffer._kernel_kinds: every rank of an all-p2p world loads ep_ll.cu built with the p2p
     transport only (device/ep.py load_ep, GPUNET_TRANSPORTS=8u); a world with any NIC peer loads

@@ -112,20 +112,6 @@ def test_ranks_on_gpu_count_every_process_of_the_same_gpu_on_the_same_node():
     assert ranks_on_gpu(infos, 4) == (4,)
 
 
-def test_the_ll_grid_leaves_every_sharing_rank_room_on_the_gpu():
-    """gpunet.ep.buffer.ll_grid: several ranks all p2p on one GPU split its SMs but
-    CUDA_SPARE_SMS among them; a rank alone and worlds with NIC peers keep min(CUDA_LL_BLOCKS,
-    SMs / 2); shared, no grid leaves a sharing rank without room."""
-    from gpunet.ep.buffer import CUDA_LL_BLOCKS, CUDA_SPARE_SMS, ll_grid
-    assert ll_grid(132, 1, True) == ll_grid(132, 1, False) == CUDA_LL_BLOCKS
-    assert ll_grid(132, 2, True) == 65 and ll_grid(132, 2, False) == CUDA_LL_BLOCKS
-    for sharing in (2, 3, 4, 8):
-        assert ll_grid(132, sharing, True) * sharing <= 132 - CUDA_SPARE_SMS
-        assert (ll_grid(132, sharing, True) + 1) * sharing > 132 - CUDA_SPARE_SMS
-        assert ll_grid(132, sharing, False) * sharing <= 132 - CUDA_SPARE_SMS
-    assert ll_grid(132, 4, True) == 32 and ll_grid(132, 8, False) == 16 and ll_grid(4, 8, True) == 1
-
-
 def test_settled_kinds_agree_on_both_ends_of_every_pair():
     """settled_kinds over 4 ranks on two nodes (0, 1, 2 on A, 3 on B), all "auto": p2p within a
     node (and to itself), ibgda across; kinds[i][j] == kinds[j][i] for every pair. A rank asking

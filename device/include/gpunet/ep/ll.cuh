@@ -1341,10 +1341,10 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   // has ~3.5 rows of 14 KB in DeepEP's workload). A put to a NIC peer stays one per item (S = 1).
   // The work list is the (R - 1) * E_loc * S parts of the other ranks' items, then this rank's
   // own E_loc items (whole: with one launch only their slots are tabled, rows read in place).
-  // Enumerated as (expert, destination), a warp's destination was fixed by its index (the grid's
-  // warp count is a multiple of R * S), so with 2 ranks half the warps only ever got this rank's
-  // own items and the other half copied every row (thread 0's stamps hid it: the send phase of
-  // the rank whose warp 0 copies was ~25 us, the other's last-block fence as long).
+  // The grid stride (its warp count, a multiple of R * S) must not fix a warp's destination:
+  // enumerated as (expert, destination), each warp would get one destination every turn, and
+  // with 2 ranks half the warps only this rank's own items, which copy nothing (docs/decisions.md;
+  // no test sees the spread: bench/ep_profile.py's send phase per rank does).
   const uint32_t S = all_peers_mapped(P) ? kCombineParts : 1;
   const uint64_t remote = uint64_t(EL) * (R - 1) * S, work = remote + EL;
   for (uint64_t u = g.gw; u < work; u += g.gwarps) {
