@@ -12,8 +12,8 @@ _aligner; its correctness check runs first):
 - device stamps (LlParams::prof, ll.cuh ST_*): thread 0 of every block stores the global timer at
   each phase boundary; all ranks share one GPU here, so one clock orders every rank's stamps.
   Per call: kernel (first block in .. last block out), start (first .. last block in), plan
-  (block 0: quiet + routing plan; dispatch: + its own rows staged, the other blocks stage theirs
-  meanwhile), send (plan .. last block's puts posted), hdr (the last block's
+  (block 0: its quiet of the peers; there is no routing plan), send (plan .. last block's puts
+  posted), hdr (the last block's
   headers + signals), wait (block 0: own headers posted .. every source arrived), recv (receive
   tables .. last block's unpack / reduce done), and across ranks: skew (first block in, earliest
   rank .. latest rank) and sig lat (the last peer's headers posted .. this rank saw them all).
@@ -44,8 +44,7 @@ import ep as epbench  # noqa: E402  (bench/ep.py: aligner, checks, yardsticks)
 from machine import machine  # noqa: E402
 
 OPS = ("dispatch bf16", "dispatch fp8", "combine bf16")
-PHASES = ("event", "host", "kernel", "start", "plan", "quiet", "plan.a", "plan.i", "plan.h",
-          "plan.t", "plan.c", "send", "hdr",
+PHASES = ("event", "host", "kernel", "start", "plan", "quiet", "send", "hdr",
           "hdr.f", "hdr.s", "hdr.a", "wait", "recv", "table", "skew", "sig lat")
 GPU_DEFAULTS = dict(ranks="2", tokens=128, hidden=7168, topk=8, experts=288, iters=30, warmup=5)
 CPU_DEFAULTS = dict(ranks="2", tokens=16, hidden=256, topk=4, experts=8, iters=4, warmup=1)
@@ -70,17 +69,6 @@ def _phases(st, names):
         out["plan"] = b0["send_plan"] - b0["begin"]
     if b0.get("quiet"):
         out["quiet"] = b0["quiet"] - b0["begin"]
-        if b0.get("plan_done"):
-            out["plan.c"] = b0["plan_done"] - b0["quiet"]
-        if b0.get("plan_tiles"):
-            out["plan.t"] = b0["plan_tiles"] - b0["quiet"]
-        # thread 0's own tile: selections loaded + atomics, expert ranks, histogram (then the
-        # block barrier: plan.t)
-        prev = b0["quiet"]
-        for key, name in (("plan.a", "plan_atomics"), ("plan.i", "plan_idx"), ("plan.h", "plan_hist")):
-            if b0.get(name):
-                out[key] = b0[name] - prev
-                prev = b0[name]
     last, filled = live("send_last") if "send_last" in col else [], \
         live("hdr_filled") if "hdr_filled" in col else []
     plan, loop, hdr = live("send_plan"), live("send_loop"), live("send_hdr")
@@ -337,11 +325,8 @@ def _report(world, per_rank, yard, cfg):
 LEGEND = """columns (us, median over calls; device columns from the global timer stamps):
   event   CUDA events around the call (bench/ep.py's figure)   host  perf_counter around the call
   kernel  first block in .. last block out      start  first .. last block in (same rank)
-  plan    block 0: quiet + plan (+ dispatch: its rows staged)   send  plan .. every block's puts posted
-  quiet   block 0: its quiet of the peers       plan.c block 0: quiet .. plan computed (unpublished)
-  plan.t  block 0: quiet .. the plan's tile bitmaps done (the rest of plan.c: the prefix over tiles)
-  plan.a / plan.i / plan.h  thread 0's own tile, one after another from the quiet: its selections
-          loaded and their shared atomics, the expert ranks stored, the histogram + bitmaps stored
+  plan    block 0: begin .. its quiet published  send  plan .. every block's puts posted
+  quiet   block 0: begin .. its quiet of the peers done
   hdr     last block: headers + signals (hdr.f: counts filled after it knew it was last;
           hdr.s: the signals after that; hdr.a: of hdr.s, self announce + sync reset after
           every signal was posted)              wait   own headers posted .. all sources seen

@@ -14,8 +14,14 @@ HDR_HEAD = 8
 
 
 def dmask_words(t_max):
-    """u32 words of one destination's slot bitmap (ll.cuh dmask_words): whole 64-token tiles."""
-    return (t_max + 63) // 64 * 2
+    """u32 words of one destination's slot bitmap (ll.cuh dmask_words)."""
+    return (t_max + 31) // 32
+
+
+def dispatch_hdr_words(e_loc, t_max):
+    """u32 words of a dispatch header (ll.cuh dispatch_hdr_words): head, counts, slot bitmap
+    (padded to 8 bytes), then u64 [e_loc][dmask_words] expert token bitmaps with running counts."""
+    return (HDR_HEAD + e_loc + dmask_words(t_max) + 1) // 2 * 2 + 2 * e_loc * dmask_words(t_max)
 
 
 OP_DISPATCH, OP_COMBINE, OP_CLEAN = 0, 1, 2
@@ -25,8 +31,7 @@ F_ALL_MAPPED, F_GPU_SCOPE = 1 << 16, 1 << 17
 SYNC_WORDS, SYNC_STRIDE = 8, 8
 # LlParams::prof: per block, now_ns() at these points (ll.cuh ST_*); bench/ep_profile.py
 ST_NAMES = ("begin", "send_plan", "send_loop", "send_hdr", "recv_ready", "recv_table", "recv_loop",
-            "end", "quiet", "plan_done", "send_last", "hdr_filled", "plan_tiles", "hdr_signaled",
-            "plan_atomics", "plan_idx", "plan_hist")
+            "end", "quiet", "send_last", "hdr_filled", "hdr_signaled")
 STAMPS = len(ST_NAMES)
 
 EP_OK, EP_ERR_GRID_WAIT, EP_ERR_BAD_MESSAGE, EP_ERR_LAYOUT, EP_ERR_MISMATCH = range(5)
@@ -40,7 +45,7 @@ EP_ERR_NAMES = {
     EP_ERR_MISMATCH: "a peer's call disagrees on hidden / num_experts / num_max_dispatch_tokens_per_rank "
                      "/ use_fp8 (every rank must pass the same values)",
 }
-EP_SITE_NAMES = {1: "the dispatch / combine plan flag", 2: "the receive controller's flag",
+EP_SITE_NAMES = {1: "block 0's quiet of the peers (the send staging's flag)", 2: "the receive controller's flag",
                  3: "the combine slot-table barrier", 4: "a received message", 5: "a peer's header",
                  6: "the combine layout check", 7: "this rank's own data (self counter)",
                  8: "a peer's high-throughput header", 9: "the high-throughput notify flag",
@@ -52,7 +57,6 @@ class LlParams(ctypes.Structure):
                 ("rank", u32), ("nranks", u32), ("num_experts", u32), ("e_loc", u32),
                 ("hidden", u32), ("topk", u32), ("num_tokens", u32), ("t_max", u32),
                 ("msg_stride", u32), ("payload_bytes", u32), ("hdr_stride", u32), ("c_rows", u32),
-                ("ntiles", u32), ("hist_cols", u32), ("bits_warps", u32), ("bits_smem", u32),
                 ("ctxs", u64), ("timeout_ns", u64),
                 ("sig", u64), ("d_send", u64), ("d_shdr", u64), ("d_recv", u64), ("d_rhdr", u64),
                 ("c_send", u64), ("c_stags", u64), ("c_shdr", u64), ("c_recv", u64),
@@ -62,7 +66,7 @@ class LlParams(ctypes.Structure):
                 ("cum_stats", u64), ("wait_stats", u64),
                 ("mask", u64), ("failed", u64), ("got", u64), ("nrecv", u64),
                 ("status_flag", u64), ("status", u64),
-                ("expected", u64), ("sync", u64), ("bits", u64), ("hist", u64), ("plan", u64),
+                ("expected", u64), ("sync", u64), ("bits", u64),
                 ("tab", u64), ("table", u64), ("host_flags", u64), ("prof", u64)]
 
 
@@ -72,7 +76,7 @@ class EpStatus(ctypes.Structure):
                 ("pad", u64)]
 
 
-SIZES = {"LlParams": 384, "EpStatus": 64, "DevCtx": 128}
+SIZES = {"LlParams": 352, "EpStatus": 64, "DevCtx": 128}
 
 
 def _load(source, kind, abi_size_fn, sizes, mirrors, arch, defines, bind):
@@ -174,7 +178,7 @@ class HtParams(ctypes.Structure):
                 ("bias0", u64), ("bias1", u64), ("ws", u64), ("host_info", u64)]
 
 
-HT_SIZES = {"HtParams": 624, "EpStatus": 64, "DevCtx": 128}
+HT_SIZES = {"HtParams": 592, "EpStatus": 64, "DevCtx": 128}
 
 
 def load_ep_ht(arch="host", defines=None, kinds=None):

@@ -53,18 +53,15 @@ uint32_t gpunet_ep_ll_max_block() {
 int gpunet_ep_ll_launch(const void* params, uint32_t grid, uint32_t block, uint32_t ws, void* stream,
                         uint32_t sync) {
   namespace ep = gpunet::ep;
-  ep::LlParams P = *static_cast<const ep::LlParams*>(params);
-  // shared memory: the blocks' copies of the peer mask, and a dispatch send's plan bitmaps when
-  // they fit (ll.cuh smem_view_bytes / plan_tokens)
+  const ep::LlParams P = *static_cast<const ep::LlParams*>(params);
+  // shared memory: the blocks' copies of the peer mask (ll.cuh smem_view_bytes), and a
+  // combine's receive counts
   const uint32_t view = ep::smem_view_bytes(P.nranks);
-  const uint64_t bits = uint64_t(P.bits_warps) * P.hist_cols * 8;
-  P.bits_smem = P.op == ep::OP_DISPATCH && (P.phases & ep::PH_SEND) && view + bits <= ep::kMaxPlanSmem;
   gpunet::LaunchSpec s;
   s.grid = grid;
   s.block = block;
   s.warp_size = ws;
-  s.shared_bytes = view + (P.bits_smem ? uint32_t(bits) : 0) +
-                   (P.op == ep::OP_COMBINE ? ep::smem_combine_bytes(P.nranks) : 0);
+  s.shared_bytes = view + (P.op == ep::OP_COMBINE ? ep::smem_combine_bytes(P.nranks) : 0);
   s.stream = stream;
   s.sync = sync != 0;
   return gpunet::launch_kernel(s, k_ep_ll, P);

@@ -10,7 +10,7 @@ Per LL buffer (two, alternating as DeepEP's), 64-byte aligned areas:
   dispatch  send     t_max messages (the staged rows, one per token)
             shdr     R headers (one per destination)
             recv     R * t_max messages (source j's slot s at j * t_max + s)
-            rhdr     R headers (one per source)
+            rhdr     R headers (one per source): counts, slot bitmap, per-expert token bitmaps
   combine   send     [E_loc, R*t_max, H] bf16: the zero-copy buffer (get_next_low_latency_combine_buffer)
             stags    [E_loc, R*t_max] int32: the token index of each row sent
             shdr     R headers
@@ -84,8 +84,9 @@ class LlLayout:
         self.t_max, self.hidden, self.nranks, self.num_experts = t, h, r, e
         self.e_loc = el = e // r
         self.msg_bf16 = msg_stride(h, False)[0]
-        # header: head words, per-local-expert counts, then (dispatch) the slot bitmap
-        self.hdr_stride = align(4 * (dep.HDR_HEAD + el + dep.dmask_words(t)))
+        # header: head words, per-local-expert counts, then (dispatch) the slot bitmap and each
+        # local expert's token bitmap (ll.cuh dispatch_hdr_words; the combine's is shorter)
+        self.hdr_stride = align(4 * dep.dispatch_hdr_words(el, t))
         self.c_rows = t * min(dep.MAX_TOPK, el)
         if r * self.c_rows > INT32_MAX:
             raise ConfigError("num_ranks * num_max_dispatch_tokens_per_rank * min(16, local experts) "

@@ -1043,24 +1043,20 @@ class Buffer:
             return ws
         r, dev = self.group_size, self._device
         e_loc = num_experts // r
-        cols = num_experts + r
-        nw = self._block // self._ws
-        ntiles = -(-t_max // 32)                     # tiles of the narrowest warp
         ws = {
-            "bits": torch.zeros(nw * cols, dtype=torch.int64, device=dev),
-            "hist": torch.zeros((ntiles + 1) * cols, dtype=torch.int32, device=dev),
-            # tile-local expert ranks [t_max, 16], then the destination bitmaps (ll.cuh dmask_row)
-            "plan": torch.zeros(t_max * dep.MAX_TOPK + r * dep.dmask_words(t_max), dtype=torch.int32,
+            # the dispatch send's bitmaps, zero between launches (ll.cuh expert_bits): per
+            # expert its tokens, then per destination its message slots
+            "bits": torch.zeros((num_experts + r) * dep.dmask_words(t_max), dtype=torch.int32,
                                 device=dev),
-            "tab": torch.zeros(3 * r * e_loc + r, dtype=torch.int32, device=dev),
+            "tab": torch.zeros(2 * r * e_loc + r, dtype=torch.int32, device=dev),
             "table": torch.full((t_max * dep.MAX_TOPK,), -1, dtype=torch.int64, device=dev),
         }
         self._shape_ws[key] = ws
         return ws
 
     def _reset_workspace(self):
-        """After a launch that failed half way: grid words, bitmaps and slot tables back to their
-        between-launch values (stream-ordered on GPUs)."""
+        """After a launch that failed half way: grid words, send counters and slot tables back to
+        their between-launch values (stream-ordered on GPUs)."""
         self._sync.zero_()
         self._ht_sync.zero_()
         for ws in self._shape_ws.values():
@@ -1112,9 +1108,6 @@ class Buffer:
         P.hidden, P.topk, P.num_tokens, P.t_max = layout.hidden, topk, num_tokens, layout.t_max
         P.msg_stride, P.payload_bytes = lay.msg_stride(layout.hidden, bool(flags & dep.F_FP8))
         P.hdr_stride, P.c_rows = layout.hdr_stride, layout.c_rows
-        P.ntiles = -(-num_tokens // self._ws)
-        P.hist_cols = layout.num_experts + r
-        P.bits_warps = self._block // self._ws
         P.ctxs = self._ctxs_addr
         P.timeout_ns = int((2 * self._timeout_s + 1.0) * 1e9)
         P.sig = self._ctl_base + self._ctl_off["sig"]
@@ -1129,7 +1122,7 @@ class Buffer:
         P.status = _addr(self._ep_status)
         P.expected, P.sync = _addr(self._expected), _addr(self._sync)
         ws = self._workspace(layout.t_max, layout.num_experts)
-        P.bits, P.hist, P.plan = _addr(ws["bits"]), _addr(ws["hist"]), _addr(ws["plan"])
+        P.bits = _addr(ws["bits"])
         P.tab, P.table = _addr(ws["tab"]), _addr(ws["table"])
         P.host_flags = self._hflags_mem.ptr
         if self.enable_shrink:

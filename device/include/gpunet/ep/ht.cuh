@@ -191,7 +191,7 @@ struct HtParams {
                          // words at [1..], then [0] = 1 (a release): the host reads the counts
                          // without a stream synchronisation
 };
-static_assert(sizeof(HtParams) == 624, "HtParams layout is mirrored in device/ep.py");
+static_assert(sizeof(HtParams) == 592, "HtParams layout is mirrored in device/ep.py");
 
 // ---- small helpers ------------------------------------------------------------------------------
 

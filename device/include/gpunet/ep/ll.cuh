@@ -12,34 +12,36 @@
 //
 //   E_loc = E / R; global expert e lives on rank e / E_loc as local expert e % E_loc.
 //   SEND  1. block 0 quiets every live peer (the previous use of this LL buffer's send staging is
-//            complete at the NIC before it is overwritten; a failure names the peer), then plans:
-//            per tile of warp_size tokens, per-expert bitmaps give each (token, expert) its rank
-//            among the tile's tokens selecting that expert, and per-destination-rank bitmaps say
-//            which tokens go to each rank (dmask_row); an exclusive prefix over tiles turns the
-//            ranks into idx_e(t) = #{t' < t selecting e}.
-//         2. meanwhile the other blocks' warps, a token each: the row (bf16, or fp8 + one f32
-//            scale per 128 columns, quantised here) is staged ONCE in the send buffer where
-//            staging is needed (after the quiet: a grid flag) and stored ONCE per mapped
-//            destination RANK (not per expert) at slot t of this rank's area there; the slot
-//            needs no plan. After the plan the same warp writes the token's meta (t, then K pairs
-//            (global expert, idx_e(t)), -1 for holes and repeats) there too, and a NIC
-//            destination gets the staged row and meta in ONE put to slot t.
+//            complete at the NIC before it is overwritten; a failure names the peer; a grid flag
+//            tells the blocks that stage); there is no plan to wait for.
+//         2. every warp, a token each: the row (bf16, or fp8 + one f32 scale per 128 columns,
+//            quantised here) is staged ONCE in the send buffer where staging is needed and
+//            stored ONCE per mapped destination RANK (not per expert) at slot t of this rank's
+//            area there. Lane k sets bit t of selection k's expert's token bitmap and the lane of
+//            the token's first selection on a rank bit t of that rank's slot bitmap (atomic ors
+//            on device memory, nothing returned, nothing waited for); the token's meta (t, then
+//            its K experts, -1 for holes and repeats) follows the row, and a NIC destination gets
+//            the staged row and meta in ONE put to slot t.
 //         3. the block that finishes last (every other block's puts are reserved before its own,
 //            so they execute first on each peer's in-order RC QP or proxy channel) puts a header
 //            per destination (n_d messages, the token count T, per-local-expert counts, the slot
-//            bitmap of d) and adds 1 to the signal word (dispatch, buffer b, source me) on d, in
-//            one put_signal (a mapped peer's header is stored there in place).
+//            bitmap of d, then per local expert its token bitmap with the running count of the
+//            bits before each word) and adds 1 to the signal word (dispatch, buffer b, source me)
+//            on d, in one put_signal (a mapped peer's header is stored there in place), and
+//            zeroes the bitmaps for the next launch.
 //   RECV  4. block 0 waits (bounded, per source) for each live source's signal to pass the count it
 //            expects (device-resident, so a CUDA graph replays correctly), reads the headers, and
 //            writes begin_j(e) = sum_{i<j} count_i(e), layout_range, packed_recv_count and the
 //            stats. A source that stays silent or fails is masked (enable_shrink) or recorded as
 //            failed (the host raises EPTimeout); it contributes count 0 either way.
 //         5. every warp unpacks messages (slot t < T_j of source j whose bitmap bit is set; the
-//            meta must name t): pos = begin_j(e) + idx_e(t) for each pair naming a local
-//            expert; the row goes to packed_recv_x[e][pos] (fp8: scales column-major, float or
-//            packed UE8M0), t to src_info[e][pos]. The result is the contract's deterministic
-//            layout (gpunet/ep/reference.py ll_dispatch_ref) whatever the arrival order.
-//
+//            meta must name t, and expert e's token bitmap must hold t): the bits below t,
+//            idx_e(t) = #{t' < t from j selecting e} (one word's running count + one popcount),
+//            give pos = begin_j(e) + idx_e(t) for each local expert of the meta; the row goes to
+//            packed_recv_x[e][pos] (fp8: scales column-major, float or packed UE8M0), t to
+//            src_info[e][pos]. The result is the contract's deterministic layout
+//            (gpunet/ep/reference.py ll_dispatch_ref) whatever the arrival order.
+
 // Combine (the expert side sends rows back; the token side reduces with its weights)
 //   Rows travel once per (token, selected expert) (DeepEP's choice): the weights live on the token
 //   side (low_latency_combine's topk_weights), and the V1 dispatch never sees them, so the expert
@@ -107,7 +109,8 @@ namespace ep {
 
 constexpr uint32_t kMaxTopk = 16;       // DeepEP caps LL at 11; users ask for 16 (EP-ANCHORS §C.7)
 constexpr uint32_t kGroup = 128;        // columns per FP8 scale
-constexpr uint32_t kMetaHead = 16;      // message meta: t, K, hidden, 0; then kMaxTopk (expert, idx)
+// message meta: t, K, hidden, 0; then kMaxTopk experts (ht.cuh: then kMaxTopk weights)
+constexpr uint32_t kMetaHead = 16;
 constexpr uint32_t kMetaBytes = kMetaHead + 8 * kMaxTopk;  // fixed, so ranks may differ in K
 // header words: n, tokens, hidden, experts, msg_stride, t_max, 0, 0; then E_loc counts. The
 // receiver checks hidden, experts, msg_stride and t_max: ranks that disagree (DeepEP#208) fail
@@ -132,8 +135,8 @@ enum : uint32_t {
 enum : uint32_t { SIG_DISPATCH = 0, SIG_COMBINE = 1 };
 // grid sync words (each on its own 64-byte line of LlParams::sync), zero between launches
 enum : uint32_t {
-  SYNC_SEND_READY = 0, SYNC_SEND_DONE = 1, SYNC_RECV_READY = 2, SYNC_RECV_TABLE = 3,
-  SYNC_RECV_DONE = 4, SYNC_SEND_QUIET = 5, SYNC_WORDS = 8,
+  SYNC_SEND_QUIET = 0, SYNC_SEND_DONE = 1, SYNC_RECV_READY = 2, SYNC_RECV_TABLE = 3,
+  SYNC_RECV_DONE = 4, SYNC_WORDS = 8,
 };
 constexpr uint32_t kSyncStride = 8;     // u64 words between two sync words (64 bytes)
 // A combine slot-table entry is (source << 32 | row of its receive area), or kSelfRow | (row of x)
@@ -149,18 +152,16 @@ enum : uint32_t {
   EP_ERR_MISMATCH = 4,     // a peer's header disagrees on hidden / num_experts
 };
 enum : uint32_t {
-  EP_SITE_PLAN = 1, EP_SITE_RECV_READY = 2, EP_SITE_TABLE = 3, EP_SITE_MESSAGE = 4,
+  EP_SITE_QUIET = 1, EP_SITE_RECV_READY = 2, EP_SITE_TABLE = 3, EP_SITE_MESSAGE = 4,
   EP_SITE_HEADER = 5, EP_SITE_COMBINE_LAYOUT = 6, EP_SITE_SELF = 7,
 };
 
-// One launch's arguments, passed BY VALUE (a CUDA graph captures them). 368 B. device/ep.py.
+// One launch's arguments, passed BY VALUE (a CUDA graph captures them). 352 B. device/ep.py.
 struct LlParams {
   uint32_t op, phases, flags, buf;             // OP_*, PH_* bits, F_* bits, LL buffer 0/1
   uint32_t rank, nranks, num_experts, e_loc;
   uint32_t hidden, topk, num_tokens, t_max;    // topk K <= kMaxTopk; num_tokens T <= t_max
   uint32_t msg_stride, payload_bytes, hdr_stride, c_rows;  // c_rows: rows of one source's area
-  uint32_t ntiles, hist_cols, bits_warps, bits_smem;       // plan: tiles, E + R, bitmap warps,
-                                                           // bitmaps in shared memory (launcher)
   uint64_t ctxs;          // DevCtx[nranks]: per-peer copies of the Context's, each its own Status
   uint64_t timeout_ns;    // bound of grid-internal waits (> the per-peer bound in ctxs)
   // symmetric heap (this rank's addresses; the same offsets on every peer)
@@ -192,11 +193,8 @@ struct LlParams {
                           // then self expected [2][2] and self_sig [2][2] (see "Self" above),
                           // then the signals raised [2 kinds][2 bufs][R] (sent_word)
   uint64_t sync;          // u64 [SYNC_WORDS * kSyncStride], zero between launches
-  uint64_t bits;          // u64 [bits_warps][hist_cols], zero between tiles
-  uint64_t hist;          // int32 [ntiles + 1][hist_cols]
-  uint64_t plan;          // int32 [t_max * kMaxTopk] tile-local expert ranks, then dmask_row
-  uint64_t tab;           // int32 [3][R * E_loc] + [R]: per-launch controller tables (combine:
-                          // send [E_loc*R] + [R], then receive [2][R*E_loc]: both live at once)
+  uint64_t bits;          // u32 dispatch send bitmaps, zero between launches (expert_bits)
+  uint64_t tab;           // int32 [2][R * E_loc] + [R]: the receive controller's tables
   uint64_t table;         // int64 [t_max * K], -1 between launches: combine (source, row) slots
   // host-visible copies of the failure words, or 0 (the host reads mask / failed / status_flag
   // where they are: a host-mapped heap). u32 [1 + R]: [0] = status_flag, [1 + p] = failed[p].
@@ -205,12 +203,12 @@ struct LlParams {
   uint64_t host_flags;
   uint64_t prof;          // u64 [grid][kStamps] phase stamps (now_ns), or 0: bench/ep_profile.py
 };
-static_assert(sizeof(LlParams) == 384, "LlParams layout is mirrored in device/ep.py");
+static_assert(sizeof(LlParams) == 352, "LlParams layout is mirrored in device/ep.py");
 
 // LlParams::prof: thread 0 of every block stores now_ns() at these points (0 = not reached).
 enum : uint32_t {
   ST_BEGIN = 0,       // kernel entry
-  ST_SEND_PLAN = 1,   // the block has the plan (dispatch: and its rows staged)
+  ST_SEND_PLAN = 1,   // the block may write the send staging (block 0's quiet is done)
   ST_SEND_LOOP = 2,   // every warp of the block has posted its puts / copies
   ST_SEND_HDR = 3,    // (last block) headers + signals posted, self announced
   ST_RECV_READY = 4,  // the block has the receive tables (block 0: every source arrived)
@@ -218,15 +216,10 @@ enum : uint32_t {
   ST_RECV_LOOP = 6,   // every warp of the block is done with its unpack / reduce
   ST_END = 7,         // the block leaves
   ST_QUIET = 8,       // block 0: its quiet of the live peers done
-  ST_PLAN_DONE = 9,   // block 0: the plan / layout computed, before it is published
-  ST_SEND_LAST = 10,  // the last block of the send phase: it knows it is last
-  ST_HDR_FILLED = 11, // the last block: headers written, before the signals
-  ST_PLAN_TILES = 12, // block 0: the plan's tile bitmaps done, before the prefix over tiles
-  ST_HDR_SIGNALED = 13,  // the last block: every header's signal posted, before announce / reset
-  ST_PLAN_ATOMICS = 14,  // block 0, thread 0: its tile's selections loaded and their atomics done
-  ST_PLAN_IDX = 15,      // block 0, thread 0: its tile's expert ranks stored
-  ST_PLAN_HIST = 16,     // block 0, thread 0: its tile's histogram and bitmaps stored
-  kStamps = 17,
+  ST_SEND_LAST = 9,   // the last block of the send phase: it knows it is last
+  ST_HDR_FILLED = 10, // the last block: headers written, before the signals
+  ST_HDR_SIGNALED = 11,  // the last block: every header's signal posted, before announce / reset
+  kStamps = 12,
 };
 
 // The first EP-level failure of a launch (first wins). 64 B. device/ep.py: EpStatus.
@@ -441,6 +434,13 @@ GPUNET_DEVICE int64_t warp_scan(const Geo& g, uint32_t n, Value value, Out out) 
   return run;
 }
 
+// Warp-collective: the sum of v over the warp's lanes, on every lane (log2(ws) shuffles).
+template <class T>
+GPUNET_DEVICE T warp_sum(const Geo& g, T v) {
+  for (uint32_t off = 1; off < g.ws; off <<= 1) v += arch::shfl(v, g.lane ^ off);
+  return v;
+}
+
 GPUNET_DEVICE const DevCtx& peer_ctx(const LlParams& P, uint32_t p) {
   return ptr<const DevCtx>(P.ctxs)[p];
 }
@@ -507,11 +507,9 @@ GPUNET_DEVICE void stamp_after_block(const LlParams& P, const Geo& g, uint32_t w
 // memory on GPUs (the host reads them without a device sync), where every read crosses PCIe. A
 // peer that fails during the launch is marked in the copy of the block that saw it; other blocks
 // keep posting to it until their verbs fail fast on its own Status (harmless).
-// Dynamic shared memory: the peer view (one byte per peer, 16-byte rounded), then, when
-// LlParams::bits_smem, block 0's plan bitmaps [bits_warps][hist_cols] u64, or in a combine the
-// receive controller's per-source counts (smem_combine_bytes) (ep_ll.cu sizes it).
+// Dynamic shared memory: the peer view (one byte per peer, 16-byte rounded), then, in a combine,
+// the receive controller's per-source counts (smem_combine_bytes) (ep_ll.cu sizes it).
 GPUNET_HOST_DEVICE uint32_t smem_view_bytes(uint32_t nranks) { return (nranks + 15) / 16 * 16; }
-constexpr uint32_t kMaxPlanSmem = 40u << 10;  // under the 48 KB a launch gets without opting in
 // Combine's receive controller (block 0): after the peer view, int64 [R] per-source row counts.
 GPUNET_HOST_DEVICE uint32_t smem_combine_bytes(uint32_t nranks) { return 8 * nranks; }
 
@@ -820,102 +818,28 @@ GPUNET_DEVICE void quantise_group(const uint16_t* src, uint8_t* q, float* scale,
   *scale = s;
 }
 
-// The plan's destination bitmaps (after its tile-local ranks in LlParams::plan): u32
-// [R][dmask_words(t_max)], bit t % 32 of word t / 32 of row d = token t has an expert on rank d.
-// The header to d carries row d: which of its t_max message slots this launch filled.
-// (Rows of whole u64 tiles: a warp of 64 writes two words per tile.)
-GPUNET_HOST_DEVICE uint32_t dmask_words(uint32_t t_max) { return (t_max + 63) / 64 * 2; }
-GPUNET_DEVICE uint32_t* dmask_row(const LlParams& P, uint32_t d) {
-  return ptr<uint32_t>(P.plan) + uint64_t(P.t_max) * kMaxTopk + uint64_t(d) * dmask_words(P.t_max);
+// The dispatch header to destination d, in u32 words: kHdrHead head words, E_loc counts, the
+// slot bitmap (bit t % 32 of word t / 32: slot t holds a message of this launch), then from
+// word ebits_word0 (8-byte aligned) u64 [E_loc][dmask_words(t_max)]: per local expert q and word
+// w, the low half bits t of q's selections in w and the high half the count of q's selections
+// before word w. The position of t among q's tokens is then one load and one popcount.
+GPUNET_HOST_DEVICE uint32_t dmask_words(uint32_t t_max) { return (t_max + 31) / 32; }
+GPUNET_HOST_DEVICE uint32_t ebits_word0(uint32_t e_loc, uint32_t t_max) {
+  return (kHdrHead + e_loc + dmask_words(t_max) + 1) / 2 * 2;
+}
+GPUNET_HOST_DEVICE uint32_t dispatch_hdr_words(uint32_t e_loc, uint32_t t_max) {
+  return ebits_word0(e_loc, t_max) + 2 * e_loc * dmask_words(t_max);
 }
 
-// Step 1 (block 0): tile-local expert ranks into plan, tile histograms into hist, the
-// destination bitmaps (dmask_row), then the exclusive prefix over tiles (hist row `ntiles` holds
-// the totals).
-GPUNET_DEVICE void plan_tokens(const LlParams& P, const Geo& g) {
-  const uint32_t K = P.topk, T = P.num_tokens, E = P.num_experts, C = P.hist_cols;
-  const int64_t* topk = ptr<const int64_t>(P.topk_idx);
-  int32_t* plan_idx = ptr<int32_t>(P.plan);
-  int32_t* hist = ptr<int32_t>(P.hist);
-  const uint64_t below = g.lane == 0 ? 0 : (~uint64_t(0) >> (64 - g.lane));
-  // the bitmaps: shared memory when they fit (their atomics and loads are the plan's inner loop,
-  // and the whole grid waits for the plan; in global memory that was ~20 us on the H200), zeroed
-  // here; else the global workspace, zero between tiles
-  uint64_t* bits0 = ptr<uint64_t>(P.bits);
-  if (P.bits_smem) {
-    bits0 = reinterpret_cast<uint64_t*>(arch::shared_mem() + smem_view_bytes(P.nranks));
-    for (uint32_t i = g.tid; i < P.bits_warps * C; i += g.bdim) bits0[i] = 0;
-    arch::syncthreads();
-  }
-  if (g.wid < P.bits_warps) {
-    uint64_t* bits = bits0 + uint64_t(g.wid) * C;
-    const uint32_t nw = g.nwarps < P.bits_warps ? g.nwarps : P.bits_warps;
-    for (uint32_t tile = g.wid; tile < P.ntiles; tile += nw) {
-      const uint32_t t = tile * g.ws + g.lane;
-      // Only the load loop over k is unrolled (to kMaxTopk, k < K guards: every load in flight at
-      // once); the atomic and plan loops are not. This code runs once per launch, cold, while the
-      // grid waits for it: every KB of it is fetched from L2 / HBM (bench/icache.py: ~150 ns per KB
-      // cold), and unrolled to kMaxTopk the three loops were 42 KB of SASS against 11 rolled (the
-      // rolled loops' serial chain, K shared atomics, is the unrolled one's too: each atomic's
-      // old value decides the next step). kept: bit k = selection k counts (not a hole, not a
-      // repeat), from the bitmap itself: this lane's bit is already set in expert e's word when
-      // an earlier selection of its token named e, so one atomic_or's old value tells a repeat,
-      // with no O(K^2) compare chain. The rank words only collect the destination bitmap.
-      int32_t ex[kMaxTopk];
-#pragma unroll
-      for (uint32_t k = 0; k < kMaxTopk; ++k) {
-        const int64_t e = (k < K && t < T) ? topk[uint64_t(t) * K + k] : -1;
-        ex[k] = (e < 0 || e >= int64_t(E)) ? -1 : int32_t(e);
-      }
-      // The or goes to the 32-bit half of the word holding this lane's bit (lanes 32..63 the
-      // high half: every arm is little-endian): a 32-bit atomic is native on shared memory, the
-      // 64-bit one a CAS loop (CUDA sm_90), which contending lanes made the plan's chain.
-      const uint32_t mine = 1u << (g.lane & 31), half = g.lane >> 5;
-      uint32_t kept = 0;
-#pragma unroll 1
-      for (uint32_t k = 0; k < kMaxTopk; ++k) {
-        const int32_t e = ex[k];
-        if (e < 0 || (arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[e]) + half, mine) & mine))
-          continue;  // a repeat counts once
-        kept |= 1u << k;
-        arch::atomic_or(reinterpret_cast<uint32_t*>(&bits[E + uint32_t(e) / P.e_loc]) + half, mine);
-      }
-      stamp(P, g, ST_PLAN_ATOMICS);
-      arch::syncwarp();
-#pragma unroll 1
-      for (uint32_t k = 0; k < kMaxTopk; ++k) {
-        if (k >= K || t >= T) continue;
-        plan_idx[uint64_t(t) * K + k] =
-            ((kept >> k) & 1) ? int32_t(popc64(arch::atomic_load(&bits[ex[k]]) & below)) : -1;
-      }
-      stamp(P, g, ST_PLAN_IDX);
-      arch::syncwarp();
-      const uint32_t w0 = tile * g.ws / 32;  // the tile's first bitmap word
-      for (uint32_t c = g.lane; c < C; c += g.ws) {
-        const uint64_t m = arch::atomic_load(&bits[c]);
-        hist[uint64_t(tile) * C + c] = int32_t(popc64(m));
-        if (c >= E) {
-          uint32_t* row = dmask_row(P, c - E);
-          row[w0] = uint32_t(m);
-          if (g.ws > 32) row[w0 + 1] = uint32_t(m >> 32);
-        }
-        if (m) arch::atomic_store(&bits[c], uint64_t(0));
-      }
-      stamp(P, g, ST_PLAN_HIST);
-      arch::syncwarp();
-    }
-  }
-  arch::syncthreads();
-  stamp(P, g, ST_PLAN_TILES);
-  for (uint32_t c = g.tid; c < C; c += g.bdim) {
-    int64_t run = 0;
-    batched(P.ntiles, [&](uint32_t tile) { return hist[uint64_t(tile) * C + c]; },
-            [&](uint32_t tile, int64_t v) {
-              hist[uint64_t(tile) * C + c] = int32_t(run);
-              run += v;
-            });
-    hist[uint64_t(P.ntiles) * C + c] = int32_t(run);
-  }
+// The dispatch send's bitmaps (LlParams::bits, device memory): u32 [E][dmask_words(t_max)], bit t
+// = token t selected expert e, then [R][dmask_words(t_max)], bit t = token t goes to rank d.
+// Zero between launches: the send's last block zeroes what it reads (gpunet/ep/buffer.py zeroes
+// them after a launch that failed half way).
+GPUNET_DEVICE uint32_t* expert_bits(const LlParams& P, uint32_t e) {
+  return ptr<uint32_t>(P.bits) + uint64_t(e) * dmask_words(P.t_max);
+}
+GPUNET_DEVICE uint32_t* dmask_row(const LlParams& P, uint32_t d) {
+  return expert_bits(P, P.num_experts + d);
 }
 
 // Step 2's row: bf16 copied, or fp8 quantised with its scales, into the token's send slot.
@@ -952,58 +876,93 @@ GPUNET_DEVICE uint32_t row_parts(uint32_t warps, uint64_t n) {
 GPUNET_DEVICE bool all_peers_mapped(const LlParams& P) { return (P.flags & F_ALL_MAPPED) != 0; }
 
 // The block that finishes dispatch's send last: headers (per-local-expert counts, the slot
-// bitmap) and one signal per destination.
+// bitmap, the experts' token bitmaps with their running counts) and one signal per destination;
+// the bitmaps back to zero.
 GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uint8_t* out) {
-  const uint32_t T = P.num_tokens, E = P.num_experts, C = P.hist_cols;
-  const int32_t* total = ptr<const int32_t>(P.hist) + uint64_t(P.ntiles) * C;
-  const uint32_t words = P.e_loc + (T + 31) / 32;
-  // warp w loads destination w's HeaderPre before last_block's fences (header_pre)
+  const uint32_t T = P.num_tokens, EL = P.e_loc, R = P.nranks;
+  const uint32_t W = dmask_words(P.t_max), TW = (T + 31) / 32;  // words; those of slots t < T
+  const uint32_t e0w = ebits_word0(EL, P.t_max);
+  // warp w loads destination w's HeaderPre before last_block's fences (header_pre); its count
+  // of messages is known only after them
   const uint32_t d0 = g.wid;
   HeaderPre pre0;
-  if (d0 < P.nranks) pre0 = header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d0, total[E + d0], out);
+  if (d0 < R) pre0 = header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d0, 0, out);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
-    // warp per destination: the per-expert counts and the slot bitmap (its words for t < T) by
-    // the lanes, then lane 0 finishes the header and signals; the syncwarp orders the lanes'
-    // stores before lane 0's release
-    for (uint32_t d = g.wid; d < P.nranks; d += g.nwarps) {
-      const HeaderPre x = d == d0 ? pre0 : header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d,
-                                                      total[E + d], out);
-      if (x.skip) continue;
-      for (uint32_t q = g.lane; q < words; q += g.ws)
-        x.h[kHdrHead + q] = q < P.e_loc ? total[d * P.e_loc + q] : int32_t(dmask_row(P, d)[q - P.e_loc]);
+    // thread per (destination, local expert): its count and its words with their running counts
+    // into the header (of a destination this block still sends to), the words zeroed whatever
+    for (uint32_t i = g.tid; i < R * EL; i += g.bdim) {
+      const uint32_t d = i / EL, q = i % EL;
+      uint32_t* bits = expert_bits(P, i);
+      int32_t* h = out[d] ? nullptr : header_slot(P, P.d_rhdr, P.d_shdr, d);
+      uint64_t* hw = h ? reinterpret_cast<uint64_t*>(h + e0w) + uint64_t(q) * W : nullptr;
+      uint32_t run = 0;
+      batched(TW, [&](uint32_t w) { return bits[w]; }, [&](uint32_t w, int64_t v) {
+        const uint32_t b = uint32_t(v);
+        if (hw) hw[w] = uint64_t(b) | (uint64_t(run) << 32);
+        run += popc64(b);
+        if (b) bits[w] = 0;
+      });
+      if (h) h[kHdrHead + q] = int32_t(run);
+    }
+    arch::syncthreads();
+    // warp per destination: the slot bitmap by the lanes (read and zeroed for every destination),
+    // its popcount the message count, then lane 0 finishes the header and signals; the barrier
+    // above and the syncwarp order the block's header stores before lane 0's release
+    for (uint32_t d = g.wid; d < R; d += g.nwarps) {
+      HeaderPre x = d == d0 ? pre0 : header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, 0, out);
+      uint32_t* slots = dmask_row(P, d);
+      uint32_t n = 0;
+      for (uint32_t w = g.lane; w < TW; w += g.ws) {
+        const uint32_t b = slots[w];
+        if (!x.skip) x.h[kHdrHead + EL + w] = int32_t(b);
+        n += popc64(b);
+        if (b) slots[w] = 0;
+      }
+      x.n = int32_t(warp_sum(g, n));
       arch::syncwarp();
-      if (g.lane == 0)
-        header_finish(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, x, int32_t(T), (kHdrHead + words) * 4);
+      if (g.lane == 0 && !x.skip)
+        header_finish(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, x, int32_t(T),
+                      dispatch_hdr_words(EL, P.t_max) * 4);
     }
     stamp(P, g, ST_HDR_FILLED);
     stamp_after_block(P, g, ST_HDR_SIGNALED);
     announce_self(P, g, SIG_DISPATCH);
-    reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
-    reset_sync(P, g, SYNC_SEND_QUIET, SYNC_SEND_QUIET);
+    reset_sync(P, g, SYNC_SEND_QUIET, SYNC_SEND_DONE);
     stamp(P, g, ST_SEND_HDR);
   }
   return true;
 }
 
 
-// Lane k < K of the warp names destination `dest` (its selection's rank) when selection k is
-// the token's first on that rank (not a hole); returns the ballot of the naming lanes. From
-// topk_idx alone (no plan): the rows go out while block 0 plans.
-GPUNET_DEVICE uint64_t token_dests(const LlParams& P, const Geo& g, uint32_t t, uint32_t& dest) {
-  const uint32_t K = P.topk;
+// Lane k < K of the warp: selection k of token t, its expert `e` (-1 for a hole and for a repeat
+// of an earlier selection: a token counts once per expert) and that expert's rank `d` (-1 for a
+// hole); returns the ballot of the lanes whose selection is the token's first on its rank. From
+// topk_idx alone: nothing waits for a plan.
+struct Selection {
+  int32_t e = -1;
   int32_t d = -1;
+  uint64_t first = 0;
+};
+GPUNET_DEVICE Selection token_selections(const LlParams& P, const Geo& g, uint32_t t) {
+  const uint32_t K = P.topk;
+  Selection s;
   if (g.lane < K) {
     const int64_t e = ptr<const int64_t>(P.topk_idx)[uint64_t(t) * K + g.lane];
-    if (e >= 0 && e < int64_t(P.num_experts)) d = int32_t(uint32_t(e) / P.e_loc);
+    if (e >= 0 && e < int64_t(P.num_experts)) {
+      s.e = int32_t(e);
+      s.d = int32_t(uint32_t(e) / P.e_loc);
+    }
   }
-  bool first = d >= 0;
-  for (uint32_t k = 0; k < K; ++k) {  // an earlier selection on the same rank
-    const int32_t dk = arch::shfl(d, k);
-    if (k < g.lane && dk == d) first = false;
+  bool first = s.d >= 0, repeat = false;
+  for (uint32_t k = 0; k < K; ++k) {  // an earlier selection of the same expert / rank
+    const int32_t ek = arch::shfl(s.e, k), dk = arch::shfl(s.d, k);
+    if (k < g.lane && dk == s.d) first = false;
+    if (k < g.lane && ek == s.e) repeat = true;
   }
-  dest = uint32_t(d);
-  return arch::ballot(first);
+  if (repeat) s.e = -1;
+  s.first = arch::ballot(first);
+  return s;
 }
 
 // Message slot of token t from this rank on any destination: slot t of this rank's area.
@@ -1011,107 +970,88 @@ GPUNET_DEVICE uint64_t dispatch_slot(const LlParams& P, uint32_t t) {
   return P.d_recv + (uint64_t(P.rank) * P.t_max + t) * P.msg_stride;
 }
 
+// The start of a send phase: block 0 quiets the live peers (the previous use of this LL buffer's
+// staging is complete at the NIC before it is overwritten; a failure names the peer); with
+// `stage` (a NIC peer: staging is written) the other blocks wait for it (a grid flag), else
+// nobody waits: there is no plan. false: the wait failed (recorded).
+GPUNET_DEVICE bool send_start(const LlParams& P, const Geo& g, bool stage) {
+  if (g.bid == 0) {
+    quiet_live_peers(P, g);
+    stamp(P, g, ST_QUIET);
+    if (stage && g.nblocks > 1) block_publish(P, g, SYNC_SEND_QUIET);
+    arch::syncthreads();
+  } else if (stage && !block_wait(P, g, SYNC_SEND_QUIET, 1, EP_SITE_QUIET)) {
+    return false;
+  }
+  stamp(P, g, ST_SEND_PLAN);
+  return true;
+}
+
 // Dispatch's send. A token's message goes to slot t of this rank's area on each destination
-// (its header's bitmap says which slots hold one), so the rows need no plan: the worker warps
-// (every block but block 0, which plans; block 0 itself in a one-block grid) stage rows where
-// staging is needed and store them on every mapped destination (and into this rank's own
-// receive slot when the receive does not read x) while block 0 plans: the grid no longer waits
-// idle for the plan (~8-11 us of every call on the H200) before any row moves. After the plan the
-// same warps write each token's meta (its experts' positions) and put whole messages to NIC
-// peers (one put of the staged row and meta: the warp staged that row itself).
+// (its header's bitmap says which slots hold one), so the rows need no plan, and neither do the
+// experts' positions: the header carries each expert's token bitmap, and the receiver counts the
+// bits below t (dispatch_recv). Every warp takes tokens: it stages the row where staging is
+// needed, stores it on every mapped destination (and into this rank's own receive slot when the
+// receive does not read x), sets the token's bits, writes the meta and puts whole messages to NIC
+// peers. (Before, block 0 ranked every (token, expert) first, ~10 us of dependent steps on the
+// H200 that every meta waited for.)
 GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
-  const uint32_t K = P.topk, T = P.num_tokens, C = P.hist_cols, H = P.hidden;
+  const uint32_t K = P.topk, T = P.num_tokens, H = P.hidden;
   const bool fp8 = (P.flags & F_FP8) != 0;
   const bool self_direct = self_reads_source(P);
   // the send slot holds the row for a NIC peer (the verbs read the heap), for this rank's own
   // receive with a hook, and in FP8 (quantised once, copied to each destination)
   const bool stage = fp8 || !self_direct || !all_peers_mapped(P);
-  const bool alone = g.nblocks == 1;
   uint8_t* out = load_peer_view(P, g);
-  if (g.bid == 0) {
-    quiet_live_peers(P, g);
-    stamp(P, g, ST_QUIET);
-    // the staging is free once the quiet is done (nothing to stage: nobody waits for it)
-    if (stage && !alone) block_publish(P, g, SYNC_SEND_QUIET);
-    arch::syncthreads();
-    plan_tokens(P, g);
-    stamp(P, g, ST_PLAN_DONE);
-    block_publish(P, g, SYNC_SEND_READY);
-    stamp(P, g, ST_SEND_PLAN);
-    if (!alone) {
-      stamp_after_block(P, g, ST_SEND_LOOP);
-      return dispatch_send_last(P, g, out);
-    }
-  } else if (stage && !block_wait(P, g, SYNC_SEND_QUIET, 1, EP_SITE_PLAN)) {
-    return false;
-  }
-  // the worker warps: w of nw
-  const uint32_t w = alone ? g.gw : g.gw - g.nwarps, nw = alone ? g.gwarps : g.gwarps - g.nwarps;
+  if (!send_start(P, g, stage)) return false;
   // Unstaged rows (BF16 to mapped peers, !stage): a token's row is cut in S contiguous parts, a
-  // warp each, when there are warps to spare (DeepEP's 128 tokens on 65 worker blocks of 8
-  // warps: S = 4). Part 0 also writes the meta, the self message and any NIC put. Staged rows
-  // keep S = 1: the warp that staged a row sends it.
-  const uint32_t S = stage ? 1u : row_parts(nw, T);
+  // warp each, when there are warps to spare (DeepEP's 128 tokens on 65 blocks of 8 warps:
+  // S = 4). Part 0 also sets the bits and writes the meta, the self message and any NIC put.
+  // Staged rows keep S = 1: the warp that staged a row sends it.
+  const uint32_t S = stage ? 1u : row_parts(g.gwarps, T);
   const uint64_t part_bytes = (uint64_t(P.payload_bytes) / S + 15) / 16 * 16;
-  for (uint64_t u = w; u < uint64_t(T) * S; u += nw) {
+  const uint64_t meta_bytes = P.msg_stride - P.payload_bytes;
+  for (uint64_t u = g.gw; u < uint64_t(T) * S; u += g.gwarps) {
     const uint32_t t = uint32_t(u / S), part = uint32_t(u % S);
     const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
     if (stage) stage_row(P, g, t);
-    uint32_t dest = 0;
-    const uint64_t todo = token_dests(P, g, t, dest);
+    const Selection sel = token_selections(P, g, t);
     arch::syncwarp();  // the staged row's stores before other lanes read it
     const uint64_t src = stage ? msg : P.x + uint64_t(t) * H * 2;
     const uint64_t lo = part * part_bytes;
     const uint64_t hi = lo + part_bytes < P.payload_bytes ? lo + part_bytes : P.payload_bytes;
     for (uint32_t k = 0; k < K && lo < hi; ++k) {
-      if (!((todo >> k) & 1)) continue;
-      const uint32_t d = arch::shfl(dest, k);
+      if (!((sel.first >> k) & 1)) continue;
+      const uint32_t d = uint32_t(arch::shfl(sel.d, k));
       if (d == P.rank) {  // this rank's own slot (no NIC), unless the receive reads x
         if (!self_direct && !out[d]) warp_copy(g, dispatch_slot(P, t) + lo, src + lo, hi - lo);
         continue;
       }
       if (out[d]) continue;
       // a mapped peer: the warp stores the row there itself, published by the last block's
-      // fences and signal like a p2p put (a NIC peer gets the whole message after the plan)
+      // fences and signal like a p2p put (a NIC peer gets the whole message below)
       if (void* mapped = gpunet::ptr(peer_ctx(P, d), ptr<const void>(dispatch_slot(P, t)), int(d)))
         warp_copy(g, uint64_t(uintptr_t(mapped)) + lo, src + lo, hi - lo);
     }
-  }
-  if (!alone && !block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) return false;
-  stamp(P, g, ST_SEND_PLAN);
-  const int64_t* topk = ptr<const int64_t>(P.topk_idx);
-  const int32_t* plan_idx = ptr<const int32_t>(P.plan);
-  const int32_t* hist = ptr<const int32_t>(P.hist);
-  for (uint64_t u = w; u < uint64_t(T) * S; u += nw) {
-    if (u % S) continue;  // part 0 of each token
-    const uint32_t t = uint32_t(u / S);
-    const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
+    if (part != 0) continue;
+    // lane k: bit t of its expert's token bitmap; the lane of the token's first selection on a
+    // rank: bit t of that rank's slot bitmap (the last block turns both into the header)
+    const uint32_t bit = 1u << (t % 32);
+    if (sel.e >= 0) arch::atomic_or(&expert_bits(P, uint32_t(sel.e))[t / 32], bit);
+    if ((sel.first >> g.lane) & 1) arch::atomic_or(&dmask_row(P, uint32_t(sel.d))[t / 32], bit);
     int32_t* meta = ptr<int32_t>(msg + P.payload_bytes);
-    const uint32_t tile = t / g.ws;
     if (g.lane == 0) {
       meta[0] = int32_t(t);
       meta[1] = int32_t(K);
       meta[2] = int32_t(H);
       meta[3] = 0;
     }
-    if (g.lane < K) {
-      const int32_t pi = plan_idx[uint64_t(t) * K + g.lane];
-      int32_t e = -1, idx = -1;
-      if (pi >= 0) {
-        e = int32_t(topk[uint64_t(t) * K + g.lane]);
-        idx = hist[uint64_t(tile) * C + e] + pi;
-      }
-      meta[4 + 2 * g.lane] = e;
-      meta[5 + 2 * g.lane] = idx;
-    }
-    uint32_t dest = 0;
-    const uint64_t todo = token_dests(P, g, t, dest);
+    if (g.lane < K) meta[4 + g.lane] = sel.e;
     arch::syncwarp();  // row and meta stores of every lane before the copies and the posts
-    const uint64_t meta_bytes = P.msg_stride - P.payload_bytes;
     bool fenced = false;
     for (uint32_t k = 0; k < K; ++k) {
-      if (!((todo >> k) & 1)) continue;
-      const uint32_t d = arch::shfl(dest, k);
+      if (!((sel.first >> k) & 1)) continue;
+      const uint32_t d = uint32_t(arch::shfl(sel.d, k));
       if (out[d]) continue;
       if (d == P.rank) {
         warp_copy(g, dispatch_slot(P, t) + P.payload_bytes, msg + P.payload_bytes, meta_bytes);
@@ -1198,7 +1138,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
   const bool ue8m0 = (P.flags & F_UE8M0) != 0;
   const bool self_direct = self_reads_source(P);
   const uint32_t G = H / kGroup, NW = (G + 3) / 4;
-  const uint32_t e0 = P.rank * EL;
+  const uint32_t e0 = P.rank * EL, W = dmask_words(P.t_max), e0w = ebits_word0(EL, P.t_max);
   // A message's row is cut in S contiguous parts, a warp each, when the grid has warps to spare
   // (as the unstaged send: DeepEP's 128 tokens from 2 ranks are 256 messages, fewer than a
   // grid's warps); part 0 also writes src_info and the FP8 scales.
@@ -1216,29 +1156,35 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     if (!((word >> (m % 32)) & 1)) continue;
     const uint64_t msg = P.d_recv + (uint64_t(j) * P.t_max + m) * P.msg_stride;
     const int32_t* meta = ptr<const int32_t>(msg + P.payload_bytes);
+    const uint64_t* ebits = reinterpret_cast<const uint64_t*>(
+        ptr<const int32_t>(P.d_rhdr + uint64_t(j) * P.hdr_stride) + e0w);
     // t, K and lane k's selection k are loaded together (the meta is kMetaBytes whatever the
     // sender's K: selection k's words exist for every k < kMaxTopk), not K after t
     const int32_t t = meta[0];
     const uint32_t k_raw = uint32_t(meta[1]);
-    const int32_t e = g.lane < kMaxTopk ? meta[4 + 2 * g.lane] : -1;
-    const int32_t idx = g.lane < kMaxTopk ? meta[5 + 2 * g.lane] : -1;
+    const int32_t e = g.lane < kMaxTopk ? meta[4 + g.lane] : -1;
     const uint32_t kk = k_raw < kMaxTopk ? k_raw : kMaxTopk;  // the sender's K
     // the packed rows this message goes to (one per local expert the token selected): lane k
-    // reads selection k (the lanes' loads overlap; one lane walking k made K dependent chains)
+    // reads selection k (the lanes' loads overlap; one lane walking k made K dependent chains);
+    // its position idx_e(t) is the bits below t in the expert's token bitmap: the word's running
+    // count plus a popcount
     bool mine = false;
     uint64_t my_dst = 0;
-    if (g.lane < kk) {
-      if (e >= int32_t(e0) && e < int32_t(e0 + EL)) {
-        const uint32_t le = uint32_t(e) - e0;
-        const int32_t c = cnt[uint64_t(j) * EL + le];
-        if (idx < 0 || idx >= c || t != int32_t(m)) {
-          ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, j, uint64_t(c), uint64_t(uint32_t(idx)), 0);
-        } else {
-          my_dst = uint64_t(le) * rows + uint64_t(begin[uint64_t(le) * R + j] + idx);
-          mine = true;
-          if (part == 0) ptr<int32_t>(P.src_info)[my_dst] = t;
-        }
+    if (g.lane < kk && e >= int32_t(e0) && e < int32_t(e0 + EL) && t == int32_t(m)) {
+      const uint32_t le = uint32_t(e) - e0;
+      const uint64_t v = ebits[uint64_t(le) * W + m / 32];
+      const uint32_t b = uint32_t(v), below = (1u << (m % 32)) - 1;
+      const uint32_t idx = uint32_t(v >> 32) + popc64(b & below);
+      const int32_t c = cnt[uint64_t(j) * EL + le];
+      if (!((b >> (m % 32)) & 1) || int64_t(idx) >= c) {
+        ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, j, uint64_t(c), uint64_t(idx), 0);
+      } else {
+        my_dst = uint64_t(le) * rows + uint64_t(begin[uint64_t(le) * R + j]) + idx;
+        mine = true;
+        if (part == 0) ptr<int32_t>(P.src_info)[my_dst] = t;
       }
+    } else if (g.lane == 0 && t != int32_t(m)) {
+      ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, j, m, uint64_t(uint32_t(t)), 0);
     }
     const uint64_t have = arch::ballot(mine);
     uint64_t dst[kMaxTopk];
@@ -1296,43 +1242,24 @@ GPUNET_DEVICE void table_mark(const LlParams& P, uint32_t t, int64_t ge, int64_t
     if (k < K && sel[k] == ge) table[k] = slot;
 }
 
+// Warp-collective: the rows this rank sends rank j for its local experts below le (the handle's
+// counts), i.e. the first row of item (le, j) in this rank's area on j. Each warp adds up its own
+// item's (E_loc / ws loads a lane): block 0's prefix over every (expert, rank), published by a
+// grid flag, was ~3-4 us that every send waited for on the H200.
+GPUNET_DEVICE uint64_t rows_before(const LlParams& P, const Geo& g, uint32_t j, uint32_t le) {
+  const int64_t* lr = ptr<const int64_t>(P.layout_range);
+  uint64_t n = 0;
+  for (uint32_t q = g.lane; q < le; q += g.ws) n += uint64_t(lr[uint64_t(q) * P.nranks + j] & 0xffffffff);
+  return warp_sum(g, n);
+}
+
 GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden;
   const uint64_t rows = uint64_t(R) * P.t_max;
   const int64_t* lr = ptr<const int64_t>(P.layout_range);  // the handle's [E_loc, R]
-  int32_t* pre = ptr<int32_t>(P.tab);                       // [E_loc][R]: rows before expert le
-  int32_t* ntot = pre + uint64_t(EL) * R;                   // [R]: rows to j (-1: unusable)
-  if (g.bid == 0) {
-    quiet_live_peers(P, g);
-    stamp(P, g, ST_QUIET);
-    // a warp per destination j: the prefix of its E_loc counts by warp scans (one thread's
-    // walk was E_loc / kBatch dependent rounds: ~15 us of block 0's plan in the H200 profile)
-    for (uint32_t j = g.wid; j < R; j += g.nwarps) {
-      bool fits = true;
-      int64_t run = warp_scan(g, EL,
-                              [&](uint32_t le) {
-                                const int64_t v = lr[uint64_t(le) * R + j];
-                                const int64_t b = v >> 32, c = v & 0xffffffff;
-                                if (b < 0 || b + c > int64_t(rows)) fits = false;
-                                return c;
-                              },
-                              [&](uint32_t le, int64_t before) { pre[uint64_t(le) * R + j] = int32_t(before); });
-      fits = arch::all(fits);
-      if (g.lane == 0) {
-        if (!fits || run > int64_t(P.c_rows)) {
-          ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, uint64_t(run), 0);
-          run = -1;
-        }
-        ntot[j] = int32_t(run);
-      }
-    }
-    stamp(P, g, ST_PLAN_DONE);
-    block_publish(P, g, SYNC_SEND_READY);
-  } else if (!block_wait(P, g, SYNC_SEND_READY, 1, EP_SITE_PLAN)) {
-    return false;
-  }
-  stamp(P, g, ST_SEND_PLAN);
   uint8_t* out = load_peer_view(P, g);
+  // staging (the rows unless zero_copy, their token indices, the headers) only for NIC peers
+  if (!send_start(P, g, !all_peers_mapped(P))) return false;
   const bool zero_copy = (P.flags & F_ZERO_COPY) != 0;
   const int64_t* topk = ptr<const int64_t>(P.topk_idx);
   int64_t* table = ptr<int64_t>(P.table);
@@ -1358,10 +1285,14 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     } else {
       le = uint32_t(u - remote);
     }
-    if (arch::any(ntot[j] < 0 || out[j])) continue;  // warp-uniform: the warp puts below
+    if (out[j]) continue;  // warp-uniform: the warp puts below
     const int64_t v = lr[uint64_t(le) * R + j];
     const uint64_t b = uint64_t(v >> 32), c = uint64_t(v & 0xffffffff);
     if (c <= part) continue;
+    if (v < 0 || b + c > rows) {  // the item's rows outside x's packed layout: a corrupt handle
+      if (g.lane == 0) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, rows, b + c, 0);
+      continue;
+    }
     const uint64_t r0 = uint64_t(le) * rows + b;
     if (j == P.rank) {
       if (self_reads_source(P)) {
@@ -1375,14 +1306,24 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
         continue;
       }
       // to self, with a hook: rows and token indices into its own receive area (no NIC)
-      const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + uint64_t(pre[uint64_t(le) * R + j]);
+      const uint64_t first = rows_before(P, g, j, le);
+      if (first + c > P.c_rows) {
+        if (g.lane == 0) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, first + c, 0);
+        continue;
+      }
+      const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + first;
       warp_copy(g, P.c_recv + dst_row * H * 2, P.x + r0 * H * 2, c * H * 2);
       for (uint64_t i = g.lane; i < c; i += g.ws)
         ptr<int32_t>(P.c_rtags)[dst_row + i] = ptr<const int32_t>(P.src_info)[r0 + i];
       continue;
     }
     const DevCtx& cx = peer_ctx(P, j);
-    const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + uint64_t(pre[uint64_t(le) * R + j]);
+    const uint64_t first = rows_before(P, g, j, le);
+    if (first + c > P.c_rows) {  // more rows than this rank's area on j holds: a corrupt handle
+      if (g.lane == 0) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, first + c, 0);
+      continue;
+    }
+    const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + first;
     // a mapped peer: the warp stores its part's rows (from x, unstaged) and their token indices
     // there itself, published by the last block's fences and signal like a p2p put
     if (void* mapped = gpunet::ptr(cx, ptr<const void>(P.c_recv + dst_row * H * 2), int(j))) {
@@ -1407,28 +1348,41 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     if (!ok && g.lane == 0) peer_fail_view(P, out, j);
   }
   stamp_after_block(P, g, ST_SEND_LOOP);
-  // thread j loads destination j's HeaderPre before last_block's fences (header_pre)
-  const uint32_t j0 = g.tid;
+  // warp w loads destination w's HeaderPre before last_block's fences (header_pre)
+  const uint32_t j0 = g.wid;
   HeaderPre pre0;
-  if (j0 < R) pre0 = header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j0, ntot[j0], out);
+  if (j0 < R) pre0 = header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j0, 0, out);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
-    // the per-expert counts of every header by the whole block (one round of loads; as in
-    // dispatch_send), then one thread per destination finishes its header and signals
-    for (uint32_t i = g.tid; i < R * EL; i += g.bdim)  // lr is [E_loc][R]
-      if (!out[i % R])
-        header_slot(P, P.c_rhdr, P.c_shdr, i % R)[kHdrHead + i / R] = int32_t(lr[i] & 0xffffffff);
-    arch::syncthreads();
-    stamp(P, g, ST_HDR_FILLED);
-    for (uint32_t j = g.tid; j < R; j += g.bdim) {
-      const HeaderPre x = j == j0 ? pre0 : header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, ntot[j], out);
-      if (!x.skip)
+    // warp per destination: the per-expert counts into its header by the lanes (one round of
+    // loads), their sum the header's row count, and the layout check (every row inside x's
+    // packed layout, the sum inside this rank's area on j); then lane 0 finishes the header
+    // and signals (the syncwarp orders the lanes' stores before its release)
+    bool self_ok = true;
+    for (uint32_t j = g.wid; j < R; j += g.nwarps) {
+      HeaderPre x = j == j0 ? pre0 : header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, 0, out);
+      uint64_t n = 0;
+      bool fits = true;
+      for (uint32_t le = g.lane; le < EL; le += g.ws) {
+        const int64_t v = lr[uint64_t(le) * R + j];
+        const int64_t b = v >> 32, c = v & 0xffffffff;
+        if (b < 0 || b + c > int64_t(rows)) fits = false;
+        if (!x.skip) x.h[kHdrHead + le] = int32_t(c);
+        n += uint64_t(c);
+      }
+      n = warp_sum(g, n);
+      fits = arch::all(fits) && n <= P.c_rows;
+      if (j == P.rank) self_ok = fits;
+      x.n = int32_t(n);
+      arch::syncwarp();
+      if (g.lane == 0 && !fits) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, n, 0);
+      if (g.lane == 0 && fits && !x.skip)
         header_finish(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, x, int32_t(P.t_max), (kHdrHead + EL) * 4);
     }
+    stamp(P, g, ST_HDR_FILLED);
     stamp_after_block(P, g, ST_HDR_SIGNALED);
-    if (ntot[P.rank] >= 0) announce_self(P, g, SIG_COMBINE);
-    else arch::syncthreads();
-    reset_sync(P, g, SYNC_SEND_READY, SYNC_SEND_DONE);
+    if (!arch::block_any(!self_ok)) announce_self(P, g, SIG_COMBINE);
+    reset_sync(P, g, SYNC_SEND_QUIET, SYNC_SEND_DONE);
     stamp(P, g, ST_SEND_HDR);
   }
   return true;
@@ -1499,8 +1453,7 @@ GPUNET_DEVICE void combine_reduce(const LlParams& P, const Geo& g) {
 
 GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
   const uint32_t R = P.nranks, EL = P.e_loc, K = P.topk, T = P.num_tokens;
-  // after the send phase's tables: the send phase's last block may still read them
-  int32_t* pre = ptr<int32_t>(P.tab) + uint64_t(EL) * R + R;  // [R][E_loc]: first row of le from o
+  int32_t* pre = ptr<int32_t>(P.tab);                         // [R][E_loc]: first row of le from o
   int32_t* cnt = pre + uint64_t(R) * EL;                      // [R][E_loc]
   int32_t* nrecv = ptr<int32_t>(P.nrecv);
   int32_t* got = ptr<int32_t>(P.got);
