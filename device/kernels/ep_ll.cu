@@ -54,14 +54,13 @@ int gpunet_ep_ll_launch(const void* params, uint32_t grid, uint32_t block, uint3
                         uint32_t sync) {
   namespace ep = gpunet::ep;
   const ep::LlParams P = *static_cast<const ep::LlParams*>(params);
-  // shared memory: the blocks' copies of the peer mask (ll.cuh smem_view_bytes), and a
-  // combine's receive counts
-  const uint32_t view = ep::smem_view_bytes(P.nranks);
+  // shared memory: the blocks' copies of the peer mask and the controllers' per-peer words
+  // (ll.cuh smem_view_bytes, smem_ctl_bytes)
   gpunet::LaunchSpec s;
   s.grid = grid;
   s.block = block;
   s.warp_size = ws;
-  s.shared_bytes = view + (P.op == ep::OP_COMBINE ? ep::smem_combine_bytes(P.nranks) : 0);
+  s.shared_bytes = ep::smem_view_bytes(P.nranks) + ep::smem_ctl_bytes(P.nranks);
   s.stream = stream;
   s.sync = sync != 0;
   return gpunet::launch_kernel(s, k_ep_ll, P);
