@@ -19,9 +19,9 @@ def dmask_words(t_max):
 
 
 def dispatch_hdr_words(e_loc, t_max):
-    """u32 words of a dispatch header (ll.cuh dispatch_hdr_words): head, counts, slot bitmap,
-    then [e_loc][dmask_words] expert token bitmaps."""
-    return HDR_HEAD + e_loc + (1 + e_loc) * dmask_words(t_max)
+    """u32 words of a dispatch header (ll.cuh dispatch_hdr_words): head, counts, slot bitmap
+    (padded to 8 bytes), then u64 [e_loc][dmask_words] expert token bitmaps with running counts."""
+    return (HDR_HEAD + e_loc + dmask_words(t_max) + 1) // 2 * 2 + 2 * e_loc * dmask_words(t_max)
 
 
 OP_DISPATCH, OP_COMBINE, OP_CLEAN = 0, 1, 2

@@ -1044,9 +1044,9 @@ class Buffer:
         r, dev = self.group_size, self._device
         e_loc = num_experts // r
         ws = {
-            # the dispatch send's counters and bitmaps, zero between launches (ll.cuh
-            # send_count): per expert and per destination a count, then a bitmap each
-            "bits": torch.zeros((num_experts + r) * (1 + dep.dmask_words(t_max)), dtype=torch.int32,
+            # the dispatch send's bitmaps, zero between launches (ll.cuh expert_bits): per
+            # expert its tokens, then per destination its message slots
+            "bits": torch.zeros((num_experts + r) * dep.dmask_words(t_max), dtype=torch.int32,
                                 device=dev),
             "tab": torch.zeros(2 * r * e_loc + r, dtype=torch.int32, device=dev),
             "table": torch.full((t_max * dep.MAX_TOPK,), -1, dtype=torch.int64, device=dev),

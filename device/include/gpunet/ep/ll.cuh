@@ -193,7 +193,7 @@ struct LlParams {
                           // then self expected [2][2] and self_sig [2][2] (see "Self" above),
                           // then the signals raised [2 kinds][2 bufs][R] (sent_word)
   uint64_t sync;          // u64 [SYNC_WORDS * kSyncStride], zero between launches
-  uint64_t bits;          // u32 dispatch send counters and bitmaps, zero between launches (send_count)
+  uint64_t bits;          // u32 dispatch send bitmaps, zero between launches (expert_bits)
   uint64_t tab;           // int32 [2][R * E_loc] + [R]: the receive controller's tables
   uint64_t table;         // int64 [t_max * K], -1 between launches: combine (source, row) slots
   // host-visible copies of the failure words, or 0 (the host reads mask / failed / status_flag
@@ -507,13 +507,12 @@ GPUNET_DEVICE void stamp_after_block(const LlParams& P, const Geo& g, uint32_t w
 // memory on GPUs (the host reads them without a device sync), where every read crosses PCIe. A
 // peer that fails during the launch is marked in the copy of the block that saw it; other blocks
 // keep posting to it until their verbs fail fast on its own Status (harmless).
-// Dynamic shared memory: the peer view (one byte per peer, 16-byte rounded), then 24 bytes per
+// Dynamic shared memory: the peer view (one byte per peer, 16-byte rounded), then 12 bytes per
 // peer for the controllers (smem_ctl_bytes; ep_ll.cu sizes it): the combine's receive controller
 // keeps int64 [R] per-source row counts there, the send's last block [R] header slots
-// (header_slots) and per destination its message count (dispatch) or its row count and layout
-// flag (combine).
+// (header_slots) and the dispatch's per destination its message count.
 GPUNET_HOST_DEVICE uint32_t smem_view_bytes(uint32_t nranks) { return (nranks + 15) / 16 * 16; }
-GPUNET_HOST_DEVICE uint32_t smem_ctl_bytes(uint32_t nranks) { return 24 * nranks; }
+GPUNET_HOST_DEVICE uint32_t smem_ctl_bytes(uint32_t nranks) { return 12 * nranks; }
 
 GPUNET_DEVICE uint8_t* load_peer_view(const LlParams& P, const Geo& g) {
   uint8_t* v = arch::shared_mem();
@@ -834,25 +833,24 @@ GPUNET_DEVICE void quantise_group(const uint16_t* src, uint8_t* q, float* scale,
 
 // The dispatch header to destination d, in u32 words: kHdrHead head words, E_loc counts, the
 // slot bitmap (bit t % 32 of word t / 32: slot t holds a message of this launch), then from
-// word ebits_word0 [E_loc][dmask_words(t_max)] each local expert's token bitmap (bit t: token t
-// selected it). The position of t among q's tokens is the popcount of q's bits below t.
+// word ebits_word0 (8-byte aligned) u64 [E_loc][dmask_words(t_max)]: per local expert q and word
+// w, the low half bits t of q's selections in w and the high half the count of q's selections
+// before word w. The position of t among q's tokens is then one load and one popcount.
 GPUNET_HOST_DEVICE uint32_t dmask_words(uint32_t t_max) { return (t_max + 31) / 32; }
 GPUNET_HOST_DEVICE uint32_t ebits_word0(uint32_t e_loc, uint32_t t_max) {
-  return kHdrHead + e_loc + dmask_words(t_max);
+  return (kHdrHead + e_loc + dmask_words(t_max) + 1) / 2 * 2;
 }
 GPUNET_HOST_DEVICE uint32_t dispatch_hdr_words(uint32_t e_loc, uint32_t t_max) {
-  return ebits_word0(e_loc, t_max) + e_loc * dmask_words(t_max);
+  return ebits_word0(e_loc, t_max) + 2 * e_loc * dmask_words(t_max);
 }
 
-// The dispatch send's counters and bitmaps (LlParams::bits, device memory), u32: [E] selections
-// of expert e, [R] tokens to rank d, then [E][dmask_words(t_max)] bit t = token t selected expert
-// e, [R][dmask_words(t_max)] bit t = token t goes to rank d. The warps add and or into them
-// (nothing returned, nothing waited for); the send's last block copies them into the headers and
-// zeroes them: zero between launches (gpunet/ep/buffer.py zeroes them after a launch that failed
-// half way).
-GPUNET_DEVICE uint32_t* send_count(const LlParams& P) { return ptr<uint32_t>(P.bits); }
+// The dispatch send's bitmaps (LlParams::bits, device memory), u32: [E][dmask_words(t_max)] bit
+// t = token t selected expert e, then [R][dmask_words(t_max)] bit t = token t goes to rank d. The
+// warps or into them (nothing returned, nothing waited for); the send's last block turns them
+// into the headers and zeroes them: zero between launches (gpunet/ep/buffer.py zeroes them after
+// a launch that failed half way).
 GPUNET_DEVICE uint32_t* expert_bits(const LlParams& P, uint32_t e) {
-  return send_count(P) + P.num_experts + P.nranks + uint64_t(e) * dmask_words(P.t_max);
+  return ptr<uint32_t>(P.bits) + uint64_t(e) * dmask_words(P.t_max);
 }
 GPUNET_DEVICE uint32_t* dmask_row(const LlParams& P, uint32_t d) {
   return expert_bits(P, P.num_experts + d);
@@ -892,56 +890,61 @@ GPUNET_DEVICE uint32_t row_parts(uint32_t warps, uint64_t n) {
 GPUNET_DEVICE bool all_peers_mapped(const LlParams& P) { return (P.flags & F_ALL_MAPPED) != 0; }
 
 // The block that finishes dispatch's send last: headers (per-local-expert counts, the slot
-// bitmap, the experts' token bitmaps) and one signal per destination; the counters back to zero.
-// Every block finds its header slots (peer mappings: dependent loads) and each destination's
-// HeaderPre before last_block's fences; the last block then moves every word of every header
-// in ONE flat loop over its threads (loads independent of each other: a thread walking one
-// expert's words with the slot lookup after the fences took 6-9 us on the H200).
+// bitmap, the experts' token bitmaps with their running counts) and one signal per destination;
+// the bitmaps back to zero. Every block finds its header slots (peer mappings: dependent loads)
+// and each destination's HeaderPre before last_block's fences, and every walk after them loads
+// its words together before it stores (a header store may alias the next load: one memory
+// latency per word otherwise, ~1 us each after the fences; the dispatch's header took 10-13 us
+// on the H200 with the slot lookups and such walks after the fences).
 GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uint8_t* out) {
-  const uint32_t T = P.num_tokens, E = P.num_experts, EL = P.e_loc, R = P.nranks;
+  const uint32_t T = P.num_tokens, EL = P.e_loc, R = P.nranks;
   const uint32_t W = dmask_words(P.t_max), TW = (T + 31) / 32;  // words; those of slots t < T
   const uint32_t e0w = ebits_word0(EL, P.t_max);
   int32_t** hs = header_slots(P, g, P.d_rhdr, P.d_shdr, out);
-  uint32_t* nsent = reinterpret_cast<uint32_t*>(hs + R);  // [R]
   // warp w loads destination w's HeaderPre (its count of messages is known only after them)
   const uint32_t d0 = g.wid;
   HeaderPre pre0;
   if (d0 < R) pre0 = header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d0, 0, out);
-  if (last_block(P, g, SYNC_SEND_DONE)) {  // (its barrier orders hs / nsent for the block)
+  if (last_block(P, g, SYNC_SEND_DONE)) {  // (its barrier orders hs for the block)
     stamp(P, g, ST_SEND_LAST);
-    // item i: [0, R*EL) the counts, [R*EL, R*EL + R) the message counts, then the R*EL expert
-    // bitmaps' and R slot bitmaps' words t < T; a word of a destination out of this launch is
-    // zeroed without being copied
-    uint32_t* cnt = send_count(P);
-    const uint64_t n_cnt = uint64_t(R) * EL, n_words = uint64_t(R) * (EL + 1) * TW;
-    const uint64_t items = n_cnt + R + n_words;
-    for (uint64_t i = g.tid; i < items; i += g.bdim) {
-      uint32_t* src;
-      uint32_t d;
-      int64_t at;  // word of the header, or -1: nsent[d]
-      if (i < n_cnt) {
-        d = uint32_t(i / EL);
-        src = &cnt[i];
-        at = kHdrHead + int64_t(i % EL);
-      } else if (i < n_cnt + R) {
-        d = uint32_t(i - n_cnt);
-        src = &cnt[E + d];
-        at = -1;
-      } else {
-        const uint64_t k = i - n_cnt - R, row = k / TW, w = k % TW;  // row: expert, then rank
-        const bool slots = row >= uint64_t(R) * EL;
-        d = slots ? uint32_t(row - uint64_t(R) * EL) : uint32_t(row / EL);
-        src = (slots ? dmask_row(P, d) : expert_bits(P, uint32_t(row))) + w;
-        at = slots ? int64_t(kHdrHead + EL + w) : int64_t(e0w + (row % EL) * W + w);
-      }
-      const uint32_t v = *src;
-      if (at < 0) nsent[d] = v;
-      else if (hs[d]) hs[d][at] = int32_t(v);
-      if (v) *src = 0;
+    // thread per (destination, local expert): its words with their running counts and its
+    // count into the header (of a destination this block still sends to), the words zeroed
+    for (uint32_t i = g.tid; i < R * EL; i += g.bdim) {
+      const uint32_t d = i / EL, q = i % EL;
+      uint32_t* bits = expert_bits(P, i);
+      int32_t* h = hs[d];
+      uint64_t* hw = h ? reinterpret_cast<uint64_t*>(h + e0w) + uint64_t(q) * W : nullptr;
+      uint32_t run = 0;
+      batched(TW, [&](uint32_t w) { return bits[w]; }, [&](uint32_t w, int64_t v) {
+        const uint32_t b = uint32_t(v);
+        if (hw) hw[w] = uint64_t(b) | (uint64_t(run) << 32);
+        run += popc64(b);
+        if (b) bits[w] = 0;
+      });
+      if (h) h[kHdrHead + q] = int32_t(run);
+    }
+    // warp per destination: the slot bitmap by the lanes (read and zeroed for every
+    // destination), its popcount the message count; then lane 0 finishes the header and
+    // signals (the block barrier orders the block's header stores before its release)
+    uint32_t* nsent = reinterpret_cast<uint32_t*>(hs + R);  // [R]
+    for (uint32_t d = g.wid; d < R; d += g.nwarps) {
+      uint32_t* slots = dmask_row(P, d);
+      uint32_t n = 0;
+      for (uint32_t w0 = 0; w0 < TW; w0 += g.ws * kBatch)
+        batched(kBatch, [&](uint32_t u) {
+          const uint32_t w = w0 + u * g.ws + g.lane;
+          return w < TW ? slots[w] : 0u;
+        }, [&](uint32_t u, int64_t v) {
+          const uint32_t w = w0 + u * g.ws + g.lane, b = uint32_t(v);
+          if (w >= TW) return;
+          if (hs[d]) hs[d][kHdrHead + EL + w] = int32_t(b);
+          n += popc64(b);
+          if (b) slots[w] = 0;
+        });
+      n = warp_sum(g, n);
+      if (g.lane == 0) nsent[d] = n;
     }
     arch::syncthreads();
-    // lane 0 of warp d finishes destination d's header and signals (the barrier above orders
-    // the block's header stores before its release)
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {
       HeaderPre x = d == d0 ? pre0 : header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, 0, out);
       x.n = int32_t(nsent[d]);
@@ -1058,18 +1061,11 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
         warp_copy(g, uint64_t(uintptr_t(mapped)) + lo, src + lo, hi - lo);
     }
     if (part != 0) continue;
-    // lane k: its expert's count and bit t of its token bitmap; the lane of the token's first
-    // selection on a rank: that rank's count and bit t of its slot bitmap (the last block copies
-    // them into the headers)
+    // lane k: bit t of its expert's token bitmap; the lane of the token's first selection on a
+    // rank: bit t of that rank's slot bitmap (the last block turns both into the headers)
     const uint32_t bit = 1u << (t % 32);
-    if (sel.e >= 0) {
-      arch::atomic_add(&send_count(P)[sel.e], 1u);
-      arch::atomic_or(&expert_bits(P, uint32_t(sel.e))[t / 32], bit);
-    }
-    if ((sel.first >> g.lane) & 1) {
-      arch::atomic_add(&send_count(P)[P.num_experts + uint32_t(sel.d)], 1u);
-      arch::atomic_or(&dmask_row(P, uint32_t(sel.d))[t / 32], bit);
-    }
+    if (sel.e >= 0) arch::atomic_or(&expert_bits(P, uint32_t(sel.e))[t / 32], bit);
+    if ((sel.first >> g.lane) & 1) arch::atomic_or(&dmask_row(P, uint32_t(sel.d))[t / 32], bit);
     int32_t* meta = ptr<int32_t>(msg + P.payload_bytes);
     if (g.lane == 0) {
       meta[0] = int32_t(t);
@@ -1187,7 +1183,8 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     if (!((word >> (m % 32)) & 1)) continue;
     const uint64_t msg = P.d_recv + (uint64_t(j) * P.t_max + m) * P.msg_stride;
     const int32_t* meta = ptr<const int32_t>(msg + P.payload_bytes);
-    const uint32_t* ebits = ptr<const uint32_t>(P.d_rhdr + uint64_t(j) * P.hdr_stride) + e0w;
+    const uint64_t* ebits = reinterpret_cast<const uint64_t*>(
+        ptr<const int32_t>(P.d_rhdr + uint64_t(j) * P.hdr_stride) + e0w);
     // t, K and lane k's selection k are loaded together (the meta is kMetaBytes whatever the
     // sender's K: selection k's words exist for every k < kMaxTopk), not K after t
     const int32_t t = meta[0];
@@ -1196,18 +1193,15 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     const uint32_t kk = k_raw < kMaxTopk ? k_raw : kMaxTopk;  // the sender's K
     // the packed rows this message goes to (one per local expert the token selected): lane k
     // reads selection k (the lanes' loads overlap; one lane walking k made K dependent chains);
-    // its position idx_e(t) is the number of bits below t in the expert's token bitmap (the
-    // words below t's loaded together)
+    // its position idx_e(t) is the bits below t in the expert's token bitmap: the word's running
+    // count plus a popcount
     bool mine = false;
     uint64_t my_dst = 0;
     if (g.lane < kk && e >= int32_t(e0) && e < int32_t(e0 + EL) && t == int32_t(m)) {
       const uint32_t le = uint32_t(e) - e0;
-      const uint32_t* eb = ebits + uint64_t(le) * W;
-      uint32_t idx = 0;
-      batched(m / 32, [&](uint32_t w) { return eb[w]; },
-              [&](uint32_t, int64_t v) { idx += popc64(uint32_t(v)); });
-      const uint32_t b = eb[m / 32];
-      idx += popc64(b & ((1u << (m % 32)) - 1));
+      const uint64_t v = ebits[uint64_t(le) * W + m / 32];
+      const uint32_t b = uint32_t(v);
+      const uint32_t idx = uint32_t(v >> 32) + popc64(b & ((1u << (m % 32)) - 1));
       const int32_t c = cnt[uint64_t(j) * EL + le];
       if (!((b >> (m % 32)) & 1) || int64_t(idx) >= c) {
         ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_MESSAGE, j, uint64_t(c), uint64_t(idx), 0);
@@ -1382,36 +1376,40 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   }
   stamp_after_block(P, g, ST_SEND_LOOP);
   // every block: the header slots and warp w's destination's HeaderPre before last_block's
-  // fences (as the dispatch's), and the per-destination sums zeroed
+  // fences (as the dispatch's)
   int32_t** hs = header_slots(P, g, P.c_rhdr, P.c_shdr, out);
-  uint64_t* nrows = reinterpret_cast<uint64_t*>(hs + R);  // [R] rows to j
-  uint32_t* bad = reinterpret_cast<uint32_t*>(nrows + R);  // [R] j's layout does not fit
-  for (uint32_t j = g.tid; j < R; j += g.bdim) nrows[j] = bad[j] = 0;
   const uint32_t j0 = g.wid;
   HeaderPre pre0;
   if (j0 < R) pre0 = header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j0, 0, out);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
-    // one flat loop over every (expert, destination): the count into j's header, added to j's
-    // rows, and the layout check (every row inside x's packed layout, the sum inside this rank's
-    // area on j; a thread per item, loads independent of each other); then lane 0 of warp j
-    // finishes j's header and signals (the barrier orders the block's header stores first)
-    for (uint32_t i = g.tid; i < R * EL; i += g.bdim) {  // lr is [E_loc][R]
-      const uint32_t j = i % R;
-      const int64_t v = lr[i];
-      const int64_t b = v >> 32, c = v & 0xffffffff;
-      if (b < 0 || b + c > int64_t(rows)) arch::atomic_or(&bad[j], 1u);
-      if (hs[j]) hs[j][kHdrHead + i / R] = int32_t(c);
-      arch::atomic_add(&nrows[j], uint64_t(c));
-    }
-    arch::syncthreads();
+    // warp per destination: the per-expert counts into its header by the lanes (loaded
+    // together, then stored), their sum the header's row count, and the layout check (every
+    // row inside x's packed layout, the sum inside this rank's area on j); then lane 0 finishes
+    // the header and signals (the syncwarp orders the lanes' stores before its release)
     bool self_ok = true;
     for (uint32_t j = g.wid; j < R; j += g.nwarps) {
       HeaderPre x = j == j0 ? pre0 : header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, 0, out);
-      x.n = int32_t(nrows[j]);
-      const bool fits = !bad[j] && nrows[j] <= P.c_rows;
+      uint64_t n = 0;
+      bool fits = true;
+      for (uint32_t le0 = 0; le0 < EL; le0 += g.ws * kBatch)
+        batched(kBatch, [&](uint32_t u) {
+          const uint32_t le = le0 + u * g.ws + g.lane;
+          return le < EL ? lr[uint64_t(le) * R + j] : int64_t(0);
+        }, [&](uint32_t u, int64_t v) {
+          const uint32_t le = le0 + u * g.ws + g.lane;
+          const int64_t b = v >> 32, c = v & 0xffffffff;
+          if (le >= EL) return;
+          if (b < 0 || b + c > int64_t(rows)) fits = false;
+          if (hs[j]) hs[j][kHdrHead + le] = int32_t(c);
+          n += uint64_t(c);
+        });
+      n = warp_sum(g, n);
+      fits = arch::all(fits) && n <= P.c_rows;
       if (j == P.rank) self_ok = fits;
-      if (g.lane == 0 && !fits) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, nrows[j], 0);
+      x.n = int32_t(n);
+      arch::syncwarp();
+      if (g.lane == 0 && !fits) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, n, 0);
       if (g.lane == 0 && fits && !x.skip)
         header_finish(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, x, int32_t(P.t_max), (kHdrHead + EL) * 4);
     }
