@@ -69,8 +69,8 @@
 // peer alone and never makes operations to live peers fail fast. A verb that returns false marks
 // the peer failed (`failed[p]`), and with F_SHRINK masked (`mask[p]`): masked peers are skipped
 // before posting, never waited for, and count 0. Grid-internal waits (a block waiting for block 0's
-// plan, or for the other blocks at a barrier) are bounded by LlParams::timeout_ns and recorded in
-// EpStatus. Nothing traps; every block leaves.
+// quiet or receive tables, or for the other blocks at a barrier) are bounded by
+// LlParams::timeout_ns and recorded in EpStatus. Nothing traps; every block leaves.
 //
 // Memory orders: workspace written by one block and read by others is published with grid_fence
 // (system scope; device scope when every peer is p2p on this GPU, F_GPU_SCOPE) + an atomic flag
@@ -90,7 +90,8 @@
 //     before it adds (independent loads in flight), then adds in k order (deterministic).
 //   - No serial memory chains: copies keep kCopyUnroll loads in flight per lane (warp_copy), a
 //     thread's walk over the E_loc counts loads kBatch at a time (batched), a message's K
-//     selections are read by K lanes, and rows are staged while block 0 plans.
+//     selections are read by K lanes, and a last block loads its header words before it
+//     stores any (see dispatch_send_last).
 // bench/ep_profile.py measures each phase (LlParams::prof stamps) and the host's share.
 #pragma once
 
@@ -561,8 +562,8 @@ GPUNET_DEVICE void grid_fence(const LlParams& P) {
 }
 
 // Polls of a grid-internal word spin without backing off for the first kHotSpins reads: the
-// hand-offs are short (a block waits for block 0's plan, ~microseconds), and a 64 ns sleep per
-// read adds up to the sleep's granularity to every hand-off. Then spin_pause (leaves issue slots
+// hand-offs are short (a block waits for block 0's quiet or tables, ~microseconds), and a 64 ns
+// sleep per read adds up to the sleep's granularity to every hand-off. Then spin_pause (leaves issue slots
 // to the other blocks; on the HOST arm it yields, so the emulator's threads progress).
 constexpr uint32_t kHotSpins = 256;
 
@@ -643,7 +644,7 @@ GPUNET_DEVICE void reset_sync(const LlParams& P, const Geo& g, uint32_t first, u
 // Nothing to complete when every other peer is mapped (F_ALL_MAPPED): a p2p put has copied its
 // bytes when it returns, this rank's own traffic never goes through a NIC, and the signals order
 // what the peers read; the loop (mask, failed and the peer's descriptor loaded, then a fence) was
-// ~3.5 us at the head of block 0's plan in the H200 profile, before anything else could start.
+// ~3.5 us at the head of block 0's send in the H200 profile, before anything else could start.
 GPUNET_DEVICE void quiet_live_peers(const LlParams& P, const Geo& g) {
   if (P.flags & F_ALL_MAPPED) return;
   for (uint32_t p = g.tid; p < P.nranks; p += g.bdim)
