@@ -299,6 +299,58 @@ def test_one_rank_round_trip_matches_the_reference(solo):
     assert ref.calc_diff(out, (inp["x"].float() * w).to(torch.bfloat16)) < BF16_BOUND
 
 
+def test_the_dispatch_header_carries_each_experts_token_bitmap_and_the_send_bitmaps_end_zero():
+    """The dispatch has no routing plan (ll.cuh dispatch_send_last): the header a rank receives
+    from itself must hold, per local expert q, the count of tokens selecting q, the slot bitmap of
+    the messages, and per 32-token word w the bits of q's tokens (low half) with the count of
+    q's tokens before w (high half), which is what the receiver's positions are computed from.
+    Generated here: 70 tokens (3 words), top-3 over 4 experts with -1 holes, tokens naming an
+    expert twice and tokens with holes only; BF16 then FP8. After each launch the send's counters
+    and bitmaps (the `bits` workspace, zero between launches) must be all zero again."""
+    t, h, e, k = 70, 128, 4, 3
+    b = Buffer(None, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(t, h, 1, e),
+               low_latency_mode=True, explicitly_destroy=True, timeout_s=10.0)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(t, h, generator=gen).to(torch.bfloat16)
+        tk = torch.randint(-1, e, (t, k), generator=gen, dtype=torch.int64)
+        tk[3] = torch.tensor([2, 2, 1])           # a repeat counts once
+        tk[40] = torch.tensor([-1, -1, -1])       # no expert: no message
+        sel = np.zeros((e, t), dtype=bool)
+        for i, row in enumerate(tk.tolist()):
+            for q in row:
+                if q >= 0:
+                    sel[q, i] = True
+        words = dep.dmask_words(t)
+        layout = b._layout(t, h, e, "test")
+        hdr0 = dep.HDR_HEAD + e + words
+        e0w = (hdr0 + 1) // 2 * 2
+        for fp8 in (False, True):
+            recv, count, handle, _, _ = b.low_latency_dispatch(x, tk, t, e, use_fp8=fp8)
+            want = ref.ll_dispatch_ref([x], [tk], e, t, 0, use_fp8=fp8)
+            assert torch.equal(count, want[1]) and torch.equal(handle[1], want[3])
+            used = b._ll_idx ^ 1                   # the LL buffer this dispatch used
+            off = layout.buffers[used]["d_rhdr"]   # source 0's header: this rank's own
+            hw = b._ll[off:off + layout.hdr_stride].view(torch.int32).numpy().astype(np.int64)
+            sent = sel.any(0)
+            assert hw[0] == sent.sum() and hw[1] == t
+            assert list(hw[dep.HDR_HEAD:dep.HDR_HEAD + e]) == list(sel.sum(1))
+            for w in range(words):
+                bits = sum(1 << (i - 32 * w) for i in range(32 * w, min(t, 32 * w + 32)) if sent[i])
+                assert hw[dep.HDR_HEAD + e + w] & 0xffffffff == bits, w
+            for q in range(e):
+                for w in range(words):
+                    lo = hw[e0w + 2 * (q * words + w)] & 0xffffffff
+                    hi = hw[e0w + 2 * (q * words + w) + 1]
+                    toks = [i for i in range(32 * w, min(t, 32 * w + 32)) if sel[q, i]]
+                    assert lo == sum(1 << (i - 32 * w) for i in toks), (q, w)
+                    assert hi == sel[q, :32 * w].sum(), (q, w)
+            for ws in b._shape_ws.values():
+                assert not ws["bits"].any(), "the send bitmaps must be zero between launches"
+    finally:
+        b.destroy()
+
+
 def test_more_than_1024_tokens_and_top_16_with_diagnostics():
     """Limits DeepEP users ask to lift: 1100 tokens per rank (DeepEP/SGLang stop at 1024) and
     top-16 (DeepEP LL: 11), hidden 384 (not in DeepEP's list): the dispatch equals the reference
