@@ -56,7 +56,7 @@ def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, num_rdma_by
     nbytes = num_rdma_bytes or Buffer.get_low_latency_rdma_size_hint(
         BASE["t_max"], BASE["hidden"], world, EXPERTS_PER_RANK * world)
     r = Ranks.start(world, "ep_jobs:init", transport, nbytes, timeout_s, shrink, warp_size, timeout=180)
-    r.transport = transport
+    r.transport, r.warp_size = transport, warp_size
     return r
 
 
@@ -746,6 +746,39 @@ def test_p2p_rows_cut_over_several_warps_when_tokens_are_few(p2p_world):
     for seed in (91, 92):
         spec = _spec(p2p_world.world, seed=seed, t_max=2, vary_tokens=True, tagged=True)
         _assert_round(p2p_world.run("ep_jobs:round_", spec), spec)
+
+
+FP8_WIDE = 17 * 128  # 34 half groups: more than a warp of 32 has lanes, so a part loops
+
+
+@pytest.fixture(scope="module")
+def p2p2_w32():
+    """2 ranks, all p2p, warps of 32, sized for FP8_WIDE rows."""
+    nbytes = Buffer.get_low_latency_rdma_size_hint(BASE["t_max"], FP8_WIDE, 2, EXPERTS_PER_RANK * 2)
+    r = _pool(2, "p2p", 32, num_rdma_bytes=nbytes)
+    yield r
+    _close(r)
+
+
+@pytest.mark.parametrize("world_name", ["p2p2_w32", "p2p2"], ids=["warp32", "warp64"])
+def test_fp8_to_mapped_peers_is_quantised_straight_into_each_destination(request, world_name):
+    """FP8 with every peer mapped (ll.cuh fp8_to_destinations: nothing staged, a lane per half
+    group, each part stored from registers into the token's slot on every destination rank),
+    warps of 32 and 64: 1-2 tokens a rank (S = 2..4 parts a token; parts past the last group
+    idle), a full rank (S = 1), hidden of 2 and 3 groups, and with warps of 32 17 groups (a part
+    loops past the warp's lanes); plain, round_scale, UE8M0, with and without a hook.
+    Invariant: every rank's packed FP8 rows and scales equal the reference bit for bit and the
+    combine is within DeepEP's FP8 bound."""
+    world = request.getfixturevalue(world_name)
+    specs = [dict(seed=101, t_max=2, hidden=384, use_fp8=True, vary_tokens=True),
+             dict(seed=102, hidden=256, use_fp8=True, round_scale=True, hook=True),
+             dict(seed=103, t_max=2, hidden=256, use_fp8=True, round_scale=True, use_ue8m0=True)]
+    if world.warp_size == 32:
+        specs.append(dict(seed=104, hidden=FP8_WIDE, use_fp8=True, round_scale=True, use_ue8m0=True,
+                          vary_tokens=True))
+    for kw in specs:
+        spec = _spec(world.world, **kw)
+        _assert_round(world.run("ep_jobs:round_", spec), spec)
 
 
 def test_ll_flags_name_the_world(p2p_world):

@@ -14,10 +14,10 @@
 //   SEND  1. block 0 quiets every live peer (the previous use of this LL buffer's send staging is
 //            complete at the NIC before it is overwritten; a failure names the peer; a grid flag
 //            tells the blocks that stage); there is no plan to wait for.
-//         2. every warp, a token each: the row (bf16, or fp8 + one f32 scale per 128 columns,
-//            quantised here) is staged ONCE in the send buffer where staging is needed and
-//            stored ONCE per mapped destination RANK (not per expert) at slot t of this rank's
-//            area there. Lane k sets bit t of selection k's expert's token bitmap and the lane of
+//         2. every warp, a token each (a part of it, a warp each, when every peer is mapped): the
+//            row (bf16, or fp8 + one f32 scale per 128 columns, quantised here) is staged ONCE in
+//            the send buffer when a NIC peer needs it, and stored ONCE per mapped destination RANK
+//            (not per expert) at slot t of this rank's area there. Lane k sets bit t of selection k's expert's token bitmap and the lane of
 //            the token's first selection on a rank bit t of that rank's slot bitmap (atomic ors
 //            on device memory, nothing returned, nothing waited for); the token's meta (t, then
 //            its K experts, -1 for holes and repeats) follows the row, and a NIC destination gets
@@ -908,42 +908,40 @@ GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uin
   if (d0 < R) pre0 = header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d0, 0, out);
   if (last_block(P, g, SYNC_SEND_DONE)) {  // (its barrier orders hs for the block)
     stamp(P, g, ST_SEND_LAST);
-    // thread per (destination, local expert): its words with their running counts and its
-    // count into the header (of a destination this block still sends to), the words zeroed
-    for (uint32_t i = g.tid; i < R * EL; i += g.bdim) {
-      const uint32_t d = i / EL, q = i % EL;
-      uint32_t* bits = expert_bits(P, i);
-      int32_t* h = hs[d];
-      uint64_t* hw = h ? reinterpret_cast<uint64_t*>(h + e0w) + uint64_t(q) * W : nullptr;
-      uint32_t run = 0;
-      batched(TW, [&](uint32_t w) { return bits[w]; }, [&](uint32_t w, int64_t v) {
-        const uint32_t b = uint32_t(v);
-        if (hw) hw[w] = uint64_t(b) | (uint64_t(run) << 32);
-        run += popc64(b);
-        if (b) bits[w] = 0;
-      });
-      if (h) h[kHdrHead + q] = int32_t(run);
-    }
-    // warp per destination: the slot bitmap by the lanes (read and zeroed for every
-    // destination), its popcount the message count; then lane 0 finishes the header and
-    // signals (the block barrier orders the block's header stores before its release)
+    // Rows of the bitmaps (LlParams::bits): i < E is (destination i / EL, local expert i % EL),
+    // its words with their running counts and its count into the header; E + d is d's slot
+    // bitmap, its words and its popcount (the message count). Two rows a thread, their words
+    // loaded in one batch before any store: every row in one round trip for E + R <= 2 * bdim
+    // (DeepEP's 288 + 2 on 256 threads; a row a thread, then the slot rows by warps after them,
+    // was three round trips in a row, each slow while the other ranks' copies load memory).
+    // Rows of a destination out of this block's view (hs[d] null) are read and zeroed only.
     uint32_t* nsent = reinterpret_cast<uint32_t*>(hs + R);  // [R]
-    for (uint32_t d = g.wid; d < R; d += g.nwarps) {
-      uint32_t* slots = dmask_row(P, d);
-      uint32_t n = 0;
-      for (uint32_t w0 = 0; w0 < TW; w0 += g.ws * kBatch)
-        batched(kBatch, [&](uint32_t u) {
-          const uint32_t w = w0 + u * g.ws + g.lane;
-          return w < TW ? slots[w] : 0u;
-        }, [&](uint32_t u, int64_t v) {
-          const uint32_t w = w0 + u * g.ws + g.lane, b = uint32_t(v);
-          if (w >= TW) return;
-          if (hs[d]) hs[d][kHdrHead + EL + w] = int32_t(b);
-          n += popc64(b);
-          if (b) slots[w] = 0;
-        });
-      n = warp_sum(g, n);
-      if (g.lane == 0) nsent[d] = n;
+    const uint32_t E = P.num_experts, nrows = E + R;
+    for (uint32_t i0 = g.tid; i0 < nrows; i0 += 2 * g.bdim) {
+      uint32_t run0 = 0, run1 = 0;  // the two rows' running counts (scalars: no local array)
+      batched(2 * TW, [&](uint32_t x) {
+        const uint32_t i = i0 + (x / TW) * g.bdim;
+        return i < nrows ? expert_bits(P, i)[x % TW] : 0u;
+      }, [&](uint32_t x, int64_t v) {
+        const bool second = x >= TW;
+        const uint32_t i = i0 + (second ? g.bdim : 0), w = x % TW, b = uint32_t(v);
+        if (i >= nrows) return;
+        const uint32_t run = second ? run1 : run0;
+        if (i < E) {
+          if (int32_t* h = hs[i / EL])
+            (reinterpret_cast<uint64_t*>(h + e0w) + uint64_t(i % EL) * W)[w] = uint64_t(b) | (uint64_t(run) << 32);
+        } else if (int32_t* h = hs[i - E]) {
+          h[kHdrHead + EL + w] = int32_t(b);
+        }
+        (second ? run1 : run0) = run + popc64(b);
+        if (b) expert_bits(P, i)[w] = 0;
+      });
+      for (uint32_t r = 0; r < 2; ++r) {
+        const uint32_t i = i0 + r * g.bdim, run = r ? run1 : run0;
+        if (i >= nrows) continue;
+        if (i >= E) nsent[i - E] = run;
+        else if (int32_t* h = hs[i / EL]) h[kHdrHead + i % EL] = int32_t(run);
+      }
     }
     arch::syncthreads();
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {
@@ -1015,6 +1013,68 @@ GPUNET_DEVICE bool send_start(const LlParams& P, const Geo& g, bool stage) {
   return true;
 }
 
+// FP8 with every peer mapped (nothing staged): part `part` of S of token t's groups, a lane per
+// half group (64 columns; the group's amax joins the partner lane h ^ 1's by one shuffle), its
+// e4m3 bytes (and, the first half's lane, the group's scale) stored from registers straight into
+// the token's slot on each destination rank. The same numbers as quantise_group (max is exact in
+// any order; the same scale and division). Staged, a lane quantised whole groups (two a lane for
+// DeepEP's 7168 columns) and one warp a token then copied the row to each destination: the FP8
+// send took ~24 us on the H200 against BF16's ~8 (bench/RESULTS.md, fourteenth session).
+constexpr uint32_t kHalf = kGroup / 2;
+GPUNET_DEVICE void fp8_to_destinations(const LlParams& P, const Geo& g, uint32_t t, uint32_t part,
+                                       uint32_t S, const Selection& sel, const uint8_t* out) {
+  const uint32_t H = P.hidden, G = H / kGroup, K = P.topk;
+  // lane k: the slot of selection k's rank when k is the token's first selection on it (0: none)
+  uint64_t slot = 0;
+  if ((sel.first >> g.lane) & 1) {
+    const uint32_t d = uint32_t(sel.d);
+    if (!out[d])
+      slot = d == P.rank ? dispatch_slot(P, t)
+                         : uint64_t(uintptr_t(gpunet::ptr(peer_ctx(P, d), ptr<const void>(dispatch_slot(P, t)), int(d))));
+  }
+  const bool round = (P.flags & (F_ROUND_SCALE | F_UE8M0)) != 0;
+  const uint32_t per = (G + S - 1) / S, g0 = part * per;
+  const uint32_t nh = g0 < G ? 2 * ((g0 + per < G ? g0 + per : G) - g0) : 0;
+  for (uint32_t h0 = 0; h0 < nh; h0 += g.ws) {  // warp-uniform: every lane shuffles
+    const uint32_t h = h0 + g.lane;
+    const bool act = h < nh;
+    const uint32_t col = (g0 + h / 2) * kGroup + (h % 2) * kHalf;
+    V16 in[kHalf / 8] = {};
+    float amax = 0.0f;
+    if (act) {
+      const V16* src = ptr<const V16>(P.x + (uint64_t(t) * H + col) * 2);
+#pragma unroll
+      for (uint32_t c = 0; c < kHalf / 8; ++c) in[c] = src[c];
+#pragma unroll
+      for (uint32_t c = 0; c < kHalf / 8; ++c)
+        for (uint32_t i = 0; i < 8; ++i) {
+          const float a = bits_f32(f32_bits(bf16_at(in[c], i)) & 0x7fffffffu);
+          amax = a > amax ? a : amax;
+        }
+    }
+    const float other = arch::shfl(amax, g.lane ^ 1);  // h0 is even: lane ^ 1 holds h ^ 1
+    amax = other > amax ? other : amax;
+    const float s = group_scale(amax, round);
+    V16 o[kHalf / 16];
+#pragma unroll
+    for (uint32_t c = 0; c < kHalf / 16; ++c) {
+      o[c] = {0, 0};
+      for (uint32_t i = 0; i < 8; i += 2) {
+        o[c].a |= uint64_t(f32x2_to_e4m3x2(bf16_at(in[2 * c], i) / s, bf16_at(in[2 * c], i + 1) / s)) << (8 * i);
+        o[c].b |= uint64_t(f32x2_to_e4m3x2(bf16_at(in[2 * c + 1], i) / s, bf16_at(in[2 * c + 1], i + 1) / s))
+                  << (8 * i);
+      }
+    }
+    for (uint32_t k = 0; k < K; ++k) {
+      const uint64_t dst = arch::shfl(slot, k);
+      if (!act || dst == 0) continue;
+#pragma unroll
+      for (uint32_t c = 0; c < kHalf / 16; ++c) ptr<V16>(dst + col)[c] = o[c];
+      if (h % 2 == 0) ptr<float>(dst + H)[col / kGroup] = s;
+    }
+  }
+}
+
 // Dispatch's send. A token's message goes to slot t of this rank's area on each destination
 // (its header's bitmap says which slots hold one), so the rows need no plan, and neither do the
 // experts' positions: the header carries each expert's token bitmap, and the receiver counts the
@@ -1027,15 +1087,17 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   const uint32_t K = P.topk, T = P.num_tokens, H = P.hidden;
   const bool fp8 = (P.flags & F_FP8) != 0;
   const bool self_direct = self_reads_source(P);
-  // the send slot holds the row for a NIC peer (the verbs read the heap), for this rank's own
-  // receive with a hook, and in FP8 (quantised once, copied to each destination)
-  const bool stage = fp8 || !self_direct || !all_peers_mapped(P);
+  // the send slot holds the row only for a NIC peer (the verbs read the heap; FP8 quantised
+  // once there, copied to each destination); with every peer mapped the rows go from x (BF16) or
+  // from the quantiser's registers (FP8) to each destination, this rank's own slot included when
+  // the receive does not read x (a hook, or FP8)
+  const bool stage = !all_peers_mapped(P);
   uint8_t* out = load_peer_view(P, g);
   if (!send_start(P, g, stage)) return false;
-  // Unstaged rows (BF16 to mapped peers, !stage): a token's row is cut in S contiguous parts, a
-  // warp each, when there are warps to spare (DeepEP's 128 tokens on 65 blocks of 8 warps:
-  // S = 4). Part 0 also sets the bits and writes the meta, the self message and any NIC put.
-  // Staged rows keep S = 1: the warp that staged a row sends it.
+  // Unstaged rows (!stage): a token's row is cut in S contiguous parts, a warp each, when there
+  // are warps to spare (DeepEP's 128 tokens on 65 blocks of 8 warps: S = 4). Part 0 also sets
+  // the bits and writes the meta and the self message. Staged rows keep S = 1: the warp that
+  // staged a row sends it.
   const uint32_t S = stage ? 1u : row_parts(g.gwarps, T);
   const uint64_t part_bytes = (uint64_t(P.payload_bytes) / S + 15) / 16 * 16;
   const uint64_t meta_bytes = P.msg_stride - P.payload_bytes;
@@ -1044,11 +1106,13 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
     if (stage) stage_row(P, g, t);
     const Selection sel = token_selections(P, g, t);
+    const bool copy = stage || !fp8;  // else the quantiser stores the part itself
+    if (!copy) fp8_to_destinations(P, g, t, part, S, sel, out);
     arch::syncwarp();  // the staged row's stores before other lanes read it
     const uint64_t src = stage ? msg : P.x + uint64_t(t) * H * 2;
     const uint64_t lo = part * part_bytes;
     const uint64_t hi = lo + part_bytes < P.payload_bytes ? lo + part_bytes : P.payload_bytes;
-    for (uint32_t k = 0; k < K && lo < hi; ++k) {
+    for (uint32_t k = 0; copy && k < K && lo < hi; ++k) {
       if (!((sel.first >> k) & 1)) continue;
       const uint32_t d = uint32_t(arch::shfl(sel.d, k));
       if (d == P.rank) {  // this rank's own slot (no NIC), unless the receive reads x
