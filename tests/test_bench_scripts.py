@@ -140,6 +140,43 @@ def test_ep_profile_cpu_gives_every_phase_of_every_call(tmp_path):
     assert "check: OK" in r.stdout and "kernel" in r.stdout
 
 
+def test_ep_profile_ab_takes_the_slower_rank_and_the_late_starting_ranks_kernel(tmp_path):
+    """bench/ep_profile_ab.py on ep_profile.py-shaped JSON: per run the slower rank's figure and
+    the kernel of the rank with the largest skew (not the slower one), the median [min, max]
+    over a variant's runs, the ratio of medians against the first variant; a run whose check
+    failed is refused (not a measurement)."""
+    import json
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import ep_profile_ab as ab
+    finally:
+        sys.path.pop(0)
+
+    def run(kernels, skews, send):
+        ranks = [dict(event=k + 4, kernel=k, send=send, hdr=1.0, recv=2.0, skew=sk)
+                 for k, sk in zip(kernels, skews)]
+        return {"summary_us": {"dispatch bf16": ranks}, "fail": []}
+
+    # variant a: late-starting rank (skew 9) has the SMALLER kernel: late kernel != slower kernel
+    (tmp_path / "a1.json").write_text(json.dumps({"runs": [run([50.0, 40.0], [0.0, 9.0], 8.0)]}))
+    (tmp_path / "a2.json").write_text(json.dumps({"runs": [run([44.0, 46.0], [2.0, 0.0], 6.0)]}))
+    (tmp_path / "a3.json").write_text(json.dumps({"runs": [run([60.0, 42.0], [0.0, 12.0], 7.0)]}))
+    (tmp_path / "b1.json").write_text(json.dumps({"runs": [run([30.0, 25.0], [0.0, 1.0], 4.0)]}))
+    out = tmp_path / "ab.json"
+    assert ab.main(["a=%s/a*.json" % tmp_path, "b=%s/b*.json" % tmp_path, "--json", str(out)]) == 0
+    rows = {(r["op"], r["figure"]): r for r in json.loads(out.read_text())["rows"]}
+    slower = rows[("dispatch bf16", "slower kernel")]["a"]
+    assert slower["runs"] == [50.0, 46.0, 60.0] and slower["median"] == 50.0
+    late = rows[("dispatch bf16", "late kernel")]["a"]
+    assert late["runs"] == [40.0, 44.0, 42.0] and (late["min"], late["median"], late["max"]) == (40.0, 42.0, 44.0)
+    assert rows[("dispatch bf16", "late kernel")]["b"]["runs"] == [25.0]
+    assert rows[("dispatch bf16", "slower send")]["a"]["median"] == 7.0
+    bad = {"runs": [dict(run([1.0], [0.0], 1.0), fail=[{"rank": 0, "why": "layout"}])]}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(SystemExit, match="failed its check"):
+        ab.main(["x=%s/bad.json" % tmp_path])
+
+
 PROXY_SCRIPT = ROOT / "bench" / "proxy.py"
 CPU_PUT_SCRIPT = ROOT / "bench" / "cpu_put.py"
 
