@@ -1,4 +1,5 @@
 """scripts/ab.sh: the A/B of device code in one lease (prepare here, run on the device machine)."""
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -7,9 +8,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _git(repo, *args):
-    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                   env={"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-                        "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"})
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, env=env)
 
 
 def test_prepare_copies_each_side_and_run_alternates_then_restores_new(tmp_path):
