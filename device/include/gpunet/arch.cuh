@@ -21,6 +21,9 @@
 //   u64 load_acquire_gpu(const u64*)                 void store_release_gpu(u64*, v)
 //              (device scope: for words only GPU threads exchange; see qp.cuh's publish)
 //   T load_relaxed(const T*)                         void store_relaxed(T*, T)
+//   u32/u64 load_const(const u32*/u64*)   (a word nobody writes while a kernel runs, e.g. a
+//              descriptor's constants: read-only cache path, and the compiler may merge and hoist
+//              it like any value, also across fences)
 //   void store_relaxed_v2(u64* p, u64 w0, u64 w1)    (16 bytes at a 16-byte aligned p: one
 //              vector store on the GPUs; a WQE segment is written with one of them)
 //   void store_weak_v2(u64* p, u64 w0, u64 w1)       (the same 16 bytes as a WEAK vector store:
@@ -117,6 +120,19 @@ template <class T>
 GPUNET_DEVICE T load_relaxed(const T* p) {
   static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8, "1/2/4/8 bytes");
   return *const_cast<const volatile T*>(p);
+}
+// ld.global.nc, not volatile and no memory clobber: the compiler may hoist it out of a loop and
+// past the fences that follow it (a plain load after a system fence misses L1: one more L2 round
+// trip on a post's chain, bench/RESULTS.md). Only for words that stay fixed while the kernel runs.
+GPUNET_DEVICE uint32_t load_const(const uint32_t* p) {
+  uint32_t v;
+  asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));  // a pure function of p: CSE, hoisting
+  return v;
+}
+GPUNET_DEVICE uint64_t load_const(const uint64_t* p) {
+  uint64_t v;
+  asm("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
+  return v;
 }
 GPUNET_DEVICE void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 // Sequentially consistent at device scope: a release / acquire for words only this GPU's threads
@@ -285,6 +301,9 @@ GPUNET_DEVICE T load_relaxed(const T* p) {
   static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8, "1/2/4/8 bytes");
   return *const_cast<const volatile T*>(p);
 }
+// A plain load (UNVERIFIED on MACA whether a read-only cache path exists; the CUDA arm's reason).
+GPUNET_DEVICE uint32_t load_const(const uint32_t* p) { return *p; }
+GPUNET_DEVICE uint64_t load_const(const uint64_t* p) { return *p; }
 GPUNET_DEVICE void fence_sys() { __threadfence_system(); }
 GPUNET_DEVICE void fence_gpu() { __threadfence(); }
 // UNVERIFIED on MACA: two 8-byte volatile stores; a 16-byte vector store intrinsic is to be
@@ -399,6 +418,9 @@ template <class T>
 GPUNET_DEVICE void store_relaxed(T* p, T v) { host_store(p, v, __ATOMIC_RELAXED); }
 template <class T>
 GPUNET_DEVICE T load_relaxed(const T* p) { return host_load(p, __ATOMIC_RELAXED); }
+// A word nobody writes while the kernel runs: a plain load (no weak-memory buffering to model).
+GPUNET_DEVICE uint32_t load_const(const uint32_t* p) { return *p; }
+GPUNET_DEVICE uint64_t load_const(const uint64_t* p) { return *p; }
 // Two relaxed 8-byte stores: in weak mode they enter the store buffer separately and may become
 // visible in either order, which is weaker than one vector store, so every protocol that passes
 // here (the NIC reads WQE segments only after a release) passes with the real store too.

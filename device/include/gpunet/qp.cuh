@@ -184,6 +184,30 @@ namespace qpd {
 GPUNET_DEVICE uint64_t* u64p(uint64_t addr) { return reinterpret_cast<uint64_t*>(uintptr_t(addr)); }
 GPUNET_DEVICE uint32_t* u32p(uint64_t addr) { return reinterpret_cast<uint32_t*>(uintptr_t(addr)); }
 
+// The QP's constants on a post's chain (the first 128 B: the host writes them before a launch,
+// never during one), read with arch::load_const: the compiler keeps them in registers across the
+// post's fences and atomics, where a plain load after a fence missed L1 and put an L2 round trip
+// in front of the reservation (post_warp's ring-size check). Guard:
+// tests/test_device_arch.py test_post_reads_no_descriptor_constant_before_its_reservation.
+GPUNET_DEVICE uint32_t wqebbs(const QpDesc* qp) { return arch::load_const(&qp->sq_wqebbs); }
+GPUNET_DEVICE uint32_t mode(const QpDesc* qp) { return arch::load_const(&qp->post_mode); }
+GPUNET_DEVICE uint64_t sq(const QpDesc* qp) { return arch::load_const(&qp->sq); }
+GPUNET_DEVICE uint64_t dbrec(const QpDesc* qp) { return arch::load_const(&qp->dbrec); }
+GPUNET_DEVICE uint64_t db(const QpDesc* qp) { return arch::load_const(&qp->db); }
+GPUNET_DEVICE uint64_t slot_db(const QpDesc* qp) { return arch::load_const(&qp->slot_db); }
+GPUNET_DEVICE uint64_t slot_nbb(const QpDesc* qp) { return arch::load_const(&qp->slot_nbb); }
+GPUNET_DEVICE uint64_t slot_ready(const QpDesc* qp) { return arch::load_const(&qp->slot_ready); }
+GPUNET_DEVICE uint32_t qpn(const QpDesc* qp) { return arch::load_const(&qp->qpn); }
+// The CQ's constants (CqDesc less its consumer index).
+struct CqConst {
+  uint64_t buf, dbrec;
+  uint32_t cqe_cnt, collapsed;
+};
+GPUNET_DEVICE CqConst cq_const(const QpDesc* qp) {
+  return CqConst{arch::load_const(&qp->cq.buf), arch::load_const(&qp->cq.dbrec),
+                 arch::load_const(&qp->cq.cqe_cnt), arch::load_const(&qp->cq.collapsed)};
+}
+
 GPUNET_DEVICE bool try_lock(uint64_t* lock) {
   if (arch::atomic_cas(lock, uint64_t(0), uint64_t(1)) != 0) return false;
   arch::fence_sys();  // acquire: what the previous holder wrote before its release is visible
@@ -271,7 +295,7 @@ GPUNET_DEVICE void wqe_write_inline(Wqe& q, uint64_t raddr, uint32_t rkey, const
 // `done`), or UINT64_MAX if stale / bogus.
 GPUNET_DEVICE uint64_t cqe_start(const QpDesc* qp, uint64_t done, uint32_t tail) {
   const uint64_t d = (uint64_t(mlx5::cqe_tail_wqe_counter(tail)) - done) & 0xffff;  // s - done
-  if (d >= qp->sq_wqebbs) return UINT64_MAX;          // credited already (or never posted)
+  if (d >= qpd::wqebbs(qp)) return UINT64_MAX;          // credited already (or never posted)
   return done + d;
 }
 
@@ -292,9 +316,9 @@ GPUNET_DEVICE void cqe_error(QpDesc* qp, const Waiter& w, uint64_t cqe_addr, uin
 
 // Poll the QP's CQ once: credit done_head with whatever completed. Never waits.
 GPUNET_DEVICE void poll_cq(QpDesc* qp, const Waiter& w) {
-  const CqDesc& cq = qp->cq;
-  const uint64_t mask = qp->sq_wqebbs - 1;
-  const uint32_t* slot_nbb = qpd::u32p(qp->slot_nbb);
+  const qpd::CqConst cq = qpd::cq_const(qp);
+  const uint64_t mask = qpd::wqebbs(qp) - 1;
+  const uint32_t* slot_nbb = qpd::u32p(qpd::slot_nbb(qp));
   if (cq.collapsed) {
     // One poller at a time: every waiting warp reading the host-mapped CQE slot over PCIe made
     // 264 warps on one QP 20x slower (bench/RESULTS.md); the others re-read done_head instead.
@@ -366,9 +390,9 @@ GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
   // across a fence, and a load after a system fence misses L1, so reading them after it put two
   // dependent L2 round trips on the ring's chain (about 0.3 us a post; bench/RESULTS.md, tenth
   // session). Guard: tests/test_device_arch.py test_ring_to_reads_no_descriptor_after_its_fences.
-  const uint64_t* const word_at = &u64p(qp->slot_db)[r & (qp->sq_wqebbs - 1)];
-  uint32_t* const dbr = u32p(qp->dbrec + 4 * mlx5::DBREC_SND);
-  volatile uint64_t* const db = reinterpret_cast<volatile uint64_t*>(uintptr_t(qp->db));
+  const uint64_t* const word_at = &u64p(slot_db(qp))[r & (wqebbs(qp) - 1)];
+  uint32_t* const dbr = u32p(dbrec(qp) + 4 * mlx5::DBREC_SND);
+  volatile uint64_t* const db = reinterpret_cast<volatile uint64_t*>(uintptr_t(qpd::db(qp)));
   arch::atomic_store(&qp->ready_head, r);  // before the DBR: bounds collapsed-CQ credits (poll_cq)
   arch::fence_sys();
   GPUNET_POST_STAMP(3);
@@ -392,12 +416,13 @@ GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
 // turn at the first position not tagged with ONE CAS on its tag slot: the CAS that finds a tag
 // instead (its publisher tagged after our read) keeps the turn and rings on.
 GPUNET_DEVICE void own_and_ring(QpDesc* qp, uint64_t rung, uint64_t r, uint64_t word, uint64_t t) {
-  const uint64_t mask = qp->sq_wqebbs - 1;
-  uint64_t* tags = u64p(qp->slot_ready);
+  const uint32_t nbbs = wqebbs(qp);
+  const uint64_t mask = nbbs - 1;
+  uint64_t* tags = u64p(slot_ready(qp));
   for (;;) {
     // Each step moves r past one reservation; r - rung <= sq_wqebbs (ring space bounds what is
     // reserved ahead of the turn), so the scan ends within sq_wqebbs steps.
-    for (uint32_t i = 0; tagged(t, r) && i < qp->sq_wqebbs; ++i) {
+    for (uint32_t i = 0; tagged(t, r) && i < nbbs; ++i) {
       r = t;
       word = 0;
       t = arch::load_relaxed(&tags[r & mask]);
@@ -460,8 +485,9 @@ GPUNET_DEVICE bool wait_room(QpDesc* qp, const Waiter& w, const Resv& v, uint64_
   // The WQE stores that follow need the slots' old WQEs read by the NIC: it read them before the
   // CQE that credited done_head (credit_done fences first). A store that depends on the compared
   // value (its address, the branch) is not issued before the load returns.
-  if (v.base + v.n <= done0 + qp->sq_wqebbs) return true;
-  const uint64_t need = v.base + v.n - qp->sq_wqebbs;  // done_head must reach this
+  const uint32_t nbbs = qpd::wqebbs(qp);
+  if (v.base + v.n <= done0 + nbbs) return true;
+  const uint64_t need = v.base + v.n - nbbs;  // done_head must reach this
   uint64_t done = arch::load_acquire_gpu(&qp->done_head);
   if (done >= need) return true;
   Spin spin;
@@ -478,9 +504,9 @@ GPUNET_DEVICE bool wait_room(QpDesc* qp, const Waiter& w, const Resv& v, uint64_
 // The tag slots publish() reads, loaded while the WQEs are written (their age does not matter;
 // a POST_SERIAL QP has none).
 GPUNET_DEVICE void read_hints(const QpDesc* qp, Resv& v) {
-  if (qp->post_mode == POST_SERIAL) return;
-  const uint64_t mask = qp->sq_wqebbs - 1;
-  const uint64_t* tags = qpd::u64p(qp->slot_ready);
+  if (qpd::mode(qp) == POST_SERIAL) return;
+  const uint64_t mask = qpd::wqebbs(qp) - 1;
+  const uint64_t* tags = qpd::u64p(qpd::slot_ready(qp));
   v.t_base = arch::load_relaxed(&tags[v.base & mask]);
   v.t_next = arch::load_relaxed(&tags[(v.base + v.n) & mask]);
 }
@@ -506,14 +532,14 @@ GPUNET_DEVICE void publish_serial(QpDesc* qp, const Waiter& w, const Resv& v, ui
 // last WQE. Returns once they are rung or handed to the turn's owner; never waits for another
 // thread (POST_BATCHED; a POST_SERIAL QP waits for the posts reserved before it: publish_serial).
 GPUNET_DEVICE void publish(QpDesc* qp, const Waiter& w, const Resv& v, uint64_t last_word0) {
-  if (qp->post_mode == POST_SERIAL) {
+  if (qpd::mode(qp) == POST_SERIAL) {
     publish_serial(qp, w, v, last_word0);
     return;
   }
-  const uint64_t mask = qp->sq_wqebbs - 1;
-  uint64_t* tags = qpd::u64p(qp->slot_ready);
+  const uint64_t mask = qpd::wqebbs(qp) - 1;
+  uint64_t* tags = qpd::u64p(qpd::slot_ready(qp));
   const uint64_t end = v.base + v.n;
-  arch::store_relaxed(&qpd::u64p(qp->slot_db)[end & mask], last_word0);
+  arch::store_relaxed(&qpd::u64p(qpd::slot_db(qp))[end & mask], last_word0);
   GPUNET_DELAY_POINT();
   if (v.turn) {  // fast path: no tag (nobody looks for one at base), ring
     qpd::own_and_ring(qp, v.base, end, last_word0, v.t_next);
@@ -546,7 +572,7 @@ struct SqView {
   uint32_t qpn;
 };
 GPUNET_DEVICE SqView sq_view(const QpDesc* qp) {
-  return SqView{qp->sq, qp->slot_nbb, qp->sq_wqebbs - 1, qp->qpn};
+  return SqView{qpd::sq(qp), qpd::slot_nbb(qp), qpd::wqebbs(qp) - 1, qpd::qpn(qp)};
 }
 
 // The ctrl segment of WQE `q` at producer index `pi` on this QP (mlx5.cuh's ctrl_seg).
@@ -613,8 +639,8 @@ GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
                         uint64_t* end = nullptr) {
   uint32_t n = 0;
   for (uint32_t i = 0; i < count; ++i) n += wqes[i].nbb;
-  if (n > qp->sq_wqebbs) {
-    if (!failed(w)) record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, n);
+  if (n > qpd::wqebbs(qp)) {
+    if (!failed(w)) record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qpd::wqebbs(qp), n);
     return false;
   }
   const SqView sv = sq_view(qp);
@@ -692,9 +718,9 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
     total = arch::shfl(incl, ws - 1);
   }
   if (total == 0) return !failed(w);
-  if (total > qp->sq_wqebbs) {  // warp-uniform; refused before reserving
+  if (total > qpd::wqebbs(qp)) {  // warp-uniform; refused before reserving
     if (lane == 0 && !failed(w))
-      record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
+      record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qpd::wqebbs(qp), total);
     return false;
   }
   const SqView sv = sq_view(qp);
@@ -735,10 +761,10 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
   // The last WQE's doorbell word travels to lane 0 before any WQE store (see post_warp).
   Wqe last;
   make(k - 1, last);
-  const bool args_ok = arch::all(k >= 1 && total <= qp->sq_wqebbs && last.nbb == 1);
+  const bool args_ok = arch::all(k >= 1 && total <= qpd::wqebbs(qp) && last.nbb == 1);
   if (!args_ok) {
     if (lane == 0 && !failed(w))
-      record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qp->sq_wqebbs, total);
+      record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qpd::wqebbs(qp), total);
     return false;
   }
   const SqView sv = sq_view(qp);
