@@ -363,15 +363,16 @@ def _rank(rank, world, cfg):
         if rank == 0:
             mapped = ctx._transports.peer_heaps[1].base + (dst.data_ptr() - ctx.heap_base)
             rows = _bandwidth_rows(ctx, src, dst, mapped, cfg)
-            if gpu:
-                sweep = _sweep_rows(ctx, src, mapped, cfg)
-            profile = _profile_put(ctx, src, dst)
-            p2p_us = {n: _put_quiet_us(ctx, src, dst, n, NIC_ITERS[gpu]) for n in NIC_SIZES}
+            if not cfg["puts_only"]:
+                if gpu:
+                    sweep = _sweep_rows(ctx, src, mapped, cfg)
+                profile = _profile_put(ctx, src, dst)
+                p2p_us = {n: _put_quiet_us(ctx, src, dst, n, NIC_ITERS[gpu]) for n in NIC_SIZES}
         # a host barrier: rank 1 must not spin in a device wait (bounded by timeout_s, and an SM
         # polling memory) while rank 0 measures
         dist.barrier()
         ctx.barrier()
-        rtt = _pingpong(ctx, cfg)
+        rtt = {} if cfg["puts_only"] else _pingpong(ctx, cfg)
         from gpunet.device import abi
         flags = int(ctx._dev.peers[1 - rank].rkey)
         info = {"rank": rank, "wrong": wrong, "transports": dict(ctx.transports),
@@ -380,7 +381,7 @@ def _rank(rank, world, cfg):
         dist.all_gather_object(every, info)
     finally:
         ctx.close()
-    nic = _nic_rows(rank, cfg, p2p_us)
+    nic = [] if cfg["puts_only"] else _nic_rows(rank, cfg, p2p_us)
     return {"rows": rows, "sweep": sweep, "profile": profile, "rtt_us": rtt, "ranks": every,
             "nic": nic}
 
@@ -503,6 +504,9 @@ def main(argv=None):
     ap.add_argument("--timeout-s", type=float, default=30.0, help="device wait bound")
     ap.add_argument("--no-mps", action="store_true", help="GPU: do not start an MPS daemon (one "
                     "is already running for this run's CUDA_MPS_PIPE_DIRECTORY)")
+    ap.add_argument("--puts-only", action="store_true",
+                    help="only the correctness check and the put bandwidth rows (no copy sweep, "
+                         "ping-pong or NIC rows): for A/Bs of the put path")
     ap.add_argument("--json", help="default bench/results/<date>/p2p_<cpu|gpu>.json")
     args = ap.parse_args(argv)
     if args.runs < 1:
@@ -518,7 +522,8 @@ def main(argv=None):
                pp_iters=args.pp_iters or (10000 if args.gpu else 200),
                pp_warmup=100 if args.gpu else 20,
                pp_modes=sorted(PP_MODES) if args.gpu else [0, 2, 5, 6, TARGET_MODE],
-               yardstick="cudaMemcpyAsync D2D" if args.gpu else "memmove")
+               yardstick="cudaMemcpyAsync D2D" if args.gpu else "memmove",
+               puts_only=args.puts_only)
     from gpunet.demo import run_ranks
     from gpunet.errors import GpunetError
 
