@@ -401,6 +401,30 @@ def test_post_reads_no_descriptor_constant_before_its_reservation(tmp_path):
     assert any("ld.global.nc" in ln for ln in lines), "the QP's constants should be ld.global.nc"
 
 
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc is not on PATH: the CUDA arm cannot be compiled here")
+def test_p2p_put_waits_for_the_previous_kernel_before_touching_memory():
+    """ops.cu's p2p put is launched overlapping the kernel before it in the stream
+    (LaunchSpec::overlap_previous, programmatic stream serialization): every variant of k_put_p2p
+    must run griddepcontrol.wait before its first global load or store (else it could copy a
+    source its producer has not finished writing), and the launcher must ask for the overlap."""
+    ptx = subprocess.run(
+        [_nvcc(), "-std=c++17", "-O3", "-arch=sm_90", "-ptx", "-x", "cu", f"-I{loader.include_dir()}",
+         str(loader.kernels_dir() / "ops.cu"), "-o", "-"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    entries = [m.start() for m in re.finditer(r"\.entry \S*k_put_p2p", ptx)]
+    assert len(entries) == 4, "expected the four k_put_p2p variants, found %d" % len(entries)
+    for at in entries:
+        body = ptx[at:ptx.index("\n}", at)]
+        wait = body.find("griddepcontrol.wait")
+        assert wait >= 0, "a k_put_p2p variant without griddepcontrol.wait"
+        first_mem = min((i for i in (body.find("ld.global"), body.find("st.global"),
+                                     body.find("st.volatile.global")) if i >= 0), default=len(body))
+        assert wait < first_mem, "k_put_p2p touches memory before griddepcontrol.wait"
+    src = (loader.kernels_dir() / "ops.cu").read_text()
+    launcher = src[src.index("int gpunet_put_p2p_launch"):]
+    assert "s.overlap_previous = true" in launcher[:launcher.index("switch")]
+
+
 MACA_STUB = r"""
 // Declarations standing in for the MACA runtime, only to type-check arch.cuh's MACA arm with g++.
 #define GPUNET_SYNTAX_CHECK_ONLY
@@ -424,7 +448,7 @@ template <class T> T __shfl(T, int); unsigned long long __ballot(int); int __any
 namespace a = gpunet::arch;
 uint64_t use(uint32_t* p, uint64_t* q) {
   a::store_release_sys(p, 1u); a::fence_sys(); a::store_relaxed(q, uint64_t(2));
-  a::doorbell_store64(q, 3); a::spin_pause(); a::store_relaxed_v2(q, 4, 5);
+  a::doorbell_store64(q, 3); a::spin_pause(); a::wait_previous_grid(); a::launch_dependents(); a::store_relaxed_v2(q, 4, 5);
   return a::load_acquire_sys(p) + a::load_acquire_sys(q) + a::atomic_add(p, 1u) + a::atomic_cas(q, 1, 2) +
          a::bswap64(5) + a::bswap16(1) + a::now_ns() + a::shfl(7u, 1) + a::ballot(true) + a::any(true) +
          a::block_any(false) + a::lane_id() + a::warp_size() + a::atomic_load(q) + a::load_const(q) + a::load_const(p) + a::atomic_or(q, 8) + a::atomic_or(p, 8u) + a::shared_mem()[0];

@@ -146,6 +146,10 @@ GPUNET_GLOBAL void k_put_bulk(const DevCtx* ctx, OpDesc* ops, uint32_t nops, uin
 // Status first, three dependent memory round trips for what the host already knows.
 template <uint32_t Unroll, bool Plain>
 GPUNET_GLOBAL void k_put_p2p(uint64_t dst, uint64_t src, uint64_t nbytes, uint64_t chunk) {
+  // Launched overlapping the kernel before it (gpunet_put_p2p_launch): the next put may start
+  // its blocks now, and this one touches no byte before the previous kernel has ended.
+  arch::launch_dependents();
+  arch::wait_previous_grid();
   gpunet::transport::P2p::copy_grid<Unroll, Plain>(reinterpret_cast<uint8_t*>(dst),
                                                    reinterpret_cast<const uint8_t*>(src), nbytes,
                                                    chunk);
@@ -227,6 +231,7 @@ int gpunet_put_p2p_launch(uint32_t grid, uint32_t block, uint32_t ws, uint64_t d
   gpunet::LaunchSpec s = spec(grid, block, ws, 0, 0, 0, 0);
   s.stream = stream;
   s.sync = sync != 0;
+  s.overlap_previous = true;  // k_put_p2p waits for the previous kernel itself
   switch (variant) {
     case 0: return gpunet::launch_kernel(s, k_put_p2p<4, false>, dst, src, nbytes, chunk);
     case 1: return gpunet::launch_kernel(s, k_put_p2p<8, false>, dst, src, nbytes, chunk);

@@ -36,6 +36,8 @@
 //   u32/u64 atomic_load(const p)                     void atomic_store(p, v)
 //   bswap16/32/64                                    void doorbell_store64(volatile u64* reg, u64)
 //   u64 now_ns()                                     void spin_pause()
+//   void wait_previous_grid()  void launch_dependents()   (a launch with
+//              LaunchSpec::overlap_previous: see there)
 //   lane_id() warp_size() warp_id() thread_rank() thread_idx() block_idx() block_dim() grid_dim()
 //   u64 global_thread_rank()   (rank in the whole launch: blocks in x, y, z order)
 //   syncthreads() syncwarp() shfl(v, src) ballot(pred)->u64 any(pred) all(pred) block_any(pred)
@@ -201,6 +203,21 @@ GPUNET_DEVICE uint64_t now_ns() {
 // Back off a little so a spinning warp leaves issue slots (and PCIe) to others (FACTS.md: FIFO
 // producers spinning on a host-memory tail collapsed throughput 10x).
 GPUNET_DEVICE void spin_pause() { __nanosleep(64); }
+// Programmatic dependent launch (sm_90+; LaunchSpec::overlap_previous). wait_previous_grid:
+// returns once the kernel before this one in the stream has completed and its memory operations
+// are visible (at once when there is none, or the launch did not overlap). launch_dependents:
+// the next overlapping kernel in the stream may start now (it still waits in its own
+// wait_previous_grid for this one to end).
+GPUNET_DEVICE void wait_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+GPUNET_DEVICE void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
 
 GPUNET_DEVICE Dim3 thread_idx() { return Dim3{threadIdx.x, threadIdx.y, threadIdx.z}; }
 GPUNET_DEVICE Dim3 block_idx() { return Dim3{blockIdx.x, blockIdx.y, blockIdx.z}; }
@@ -352,6 +369,9 @@ GPUNET_DEVICE void doorbell_store64(volatile uint64_t* reg, uint64_t v) { *reg =
 #endif
 GPUNET_DEVICE uint64_t now_ns() { return uint64_t(clock64()) * 1000u / GPUNET_MACA_CLOCK_MHZ; }
 GPUNET_DEVICE void spin_pause() {}  // no sleep intrinsic known on MACA
+// No programmatic dependent launch on MACA (launch_kernel ignores overlap_previous there).
+GPUNET_DEVICE void wait_previous_grid() {}
+GPUNET_DEVICE void launch_dependents() {}
 
 GPUNET_DEVICE Dim3 thread_idx() { return Dim3{threadIdx.x, threadIdx.y, threadIdx.z}; }
 GPUNET_DEVICE Dim3 block_idx() { return Dim3{blockIdx.x, blockIdx.y, blockIdx.z}; }
@@ -490,6 +510,9 @@ GPUNET_DEVICE uint64_t now_ns() {
 // Yield so spin loops do not starve the emulator's other threads or the soft NIC (P1 in weak
 // mode: one pending store becomes visible per turn). In strong mode the registered progress
 // hooks (host_simt.h: the soft NIC's engine pass) run first; when they did work, no yield.
+// Launches are synchronous on the HOST arm: the previous kernel has always ended.
+GPUNET_DEVICE void wait_previous_grid() {}
+GPUNET_DEVICE void launch_dependents() {}
 GPUNET_DEVICE void spin_pause() {
   if (hd::ThreadCtx* c = hd::weak_ctx()) {
     hd::pop_some(c);
@@ -604,6 +627,11 @@ struct LaunchSpec {
   size_t shared_bytes = 0;          // dynamic shared memory, arch::shared_mem()
   void* stream = nullptr;           // GPUs: a cudaStream_t / mcStream_t; HOST: ignored
   bool sync = true;                 // GPUs: wait for the kernel and report its error
+  // CUDA: programmatic stream serialization. The kernel may start while the kernel before it in
+  // the stream still runs, so it MUST call arch::wait_previous_grid() before it touches memory
+  // (what the previous kernel wrote, or read: a WAR hazard too). What it saves: the launch and
+  // block scheduling, hidden under the previous kernel (back-to-back puts). HOST, MACA: ignored.
+  bool overlap_previous = false;
   // HOST weak-memory model (host_simt.h); ignored on GPUs.
   bool weak = false;
   uint64_t weak_seed = 0;
@@ -640,6 +668,23 @@ int launch_kernel(const LaunchSpec& s, Kernel kernel, Args... args) {
 template <class Kernel, class... Args>
 int launch_kernel(const LaunchSpec& s, Kernel kernel, Args... args) {
   cudaStream_t st = static_cast<cudaStream_t>(s.stream);
+#if defined(GPUNET_ARM_CUDA)
+  if (s.overlap_previous) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(s.grid);
+    cfg.blockDim = dim3(s.block);
+    cfg.dynamicSmemBytes = s.shared_bytes;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+    if (e == cudaSuccess && s.sync) e = cudaStreamSynchronize(st);
+    return int(e);
+  }
+#endif
   kernel<<<s.grid, s.block, s.shared_bytes, st>>>(args...);
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess && s.sync) err = cudaStreamSynchronize(st);
