@@ -74,6 +74,7 @@ SWEEP = [("u4 volatile 16K/256", 0, 16 << 10, 4, 256),
          ("u4 weak 8K/256 x8/SM", 2, 8 << 10, 8, 256),
          ("u4 weak 4K/256 x8/SM", 2, 4 << 10, 8, 256),
          ("u4 weak 4K/128 x16/SM", 2, 4 << 10, 16, 128)]
+PARTS = ("sweep", "profile", "nic", "pingpong")   # --skip: the optional parts of a run
 SWEEP_SIZES = [1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20, 64 << 20]
 HOLD_GPU_HZ = 2.0e9          # cycles per second assumed for torch.cuda._sleep (an upper bound:
                              # a slower clock only holds the stream longer)
@@ -269,7 +270,7 @@ def _pingpong(ctx, cfg):
                        warmup, 8, 1 - me, 1 if me == 0 else 0, mode, out.data_ptr(),
                        h.stream or None)
                 if rc != 0:
-                    raise RuntimeError("ping-pong kernel launch failed (%d)" % rc)
+                    raise RuntimeError("ping-pong kernel (%s) launch failed (%d)" % (PP_MODES[mode], rc))
                 ctx.check("ping-pong kernel (%s)" % PP_MODES[mode])
                 ns, n, ok = (int(v) for v in out.cpu())
                 if not ok:
@@ -363,16 +364,17 @@ def _rank(rank, world, cfg):
         if rank == 0:
             mapped = ctx._transports.peer_heaps[1].base + (dst.data_ptr() - ctx.heap_base)
             rows = _bandwidth_rows(ctx, src, dst, mapped, cfg)
-            if not cfg["puts_only"]:
-                if gpu:
-                    sweep = _sweep_rows(ctx, src, mapped, cfg)
+            if gpu and "sweep" not in cfg["skip"]:
+                sweep = _sweep_rows(ctx, src, mapped, cfg)
+            if "profile" not in cfg["skip"]:
                 profile = _profile_put(ctx, src, dst)
+            if "nic" not in cfg["skip"]:
                 p2p_us = {n: _put_quiet_us(ctx, src, dst, n, NIC_ITERS[gpu]) for n in NIC_SIZES}
         # a host barrier: rank 1 must not spin in a device wait (bounded by timeout_s, and an SM
         # polling memory) while rank 0 measures
         dist.barrier()
         ctx.barrier()
-        rtt = {} if cfg["puts_only"] else _pingpong(ctx, cfg)
+        rtt = {} if "pingpong" in cfg["skip"] else _pingpong(ctx, cfg)
         from gpunet.device import abi
         flags = int(ctx._dev.peers[1 - rank].rkey)
         info = {"rank": rank, "wrong": wrong, "transports": dict(ctx.transports),
@@ -381,7 +383,7 @@ def _rank(rank, world, cfg):
         dist.all_gather_object(every, info)
     finally:
         ctx.close()
-    nic = [] if cfg["puts_only"] else _nic_rows(rank, cfg, p2p_us)
+    nic = [] if "nic" in cfg["skip"] else _nic_rows(rank, cfg, p2p_us)
     return {"rows": rows, "sweep": sweep, "profile": profile, "rtt_us": rtt, "ranks": every,
             "nic": nic}
 
@@ -504,11 +506,16 @@ def main(argv=None):
     ap.add_argument("--timeout-s", type=float, default=30.0, help="device wait bound")
     ap.add_argument("--no-mps", action="store_true", help="GPU: do not start an MPS daemon (one "
                     "is already running for this run's CUDA_MPS_PIPE_DIRECTORY)")
+    ap.add_argument("--skip", default="",
+                    help="comma list of parts left out: %s (the correctness check and the put "
+                         "bandwidth rows always run)" % ",".join(PARTS))
     ap.add_argument("--puts-only", action="store_true",
-                    help="only the correctness check and the put bandwidth rows (no copy sweep, "
-                         "ping-pong or NIC rows): for A/Bs of the put path")
+                    help="--skip every part: the put path alone (for A/Bs)")
     ap.add_argument("--json", help="default bench/results/<date>/p2p_<cpu|gpu>.json")
     args = ap.parse_args(argv)
+    unknown = {x for x in args.skip.split(",") if x} - set(PARTS)
+    if unknown:
+        ap.error("--skip: unknown part(s) %s; expected some of %s" % (sorted(unknown), PARTS))
     if args.runs < 1:
         ap.error("--runs must be >= 1")
     if args.gpu:
@@ -523,7 +530,7 @@ def main(argv=None):
                pp_warmup=100 if args.gpu else 20,
                pp_modes=sorted(PP_MODES) if args.gpu else [0, 2, 5, 6, TARGET_MODE],
                yardstick="cudaMemcpyAsync D2D" if args.gpu else "memmove",
-               puts_only=args.puts_only)
+               skip=sorted(PARTS) if args.puts_only else sorted({x for x in args.skip.split(",") if x}))
     from gpunet.demo import run_ranks
     from gpunet.errors import GpunetError
 

@@ -22,8 +22,7 @@
 //              (device scope: for words only GPU threads exchange; see qp.cuh's publish)
 //   T load_relaxed(const T*)                         void store_relaxed(T*, T)
 //   u32/u64 load_const(const u32*/u64*)   (a word nobody writes while a kernel runs, e.g. a
-//              descriptor's constants: read-only cache path, and the compiler may merge and hoist
-//              it like any value, also across fences)
+//              descriptor's constants: the read-only cache path)
 //   void store_relaxed_v2(u64* p, u64 w0, u64 w1)    (16 bytes at a 16-byte aligned p: one
 //              vector store on the GPUs; a WQE segment is written with one of them)
 //   void store_weak_v2(u64* p, u64 w0, u64 w1)       (the same 16 bytes as a WEAK vector store:
@@ -123,18 +122,15 @@ GPUNET_DEVICE T load_relaxed(const T* p) {
   static_assert(sizeof(T) == 1 || sizeof(T) == 2 || sizeof(T) == 4 || sizeof(T) == 8, "1/2/4/8 bytes");
   return *const_cast<const volatile T*>(p);
 }
-// ld.global.nc, not volatile and no memory clobber: the compiler may hoist it out of a loop and
-// past the fences that follow it (a plain load after a system fence misses L1: one more L2 round
-// trip on a post's chain, bench/RESULTS.md). Only for words that stay fixed while the kernel runs.
-GPUNET_DEVICE uint32_t load_const(const uint32_t* p) {
-  uint32_t v;
-  asm("ld.global.nc.u32 %0, [%1];" : "=r"(v) : "l"(p));  // a pure function of p: CSE, hoisting
-  return v;
-}
+// ld.global.nc through __ldg: the read-only path, and a load the compiler treats as a load (it
+// neither speculates it past a branch nor hoists it out of a loop with fences in it). A pure
+// asm (no volatile, no memory clobber) was hoisted, which took a one-warp post from 14.7-14.9 to
+// 16.0 M WQE/s, but also speculated: a QpDesc load ran for a peer whose QP pointer is null (Ibgda
+// quiet_all), an illegal address in bench/p2p.py's ping-pong (bench/RESULTS.md, sixteenth
+// session). Guard: tests/test_device_arch.py test_load_const_is_not_speculated_past_a_branch.
+GPUNET_DEVICE uint32_t load_const(const uint32_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 GPUNET_DEVICE uint64_t load_const(const uint64_t* p) {
-  uint64_t v;
-  asm("ld.global.nc.u64 %0, [%1];" : "=l"(v) : "l"(p));
-  return v;
+  return __ldg(reinterpret_cast<const unsigned long long*>(p));
 }
 GPUNET_DEVICE void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 // Sequentially consistent at device scope: a release / acquire for words only this GPU's threads

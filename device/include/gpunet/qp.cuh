@@ -184,11 +184,11 @@ namespace qpd {
 GPUNET_DEVICE uint64_t* u64p(uint64_t addr) { return reinterpret_cast<uint64_t*>(uintptr_t(addr)); }
 GPUNET_DEVICE uint32_t* u32p(uint64_t addr) { return reinterpret_cast<uint32_t*>(uintptr_t(addr)); }
 
-// The QP's constants on a post's chain (the first 128 B: the host writes them before a launch,
-// never during one), read with arch::load_const: the compiler keeps them in registers across the
-// post's fences and atomics, where a plain load after a fence missed L1 and put an L2 round trip
-// in front of the reservation (post_warp's ring-size check). Guard:
-// tests/test_device_arch.py test_post_reads_no_descriptor_constant_before_its_reservation.
+// The QP's constants (the first 128 B: the host writes them before a launch, never during one),
+// read with arch::load_const (the read-only path). post_warp's ring-size check still loads the
+// ring size after the previous post's fences, in front of the reservation's atomic: an L1 miss
+// there, ~0.16 us of a one-warp post (bench/RESULTS.md, sixteenth session: keeping the constants in
+// registers needs a load the compiler may hoist, and one that may be hoisted may be speculated).
 GPUNET_DEVICE uint32_t wqebbs(const QpDesc* qp) { return arch::load_const(&qp->sq_wqebbs); }
 GPUNET_DEVICE uint32_t mode(const QpDesc* qp) { return arch::load_const(&qp->post_mode); }
 GPUNET_DEVICE uint64_t sq(const QpDesc* qp) { return arch::load_const(&qp->sq); }
