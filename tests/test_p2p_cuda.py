@@ -691,3 +691,29 @@ def test_a_stalled_copy_engine_is_counted_and_named_in_a_timeout():
         ctx.nic.timeout_hint = lambda: "the NIC's hint"
         with pytest.raises(gpunet.TimeoutError, match="the NIC's hint"):
             ctx.wait_until(sig, 1, "ge")
+
+
+@needs_gpu
+def test_the_p2p_bench_ping_pong_runs_every_mode_on_the_gpu(tmp_path):
+    """bench/p2p.py's ping-pong kernel (device/testing/kernels/p2p_bench.cu: put_signal and
+    wait_until on a copy of the DevCtx, by number and through a PeerRef, and the raw floor) runs on
+    the GPU, 2 ranks under the bench's private MPS daemon, every mode, and a put lands byte for
+    byte. In the sixteenth session a device change (a pure-asm load of the QP's constants) made
+    this kernel fault with an illegal address while every other CUDA test passed: only the gate's
+    p2p step caught it. Timing is not checked here (the gate's p2p step reports it)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "p2p.json"
+    bench = Path(__file__).resolve().parent.parent / "bench" / "p2p.py"
+    proc = subprocess.run([sys.executable, str(bench), "--gpu", "--runs", "1", "--max-mib", "1",
+                           "--skip", "sweep,profile,nic", "--pp-iters", "200", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    tests = [g for g in res["gate"] if g["kind"] == "test"]
+    assert tests and all(g["result"] == "PASS" for g in tests), tests
+    modes = {m["mode"] for m in res["pingpong"]["modes"]}
+    assert modes == set(range(9)), "ping-pong modes that ran: %s" % sorted(modes)
