@@ -11,7 +11,11 @@ device-memory heaps, the soft NIC copying through the CUDA runtime) run on the G
 hook with a stand-in runtime and the close of IPC mappings after a failed set-up (a platform
 stand-in) run everywhere.
 """
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,7 +301,6 @@ def test_the_soft_nic_engine_moves_device_bytes_through_the_copy_hook():
     error."""
     import ctypes
     import mmap
-    import sys
 
     import numpy as np
 
@@ -410,7 +413,6 @@ def test_nic_atomics_on_device_memory_from_two_engines_are_exact():
     out, under the owning NIC's lock). Invariant: the word ends at 600 and the old values are
     0 .. 599, each once (no lost update between the engines' read-modify-writes)."""
     import ctypes
-    import sys
 
     import numpy as np
 
@@ -543,8 +545,6 @@ def test_a_dead_peers_ipc_mapping_is_closed_and_a_new_world_maps_the_new_peer(mp
 
 def _dead_pid():
     """The pid of a process that has exited (and been reaped)."""
-    import subprocess
-    import sys
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     return proc.pid
@@ -701,11 +701,6 @@ def test_the_p2p_bench_ping_pong_runs_every_mode_on_the_gpu(tmp_path):
     byte. In the sixteenth session a device change (a pure-asm load of the QP's constants) made
     this kernel fault with an illegal address while every other CUDA test passed: only the gate's
     p2p step caught it. Timing is not checked here (the gate's p2p step reports it)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     out = tmp_path / "p2p.json"
     bench = Path(__file__).resolve().parent.parent / "bench" / "p2p.py"
     proc = subprocess.run([sys.executable, str(bench), "--gpu", "--runs", "1", "--max-mib", "1",

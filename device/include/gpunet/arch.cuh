@@ -125,9 +125,10 @@ GPUNET_DEVICE T load_relaxed(const T* p) {
 // ld.global.nc through __ldg: the read-only path, and a load the compiler treats as a load (it
 // neither speculates it past a branch nor hoists it out of a loop with fences in it). A pure
 // asm (no volatile, no memory clobber) was hoisted, which took a one-warp post from 14.7-14.9 to
-// 16.0 M WQE/s, but also speculated: a QpDesc load ran for a peer whose QP pointer is null (Ibgda
-// quiet_all), an illegal address in bench/p2p.py's ping-pong (bench/RESULTS.md, sixteenth
-// session). Guard: tests/test_device_arch.py test_load_const_is_not_speculated_past_a_branch.
+// 16.0 M WQE/s, but the compiler may also run such an asm on paths the code does not take, and
+// with it bench/p2p.py's ping-pong kernel faulted with an illegal address on the H200 (the site
+// was not pinned down; bench/RESULTS.md, sixteenth session). Guard: tests/test_device_arch.py
+// test_load_const_is_not_speculated_past_a_branch.
 GPUNET_DEVICE uint32_t load_const(const uint32_t* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 GPUNET_DEVICE uint64_t load_const(const uint64_t* p) {
   return __ldg(reinterpret_cast<const unsigned long long*>(p));
@@ -503,12 +504,12 @@ GPUNET_DEVICE uint64_t now_ns() {
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
 }
-// Yield so spin loops do not starve the emulator's other threads or the soft NIC (P1 in weak
-// mode: one pending store becomes visible per turn). In strong mode the registered progress
-// hooks (host_simt.h: the soft NIC's engine pass) run first; when they did work, no yield.
 // Launches are synchronous on the HOST arm: the previous kernel has always ended.
 GPUNET_DEVICE void wait_previous_grid() {}
 GPUNET_DEVICE void launch_dependents() {}
+// Yield so spin loops do not starve the emulator's other threads or the soft NIC (P1 in weak
+// mode: one pending store becomes visible per turn). In strong mode the registered progress
+// hooks (host_simt.h: the soft NIC's engine pass) run first; when they did work, no yield.
 GPUNET_DEVICE void spin_pause() {
   if (hd::ThreadCtx* c = hd::weak_ctx()) {
     hd::pop_some(c);
