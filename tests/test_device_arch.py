@@ -330,7 +330,7 @@ def test_cuda_arm_compiles_and_emits_the_intended_ptx():
 RING_TO_PROBE = r"""
 #include <gpunet/qp.cuh>
 extern "C" __global__ void k_ring_to(gpunet::QpDesc* qp, uint64_t r, uint64_t word) {
-  gpunet::qpd::ring_to(qp, r, word);
+  gpunet::qpd::ring_to(gpunet::qp_ref(qp), r, word);
 }
 """
 
@@ -355,6 +355,55 @@ def test_ring_to_reads_no_descriptor_after_its_fences(tmp_path):
     loads = [ln.strip() for ln in after.splitlines() if "ld.global" in ln]
     assert not loads, "descriptor loads after ring_to's first fence: %s" % loads
     assert "ld.volatile" in after  # the slot_db word (word == 0): read after the fence, as it must
+
+
+POST_LOOP_PROBE = r"""
+#include <gpunet/qp.cuh>
+extern "C" __global__ void k_post_loop(gpunet::QpDesc* qp, gpunet::Status* st, uint64_t raddr,
+                                       uint32_t iters) {
+  const gpunet::Waiter w{st, 1000000};
+  const gpunet::QpRef c = gpunet::qp_ref(qp);  // once, as a caller that posts in a loop does
+  for (uint32_t i = 0; i < iters; ++i) {
+    gpunet::Wqe q;
+    gpunet::wqe_rdma(q, gpunet::mlx5::OPCODE_RDMA_WRITE, raddr + 64 * (i * 32 + gpunet::arch::lane_id()),
+                     1, raddr, 2, 64);
+    if (!gpunet::post_warp(c, w, q, 32)) break;
+  }
+}
+"""
+
+
+@pytest.mark.skipif(_nvcc() is None, reason="nvcc is not on PATH: the CUDA arm cannot be compiled here")
+def test_a_posting_loop_on_a_qp_ref_loads_no_constant_before_its_reservation(tmp_path):
+    """qp.cuh's QpRef rule: a caller that posts in a loop takes the QP's constants once (qp_ref)
+    and every post_warp on it keeps them in registers. A constant read inside the post comes after
+    the previous post's system fences, misses L1, and post_warp's ring-size check put that L2 round
+    trip in front of every reservation's atomic (bench/RESULTS.md, sixteenth session). In the PTX
+    of a kernel that calls post_warp(QpRef) in a loop, nothing is loaded from global memory between
+    the warp's vote at post_warp's start and the reservation's atom.global.add but the relaxed
+    loads that go out with it (Status, errored, done_head, db_head); the constants are read once,
+    ld.global.nc (arch::load_const)."""
+    src = tmp_path / "post_loop_probe.cu"
+    src.write_text(POST_LOOP_PROBE)
+    ptx = subprocess.run(
+        [_nvcc(), "-std=c++17", "-O3", "-arch=sm_90", "-ptx", "-x", "cu", f"-I{loader.include_dir()}",
+         str(src), "-o", "-"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+    body = ptx[ptx.index(".entry k_post_loop"):]
+    lines = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith("//")]
+    resv = [i for i, ln in enumerate(lines) if ln.startswith("atom.global.add.u64")]
+    assert resv, "no reservation atomic in the probe"
+    at = resv[0]
+    start = max(i for i in range(at) if lines[i].startswith("vote.sync"))
+    loads = [ln for ln in lines[start:at] if ln.startswith("ld.") and not ln.startswith("ld.param")]
+    assert loads and all(ln.startswith("ld.relaxed.gpu") for ln in loads), (
+        "loads between post_warp's start and its reservation other than the relaxed ones that "
+        "go out with it: %s" % loads)
+    # Each constant is read once on the way to the first reservation: a post that reads them
+    # itself reloads them in the loop's body (the same addresses again, before its vote).
+    const = [ln.split("[")[1] for ln in lines[:at] if ln.startswith("ld.global.nc")]
+    assert const, "the QP's constants should be read through arch::load_const (ld.global.nc)"
+    assert len(const) == len(set(const)), "constants read again inside the posting loop: %s" % const
 
 
 def test_load_const_is_not_speculated_past_a_branch():

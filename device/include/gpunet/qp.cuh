@@ -185,10 +185,8 @@ GPUNET_DEVICE uint64_t* u64p(uint64_t addr) { return reinterpret_cast<uint64_t*>
 GPUNET_DEVICE uint32_t* u32p(uint64_t addr) { return reinterpret_cast<uint32_t*>(uintptr_t(addr)); }
 
 // The QP's constants (the first 128 B: the host writes them before a launch, never during one),
-// read with arch::load_const (the read-only path). post_warp's ring-size check still loads the
-// ring size after the previous post's fences, in front of the reservation's atomic: an L1 miss
-// there, ~0.16 us of a one-warp post (bench/RESULTS.md, sixteenth session: keeping the constants in
-// registers needs a load the compiler may hoist, and one that may be hoisted may be speculated).
+// read with arch::load_const (arch.cuh says why that is __ldg and not an asm the compiler may
+// hoist). A caller that posts in a loop holds them in a QpRef instead (below).
 GPUNET_DEVICE uint32_t wqebbs(const QpDesc* qp) { return arch::load_const(&qp->sq_wqebbs); }
 GPUNET_DEVICE uint32_t mode(const QpDesc* qp) { return arch::load_const(&qp->post_mode); }
 GPUNET_DEVICE uint64_t sq(const QpDesc* qp) { return arch::load_const(&qp->sq); }
@@ -239,6 +237,39 @@ GPUNET_DEVICE auto on_qp(const QpDesc* qp, uint32_t site, uint64_t wqe_index, ui
 }
 
 }  // namespace qpd
+
+// The QP's constants as a poster holds them (the first 128 B of QpDesc, read once through
+// arch::load_const), with the descriptor for its state. A caller that posts over and over on one
+// QP takes it once (qp_ref) and passes it to every post, so the constants stay in registers: a
+// post that reads them itself does so after the previous post's system fences, an L1 miss in
+// front of its reservation (bench/RESULTS.md, sixteenth session). Valid for the kernel that took
+// it: the host writes the constants before a launch, never during one. Guard:
+// tests/test_device_arch.py test_a_posting_loop_on_a_qp_ref_loads_no_constant_before_its_reservation.
+struct QpRef {
+  QpDesc* qp;
+  uint64_t sq;          // QpDesc::sq
+  uint64_t dbrec;       // QpDesc::dbrec
+  uint64_t db;          // QpDesc::db
+  uint64_t slot_db;     // QpDesc::slot_db
+  uint64_t slot_nbb;    // QpDesc::slot_nbb
+  uint64_t slot_ready;  // QpDesc::slot_ready
+  uint32_t mask;        // sq_wqebbs - 1
+  uint32_t qpn;
+  uint32_t mode;        // QpDesc::post_mode
+  GPUNET_DEVICE uint32_t wqebbs() const { return mask + 1; }
+};
+GPUNET_DEVICE QpRef qp_ref(QpDesc* qp) {
+  return QpRef{qp,
+               qpd::sq(qp),
+               qpd::dbrec(qp),
+               qpd::db(qp),
+               qpd::slot_db(qp),
+               qpd::slot_nbb(qp),
+               qpd::slot_ready(qp),
+               qpd::wqebbs(qp) - 1,
+               qpd::qpn(qp),
+               qpd::mode(qp)};
+}
 
 // A WQE as the posting code builds it: mlx5.cuh segment values, up to kMaxWqeBBs WQEBBs. seg[0]
 // (the ctrl segment) is stamped with the producer index and the QPN by write_wqe, which stores
@@ -385,15 +416,15 @@ GPUNET_DEVICE bool tagged(uint64_t t, uint64_t r) { return (t & kLeft) == 0 && t
 // 0: ds >= 1). Two system fences: the WQEs (ours, or others' through their tags), slot_db and
 // ready_head before the DBR; the DBR before the doorbell (the NIC reads the DBR when it sees the
 // doorbell; tests/test_device_qp.py test_fence_test_weak_memory[drop_doorbell_fence-*]).
-GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
-  // The descriptor's addresses are read BEFORE the first fence: the compiler may not move a load
-  // across a fence, and a load after a system fence misses L1, so reading them after it put two
-  // dependent L2 round trips on the ring's chain (about 0.3 us a post; bench/RESULTS.md, tenth
+GPUNET_DEVICE void ring_to(const QpRef& c, uint64_t r, uint64_t word) {
+  // The addresses come from the QpRef, loaded BEFORE the first fence: the compiler may not move a
+  // load across a fence, and a load after a system fence misses L1, so reading them after it put
+  // two dependent L2 round trips on the ring's chain (about 0.3 us a post; bench/RESULTS.md, tenth
   // session). Guard: tests/test_device_arch.py test_ring_to_reads_no_descriptor_after_its_fences.
-  const uint64_t* const word_at = &u64p(slot_db(qp))[r & (wqebbs(qp) - 1)];
-  uint32_t* const dbr = u32p(dbrec(qp) + 4 * mlx5::DBREC_SND);
-  volatile uint64_t* const db = reinterpret_cast<volatile uint64_t*>(uintptr_t(qpd::db(qp)));
-  arch::atomic_store(&qp->ready_head, r);  // before the DBR: bounds collapsed-CQ credits (poll_cq)
+  const uint64_t* const word_at = &u64p(c.slot_db)[r & c.mask];
+  uint32_t* const dbr = u32p(c.dbrec + 4 * mlx5::DBREC_SND);
+  volatile uint64_t* const db = reinterpret_cast<volatile uint64_t*>(uintptr_t(c.db));
+  arch::atomic_store(&c.qp->ready_head, r);  // before the DBR: bounds collapsed-CQ credits (poll_cq)
   arch::fence_sys();
   GPUNET_POST_STAMP(3);
   if (word == 0) word = arch::load_relaxed(word_at);  // after the fence: another publisher's word
@@ -415,10 +446,11 @@ GPUNET_DEVICE void ring_to(QpDesc* qp, uint64_t r, uint64_t word) {
 // CAS). Takes every tagged reservation from r on, rings once, stores db_head, then leaves the
 // turn at the first position not tagged with ONE CAS on its tag slot: the CAS that finds a tag
 // instead (its publisher tagged after our read) keeps the turn and rings on.
-GPUNET_DEVICE void own_and_ring(QpDesc* qp, uint64_t rung, uint64_t r, uint64_t word, uint64_t t) {
-  const uint32_t nbbs = wqebbs(qp);
-  const uint64_t mask = nbbs - 1;
-  uint64_t* tags = u64p(slot_ready(qp));
+GPUNET_DEVICE void own_and_ring(const QpRef& c, uint64_t rung, uint64_t r, uint64_t word,
+                                uint64_t t) {
+  const uint32_t nbbs = c.wqebbs();
+  const uint64_t mask = c.mask;
+  uint64_t* tags = u64p(c.slot_ready);
   for (;;) {
     // Each step moves r past one reservation; r - rung <= sq_wqebbs (ring space bounds what is
     // reserved ahead of the turn), so the scan ends within sq_wqebbs steps.
@@ -429,13 +461,13 @@ GPUNET_DEVICE void own_and_ring(QpDesc* qp, uint64_t rung, uint64_t r, uint64_t 
     }
     GPUNET_POST_STAMP(2);
     if (r > rung) {
-      ring_to(qp, r, word);
+      ring_to(c, r, word);
       // After the doorbell's fence, so an owner that reads db_head == its base (post's fast
       // path) rings after our DBR. An add of what we rang, not a store: nothing orders it before
       // our leave-CAS, so the next owner's update may land first; with adds db_head only grows
       // and reaches a pending reservation's base only once every earlier ring's add landed.
       // (tests/test_ordering.py: heads equal at the end; a store left db_head behind there.)
-      arch::atomic_add(&qp->db_head, r - rung);
+      arch::atomic_add(&c.qp->db_head, r - rung);
       rung = r;
     }
     GPUNET_DELAY_POINT();
@@ -481,11 +513,12 @@ GPUNET_DEVICE Resv reserve_start(QpDesc* qp, uint32_t n) {
 // Step 2: wait for the reservation's space. `done0`: a done_head read before (relaxed, issued with
 // the reservation): a stale one only sends us to the exact check. false only when a failure is
 // recorded (the caller still publishes: the turn may be its own; post's NOP fill).
-GPUNET_DEVICE bool wait_room(QpDesc* qp, const Waiter& w, const Resv& v, uint64_t done0) {
+GPUNET_DEVICE bool wait_room(const QpRef& c, const Waiter& w, const Resv& v, uint64_t done0) {
+  QpDesc* const qp = c.qp;
   // The WQE stores that follow need the slots' old WQEs read by the NIC: it read them before the
   // CQE that credited done_head (credit_done fences first). A store that depends on the compared
   // value (its address, the branch) is not issued before the load returns.
-  const uint32_t nbbs = qpd::wqebbs(qp);
+  const uint32_t nbbs = c.wqebbs();
   if (v.base + v.n <= done0 + nbbs) return true;
   const uint64_t need = v.base + v.n - nbbs;  // done_head must reach this
   uint64_t done = arch::load_acquire_gpu(&qp->done_head);
@@ -503,17 +536,19 @@ GPUNET_DEVICE bool wait_room(QpDesc* qp, const Waiter& w, const Resv& v, uint64_
 
 // The tag slots publish() reads, loaded while the WQEs are written (their age does not matter;
 // a POST_SERIAL QP has none).
-GPUNET_DEVICE void read_hints(const QpDesc* qp, Resv& v) {
-  if (qpd::mode(qp) == POST_SERIAL) return;
-  const uint64_t mask = qpd::wqebbs(qp) - 1;
-  const uint64_t* tags = qpd::u64p(qpd::slot_ready(qp));
+GPUNET_DEVICE void read_hints(const QpRef& c, Resv& v) {
+  if (c.mode == POST_SERIAL) return;
+  const uint64_t mask = c.mask;
+  const uint64_t* tags = qpd::u64p(c.slot_ready);
   v.t_base = arch::load_relaxed(&tags[v.base & mask]);
   v.t_next = arch::load_relaxed(&tags[(v.base + v.n) & mask]);
 }
 
 // Step 4 on a POST_SERIAL QP: wait for the turn (bounded; a failure leaves [base, end) unrung,
 // and every later wait gives up), ring [base, end) alone, pass the turn on through db_head.
-GPUNET_DEVICE void publish_serial(QpDesc* qp, const Waiter& w, const Resv& v, uint64_t last_word0) {
+GPUNET_DEVICE void publish_serial(const QpRef& c, const Waiter& w, const Resv& v,
+                                  uint64_t last_word0) {
+  QpDesc* const qp = c.qp;
   const uint64_t end = v.base + v.n;
   if (!v.turn) {
     Spin spin;
@@ -523,7 +558,7 @@ GPUNET_DEVICE void publish_serial(QpDesc* qp, const Waiter& w, const Resv& v, ui
       dh = arch::load_acquire_gpu(&qp->db_head);
     }
   }
-  qpd::ring_to(qp, end, last_word0);
+  qpd::ring_to(c, end, last_word0);
   arch::atomic_store(&qp->db_head, end);  // after the doorbell's fence (ring_to): the next turn
 }
 
@@ -531,18 +566,18 @@ GPUNET_DEVICE void publish_serial(QpDesc* qp, const Waiter& w, const Resv& v, ui
 // (or by lanes that then passed a syncwarp with it). `last_word0` is the doorbell word of the
 // last WQE. Returns once they are rung or handed to the turn's owner; never waits for another
 // thread (POST_BATCHED; a POST_SERIAL QP waits for the posts reserved before it: publish_serial).
-GPUNET_DEVICE void publish(QpDesc* qp, const Waiter& w, const Resv& v, uint64_t last_word0) {
-  if (qpd::mode(qp) == POST_SERIAL) {
-    publish_serial(qp, w, v, last_word0);
+GPUNET_DEVICE void publish(const QpRef& c, const Waiter& w, const Resv& v, uint64_t last_word0) {
+  if (c.mode == POST_SERIAL) {
+    publish_serial(c, w, v, last_word0);
     return;
   }
-  const uint64_t mask = qpd::wqebbs(qp) - 1;
-  uint64_t* tags = qpd::u64p(qpd::slot_ready(qp));
+  const uint64_t mask = c.mask;
+  uint64_t* tags = qpd::u64p(c.slot_ready);
   const uint64_t end = v.base + v.n;
-  arch::store_relaxed(&qpd::u64p(qpd::slot_db(qp))[end & mask], last_word0);
+  arch::store_relaxed(&qpd::u64p(c.slot_db)[end & mask], last_word0);
   GPUNET_DELAY_POINT();
   if (v.turn) {  // fast path: no tag (nobody looks for one at base), ring
-    qpd::own_and_ring(qp, v.base, end, last_word0, v.t_next);
+    qpd::own_and_ring(c, v.base, end, last_word0, v.t_next);
     return;
   }
 #if !defined(GPUNET_TEST_RELAXED_PUBLISH)
@@ -551,7 +586,7 @@ GPUNET_DEVICE void publish(QpDesc* qp, const Waiter& w, const Resv& v, uint64_t 
   uint64_t e = v.t_base;
   for (;;) {
     if (e == (v.base | qpd::kLeft)) {  // the turn left at base: ours
-      qpd::own_and_ring(qp, v.base, end, last_word0, v.t_next);
+      qpd::own_and_ring(c, v.base, end, last_word0, v.t_next);
       return;
     }
     const uint64_t old = arch::atomic_cas(&tags[v.base & mask], e, end);
@@ -561,28 +596,14 @@ GPUNET_DEVICE void publish(QpDesc* qp, const Waiter& w, const Resv& v, uint64_t 
   }
 }
 
-// The QP constants the WQE stores need, read by every posting lane BEFORE the reservation: the
-// compiler may not move a load across the reservation's atomics, and loads issued after them
-// waited for its round trip (then missed L1) before the first WQE store (bench/RESULTS.md, tenth
-// session).
-struct SqView {
-  uint64_t sq;        // QpDesc::sq
-  uint64_t slot_nbb;  // QpDesc::slot_nbb
-  uint32_t mask;      // sq_wqebbs - 1
-  uint32_t qpn;
-};
-GPUNET_DEVICE SqView sq_view(const QpDesc* qp) {
-  return SqView{qpd::sq(qp), qpd::slot_nbb(qp), qpd::wqebbs(qp) - 1, qpd::qpn(qp)};
-}
-
 // The ctrl segment of WQE `q` at producer index `pi` on this QP (mlx5.cuh's ctrl_seg).
-GPUNET_DEVICE mlx5::Seg16 ctrl_of(const SqView& sv, uint64_t pi, const Wqe& q) {
+GPUNET_DEVICE mlx5::Seg16 ctrl_of(const QpRef& sv, uint64_t pi, const Wqe& q) {
   return mlx5::ctrl_seg(uint32_t(pi), q.opcode, 0, sv.qpn, q.fm_ce_se, q.ds, 0, 0);
 }
 
 // Write a built WQE at counter `base` with its ctrl segment `ctrl` (ctrl_of: this thread's stores,
 // one 16-byte store per segment, wrapping per WQEBB) and record its size. Returns its doorbell word.
-GPUNET_DEVICE uint64_t write_wqe(const SqView& sv, uint64_t base, const Wqe& q,
+GPUNET_DEVICE uint64_t write_wqe(const QpRef& sv, uint64_t base, const Wqe& q,
                                  const mlx5::Seg16& ctrl) {
   const uint64_t mask = sv.mask;
   uint64_t* bb = qpd::u64p(sv.sq + (base & mask) * mlx5::WQEBB);
@@ -599,14 +620,14 @@ GPUNET_DEVICE uint64_t write_wqe(const SqView& sv, uint64_t base, const Wqe& q,
   GPUNET_DELAY_POINT();
   return mlx5::doorbell_word(ctrl);
 }
-GPUNET_DEVICE uint64_t write_wqe(const SqView& sv, uint64_t base, const Wqe& q) {
+GPUNET_DEVICE uint64_t write_wqe(const QpRef& sv, uint64_t base, const Wqe& q) {
   return write_wqe(sv, base, q, ctrl_of(sv, base, q));
 }
 
 // A post that saw a failure after reserving fills its WQEBBs [base + from, base + to) with
 // signalled NOPs, `step` apart (1 per thread, warp_size per lane), and still publishes, so the
 // ring stays whole and the turn moves on. Returns the doorbell word of the NOP at base + to - 1.
-GPUNET_DEVICE uint64_t fill_nops(const SqView& sv, uint64_t base, uint64_t from, uint64_t to,
+GPUNET_DEVICE uint64_t fill_nops(const QpRef& sv, uint64_t base, uint64_t from, uint64_t to,
                                  uint32_t step) {
   Wqe nop;
   wqe_nop(nop);
@@ -635,22 +656,22 @@ GPUNET_DEVICE bool post_allowed(const QpDesc* qp, const Waiter& w, bool st_faile
 // `end` (optional) receives the counter just past the last WQE (for wait_done). A failure seen
 // (in the Status, or the QP in error) makes it return false having posted NOPs, or nothing when
 // seen before reserving.
-GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
+GPUNET_DEVICE bool post(const QpRef& sv, const Waiter& w, Wqe* wqes, uint32_t count,
                         uint64_t* end = nullptr) {
+  QpDesc* const qp = sv.qp;
   uint32_t n = 0;
   for (uint32_t i = 0; i < count; ++i) n += wqes[i].nbb;
-  if (n > qpd::wqebbs(qp)) {
-    if (!failed(w)) record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qpd::wqebbs(qp), n);
+  if (n > sv.wqebbs()) {
+    if (!failed(w)) record_bad_argument(w, SITE_POST_ARG, sv.qpn, qp->peer, sv.wqebbs(), n);
     return false;
   }
-  const SqView sv = sq_view(qp);
   // One round trip: the Status, errored, done_head, db_head and the reservation together.
   const bool st_failed = failed(w);
   const bool qp_errored = arch::atomic_load(&qp->errored) != 0;
   const uint64_t done0 = arch::atomic_load(&qp->done_head);
   Resv v = reserve_start(qp, n);
-  if (!wait_room(qp, w, v, done0)) return false;  // recorded: every wait gives up, [base, +n) a hole
-  read_hints(qp, v);
+  if (!wait_room(sv, w, v, done0)) return false;  // recorded: every wait gives up, [base, +n) a hole
+  read_hints(sv, v);
   const bool ok = post_allowed(qp, w, st_failed, qp_errored, true);
   uint64_t word;
   if (ok) {
@@ -663,8 +684,13 @@ GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
     word = fill_nops(sv, v.base, 0, n, 1);
   }
   if (end) *end = v.base + n;
-  publish(qp, w, v, word);
+  publish(sv, w, v, word);
   return ok;
+}
+// The same, reading the QP's constants first (a caller that posts once).
+GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
+                        uint64_t* end = nullptr) {
+  return post(qp_ref(qp), w, wqes, count, end);
 }
 
 // The warp's reservation of `total` WQEBBs (post_warp, post_warp_k; all lanes, converged). Lane 0
@@ -673,8 +699,9 @@ GPUNET_DEVICE bool post(QpDesc* qp, const Waiter& w, Wqe* wqes, uint32_t count,
 // its reservation with NOPs). Returns false when there is no room: a failure is recorded and every
 // wait gives up; [base, +total) stays a hole (its slots may still be the NIC's, so nothing is
 // written there).
-GPUNET_DEVICE bool reserve_warp(QpDesc* qp, const Waiter& w, uint32_t total, Resv& v,
+GPUNET_DEVICE bool reserve_warp(const QpRef& c, const Waiter& w, uint32_t total, Resv& v,
                                 uint64_t& base, bool& ok) {
+  QpDesc* const qp = c.qp;
   const uint32_t lane = arch::lane_id();
   bool st_failed = false, qp_errored = false, room = true;
   if (lane == 0) {
@@ -682,8 +709,8 @@ GPUNET_DEVICE bool reserve_warp(QpDesc* qp, const Waiter& w, uint32_t total, Res
     qp_errored = arch::atomic_load(&qp->errored) != 0;
     const uint64_t done0 = arch::atomic_load(&qp->done_head);
     v = reserve_start(qp, total);
-    room = wait_room(qp, w, v, done0);
-    read_hints(qp, v);
+    room = wait_room(c, w, v, done0);
+    read_hints(c, v);
   }
   base = arch::shfl(v.base, 0);
   if (arch::shfl(uint32_t(room), 0) == 0) return false;
@@ -696,7 +723,8 @@ GPUNET_DEVICE bool reserve_warp(QpDesc* qp, const Waiter& w, uint32_t total, Res
 // answer on every lane. Lane 0's chain (one warp alone on the QP, the turn its own): one round
 // trip for the reservation (with the Status, errored, done_head, db_head), the WQE stores, the
 // ring's two system fences, one round trip for leaving the turn (own_and_ring's CAS).
-GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t nposts) {
+// A caller that posts in a loop passes a QpRef taken once (qp_ref): no constant is loaded here.
+GPUNET_DEVICE bool post_warp(const QpRef& sv, const Waiter& w, Wqe& q, uint32_t nposts) {
   GPUNET_POST_STAMP(7);
   const uint32_t lane = arch::lane_id();
   const bool mine = lane < nposts;
@@ -718,16 +746,15 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
     total = arch::shfl(incl, ws - 1);
   }
   if (total == 0) return !failed(w);
-  if (total > qpd::wqebbs(qp)) {  // warp-uniform; refused before reserving
+  if (total > sv.wqebbs()) {  // warp-uniform; refused before reserving
     if (lane == 0 && !failed(w))
-      record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qpd::wqebbs(qp), total);
+      record_bad_argument(w, SITE_POST_ARG, sv.qpn, sv.qp->peer, sv.wqebbs(), total);
     return false;
   }
-  const SqView sv = sq_view(qp);
   Resv v;
   uint64_t base;
   bool ok;
-  if (!reserve_warp(qp, w, total, v, base, ok)) return false;
+  if (!reserve_warp(sv, w, total, v, base, ok)) return false;
   GPUNET_POST_STAMP(0);
   uint64_t word;
   if (ok) {
@@ -743,10 +770,13 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
   }
   arch::syncwarp();  // lanes' WQE stores happen-before lane 0's publish (cumulative fences)
   GPUNET_POST_STAMP(1);
-  if (lane == 0) publish(qp, w, v, word);
+  if (lane == 0) publish(sv, w, v, word);
   arch::syncwarp();
   GPUNET_POST_STAMP(6);
   return ok;
+}
+GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t nposts) {
+  return post_warp(qp_ref(qp), w, q, nposts);
 }
 
 // Warp-cooperative posting of warp_size * k single-WQEBB WQEs with ONE reservation and ONE
@@ -755,23 +785,22 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
 // consecutive WQEBBs. All lanes call it converged with the same k (1 <= k, warp_size * k <=
 // sq_wqebbs); a WQE of more than one WQEBB is a bad argument.
 template <class Make>
-GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make make) {
+GPUNET_DEVICE bool post_warp_k(const QpRef& sv, const Waiter& w, uint32_t k, Make make) {
   const uint32_t lane = arch::lane_id(), ws = arch::warp_size();
   const uint64_t total = uint64_t(ws) * k;
   // The last WQE's doorbell word travels to lane 0 before any WQE store (see post_warp).
   Wqe last;
   make(k - 1, last);
-  const bool args_ok = arch::all(k >= 1 && total <= qpd::wqebbs(qp) && last.nbb == 1);
+  const bool args_ok = arch::all(k >= 1 && total <= sv.wqebbs() && last.nbb == 1);
   if (!args_ok) {
     if (lane == 0 && !failed(w))
-      record_bad_argument(w, SITE_POST_ARG, qp->qpn, qp->peer, qpd::wqebbs(qp), total);
+      record_bad_argument(w, SITE_POST_ARG, sv.qpn, sv.qp->peer, sv.wqebbs(), total);
     return false;
   }
-  const SqView sv = sq_view(qp);
   Resv v;
   uint64_t base;
   bool ok;
-  if (!reserve_warp(qp, w, uint32_t(total), v, base, ok)) return false;
+  if (!reserve_warp(sv, w, uint32_t(total), v, base, ok)) return false;
   uint64_t word;
   if (ok) {
     const mlx5::Seg16 last_ctrl = ctrl_of(sv, base + total - ws + lane, last);
@@ -789,9 +818,13 @@ GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make mak
     word = fill_nops(sv, base, lane, total, ws);
   }
   arch::syncwarp();  // every lane's WQE stores happen-before lane 0's publish (cumulative)
-  if (lane == 0) publish(qp, w, v, word);
+  if (lane == 0) publish(sv, w, v, word);
   arch::syncwarp();
   return ok;
+}
+template <class Make>
+GPUNET_DEVICE bool post_warp_k(QpDesc* qp, const Waiter& w, uint32_t k, Make make) {
+  return post_warp_k(qp_ref(qp), w, k, make);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -101,7 +101,9 @@ GPUNET_GLOBAL void k_post(PostArgs a) {
   const uint32_t ws = arch::warp_size(), lane = arch::lane_id();
   const arch::Dim3 b = arch::block_idx(), bd = arch::block_dim();
   const uint64_t gwarp = uint64_t(b.x) * ((bd.x + ws - 1) / ws) + arch::warp_id();
-  gpunet::QpDesc* qp = reinterpret_cast<gpunet::QpDesc*>(uintptr_t(a.qps)) + (gwarp % a.nqps);
+  // The QP's constants taken once, as a caller that posts in a loop does (qp.cuh QpRef).
+  const gpunet::QpRef qp =
+      gpunet::qp_ref(reinterpret_cast<gpunet::QpDesc*>(uintptr_t(a.qps)) + (gwarp % a.nqps));
   const gpunet::Waiter w{reinterpret_cast<gpunet::Status*>(uintptr_t(a.status)), a.timeout_ns};
   const uint64_t slots = a.span / 64 ? a.span / 64 : 1;
 #if defined(GPUNET_BENCH_PHASES)
@@ -137,7 +139,7 @@ GPUNET_GLOBAL void k_post(PostArgs a) {
 #if defined(GPUNET_BENCH_PHASES)
   if (lane == 0) bench_phases::flush();
 #endif
-  if (a.do_quiet && lane == 0 && ok) gpunet::quiet(qp, w);
+  if (a.do_quiet && lane == 0 && ok) gpunet::quiet(qp.qp, w);
   arch::syncwarp();
 }
 

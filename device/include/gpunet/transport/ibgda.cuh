@@ -36,11 +36,12 @@ struct Ibgda {
                                  uint32_t opcode, uint64_t raddr, uint64_t laddr, uint64_t nbytes) {
     if (nbytes == 0) return !failed(w);
     const uint64_t step = api::max_wqe(ctx);
+    const QpRef qp = qp_ref(qp_of(p));  // once for every WQE of the loop
     for (uint64_t off = 0; off < nbytes; off += step) {
       const uint64_t len = nbytes - off < step ? nbytes - off : step;
       Wqe q;
       wqe_rdma(q, opcode, raddr + off, p.rkey, laddr + off, ctx.lkey, uint32_t(len));
-      if (!post(qp_of(p), w, &q, 1)) return false;
+      if (!post(qp, w, &q, 1)) return false;
     }
     return true;
   }
@@ -138,6 +139,7 @@ struct Ibgda {
     const uint64_t round_bytes = step_max * ws;
     const uint64_t raddr = api::remote(ctx, p, dst_sym);
     const uint64_t laddr = uint64_t(uintptr_t(src));
+    const QpRef qp = qp_ref(qp_of(p));  // once: the rounds' posts load no constant (qp.cuh QpRef)
     bool ok = true;
     for (uint64_t r0 = 0; r0 < nbytes && ok; r0 += round_bytes) {
       const uint64_t len = nbytes - r0 < round_bytes ? nbytes - r0 : round_bytes;
@@ -150,7 +152,7 @@ struct Ibgda {
       const uint64_t off = r0 + uint64_t(lane) * chunk;
       const uint64_t my = lane < nposts ? ((r0 + len - off) < chunk ? (r0 + len - off) : chunk) : 0;
       wqe_rdma(q, mlx5::OPCODE_RDMA_WRITE, raddr + off, p.rkey, laddr + off, ctx.lkey, uint32_t(my));
-      ok = post_warp(qp_of(p), w, q, nposts);
+      ok = post_warp(qp, w, q, nposts);
     }
     return ok;
   }
