@@ -311,16 +311,21 @@ def _nvcc():
     return shutil.which("nvcc")
 
 
+def _ptx(src: Path, *flags: str) -> str:
+    """The PTX nvcc makes of `src` for sm_90 with gpunet's include dir (flags: e.g. -O3)."""
+    return subprocess.run(
+        [_nvcc(), "-std=c++17", *flags, "-arch=sm_90", "-ptx", "-x", "cu", f"-I{loader.include_dir()}",
+         str(src), "-o", "-"],
+        capture_output=True, text=True, timeout=300, check=True).stdout
+
+
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc is not on PATH: the CUDA arm cannot be compiled here")
 def test_cuda_arm_compiles_and_emits_the_intended_ptx():
     """arch.cuh and the every-primitive kernel compile with nvcc for sm_90, both as a shared
     library through the loader and as PTX that contains the system-scope acquire/release/fence."""
     lib = loader.build([KERNELS], arch="cuda")
     assert lib.gpunet_path.exists()
-    ptx = subprocess.run(
-        [_nvcc(), "-std=c++17", "-arch=sm_90", "-ptx", "-x", "cu", f"-I{loader.include_dir()}",
-         str(KERNELS), "-o", "-"],
-        capture_output=True, text=True, timeout=300, check=True).stdout
+    ptx = _ptx(KERNELS)
     for needle in ("ld.acquire.sys", "st.release.sys", "fence.acq_rel.sys", "%globaltimer",
                    "ld.relaxed.gpu", "st.relaxed.gpu", "prmt.b32", "nanosleep", "bar.red.or",
                    "st.volatile.v2.u64"):
@@ -344,10 +349,7 @@ def test_ring_to_reads_no_descriptor_after_its_fences(tmp_path):
     ld.volatile of another publisher's doorbell word, which must come after the fence)."""
     src = tmp_path / "ring_to_probe.cu"
     src.write_text(RING_TO_PROBE)
-    ptx = subprocess.run(
-        [_nvcc(), "-std=c++17", "-O3", "-arch=sm_90", "-ptx", "-x", "cu", f"-I{loader.include_dir()}",
-         str(src), "-o", "-"],
-        capture_output=True, text=True, timeout=300, check=True).stdout
+    ptx = _ptx(src, "-O3")
     body = ptx[ptx.index(".entry k_ring_to"):]
     fences = body.count("fence.acq_rel.sys")
     assert fences == 2, "ring_to should have its two system fences, found %d" % fences
@@ -385,10 +387,7 @@ def test_a_posting_loop_on_a_qp_ref_loads_no_constant_before_its_reservation(tmp
     ld.global.nc (arch::load_const)."""
     src = tmp_path / "post_loop_probe.cu"
     src.write_text(POST_LOOP_PROBE)
-    ptx = subprocess.run(
-        [_nvcc(), "-std=c++17", "-O3", "-arch=sm_90", "-ptx", "-x", "cu", f"-I{loader.include_dir()}",
-         str(src), "-o", "-"],
-        capture_output=True, text=True, timeout=300, check=True).stdout
+    ptx = _ptx(src, "-O3")
     body = ptx[ptx.index(".entry k_post_loop"):]
     lines = [ln.strip() for ln in body.splitlines() if ln.strip() and not ln.strip().startswith("//")]
     resv = [i for i, ln in enumerate(lines) if ln.startswith("atom.global.add.u64")]
@@ -430,10 +429,7 @@ def test_p2p_put_waits_for_the_previous_kernel_before_touching_memory():
     (LaunchSpec::overlap_previous, programmatic stream serialization): every variant of k_put_p2p
     must run griddepcontrol.wait before its first global load or store (else it could copy a
     source its producer has not finished writing), and the launcher must ask for the overlap."""
-    ptx = subprocess.run(
-        [_nvcc(), "-std=c++17", "-O3", "-arch=sm_90", "-ptx", "-x", "cu", f"-I{loader.include_dir()}",
-         str(loader.kernels_dir() / "ops.cu"), "-o", "-"],
-        capture_output=True, text=True, timeout=300, check=True).stdout
+    ptx = _ptx(loader.kernels_dir() / "ops.cu", "-O3")
     entries = [m.start() for m in re.finditer(r"\.entry \S*k_put_p2p", ptx)]
     assert len(entries) == 4, "expected the four k_put_p2p variants, found %d" % len(entries)
     for at in entries:
