@@ -733,25 +733,25 @@ GPUNET_DEVICE int32_t** header_slots(const LlParams& P, const Geo& g, uint64_t r
 }
 
 // What a send's last block needs for its header to destination d that does not change in the
-// launch: the header slot, the count n for word 0 (messages or rows to d), whether there is
-// nothing to send (n < 0, d out in this block's view or in the mask / failed words, host-mapped:
-// a PCIe read on GPUs), a PeerRef and the count last raised on d (sent_word: only the last block
-// writes it, once a launch). Each last block loads its destinations' BEFORE last_block's fences
-// (header_pre): after them every such load was one more round trip on the last block's chain,
-// the headers waiting for ~9 in a row (dispatch hdr.s ~5.5 us on the H200, combine ~5.8). A
-// peer failing meanwhile is seen by its put (its own Status) or masked by the next launch.
+// launch: the header slot, whether there is nothing to send (d out in this block's view or in
+// the mask / failed words, host-mapped: a PCIe read on GPUs), a PeerRef and the count last raised
+// on d (sent_word: only the last block writes it, once a launch). Each last block loads its
+// destinations' BEFORE last_block's fences (header_pre): after them every such load was one more
+// round trip on the last block's chain, the headers waiting for ~9 in a row (dispatch hdr.s
+// ~5.5 us on the H200, combine ~5.8). A peer failing meanwhile is seen by its put (its own
+// Status) or masked by the next launch. header_pre finds the slot itself rather than reading
+// header_slots' entry: warp d loads it before last_block's barrier, the one that orders that
+// entry (another warp's store) for the block.
 struct HeaderPre {
   int32_t* h = nullptr;
-  int32_t n = 0;
   bool skip = true;
   PeerRef ref{{}, -1};
   uint64_t sent = 0;
 };
 GPUNET_DEVICE HeaderPre header_pre(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
-                                   uint32_t d, int32_t n, const uint8_t* out) {
+                                   uint32_t d, const uint8_t* out) {
   HeaderPre x;
-  x.n = n;
-  x.skip = n < 0 || out[d] || peer_out(P, d);
+  x.skip = out[d] || peer_out(P, d);
   if (x.skip) return x;
   x.h = header_slot(P, rhdr, shdr, d);
   if (d != P.rank) {
@@ -762,13 +762,14 @@ GPUNET_DEVICE HeaderPre header_pre(const LlParams& P, uint32_t kind, uint64_t rh
 }
 
 // One thread, destination d, after last_block (every row before the header handed over) and
-// the header's other words: words 0, 1 (h1) and the tail, then for d != rank the signal (kind,
-// buf, rank) on d raised by one put_signal, which copies the header (`bytes`) from staging for a
-// NIC peer and nothing for a mapped one (header_slot).
+// the header's other words: words 0 (n: the messages or rows to d), 1 (h1) and the tail, then for
+// d != rank the signal (kind, buf, rank) on d raised by one put_signal, which copies the header
+// (`bytes`) from staging for a NIC peer and nothing for a mapped one (header_slot).
 GPUNET_DEVICE void header_finish(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
-                                 uint32_t d, const HeaderPre& x, int32_t h1, uint32_t bytes) {
+                                 uint32_t d, const HeaderPre& x, int32_t n, int32_t h1,
+                                 uint32_t bytes) {
   int32_t* h = x.h;
-  h[0] = x.n;
+  h[0] = n;
   h[1] = h1;
   fill_header_tail(P, h);
   if (d == P.rank) return;
@@ -808,27 +809,32 @@ GPUNET_DEVICE void announce_self(const LlParams& P, const Geo& g, uint32_t kind)
 GPUNET_DEVICE float bf16_at(const V16& v, uint32_t q) {
   return bf16_to_f32(uint16_t((q < 4 ? v.a : v.b) >> (16 * (q & 3))));
 }
+// The larger of amax and the largest magnitude among v's 8 bf16 values. Both quantisers
+// (quantise_group, fp8_to_destinations) use it and e4m3x16, so their scales and bytes agree.
+GPUNET_DEVICE float amax8(const V16& v, float amax) {
+  for (uint32_t i = 0; i < 8; ++i) {
+    const float a = bits_f32(f32_bits(bf16_at(v, i)) & 0x7fffffffu);
+    amax = a > amax ? a : amax;
+  }
+  return amax;
+}
+// 16 bf16 values (lo's 8, then hi's) divided by the group's scale s, as 16 e4m3 bytes in the same
+// order (the first in the low byte of .a): one 16-byte store, not 16 single-byte ones (above).
+GPUNET_DEVICE V16 e4m3x16(const V16& lo, const V16& hi, float s) {
+  V16 o = {0, 0};
+  for (uint32_t i = 0; i < 8; i += 2) {
+    o.a |= uint64_t(f32x2_to_e4m3x2(bf16_at(lo, i) / s, bf16_at(lo, i + 1) / s)) << (8 * i);
+    o.b |= uint64_t(f32x2_to_e4m3x2(bf16_at(hi, i) / s, bf16_at(hi, i + 1) / s)) << (8 * i);
+  }
+  return o;
+}
 GPUNET_DEVICE void quantise_group(const uint16_t* src, uint8_t* q, float* scale, bool round) {
   const V16* in = reinterpret_cast<const V16*>(src);
   float amax = 0.0f;
-  for (uint32_t c = 0; c < kGroup / 8; ++c) {
-    const V16 v = in[c];
-    for (uint32_t i = 0; i < 8; ++i) {
-      const float a = bits_f32(f32_bits(bf16_at(v, i)) & 0x7fffffffu);
-      amax = a > amax ? a : amax;
-    }
-  }
+  for (uint32_t c = 0; c < kGroup / 8; ++c) amax = amax8(in[c], amax);
   const float s = group_scale(amax, round);
   V16* out = reinterpret_cast<V16*>(q);
-  for (uint32_t c = 0; c < kGroup / 16; ++c) {
-    const V16 lo = in[2 * c], hi = in[2 * c + 1];
-    V16 o = {0, 0};
-    for (uint32_t i = 0; i < 8; i += 2) {
-      o.a |= uint64_t(f32x2_to_e4m3x2(bf16_at(lo, i) / s, bf16_at(lo, i + 1) / s)) << (8 * i);
-      o.b |= uint64_t(f32x2_to_e4m3x2(bf16_at(hi, i) / s, bf16_at(hi, i + 1) / s)) << (8 * i);
-    }
-    out[c] = o;
-  }
+  for (uint32_t c = 0; c < kGroup / 16; ++c) out[c] = e4m3x16(in[2 * c], in[2 * c + 1], s);
   *scale = s;
 }
 
@@ -905,7 +911,7 @@ GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uin
   // warp w loads destination w's HeaderPre (its count of messages is known only after them)
   const uint32_t d0 = g.wid;
   HeaderPre pre0;
-  if (d0 < R) pre0 = header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d0, 0, out);
+  if (d0 < R) pre0 = header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d0, out);
   if (last_block(P, g, SYNC_SEND_DONE)) {  // (its barrier orders hs for the block)
     stamp(P, g, ST_SEND_LAST);
     // Rows of the bitmaps (LlParams::bits): i < E is (destination i / EL, local expert i % EL),
@@ -945,10 +951,9 @@ GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uin
     }
     arch::syncthreads();
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {
-      HeaderPre x = d == d0 ? pre0 : header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, 0, out);
-      x.n = int32_t(nsent[d]);
+      const HeaderPre x = d == d0 ? pre0 : header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, out);
       if (g.lane == 0 && !x.skip)
-        header_finish(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, x, int32_t(T),
+        header_finish(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, x, int32_t(nsent[d]), int32_t(T),
                       dispatch_hdr_words(EL, P.t_max) * 4);
     }
     stamp(P, g, ST_HDR_FILLED);
@@ -1016,10 +1021,11 @@ GPUNET_DEVICE bool send_start(const LlParams& P, const Geo& g, bool stage) {
 // FP8 with every peer mapped (nothing staged): part `part` of S of token t's groups, a lane per
 // half group (64 columns; the group's amax joins the partner lane h ^ 1's by one shuffle), its
 // e4m3 bytes (and, the first half's lane, the group's scale) stored from registers straight into
-// the token's slot on each destination rank. The same numbers as quantise_group (max is exact in
-// any order; the same scale and division). Staged, a lane quantised whole groups (two a lane for
-// DeepEP's 7168 columns) and one warp a token then copied the row to each destination: the FP8
-// send took ~24 us on the H200 against BF16's ~8 (bench/RESULTS.md, fourteenth session).
+// the token's slot on each destination rank. The same numbers as quantise_group (the same amax8,
+// group_scale and e4m3x16; max is exact in any order, so the halves' join changes nothing).
+// Staged, a lane quantised whole groups (two a lane for DeepEP's 7168 columns) and one warp a
+// token then copied the row to each destination: the FP8 send took ~24 us on the H200 against
+// BF16's ~8 (bench/RESULTS.md, fourteenth session).
 constexpr uint32_t kHalf = kGroup / 2;
 GPUNET_DEVICE void fp8_to_destinations(const LlParams& P, const Geo& g, uint32_t t, uint32_t part,
                                        uint32_t S, const Selection& sel, const uint8_t* out) {
@@ -1046,25 +1052,14 @@ GPUNET_DEVICE void fp8_to_destinations(const LlParams& P, const Geo& g, uint32_t
 #pragma unroll
       for (uint32_t c = 0; c < kHalf / 8; ++c) in[c] = src[c];
 #pragma unroll
-      for (uint32_t c = 0; c < kHalf / 8; ++c)
-        for (uint32_t i = 0; i < 8; ++i) {
-          const float a = bits_f32(f32_bits(bf16_at(in[c], i)) & 0x7fffffffu);
-          amax = a > amax ? a : amax;
-        }
+      for (uint32_t c = 0; c < kHalf / 8; ++c) amax = amax8(in[c], amax);
     }
     const float other = arch::shfl(amax, g.lane ^ 1);  // h0 is even: lane ^ 1 holds h ^ 1
     amax = other > amax ? other : amax;
     const float s = group_scale(amax, round);
     V16 o[kHalf / 16];
 #pragma unroll
-    for (uint32_t c = 0; c < kHalf / 16; ++c) {
-      o[c] = {0, 0};
-      for (uint32_t i = 0; i < 8; i += 2) {
-        o[c].a |= uint64_t(f32x2_to_e4m3x2(bf16_at(in[2 * c], i) / s, bf16_at(in[2 * c], i + 1) / s)) << (8 * i);
-        o[c].b |= uint64_t(f32x2_to_e4m3x2(bf16_at(in[2 * c + 1], i) / s, bf16_at(in[2 * c + 1], i + 1) / s))
-                  << (8 * i);
-      }
-    }
+    for (uint32_t c = 0; c < kHalf / 16; ++c) o[c] = e4m3x16(in[2 * c], in[2 * c + 1], s);
     for (uint32_t k = 0; k < K; ++k) {
       const uint64_t dst = arch::shfl(slot, k);
       if (!act || dst == 0) continue;
@@ -1345,6 +1340,15 @@ GPUNET_DEVICE uint64_t rows_before(const LlParams& P, const Geo& g, uint32_t j, 
   return warp_sum(g, n);
 }
 
+// Warp-uniform: a combine item or header whose rows do not fit (`bad`: a corrupt handle; `room`
+// the rows there are, `end` the rows it needs) is recorded by lane 0 (EP_ERR_LAYOUT: the host
+// raises a ConfigError) and skipped by the caller, so nothing goes outside x or the receive area.
+GPUNET_DEVICE bool layout_fails(const LlParams& P, const Geo& g, bool bad, uint32_t j,
+                                uint64_t room, uint64_t end) {
+  if (bad && g.lane == 0) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, room, end, 0);
+  return bad;
+}
+
 GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden;
   const uint64_t rows = uint64_t(R) * P.t_max;
@@ -1381,41 +1385,29 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     const int64_t v = lr[uint64_t(le) * R + j];
     const uint64_t b = uint64_t(v >> 32), c = uint64_t(v & 0xffffffff);
     if (c <= part) continue;
-    if (v < 0 || b + c > rows) {  // the item's rows outside x's packed layout: a corrupt handle
-      if (g.lane == 0) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, rows, b + c, 0);
+    if (layout_fails(P, g, v < 0 || b + c > rows, j, rows, b + c)) continue;  // outside x's layout
+    const uint64_t r0 = uint64_t(le) * rows + b;
+    if (j == P.rank && self_reads_source(P)) {
+      // the receive of this launch reads these rows from x: their slots go in the table now
+      const int64_t ge = int64_t(P.rank) * EL + le;
+      for (uint64_t i = g.lane; i < c; i += g.ws) {
+        const int32_t t = ptr<const int32_t>(P.src_info)[r0 + i];
+        if (t < 0 || uint32_t(t) >= P.num_tokens) continue;  // (the receive reports it)
+        table_mark(P, uint32_t(t), ge, kSelfRow | int64_t(r0 + i));
+      }
       continue;
     }
-    const uint64_t r0 = uint64_t(le) * rows + b;
+    const uint64_t first = rows_before(P, g, j, le);
+    if (layout_fails(P, g, first + c > P.c_rows, j, P.c_rows, first + c)) continue;  // area on j
+    const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + first;
     if (j == P.rank) {
-      if (self_reads_source(P)) {
-        // the receive of this launch reads these rows from x: their slots go in the table now
-        const int64_t ge = int64_t(P.rank) * EL + le;
-        for (uint64_t i = g.lane; i < c; i += g.ws) {
-          const int32_t t = ptr<const int32_t>(P.src_info)[r0 + i];
-          if (t < 0 || uint32_t(t) >= P.num_tokens) continue;  // (the receive reports it)
-          table_mark(P, uint32_t(t), ge, kSelfRow | int64_t(r0 + i));
-        }
-        continue;
-      }
       // to self, with a hook: rows and token indices into its own receive area (no NIC)
-      const uint64_t first = rows_before(P, g, j, le);
-      if (first + c > P.c_rows) {
-        if (g.lane == 0) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, first + c, 0);
-        continue;
-      }
-      const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + first;
       warp_copy(g, P.c_recv + dst_row * H * 2, P.x + r0 * H * 2, c * H * 2);
       for (uint64_t i = g.lane; i < c; i += g.ws)
         ptr<int32_t>(P.c_rtags)[dst_row + i] = ptr<const int32_t>(P.src_info)[r0 + i];
       continue;
     }
     const DevCtx& cx = peer_ctx(P, j);
-    const uint64_t first = rows_before(P, g, j, le);
-    if (first + c > P.c_rows) {  // more rows than this rank's area on j holds: a corrupt handle
-      if (g.lane == 0) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, first + c, 0);
-      continue;
-    }
-    const uint64_t dst_row = uint64_t(P.rank) * P.c_rows + first;
     // a mapped peer: the warp stores its part's rows (from x, unstaged) and their token indices
     // there itself, published by the last block's fences and signal like a p2p put
     if (void* mapped = gpunet::ptr(cx, ptr<const void>(P.c_recv + dst_row * H * 2), int(j))) {
@@ -1445,7 +1437,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   int32_t** hs = header_slots(P, g, P.c_rhdr, P.c_shdr, out);
   const uint32_t j0 = g.wid;
   HeaderPre pre0;
-  if (j0 < R) pre0 = header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j0, 0, out);
+  if (j0 < R) pre0 = header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j0, out);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
     // warp per destination: the per-expert counts into its header by the lanes (loaded
@@ -1454,7 +1446,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     // the header and signals (the syncwarp orders the lanes' stores before its release)
     bool self_ok = true;
     for (uint32_t j = g.wid; j < R; j += g.nwarps) {
-      HeaderPre x = j == j0 ? pre0 : header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, 0, out);
+      const HeaderPre x = j == j0 ? pre0 : header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, out);
       uint64_t n = 0;
       bool fits = true;
       for (uint32_t le0 = 0; le0 < EL; le0 += g.ws * kBatch)
@@ -1472,11 +1464,10 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
       n = warp_sum(g, n);
       fits = arch::all(fits) && n <= P.c_rows;
       if (j == P.rank) self_ok = fits;
-      x.n = int32_t(n);
       arch::syncwarp();
-      if (g.lane == 0 && !fits) ep_fail(P, EP_ERR_LAYOUT, EP_SITE_COMBINE_LAYOUT, j, P.c_rows, n, 0);
-      if (g.lane == 0 && fits && !x.skip)
-        header_finish(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, x, int32_t(P.t_max), (kHdrHead + EL) * 4);
+      if (!layout_fails(P, g, !fits, j, P.c_rows, n) && g.lane == 0 && !x.skip)
+        header_finish(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, x, int32_t(n), int32_t(P.t_max),
+                      (kHdrHead + EL) * 4);
     }
     stamp(P, g, ST_HDR_FILLED);
     stamp_after_block(P, g, ST_HDR_SIGNALED);
