@@ -1,5 +1,5 @@
 """gpunet's command line: ``python -m gpunet demo`` (the main job), ``ep-demo``, ``selftest``,
-``config``, ``doctor`` or ``warmup``."""
+``config``, ``doctor``, ``warmup`` or ``ep-shim``."""
 import argparse
 import sys
 
@@ -22,6 +22,8 @@ def main(argv=None):
     warm_p.add_argument("--cuda", action="store_true",
                         help="also compile the CUDA arm's kernel libraries (nvcc, in parallel, no GPU "
                              "needed): the GPU machine's first tests and benchmarks then load them")
+    sub.add_parser("ep-shim", help="print the folder to put on PYTHONPATH so that `import deep_ep` "
+                                   "gives gpunet.ep in every process (a framework's workers too)")
     args, rest = p.parse_known_args(argv)
     if args.cmd == "demo":
         from gpunet.demo import main as demo_main
@@ -51,6 +53,10 @@ def main(argv=None):
             warm()
         print("gpunet warm-up: ibgda and proxy loopbacks ok, compile caches ready (%.1f s)"
               % (time.perf_counter() - t0))
+        return 0
+    if args.cmd == "ep-shim":
+        from gpunet.ep import shim_path
+        print(shim_path())
         return 0
     if args.cmd == "selftest":
         from gpunet.selftest import run

@@ -237,16 +237,50 @@ def test_size_hint_adds_up_refuses_overflow_and_lifts_deepeps_limits():
 
 def test_install_as_deep_ep_is_explicit_and_refuses_a_different_deep_ep(monkeypatch):
     """install_as_deep_ep() makes `import deep_ep` give gpunet.ep (Buffer, Config, EventOverlap,
-    topk_idx_t); it refuses when another deep_ep is imported already; nothing happens on import."""
-    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    topk_idx_t), and `deep_ep.buffer` / `deep_ep.utils` gpunet's modules, not second copies (a
+    second copy's Config would not be deep_ep.Config); it refuses when another deep_ep is imported
+    already; nothing happens on import."""
+    for name in ("deep_ep", "deep_ep.buffer", "deep_ep.utils"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     assert "deep_ep" not in sys.modules
     gep.install_as_deep_ep()
     import deep_ep
+    import deep_ep.buffer
+    from deep_ep.utils import EventHandle, EventOverlap as UtilsEventOverlap
+    assert deep_ep is gep
     assert deep_ep.Buffer is Buffer and deep_ep.topk_idx_t is torch.int64
     assert deep_ep.EventOverlap is EventOverlap and deep_ep.Config is Config
+    assert deep_ep.buffer.Config is Config and deep_ep.buffer.Buffer is Buffer
+    assert UtilsEventOverlap is EventOverlap and EventHandle is gep.EventHandle
     monkeypatch.setitem(sys.modules, "deep_ep", types.ModuleType("deep_ep"))
     with pytest.raises(ConfigError, match="different deep_ep"):
         gep.install_as_deep_ep()
+
+
+def test_the_deep_ep_shim_is_opt_in_per_process_and_gives_gpunet_ep():
+    """`python -m gpunet ep-shim` prints a folder; with it on PYTHONPATH a fresh process (as a
+    framework's worker is) gets gpunet.ep from `import deep_ep`, with deep_ep.buffer and
+    deep_ep.utils gpunet's modules; without it `import deep_ep` finds nothing (never implicit)."""
+    import os
+    import subprocess
+
+    folder = subprocess.run([sys.executable, "-m", "gpunet", "ep-shim"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    assert folder == gep.shim_path() and os.path.isfile(os.path.join(folder, "deep_ep", "__init__.py"))
+    probe = ("import deep_ep, deep_ep.buffer, gpunet.ep as g\n"
+             "from deep_ep.utils import EventOverlap\n"
+             "from deep_ep import Buffer, Config\n"
+             "assert deep_ep is g and Buffer is g.Buffer and deep_ep.buffer.Config is Config is g.Config\n"
+             "assert EventOverlap is g.EventOverlap\n"
+             "print(deep_ep.__name__)\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, env.get("PYTHONPATH", "")) if p)
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "gpunet.ep", res.stderr
+    env.pop("PYTHONPATH")
+    res = subprocess.run([sys.executable, "-c", "import deep_ep"], capture_output=True, text=True,
+                         env=env, cwd=os.path.dirname(folder))
+    assert res.returncode != 0 and "No module named 'deep_ep'" in res.stderr
 
 
 def test_config_events_and_static_helpers():
