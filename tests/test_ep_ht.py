@@ -136,7 +136,10 @@ def test_size_hint_is_the_layout_and_independent_of_the_token_count():
     assert h == lay.ht_fixed_bytes(2) + 2 * lay.align(2 * 10 * 2 * 256 * msg)
     assert h < c.get_nvl_buffer_size_hint(7168 * 2, 4) and h < Config(40, 6, 256).get_nvl_buffer_size_hint(7168 * 2, 2)
     assert h < Config(20, 6, 512).get_nvl_buffer_size_hint(7168 * 2, 2) < Config(20, 6, 512).get_nvl_buffer_size_hint(8192 * 2, 2)
-    assert c.get_rdma_buffer_size_hint(7168 * 2, 2) == h
+    # DeepEP's rule: no RDMA buffer up to 8 ranks (callers that allocate both hints get one
+    # region); gpunet's flat HT group past that takes the NVL layout's bytes
+    assert c.get_rdma_buffer_size_hint(7168 * 2, 2) == c.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    assert c.get_rdma_buffer_size_hint(7168 * 2, 9) == c.get_nvl_buffer_size_hint(7168 * 2, 9) > 0
     small = Config(8, 8, 48).get_nvl_buffer_size_hint(7168 * 2, 2)
     assert small == lay.ht_size_hint(7168, 2, 4, 48) and 2 * small < 4096 * 7168 * 2
 

@@ -96,6 +96,11 @@ class EventOverlap:
             self.event.current_stream_wait()
 
 
+# DeepEP's NUM_MAX_NVL_PEERS: up to this many ranks its high-throughput mode is intranode and
+# needs no RDMA buffer (Config.get_rdma_buffer_size_hint returns 0, as DeepEP's does).
+NUM_MAX_NVL_PEERS = 8
+
+
 class Config:
     """DeepEP's performance Config (used by the high-throughput mode; kept for callers that build
     one, e.g. SGLang from JSON): ``Config(num_sms, num_max_nvl_chunked_send_tokens,
@@ -141,9 +146,15 @@ class Config:
         return lay.ht_size_hint(hidden, num_ranks, nc, self.num_max_nvl_chunked_recv_tokens)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
-        """gpunet's HT mode has one flat group of ranks (no separate RDMA stage): the same bytes as
+        """0 for up to 8 ranks, as DeepEP's (its intranode mode needs no RDMA buffer): callers that
+        allocate both hints (SGLang: num_nvl_bytes = max of the NVL hints, num_rdma_bytes = max of
+        the RDMA ones) then get one high-throughput region, not two. More ranks: gpunet's HT mode
+        has one flat group of ranks (no separate RDMA stage), so the same bytes as
         get_nvl_buffer_size_hint, usable as num_rdma_bytes of a Buffer with low_latency_mode=False
         and num_nvl_bytes=0."""
+        _check_pos(num_ranks, "num_ranks")
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            return 0
         return self.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
 
     def __repr__(self):
