@@ -33,7 +33,9 @@ Rows (the table says which is which):
   reservation: ready_head, fence, DBR, fence, 64-bit doorbell store) on Q QPs (warp w uses QP w % Q), then quiet. The consumer is a
   numba nogil CPU thread (the sink) that watches each QP's DBR and answers every change with one
   CQE naming the last WQE (owner-bit CQ of sq_wqebbs entries by default, never overrunning it) —
-  it executes nothing, so the ring never blocks on execution. WQE/s = WQEs / kernel time (CUDA
+  it executes nothing, so the ring never blocks on execution. ``--sink-threads 1,2,4`` repeats
+  the rows with the QPs split over that many sink threads (QP q to thread q % n): a rate that does
+  not grow with them is not the sink's limit. WQE/s = WQEs / kernel time (CUDA
   events around the launch; the kernel ends after quiet, i.e. after the sink has credited the
   last WQE).
 - ``post, soft NIC``: the same kernel on a connected soft NIC QP pair: the engine executes each
@@ -244,7 +246,7 @@ class SinkWorld:
     """``nqps`` QPs (rings of ``sq`` WQEBBs) on a soft NIC that never executes them, the sink thread,
     device QpDescs, device payload buffers."""
 
-    def __init__(self, plat, nqps, sq, collapsed, post_mode="batched"):
+    def __init__(self, plat, nqps, sq, collapsed, post_mode="batched", sinks=1):
         from gpunet.host.softnic import SoftNic
         self.plat, self.nqps, self.sq = plat, nqps, sq
         need = nqps * sq * 64 * (1 if collapsed else 2) + (4 << 20)
@@ -264,7 +266,8 @@ class SinkWorld:
         self.status_dev = self.dev.zeros(ctypes.sizeof(abi.Status))
         self.src = plat.alloc("device", PAYLOAD_SPAN)
         self.dst = plat.alloc("device", PAYLOAD_SPAN)
-        self.sink = Sink(self.pairs)
+        n = max(1, min(sinks, nqps))
+        self.sinks = [Sink(self.pairs[i::n]) for i in range(n)]   # QP q on sink thread q % n
 
     def run(self, blib, warps, iters, per_lane=1):
         before = [heads(d) for d in self.dev.get(self.qds, self.qds_dev)]
@@ -277,8 +280,12 @@ class SinkWorld:
                 raise errors.GpunetError("heads differ after the post kernel: %s" % (h,))
         return secs, posted
 
+    def sink_cqes(self):
+        return sum(int(k.stats[0]) for k in self.sinks)
+
     def close(self):
-        self.sink.close()
+        for k in self.sinks:
+            k.close()
         self.plat.free(self.src)
         self.plat.free(self.dst)
         self.dev.close()
@@ -441,14 +448,15 @@ def _timed_row(row, n, runs):
 
 def _fmt_table(rows, mach, ordering):
     lines = []
-    lines.append("| row | warps | QPs | post mode | ring | CQ | WQEs | median time (ms) | M WQE/s median "
-                 "[min, max] | note |")
-    lines.append("|---|---:|---:|---|---:|---|---:|---:|---:|---|")
+    lines.append("| row | warps | QPs | sinks | post mode | ring | CQ | WQEs | median time (ms) | M WQE/s "
+                 "median [min, max] | note |")
+    lines.append("|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|")
     for r in rows:
         spread = " [%.1f, %.1f]" % (r["mwqes_min"], r["mwqes_max"]) if "mwqes_min" in r else ""
-        lines.append("| %s | %d | %s | %s | %s | %s | %d | %.2f | %.1f%s | %s |" % (
-            r["row"], r["warps"], r.get("qps", "-"), r.get("post_mode", "-"), r.get("ring", "-"),
-            r.get("cq", "-"), r["wqes"], r["seconds"] * 1e3, r["mwqes"], spread, r.get("note", "")))
+        lines.append("| %s | %d | %s | %s | %s | %s | %s | %d | %.2f | %.1f%s | %s |" % (
+            r["row"], r["warps"], r.get("qps", "-"), r.get("sinks", "-"), r.get("post_mode", "-"),
+            r.get("ring", "-"), r.get("cq", "-"), r["wqes"], r["seconds"] * 1e3, r["mwqes"], spread,
+            r.get("note", "")))
     for r in rows:
         if r.get("phases"):
             lines.append("")
@@ -490,6 +498,9 @@ def main(argv=None):
     ap.add_argument("--serial-warps", default="1,32",
                     help="warp counts that get serial-mode sink rows (serial rings one post at a "
                          "time: the many-warp rows say nothing new)")
+    ap.add_argument("--sink-threads", default="1",
+                    help="comma list of sink thread counts for the sink rows (QP q on thread q %% n; "
+                         "a count above the QPs is skipped): shows whether the sink limits a rate")
     ap.add_argument("--wqes", type=int, default=1 << 22, help="WQEs per sink row (about)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="timed runs per row (the median is reported, with min and max)")
@@ -553,16 +564,18 @@ def main(argv=None):
         cqs = ["owner", "collapsed"] if args.cq == "both" else [args.cq]
         modes = [m for m in args.post_modes.split(",") if m]
         serial_warps = {int(w) for w in args.serial_warps.split(",") if w}
-        for cqmode, nq, mode in [(c, int(q), m) for c in cqs for q in args.qps.split(",") for m in modes]:
+        sink_counts = [int(n) for n in args.sink_threads.split(",") if n]
+        for cqmode, nq, mode, ns in [(c, int(q), m, n) for c in cqs for q in args.qps.split(",")
+                                     for m in modes for n in sink_counts]:
             row_warps = [w for w in warps_list
                          if nq <= w and (mode != "serial" or w in serial_warps)]
-            if not row_warps:
+            if not row_warps or ns > nq:
                 continue          # no row of this world would run: do not build it
-            world = SinkWorld(plat, nq, args.sq, cqmode == "collapsed", mode)
+            world = SinkWorld(plat, nq, args.sq, cqmode == "collapsed", mode, ns)
             try:
                 for w in row_warps:
                     key = {"row": "post, sink", "warps": w, "qps": nq, "ring": args.sq,
-                           "post_mode": mode, "cq": cqmode}
+                           "post_mode": mode, "cq": cqmode, "sinks": ns}
                     iters = max(16, total // (w * 32 * args.per_lane))
                     try:
                         world.run(blib, w, min(iters, 16), args.per_lane)     # warm-up
@@ -578,7 +591,7 @@ def main(argv=None):
                         raise _Abandon()
                     row = _timed_row(
                         dict(key, wqes=n, note="sink CQEs %d, %d WQEs/lane/post%s" % (
-                            int(world.sink.stats[0]), args.per_lane,
+                            world.sink_cqes(), args.per_lane,
                             ", phases build" if args.phases else "")), n, runs)
                     sums = read_phases(blib)
                     if sums is not None:

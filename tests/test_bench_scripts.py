@@ -56,6 +56,36 @@ def test_device_post_cpu_smoke(tmp_path):
     assert got["device post rows ran"]["result"] == "PASS"
 
 
+def test_sink_threads_split_the_qps_and_the_gate_reads_one_sink_rows(tmp_path):
+    """--sink-threads 1,2 repeats each sink row with the QPs split over that many sink threads
+    (QP q on thread q % n): both rows credit every WQE (the script checks the heads agree); the
+    gate's reader takes its targets from the one-sink rows only (the others are a comparison)."""
+    out = tmp_path / "dps.json"
+    r = _run("--cpu-smoke", "--qps", "2", "--warps", "2", "--sink-threads", "1,2", "--skip",
+             "store,e2e,ordering", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+    sink = [row for row in json.loads(out.read_text())["rows"] if row["row"] == "post, sink"]
+    assert sorted(row["sinks"] for row in sink) == [1, 2], sink
+    assert all(row["wqes"] > 0 and not row["note"].startswith("FAIL") for row in sink), sink
+    # the gate's reader: both rows relabelled as the 32-warp target's row, the 2-sink one with a
+    # figure that would meet it; the target must come from the 1-sink row
+    d = json.loads(out.read_text())
+    for row in d["rows"]:
+        if row["row"] == "post, sink":
+            row.update(warps=32, qps=1, post_mode="batched")
+            if row["sinks"] == 2:
+                row.update(mwqes=999.0, mwqes_min=999.0, mwqes_max=999.0)
+    d["rows"].sort(key=lambda row: -row.get("sinks", 0))   # the 2-sink row first
+    out.write_text(json.dumps(d))
+    rows = tmp_path / "rows.jsonl"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "gate.py"), "device_post", str(out)],
+                   check=True, timeout=60, env=dict(os.environ, GATE_ROWS=str(rows)))
+    got = {g["name"]: g for g in map(json.loads, rows.read_text().splitlines())}
+    one = next(row for row in d["rows"] if row.get("sinks") == 1)
+    assert got["post 32 warp(s), 1 QP(s), batched"]["figure"].startswith("%.1f M WQE/s" % one["mwqes"])
+
+
 def test_post_warp_k_moves_every_byte_on_the_host_arm(tmp_path):
     """post_warp_k (8 WQEs per lane per reservation, warps of 32 interleaved so each store covers
     consecutive WQEBBs): on the soft NIC every WQE executes and the destination equals the source,
