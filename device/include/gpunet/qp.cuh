@@ -597,42 +597,42 @@ GPUNET_DEVICE void publish(const QpRef& c, const Waiter& w, const Resv& v, uint6
 }
 
 // The ctrl segment of WQE `q` at producer index `pi` on this QP (mlx5.cuh's ctrl_seg).
-GPUNET_DEVICE mlx5::Seg16 ctrl_of(const QpRef& sv, uint64_t pi, const Wqe& q) {
-  return mlx5::ctrl_seg(uint32_t(pi), q.opcode, 0, sv.qpn, q.fm_ce_se, q.ds, 0, 0);
+GPUNET_DEVICE mlx5::Seg16 ctrl_of(const QpRef& qr, uint64_t pi, const Wqe& q) {
+  return mlx5::ctrl_seg(uint32_t(pi), q.opcode, 0, qr.qpn, q.fm_ce_se, q.ds, 0, 0);
 }
 
 // Write a built WQE at counter `base` with its ctrl segment `ctrl` (ctrl_of: this thread's stores,
 // one 16-byte store per segment, wrapping per WQEBB) and record its size. Returns its doorbell word.
-GPUNET_DEVICE uint64_t write_wqe(const QpRef& sv, uint64_t base, const Wqe& q,
+GPUNET_DEVICE uint64_t write_wqe(const QpRef& qr, uint64_t base, const Wqe& q,
                                  const mlx5::Seg16& ctrl) {
-  const uint64_t mask = sv.mask;
-  uint64_t* bb = qpd::u64p(sv.sq + (base & mask) * mlx5::WQEBB);
+  const uint64_t mask = qr.mask;
+  uint64_t* bb = qpd::u64p(qr.sq + (base & mask) * mlx5::WQEBB);
   arch::store_relaxed_v2(bb, ctrl.w[0], ctrl.w[1]);
   if (q.nbb == 1) {  // the common case (RDMA, atomic, short inline): one WQEBB, no wrap
     for (uint32_t i = 1; i < 4; ++i) arch::store_relaxed_v2(bb + 2 * i, q.seg[i].w[0], q.seg[i].w[1]);
   } else {
     for (uint32_t i = 1; i < q.nbb * 4; ++i) {
-      uint64_t* p = qpd::u64p(sv.sq + ((base + i / 4) & mask) * mlx5::WQEBB + (i % 4) * mlx5::DS_UNIT);
+      uint64_t* p = qpd::u64p(qr.sq + ((base + i / 4) & mask) * mlx5::WQEBB + (i % 4) * mlx5::DS_UNIT);
       arch::store_relaxed_v2(p, q.seg[i].w[0], q.seg[i].w[1]);
     }
   }
-  arch::store_relaxed(&qpd::u32p(sv.slot_nbb)[base & mask], q.nbb);
+  arch::store_relaxed(&qpd::u32p(qr.slot_nbb)[base & mask], q.nbb);
   GPUNET_DELAY_POINT();
   return mlx5::doorbell_word(ctrl);
 }
-GPUNET_DEVICE uint64_t write_wqe(const QpRef& sv, uint64_t base, const Wqe& q) {
-  return write_wqe(sv, base, q, ctrl_of(sv, base, q));
+GPUNET_DEVICE uint64_t write_wqe(const QpRef& qr, uint64_t base, const Wqe& q) {
+  return write_wqe(qr, base, q, ctrl_of(qr, base, q));
 }
 
 // A post that saw a failure after reserving fills its WQEBBs [base + from, base + to) with
 // signalled NOPs, `step` apart (1 per thread, warp_size per lane), and still publishes, so the
 // ring stays whole and the turn moves on. Returns the doorbell word of the NOP at base + to - 1.
-GPUNET_DEVICE uint64_t fill_nops(const QpRef& sv, uint64_t base, uint64_t from, uint64_t to,
+GPUNET_DEVICE uint64_t fill_nops(const QpRef& qr, uint64_t base, uint64_t from, uint64_t to,
                                  uint32_t step) {
   Wqe nop;
   wqe_nop(nop);
-  for (uint64_t i = from; i < to; i += step) write_wqe(sv, base + i, nop);
-  return mlx5::doorbell_word(ctrl_of(sv, base + to - 1, nop));
+  for (uint64_t i = from; i < to; i += step) write_wqe(qr, base + i, nop);
+  return mlx5::doorbell_word(ctrl_of(qr, base + to - 1, nop));
 }
 
 // What a post checks against the Status and the QP, read with its reservation in flight: records
@@ -656,13 +656,13 @@ GPUNET_DEVICE bool post_allowed(const QpDesc* qp, const Waiter& w, bool st_faile
 // `end` (optional) receives the counter just past the last WQE (for wait_done). A failure seen
 // (in the Status, or the QP in error) makes it return false having posted NOPs, or nothing when
 // seen before reserving.
-GPUNET_DEVICE bool post(const QpRef& sv, const Waiter& w, Wqe* wqes, uint32_t count,
+GPUNET_DEVICE bool post(const QpRef& qr, const Waiter& w, Wqe* wqes, uint32_t count,
                         uint64_t* end = nullptr) {
-  QpDesc* const qp = sv.qp;
+  QpDesc* const qp = qr.qp;
   uint32_t n = 0;
   for (uint32_t i = 0; i < count; ++i) n += wqes[i].nbb;
-  if (n > sv.wqebbs()) {
-    if (!failed(w)) record_bad_argument(w, SITE_POST_ARG, sv.qpn, qp->peer, sv.wqebbs(), n);
+  if (n > qr.wqebbs()) {
+    if (!failed(w)) record_bad_argument(w, SITE_POST_ARG, qr.qpn, qp->peer, qr.wqebbs(), n);
     return false;
   }
   // One round trip: the Status, errored, done_head, db_head and the reservation together.
@@ -670,21 +670,21 @@ GPUNET_DEVICE bool post(const QpRef& sv, const Waiter& w, Wqe* wqes, uint32_t co
   const bool qp_errored = arch::atomic_load(&qp->errored) != 0;
   const uint64_t done0 = arch::atomic_load(&qp->done_head);
   Resv v = reserve_start(qp, n);
-  if (!wait_room(sv, w, v, done0)) return false;  // recorded: every wait gives up, [base, +n) a hole
-  read_hints(sv, v);
+  if (!wait_room(qr, w, v, done0)) return false;  // recorded: every wait gives up, [base, +n) a hole
+  read_hints(qr, v);
   const bool ok = post_allowed(qp, w, st_failed, qp_errored, true);
   uint64_t word;
   if (ok) {
     uint64_t at = v.base;
     for (uint32_t i = 0; i < count; ++i) {
-      word = write_wqe(sv, at, wqes[i]);
+      word = write_wqe(qr, at, wqes[i]);
       at += wqes[i].nbb;
     }
   } else {
-    word = fill_nops(sv, v.base, 0, n, 1);
+    word = fill_nops(qr, v.base, 0, n, 1);
   }
   if (end) *end = v.base + n;
-  publish(sv, w, v, word);
+  publish(qr, w, v, word);
   return ok;
 }
 // The same, reading the QP's constants first (a caller that posts once).
@@ -724,7 +724,7 @@ GPUNET_DEVICE bool reserve_warp(const QpRef& c, const Waiter& w, uint32_t total,
 // trip for the reservation (with the Status, errored, done_head, db_head), the WQE stores, the
 // ring's two system fences, one round trip for leaving the turn (own_and_ring's CAS).
 // A caller that posts in a loop passes a QpRef taken once (qp_ref): no constant is loaded here.
-GPUNET_DEVICE bool post_warp(const QpRef& sv, const Waiter& w, Wqe& q, uint32_t nposts) {
+GPUNET_DEVICE bool post_warp(const QpRef& qr, const Waiter& w, Wqe& q, uint32_t nposts) {
   GPUNET_POST_STAMP(7);
   const uint32_t lane = arch::lane_id();
   const bool mine = lane < nposts;
@@ -746,31 +746,31 @@ GPUNET_DEVICE bool post_warp(const QpRef& sv, const Waiter& w, Wqe& q, uint32_t 
     total = arch::shfl(incl, ws - 1);
   }
   if (total == 0) return !failed(w);
-  if (total > sv.wqebbs()) {  // warp-uniform; refused before reserving
+  if (total > qr.wqebbs()) {  // warp-uniform; refused before reserving
     if (lane == 0 && !failed(w))
-      record_bad_argument(w, SITE_POST_ARG, sv.qpn, sv.qp->peer, sv.wqebbs(), total);
+      record_bad_argument(w, SITE_POST_ARG, qr.qpn, qr.qp->peer, qr.wqebbs(), total);
     return false;
   }
   Resv v;
   uint64_t base;
   bool ok;
-  if (!reserve_warp(sv, w, total, v, base, ok)) return false;
+  if (!reserve_warp(qr, w, total, v, base, ok)) return false;
   GPUNET_POST_STAMP(0);
   uint64_t word;
   if (ok) {
     // The last posting lane's doorbell word goes to lane 0 BEFORE the WQE stores: after them the
     // only collective is the syncwarp whose ordering the publish relies on (and tests check).
-    const mlx5::Seg16 ctrl = ctrl_of(sv, base + off, q);
+    const mlx5::Seg16 ctrl = ctrl_of(qr, base + off, q);
     word = mine ? mlx5::doorbell_word(ctrl) : 0;
     const uint32_t last_lane = (nposts < ws ? nposts : ws) - 1;
     word = arch::shfl(word, last_lane);
-    if (mine) write_wqe(sv, base + off, q, ctrl);
+    if (mine) write_wqe(qr, base + off, q, ctrl);
   } else {
-    word = fill_nops(sv, base, lane, total, ws);
+    word = fill_nops(qr, base, lane, total, ws);
   }
   arch::syncwarp();  // lanes' WQE stores happen-before lane 0's publish (cumulative fences)
   GPUNET_POST_STAMP(1);
-  if (lane == 0) publish(sv, w, v, word);
+  if (lane == 0) publish(qr, w, v, word);
   arch::syncwarp();
   GPUNET_POST_STAMP(6);
   return ok;
@@ -785,40 +785,40 @@ GPUNET_DEVICE bool post_warp(QpDesc* qp, const Waiter& w, Wqe& q, uint32_t npost
 // consecutive WQEBBs. All lanes call it converged with the same k (1 <= k, warp_size * k <=
 // sq_wqebbs); a WQE of more than one WQEBB is a bad argument.
 template <class Make>
-GPUNET_DEVICE bool post_warp_k(const QpRef& sv, const Waiter& w, uint32_t k, Make make) {
+GPUNET_DEVICE bool post_warp_k(const QpRef& qr, const Waiter& w, uint32_t k, Make make) {
   const uint32_t lane = arch::lane_id(), ws = arch::warp_size();
   const uint64_t total = uint64_t(ws) * k;
   // The last WQE's doorbell word travels to lane 0 before any WQE store (see post_warp).
   Wqe last;
   make(k - 1, last);
-  const bool args_ok = arch::all(k >= 1 && total <= sv.wqebbs() && last.nbb == 1);
+  const bool args_ok = arch::all(k >= 1 && total <= qr.wqebbs() && last.nbb == 1);
   if (!args_ok) {
     if (lane == 0 && !failed(w))
-      record_bad_argument(w, SITE_POST_ARG, sv.qpn, sv.qp->peer, sv.wqebbs(), total);
+      record_bad_argument(w, SITE_POST_ARG, qr.qpn, qr.qp->peer, qr.wqebbs(), total);
     return false;
   }
   Resv v;
   uint64_t base;
   bool ok;
-  if (!reserve_warp(sv, w, uint32_t(total), v, base, ok)) return false;
+  if (!reserve_warp(qr, w, uint32_t(total), v, base, ok)) return false;
   uint64_t word;
   if (ok) {
-    const mlx5::Seg16 last_ctrl = ctrl_of(sv, base + total - ws + lane, last);
+    const mlx5::Seg16 last_ctrl = ctrl_of(qr, base + total - ws + lane, last);
     word = arch::shfl(mlx5::doorbell_word(last_ctrl), ws - 1);
     for (uint32_t j = 0; j < k; ++j) {
       if (j + 1 == k) {
-        write_wqe(sv, base + uint64_t(j) * ws + lane, last, last_ctrl);
+        write_wqe(qr, base + uint64_t(j) * ws + lane, last, last_ctrl);
       } else {
         Wqe q;
         make(j, q);
-        write_wqe(sv, base + uint64_t(j) * ws + lane, q);
+        write_wqe(qr, base + uint64_t(j) * ws + lane, q);
       }
     }
   } else {
-    word = fill_nops(sv, base, lane, total, ws);
+    word = fill_nops(qr, base, lane, total, ws);
   }
   arch::syncwarp();  // every lane's WQE stores happen-before lane 0's publish (cumulative)
-  if (lane == 0) publish(sv, w, v, word);
+  if (lane == 0) publish(qr, w, v, word);
   arch::syncwarp();
   return ok;
 }
