@@ -243,8 +243,8 @@ def run_post(blib, dev, qdescs_dev, nqps, status_dev, warps, iters, raddr, laddr
 
 
 class SinkWorld:
-    """``nqps`` QPs (rings of ``sq`` WQEBBs) on a soft NIC that never executes them, the sink thread,
-    device QpDescs, device payload buffers."""
+    """``nqps`` QPs (rings of ``sq`` WQEBBs) on a soft NIC that never executes them, ``sinks`` sink
+    threads (QP q on thread q % sinks; 1 <= sinks <= nqps), device QpDescs, device payload buffers."""
 
     def __init__(self, plat, nqps, sq, collapsed, post_mode="batched", sinks=1):
         from gpunet.host.softnic import SoftNic
@@ -266,8 +266,7 @@ class SinkWorld:
         self.status_dev = self.dev.zeros(ctypes.sizeof(abi.Status))
         self.src = plat.alloc("device", PAYLOAD_SPAN)
         self.dst = plat.alloc("device", PAYLOAD_SPAN)
-        n = max(1, min(sinks, nqps))
-        self.sinks = [Sink(self.pairs[i::n]) for i in range(n)]   # QP q on sink thread q % n
+        self.sinks = [Sink(self.pairs[i::sinks]) for i in range(sinks)]
 
     def run(self, blib, warps, iters, per_lane=1):
         before = [heads(d) for d in self.dev.get(self.qds, self.qds_dev)]

@@ -54,4 +54,4 @@ def shim_path():
     (its ``deep_ep`` package calls install_as_deep_ep()); ``python -m gpunet ep-shim`` prints it."""
     from pathlib import Path
 
-    return str(Path(__file__).resolve().parent / "deep_ep_shim")
+    return str(Path(__file__).resolve().parent / "deep-ep-shim")
