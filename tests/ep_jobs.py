@@ -8,7 +8,10 @@ hot_expert, empty_experts, vary_tokens, tagged; modes use_fp8, round_scale, use_
 combine_hook, zero_copy, stats; failures: masked (ranks already masked), die = (rank, "dispatch" |
 "combine") (that rank exits at the start of that phase, the others expect it masked from then on);
 routing = "rank_repeats" (rank_repeating_routing replaces the top-k), wire (record what the
-dispatch put on the wire: wire_prepare / wire_read).
+dispatch put on the wire: wire_prepare / wire_read); slow = (rank, seconds) (that rank sleeps
+before its dispatch: a late peer, or with a short timeout a transient fault), masked_by_rank =
+{rank: (masked in dispatch, masked in combine)} (what each rank expects masked when the ranks
+disagree, as after a transient fault).
 """
 import os
 import time
@@ -397,12 +400,17 @@ def round_(state, spec):
     victim, stage = spec.get("die", (None, None))
     masked_dispatch = masked + ((victim,) if stage == "dispatch" else ())
     masked_combine = masked + ((victim,) if stage is not None else ())
+    if spec.get("masked_by_rank") is not None:
+        masked_dispatch, masked_combine = (tuple(m) for m in spec["masked_by_rank"][rank])
+    slow_rank, delay_s = spec.get("slow", (None, 0.0))
     inputs = _inputs(spec, world)
     mine = inputs[rank]
     stats = spec.get("stats", False)
     out = {"bad": [], "calc_diff": None, "nan": False, "raised": None, "hashes": {}}
     if rank == victim and stage == "dispatch":
         os._exit(0)
+    if rank == slow_rank:
+        time.sleep(delay_s)
     wire = wire_prepare(buf, spec) if spec.get("wire") else None
     try:
         t0 = time.monotonic()
@@ -485,6 +493,39 @@ def mask(state, op, r=None):
         return None
     buf.low_latency_update_mask_buffer(r[0], r[1])
     return None
+
+
+def set_timeout(state, seconds):
+    """Buffer.set_timeout on this rank (the bound of every wait on a peer, from the next call on)."""
+    state["ep_buf"].set_timeout(seconds)
+    return seconds
+
+
+def vllm_clean_buffers(state):
+    """What vLLM's DeepEPLLAll2AllManager.clean_buffers does to the Buffer (vllm#43637, the
+    fault-tolerance retry; vllm/distributed/device_communicators/all2all.py), in its order and
+    through the public API only: the whole RDMA buffer (get_local_buffer_tensor(int8,
+    use_rdma_buffer=True)) zeroed, a device synchronisation, low_latency_clean_mask_buffer(), a
+    device synchronisation; never clean_low_latency_buffer. Returns the mask afterwards."""
+    buf = state["ep_buf"]
+    buf.get_local_buffer_tensor(dtype=torch.int8, use_rdma_buffer=True).zero_()
+    if _device(buf) == "cuda":
+        torch.cuda.synchronize()
+    buf.low_latency_clean_mask_buffer()
+    if _device(buf) == "cuda":
+        torch.cuda.synchronize()
+    return mask(state, "query")
+
+
+def lone_dispatch(state, spec):
+    """One low-latency dispatch (and its hook) with no combine after it, on the ranks this job
+    runs on: they end one LL call ahead of the others (the two LL buffers alternate per call)."""
+    buf = state["ep_buf"]
+    mine = _inputs(spec, buf.group_size)[buf.rank]
+    hook = _dispatch(buf, spec, mine, False)[3]
+    if hook is not None:
+        hook()
+    return buf.masked_ranks()
 
 
 def clean(state, spec):

@@ -2,14 +2,16 @@
 DeepEP's way (EP-ANCHORS.md §B) against gpunet.ep.reference: exact packed rows, counts against the
 gathered routing, layout ranges, self-describing rows, combine within calc_diff bounds, the mode
 matrix, same-seed reruns, two LL calls in flight, generated shapes and routings, tokens sent once
-per destination rank (not once per expert), and killed ranks (masked, or raised).
+per destination rank (not once per expert), killed ranks (masked, or raised), and vLLM's
+fault-tolerance clean (the RDMA buffer zeroed, the mask cleaned) after a transient fault.
 
 Each world (ranks x transport x warp size) is one pool of rank processes (tests/mp_ranks.py) that
 runs "ep_jobs:*" jobs (tests/ep_jobs.py); every rank regenerates every rank's inputs from the seed
 and compares its own results with the reference, returning findings and hashes. Worlds in CI:
 2 ranks ibgda warp 32, 2 ranks proxy warp 64, 4 ranks mixed (ibgda and proxy pairs) warp 32,
-4 ranks ibgda warp 64, 2 ranks p2p warp 64, 4 ranks p2p and proxy pairs warp 32, and 3-rank
-worlds that lose a rank (ibgda, proxy, mixed, p2p).
+4 ranks ibgda warp 64, 2 ranks p2p warp 64, 4 ranks p2p and proxy pairs warp 32, 2 ranks with
+enable_shrink over ibgda and over p2p (vLLM's clean), and 3-rank worlds that lose a rank (ibgda,
+proxy, mixed, p2p).
 """
 import itertools
 import shutil
@@ -710,6 +712,75 @@ def test_varying_tokens_over_the_proxy(proxy2):
     """Varying token counts per rank, hot and empty experts, through the proxy."""
     spec = _spec(2, seed=62, vary_tokens=True, hot_expert=2, empty_experts=(7,), tagged=True)
     _assert_round(proxy2.run("ep_jobs:round_", spec), spec)
+
+
+# ---- vLLM's fault-tolerance clean (vllm#43637): zero the RDMA buffer, clean the mask ----------
+@pytest.fixture(scope="module", params=["ibgda", "p2p"])
+def vllm2(request):
+    """2 ranks with enable_shrink (vLLM's fault tolerance turns it on), ibgda or p2p, warps of 32."""
+    r = _pool(2, request.param, 32, shrink=True, timeout_s=VLLM_TIMEOUT_S)
+    yield r
+    _close(r)
+
+
+# The vllm2 pools' bound of a wait on a peer: long enough that a loaded 2-core CI machine never
+# masks a live peer in a normal round; the transient fault below shortens it for one round.
+VLLM_TIMEOUT_S = 10.0
+# The transient fault: for one round the bound is FAULT_TIMEOUT_S and rank 1 starts FAULT_DELAY_S
+# late, so rank 0 stops waiting for it (and masks it) long before it sends anything.
+FAULT_TIMEOUT_S, FAULT_DELAY_S = 1.0, 4.0
+
+
+def _rounds_after_vllm_clean(r):
+    """vLLM's clean_buffers on every rank (the mask is all clear after it), then full rounds that
+    must equal the reference with no rank masked: rank 1 half a second late (well inside the
+    timeout: a peer that is merely late must be waited for, not read from stale words), then an
+    FP8 round with hooks."""
+    assert r.run("ep_jobs:vllm_clean_buffers", timeout=120) == [[0, 0], [0, 0]]
+    for spec in (_spec(2, seed=121, tagged=True, slow=(1, 0.5)),
+                 _spec(2, seed=122, use_fp8=True, hook=True)):
+        out = r.run("ep_jobs:round_", spec)
+        _assert_round(out, spec)
+        assert [o["masked"] for o in out] == [[], []], (spec, [o["masked"] for o in out])
+
+
+def test_vllm_clean_buffers_between_rounds_keeps_rounds_exact(vllm2):
+    """vLLM's clean sequence (the whole RDMA buffer zeroed, low_latency_clean_mask_buffer, never
+    clean_low_latency_buffer) between two healthy rounds: the rounds after it equal the
+    reference, nothing masked."""
+    spec = _spec(2, seed=120)
+    _assert_round(vllm2.run("ep_jobs:round_", spec), spec)
+    _rounds_after_vllm_clean(vllm2)
+
+
+def test_vllm_clean_buffers_after_a_transient_fault_gives_exact_rounds_again(vllm2):
+    """vLLM's retry after a transient fault (vllm#43637 / #44428): rank 1 is late by more than
+    the timeout for one round, so rank 0 masks it in dispatch, and rank 1, whose dispatch still
+    finds rank 0's tokens, masks rank 0 when its combine never comes; each rank's results are the
+    reference's with the ranks it masked left out, and the masks disagree ([1] on rank 0, [0] on
+    rank 1). The signals rank 1 sent meanwhile sit in rank 0's words uncounted. Then every rank
+    runs vLLM's clean_buffers and the next rounds are exact with nothing masked (before the fix,
+    rank 0 took those old signals for the new round's and read the zeroed buffer)."""
+    world = 2
+    assert vllm2.run("ep_jobs:set_timeout", FAULT_TIMEOUT_S) == [FAULT_TIMEOUT_S] * world
+    try:
+        fault = _spec(world, seed=123, slow=(1, FAULT_DELAY_S),
+                      masked_by_rank={0: ((1,), (1,)), 1: ((), (0,))})
+        out = vllm2.run("ep_jobs:round_", fault)
+        _assert_round(out, fault)
+        assert [o["masked"] for o in out] == [[1], [0]], [o["masked"] for o in out]
+    finally:
+        vllm2.run("ep_jobs:set_timeout", VLLM_TIMEOUT_S)
+    _rounds_after_vllm_clean(vllm2)
+
+
+def test_vllm_clean_buffers_after_ranks_made_different_numbers_of_ll_calls(vllm2):
+    """A rank that masked the other ran one dispatch alone, so it is one LL call (one of the two
+    alternating LL buffers) ahead; vLLM's clean_buffers on every rank puts every rank back on the
+    same LL buffer and the next rounds are exact with nothing masked."""
+    _run_on(vllm2, [1], "ep_jobs:mask", "update", (0, True))
+    assert _run_on(vllm2, [1], "ep_jobs:lone_dispatch", _spec(2, seed=124, masked=(0,))) == [[0]]
+    _rounds_after_vllm_clean(vllm2)
 
 
 # ---- 4 ranks -----------------------------------------------------------------------------------

@@ -977,9 +977,9 @@ class Buffer:
 
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
         """Mask (``mask=True``) or unmask a rank: a masked rank is neither sent to nor waited for
-        in dispatch, combine and clean, and counts 0. Unmasking also forgets its failure; call
-        ``clean_low_latency_buffer`` on every live rank before the next LL call. Needs
-        ``enable_shrink=True``."""
+        in dispatch, combine and clean, and counts 0. Local to this rank. Unmasking also forgets
+        its failure; call ``clean_low_latency_buffer`` on every live rank (the unmasked one
+        included) before the next LL call. Needs ``enable_shrink=True``."""
         self._alive()
         self._need_shrink("low_latency_update_mask_buffer")
         r = self._rank_arg(rank_to_mask, "rank_to_mask")
@@ -998,12 +998,30 @@ class Buffer:
         mask_status.copy_(self._mask_t)
 
     def low_latency_clean_mask_buffer(self):
-        """Unmask every rank (and forget their failures)."""
+        """Unmask every rank and forget their failures; with ``low_latency_mode``, then bring the
+        LL state back in step on every rank, as ``clean_low_latency_buffer`` does (its barrier,
+        signal counts re-read, the LL buffer in use reset to the first).
+
+        Collective in low-latency mode: EVERY rank calls it (vLLM's ``clean_buffers`` does, on
+        each rank, after zeroing the RDMA buffer; vllm#43637). DeepEP's only zeroes the local mask
+        words, because its signal counters live in the RDMA buffer that vLLM zeroes on every rank.
+        gpunet keeps them outside it: after a fault, a rank that masked a peer has not counted the
+        signals that peer sent it meanwhile, so unmasking alone would let the next wait take an
+        old signal for a new one and read stale (or zeroed) headers. A rank that does not call it
+        within ``timeout_s`` is masked again (bounded, never a hang). Without ``low_latency_mode``
+        it only unmasks, locally."""
         self._alive()
-        self._need_shrink("low_latency_clean_mask_buffer")
+        what = "low_latency_clean_mask_buffer"
+        self._need_shrink(what)
         self._mask_t.zero_()
         for r in range(self.group_size):
             self._forget_failure(r)
+        if self.low_latency_mode and self._ll is not None:
+            # the clean reads no LL buffer area (ll.cuh clean: signal words, counts, sync words),
+            # so any shape's layout serves; a cached one when there is one
+            layout = next(iter(self._layouts.values()), None) or \
+                lay.LlLayout(1, dep.GROUP, self.group_size, self.group_size)
+            self._resync(what, layout)
 
     def _forget_failure(self, r):
         self._failed_t[r] = 0
@@ -1309,16 +1327,26 @@ class Buffer:
     # ---- low-latency mode ---------------------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Collective over the live (unmasked) ranks: after it, every rank's signal counts equal
-        what has arrived and the kernels' scratch is reset, so the next LL call starts clean —
-        after the RDMA buffer was used as scratch, after a failed call, or after unmasking a
-        rank. Every live rank must call it. Bounded: a silent rank is masked or raises."""
+        what has arrived, the kernels' scratch is reset and every rank's next LL call uses the
+        first LL buffer, so the next LL call starts clean — after the RDMA buffer was used as
+        scratch, after a failed call, or after unmasking a rank. Every live rank must call it.
+        Bounded: a silent rank is masked or raises."""
         self._alive()
         layout = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts,
                               "clean_low_latency_buffer")
+        self._resync("clean_low_latency_buffer", layout)
+
+    def _resync(self, what, layout):
+        """The LL clean (ll.cuh OP_CLEAN), collective over the live ranks: a barrier, every signal
+        count this rank expects set to what has arrived, a barrier; the kernels' scratch reset;
+        and the next LL call on the first of the two LL buffers, on every rank alike (a rank that
+        made one LL call more than the others, e.g. one alone while it had them masked, would
+        otherwise wait for signals on the other buffer than its peers use)."""
         self._reset_workspace()
         P = self._params(dep.OP_CLEAN, 0, 0, 0, layout, 0, 1)
-        self._launch(P, "clean_low_latency_buffer", grid=1)
-        self._check("clean_low_latency_buffer", "clean", mirrored=True)
+        self._launch(P, what, grid=1)
+        self._ll_idx = 0
+        self._check(what, "clean", mirrored=True)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None,
