@@ -265,6 +265,16 @@ def _cpu(obj):
     return obj
 
 
+def _hook_findings(what, hook, requested):
+    """DeepEP's hook contract: a callable with return_recv_hook, None without (its C++ returns an
+    empty std::optional)."""
+    if requested and not callable(hook):
+        return ["%s(return_recv_hook=True) returned hook %r, not a callable" % (what, hook)]
+    if not requested and hook is not None:
+        return ["%s(return_recv_hook=False) returned hook %r, not None (DeepEP's)" % (what, hook)]
+    return []
+
+
 def _hashes(d):
     return {k: ref.hash_tensor(v) for k, v in d.items() if isinstance(v, torch.Tensor)}
 
@@ -415,7 +425,9 @@ def round_(state, spec):
     try:
         t0 = time.monotonic()
         recv_d, count_d, handle_d, hook, cum, wstats = _dispatch(buf, spec, mine, stats)
-        hook()
+        out["bad"] += _hook_findings("dispatch", hook, spec.get("hook", False))
+        if hook is not None:
+            hook()
         out["t_dispatch"] = time.monotonic() - t0
         if wire is not None:
             out["wire"] = wire_read(buf, spec, wire)
@@ -434,7 +446,9 @@ def round_(state, spec):
             os._exit(0)
         t0 = time.monotonic()
         combined, chook, cstats = _combine(buf, spec, mine, recv_d, handle_d, stats)
-        chook()
+        out["bad"] += _hook_findings("combine", chook, spec.get("combine_hook", spec.get("hook", False)))
+        if chook is not None:
+            chook()
         combined, cstats = _cpu(combined), _cpu(cstats)
         out["t_combine"] = time.monotonic() - t0
     except EPTimeout as e:

@@ -335,6 +335,35 @@ def test_one_rank_round_trip_matches_the_reference(solo):
     assert ref.calc_diff(out, (inp["x"].float() * w).to(torch.bfloat16)) < BF16_BOUND
 
 
+def test_the_hook_is_none_without_return_recv_hook_as_deepeps(solo):
+    """DeepEP returns the receive hook as an empty std::optional, None in Python, when
+    return_recv_hook=False (csrc/deep_ep.cpp low_latency_dispatch / low_latency_combine); callers
+    rely on it (vLLM's synchronous finalize passes the None on, SGLang calls the hook only when it
+    asked for one). gpunet's dispatch and combine return None then, with their results complete;
+    with return_recv_hook=True a callable whose call completes them."""
+    inp = ref.make_rank_inputs(1, 8, 256, 3, 4, seed=6, holes=2)[0]
+    want = ref.ll_dispatch_ref([inp["x"]], [inp["topk_idx"]], 4, 8, 0)
+    w = (inp["topk_weights"] * (inp["topk_idx"] >= 0)).sum(1, keepdim=True)
+    want_c = (inp["x"].float() * w).to(torch.bfloat16)
+    for with_hook in (False, True):
+        recv, count, handle, _, hook = solo.low_latency_dispatch(
+            inp["x"], inp["topk_idx"], 8, 4, use_fp8=False, return_recv_hook=with_hook)
+        if with_hook:
+            assert callable(hook), hook
+            hook()
+        else:
+            assert hook is None, hook
+        assert torch.equal(count, want[1]) and torch.equal(handle[1], want[3])
+        out, _, chook = solo.low_latency_combine(recv, inp["topk_idx"], inp["topk_weights"], handle,
+                                                 return_recv_hook=with_hook)
+        if with_hook:
+            assert callable(chook), chook
+            chook()
+        else:
+            assert chook is None, chook
+        assert ref.calc_diff(out, want_c) < BF16_BOUND
+
+
 def test_the_dispatch_header_carries_each_experts_token_bitmap_and_the_send_bitmaps_end_zero():
     """The dispatch has no routing plan (ll.cuh dispatch_send_last): the header a rank receives
     from itself must hold, per local expert q, the count of tokens selecting q, the slot bitmap of

@@ -1374,9 +1374,9 @@ class Buffer:
         column-major in the last two dims (``.transpose(1, 2)`` of a contiguous [E_loc, G, R*T_max]);
         recv_count int32 [E_loc] (only the first recv_count[e] rows of expert e are valid);
         handle ``(src_info int32 [E_loc, R*T_max], layout_range int64 [E_loc, R] = begin << 32 | count,
-        T_max, H, num_experts)``; event an EventOverlap; hook a callable (a no-op without
-        return_recv_hook). Rows of expert e from source rank j sit at [begin_j, begin_j + count_j)
-        in increasing token order (deterministic).
+        T_max, H, num_experts)``; event an EventOverlap; hook: with return_recv_hook a callable
+        that receives (call it once), else None (as DeepEP's). Rows of expert e from source rank j
+        sit at [begin_j, begin_j + count_j) in increasing token order (deterministic).
         """
         self._alive()
         what = "low_latency_dispatch"
@@ -1447,12 +1447,13 @@ class Buffer:
         return out_x, count, handle, event, hook
 
     def _run_phases(self, P, what, phase, return_recv_hook, keep):
-        """Send now; receive now too, or in the returned hook (return_recv_hook)."""
+        """Send now; receive now too (returns None, as DeepEP's hook without return_recv_hook),
+        or in the returned hook (return_recv_hook)."""
         if not return_recv_hook:
             P.phases = dep.PH_SEND | dep.PH_RECV
             self._launch(P, what)
             self._check(what, phase, mirrored=True)
-            return lambda: None
+            return None
         P.phases = dep.PH_SEND
         self._launch(P, what + " (send)")
         self._check(what, phase, mirrored=True)
@@ -1509,7 +1510,9 @@ class Buffer:
 
         Returns ``(combined_x, event, hook)``: combined_x bf16 [T, H] =
         sum_k w[t,k] * x_of_expert(topk_idx[t,k])[row of (this rank, t)] over k with
-        topk_idx[t,k] != -1 and the expert's rank not masked, in float32, rounded to bf16 once.
+        topk_idx[t,k] != -1 and the expert's rank not masked, in float32, rounded to bf16 once
+        (with return_recv_hook: once hook() has run); hook as in dispatch (None without
+        return_recv_hook).
         """
         self._alive()
         what = "low_latency_combine"
