@@ -57,11 +57,12 @@ def make_buffer(state, transport, **kwargs):
 
 
 def init(state, transport, num_rdma_bytes, timeout_s=20.0, shrink=False, warp_size=32,
-         num_blocks=None):
-    """Make this rank's Buffer (low-latency mode); ``transport`` as make_buffer's."""
+         num_blocks=None, block_threads=None):
+    """Make this rank's Buffer (low-latency mode); ``transport`` as make_buffer's; the grid the
+    Buffer's default unless given."""
     return make_buffer(state, transport, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
                        enable_shrink=shrink, timeout_s=timeout_s, warp_size=warp_size,
-                       num_blocks=num_blocks)
+                       num_blocks=num_blocks, block_threads=block_threads)
 
 
 def buffer_variants(state, variants, num_rdma_bytes):

@@ -54,10 +54,12 @@ def _gen_bytes(world):
                                                  GEN_EXPERTS_PER_RANK * world)
 
 
-def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, num_rdma_bytes=None):
+def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, num_rdma_bytes=None,
+          num_blocks=None, block_threads=None):
     nbytes = num_rdma_bytes or Buffer.get_low_latency_rdma_size_hint(
         BASE["t_max"], BASE["hidden"], world, EXPERTS_PER_RANK * world)
-    r = Ranks.start(world, "ep_jobs:init", transport, nbytes, timeout_s, shrink, warp_size, timeout=180)
+    r = Ranks.start(world, "ep_jobs:init", transport, nbytes, timeout_s, shrink, warp_size,
+                    num_blocks, block_threads, timeout=180)
     r.transport, r.warp_size = transport, warp_size
     return r
 
@@ -771,6 +773,28 @@ def _rounds_after_vllm_clean(r):
         out = r.run("ep_jobs:round_", spec)
         _assert_round(out, spec)
         assert [o["masked"] for o in out] == [[], []], (spec, [o["masked"] for o in out])
+
+
+# (transport, num_blocks, block_threads): one block does every part of the kernels' work; six
+# blocks of one warp leave some blocks without a token or a header row (8 tokens, 8 + 2 bitmap
+# rows) and make every cross-block hand-off cross six blocks. The default HOST grid is 2 x 2 warps.
+GRIDS = [("p2p", 1, 64), ("p2p", 6, 32), ("ibgda", 6, 32)]
+
+
+@pytest.mark.parametrize("transport,num_blocks,block_threads", GRIDS,
+                         ids=["%s-%dx%d" % g for g in GRIDS])
+def test_dispatch_and_combine_are_exact_on_any_grid(transport, num_blocks, block_threads):
+    """The LL kernels split tokens, rows, header rows and combine items over whatever grid they
+    get, and hand off between blocks through sync words: 2 ranks on the grids above give the
+    reference's rows, counts, layout and combine, BF16 and FP8 with hooks, twice (the sync words
+    and bitmaps are back at zero after a launch)."""
+    r = _pool(2, transport, 32, num_blocks=num_blocks, block_threads=block_threads)
+    try:
+        for spec in (_spec(2, seed=140, tagged=True), _spec(2, seed=141, use_fp8=True, hook=True),
+                     _spec(2, seed=142)):
+            _assert_round(r.run("ep_jobs:round_", spec), spec)
+    finally:
+        _close(r)
 
 
 def test_vllm_clean_buffers_between_rounds_keeps_rounds_exact(vllm2):
