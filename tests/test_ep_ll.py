@@ -861,6 +861,30 @@ def test_two_ranks_over_a_device_heap_move_every_byte_through_the_copy_engine(tr
     ep_jobs.check_device_heap_rounds(info, transport)
 
 
+def test_the_c500_profile_runs_rounds_and_cleans_over_p2p():
+    """GPUNET_PROFILE=c500, 2 ranks over p2p (store-only: a remote ADD or load to a peer is
+    refused, tests/test_p2p.py): a BF16 round, clean_low_latency_buffer, vLLM's clean sequence
+    (the mask clean runs the same LL clean) and an FP8 round with hooks are exact, nothing
+    masked. The clean's barrier used an ADD signal, refused there: every clean timed out naming
+    the store-only rule."""
+    r = Ranks(2, env={"GPUNET_PROFILE": "c500"})
+    try:
+        nbytes = Buffer.get_low_latency_rdma_size_hint(BASE["t_max"], BASE["hidden"], 2,
+                                                       EXPERTS_PER_RANK * 2)
+        r.run("ep_jobs:init", "p2p", nbytes, 10.0, True, 32, timeout=180)
+        spec = _spec(2, seed=150, tagged=True)
+        _assert_round(r.run("ep_jobs:round_", spec), spec)
+        assert r.run("ep_jobs:clean", spec, timeout=120) == [[], []]
+        assert r.run("ep_jobs:vllm_clean_buffers", timeout=120) == [[0, 0], [0, 0]]
+        spec = _spec(2, seed=151, use_fp8=True, hook=True)
+        out = r.run("ep_jobs:round_", spec)
+        _assert_round(out, spec)
+        assert [o["masked"] for o in out] == [[], []], [o["masked"] for o in out]
+        r.run("ep_jobs:close", timeout=120)
+    finally:
+        r.close()
+
+
 # ---- over p2p (stores into the peer's mapped heap; tests/test_p2p.py) ------------------------
 @pytest.fixture(scope="module")
 def p2p2():

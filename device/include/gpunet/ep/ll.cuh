@@ -192,7 +192,8 @@ struct LlParams {
   // workspace (device memory)
   uint64_t expected;      // u64 [2 kinds][2 bufs][R] + barrier [R]: signal counts seen so far,
                           // then self expected [2][2] and self_sig [2][2] (see "Self" above),
-                          // then the signals raised [2 kinds][2 bufs][R] (sent_word)
+                          // then the signals raised [2 kinds][2 bufs][R] (sent_word) and the
+                          // barriers raised [R] (barrier_sent): 10 R + 8 words
   uint64_t sync;          // u64 [SYNC_WORDS * kSyncStride], zero between launches
   uint64_t bits;          // u32 dispatch send bitmaps, zero between launches (expert_bits)
   uint64_t tab;           // int32 [2][R * E_loc] + [R]: the receive controller's tables
@@ -1626,13 +1627,23 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
 
 // ---- clean: a barrier over the live ranks, then every signal count re-read, then a barrier -------
 
+// The barrier's signals are SET, as the dispatch / combine ones (sent_word): the value is this
+// rank's count of the barriers it raised on p (barrier_sent), so the word on p holds what an ADD
+// of 1 per barrier would. An ADD to a p2p peer is refused on the c500 profile (store-only), which
+// made every clean there time out (tests/test_ep_ll.py
+// test_the_c500_profile_runs_rounds_and_cleans_over_p2p).
+GPUNET_DEVICE uint64_t* barrier_sent(const LlParams& P, uint32_t p) {
+  return ptr<uint64_t>(P.expected) + (uint64_t(9) * P.nranks + 8 + p);
+}
 GPUNET_DEVICE void barrier_live(const LlParams& P, const Geo& g) {
   const uint32_t R = P.nranks;
   for (uint32_t p = g.tid; p < R; p += g.bdim) {
     if (p == P.rank || peer_out(P, p)) continue;
     const DevCtx& cx = peer_ctx(P, p);
     uint64_t* s = barrier_sig(P, P.rank);
-    if (!(fence(cx) && put_signal_nbi(cx, s, s, 0, s, 1, int(p)))) peer_fail(P, p);
+    const uint64_t v = *barrier_sent(P, p) + 1;
+    *barrier_sent(P, p) = v;  // (counted even when the put fails: the peer is failed then)
+    if (!(fence(cx) && put_signal_nbi(cx, s, s, 0, s, v, int(p), SIGNAL_SET))) peer_fail(P, p);
   }
   for (uint32_t j = g.tid; j < R; j += g.bdim) {
     if (j == P.rank || peer_out(P, j)) continue;
