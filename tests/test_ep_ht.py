@@ -51,9 +51,9 @@ def _nbytes(world, config=TWO_CHANNELS, hidden=HIDDEN_MAX):
     return Config(*config).get_nvl_buffer_size_hint(hidden * 2, world)
 
 
-def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, **kw):
+def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, env=None, **kw):
     return Ranks.start(world, "ep_ht_jobs:init", transport, kw.pop("num_nvl_bytes", _nbytes(world)),
-                       timeout_s, shrink, warp_size, *kw.values(), timeout=180)
+                       timeout_s, shrink, warp_size, *kw.values(), env=env, timeout=180)
 
 
 def _close(r):
@@ -76,6 +76,18 @@ def _assert_round(out, spec):
             rank, o["calc_diff"], bound, spec)
         if o["weights_diff"] is not None:
             assert o["weights_diff"] < WEIGHT_BOUND, (rank, o["weights_diff"])
+
+
+def test_the_c500_profile_runs_ht_rounds_over_p2p():
+    """GPUNET_PROFILE=c500 (p2p store-only: no remote load, no remote atomic), 2 ranks over p2p:
+    a tagged BF16 and an FP8 high-throughput round are exact (the LL side, its clean included:
+    tests/test_ep_ll.py test_the_c500_profile_runs_rounds_and_cleans_over_p2p)."""
+    r = _pool(2, "p2p", 32, env={"GPUNET_PROFILE": "c500"})
+    try:
+        for spec in (_spec(2, seed=30, tagged=True), _spec(2, seed=31, fp8=True)):
+            _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
+    finally:
+        _close(r)
 
 
 @pytest.fixture(scope="module")
