@@ -55,11 +55,11 @@ def _gen_bytes(world):
 
 
 def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, num_rdma_bytes=None,
-          num_blocks=None, block_threads=None):
+          num_blocks=None, block_threads=None, env=None):
     nbytes = num_rdma_bytes or Buffer.get_low_latency_rdma_size_hint(
         BASE["t_max"], BASE["hidden"], world, EXPERTS_PER_RANK * world)
     r = Ranks.start(world, "ep_jobs:init", transport, nbytes, timeout_s, shrink, warp_size,
-                    num_blocks, block_threads, timeout=180)
+                    num_blocks, block_threads, env=env, timeout=180)
     r.transport, r.warp_size = transport, warp_size
     return r
 
@@ -867,11 +867,8 @@ def test_the_c500_profile_runs_rounds_and_cleans_over_p2p():
     (the mask clean runs the same LL clean) and an FP8 round with hooks are exact, nothing
     masked. The clean's barrier used an ADD signal, refused there: every clean timed out naming
     the store-only rule."""
-    r = Ranks(2, env={"GPUNET_PROFILE": "c500"})
+    r = _pool(2, "p2p", 32, shrink=True, timeout_s=10.0, env={"GPUNET_PROFILE": "c500"})
     try:
-        nbytes = Buffer.get_low_latency_rdma_size_hint(BASE["t_max"], BASE["hidden"], 2,
-                                                       EXPERTS_PER_RANK * 2)
-        r.run("ep_jobs:init", "p2p", nbytes, 10.0, True, 32, timeout=180)
         spec = _spec(2, seed=150, tagged=True)
         _assert_round(r.run("ep_jobs:round_", spec), spec)
         assert r.run("ep_jobs:clean", spec, timeout=120) == [[], []]
@@ -880,9 +877,8 @@ def test_the_c500_profile_runs_rounds_and_cleans_over_p2p():
         out = r.run("ep_jobs:round_", spec)
         _assert_round(out, spec)
         assert [o["masked"] for o in out] == [[], []], [o["masked"] for o in out]
-        r.run("ep_jobs:close", timeout=120)
     finally:
-        r.close()
+        _close(r)
 
 
 # ---- over p2p (stores into the peer's mapped heap; tests/test_p2p.py) ------------------------
