@@ -8,8 +8,9 @@ hot_expert, empty_experts, vary_tokens, tagged; modes use_fp8, round_scale, use_
 combine_hook, zero_copy, stats; failures: masked (ranks already masked), die = (rank, "dispatch" |
 "combine") (that rank exits at the start of that phase, the others expect it masked from then on);
 routing = "rank_repeats" (rank_repeating_routing replaces the top-k), wire (record what the
-dispatch put on the wire: wire_prepare / wire_read); slow = (rank, seconds) (that rank sleeps
-before its dispatch: a late peer, or with a short timeout a transient fault), masked_by_rank =
+dispatch put on the wire: wire_prepare / wire_read); slow = (rank, seconds[, "combine"]) (that
+rank sleeps before its dispatch, or before its combine: a late peer, or with a short timeout a
+transient fault), masked_by_rank =
 {rank: (masked in dispatch, masked in combine)} (what each rank expects masked when the ranks
 disagree, as after a transient fault).
 """
@@ -413,14 +414,14 @@ def round_(state, spec):
     masked_combine = masked + ((victim,) if stage is not None else ())
     if spec.get("masked_by_rank") is not None:
         masked_dispatch, masked_combine = (tuple(m) for m in spec["masked_by_rank"][rank])
-    slow_rank, delay_s = spec.get("slow", (None, 0.0))
+    slow_rank, delay_s, slow_phase = (tuple(spec.get("slow", (None, 0.0))) + ("dispatch",))[:3]
     inputs = _inputs(spec, world)
     mine = inputs[rank]
     stats = spec.get("stats", False)
     out = {"bad": [], "calc_diff": None, "nan": False, "raised": None, "hashes": {}}
     if rank == victim and stage == "dispatch":
         os._exit(0)
-    if rank == slow_rank:
+    if rank == slow_rank and slow_phase == "dispatch":
         time.sleep(delay_s)
     wire = wire_prepare(buf, spec) if spec.get("wire") else None
     try:
@@ -445,6 +446,8 @@ def round_(state, spec):
             out["dispatch_wait"] = wstats[rank].tolist()
         if rank == victim and stage == "combine":
             os._exit(0)
+        if rank == slow_rank and slow_phase == "combine":
+            time.sleep(delay_s)
         t0 = time.monotonic()
         combined, chook, cstats = _combine(buf, spec, mine, recv_d, handle_d, stats)
         out["bad"] += _hook_findings("combine", chook, spec.get("combine_hook", spec.get("hook", False)))

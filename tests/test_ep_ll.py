@@ -3,7 +3,8 @@ DeepEP's way (EP-ANCHORS.md §B) against gpunet.ep.reference: exact packed rows,
 gathered routing, layout ranges, self-describing rows, combine within calc_diff bounds, the mode
 matrix, same-seed reruns, two LL calls in flight, generated shapes and routings, tokens sent once
 per destination rank (not once per expert), killed ranks (masked, or raised), and vLLM's
-fault-tolerance clean (the RDMA buffer zeroed, the mask cleaned) after a transient fault.
+fault-tolerance clean (the RDMA buffer zeroed, the mask cleaned) after a transient fault and after
+generated sequences of faults (one-sided masks, lone dispatches, cleans, late ranks).
 
 Each world (ranks x transport x warp size) is one pool of rank processes (tests/mp_ranks.py) that
 runs "ep_jobs:*" jobs (tests/ep_jobs.py); every rank regenerates every rank's inputs from the seed
@@ -21,7 +22,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import gpunet.ep as gep
@@ -762,12 +763,13 @@ VLLM_TIMEOUT_S = 10.0
 FAULT_TIMEOUT_S, FAULT_DELAY_S = 1.0, 4.0
 
 
-def _rounds_after_vllm_clean(r):
-    """vLLM's clean_buffers on every rank (the mask is all clear after it), then full rounds that
-    must equal the reference with no rank masked: rank 1 half a second late (well inside the
-    timeout: a peer that is merely late must be waited for, not read from stale words), then an
-    FP8 round with hooks."""
-    assert r.run("ep_jobs:vllm_clean_buffers", timeout=120) == [[0, 0], [0, 0]]
+def _rounds_after_vllm_clean(r, cleaned=False):
+    """vLLM's clean_buffers on every rank (the mask is all clear after it; skipped when the
+    caller ``cleaned``), then full rounds that must equal the reference with no rank masked: rank
+    1 half a second late (well inside the timeout: a peer that is merely late must be waited for,
+    not read from stale words), then an FP8 round with hooks."""
+    if not cleaned:
+        assert r.run("ep_jobs:vllm_clean_buffers", timeout=120) == [[0, 0], [0, 0]]
     for spec in (_spec(2, seed=121, tagged=True, slow=(1, 0.5)),
                  _spec(2, seed=122, use_fp8=True, hook=True)):
         out = r.run("ep_jobs:round_", spec)
@@ -814,25 +816,130 @@ def test_vllm_clean_buffers_after_a_transient_fault_gives_exact_rounds_again(vll
     rank 1). The signals rank 1 sent meanwhile sit in rank 0's words uncounted. Then every rank
     runs vLLM's clean_buffers and the next rounds are exact with nothing masked (before the fix,
     rank 0 took those old signals for the new round's and read the zeroed buffer)."""
+    _transient_fault_then_vllm_clean(vllm2)
+    _rounds_after_vllm_clean(vllm2, cleaned=True)
+
+
+def _transient_fault_then_vllm_clean(r):
+    """The transient fault above, each rank going on to vLLM's clean as soon as its round is over
+    (no driver sync in between, as in vLLM): rank 0 enters the clean while rank 1 still sleeps,
+    so the clean's first barrier is what keeps rank 0 from re-reading its counts before rank 1's
+    late signals come."""
     world = 2
-    assert vllm2.run("ep_jobs:set_timeout", FAULT_TIMEOUT_S) == [FAULT_TIMEOUT_S] * world
-    try:
-        fault = _spec(world, seed=123, slow=(1, FAULT_DELAY_S),
-                      masked_by_rank={0: ((1,), (1,)), 1: ((), (0,))})
-        out = vllm2.run("ep_jobs:round_", fault)
+    fault = _spec(world, seed=123, slow=(1, FAULT_DELAY_S),
+                  masked_by_rank={0: ((1,), (1,)), 1: ((), (0,))})
+    assert r.run("ep_jobs:set_timeout", FAULT_TIMEOUT_S) == [FAULT_TIMEOUT_S] * world
+    for q in r.inboxes:
+        q.put(("ep_jobs:round_", (fault,)))
+        q.put(("ep_jobs:set_timeout", (VLLM_TIMEOUT_S,)))
+        q.put(("ep_jobs:vllm_clean_buffers", ()))
+    out = r.collect()
+    assert r.collect() == [VLLM_TIMEOUT_S] * world
+    masks = r.collect(timeout=120)
+    _assert_round(out, fault)
+    assert [o["masked"] for o in out] == [[1], [0]], [o["masked"] for o in out]
+    assert masks == [[0, 0], [0, 0]], masks
+
+
+# Fault sequences (2 ranks, enable_shrink): what each step does to the ranks' masks. m[r] is the
+# set rank r masks. A step that needs every rank unmasked first runs vLLM's clean (synced).
+FAULT_STEPS = [("mask", 0), ("mask", 1), ("lone", 0), ("lone", 1), ("round",), ("clean",),
+               ("vllm_clean",), ("late", "dispatch"), ("late", "combine"), ("late_combine_sync",)]
+FAULT_EXAMPLES = max(2, settings().max_examples // 25)   # CI: 2 per transport; "deep": 80
+
+
+def _fault_step(r, m, step, seed):
+    """Run one step on the vllm2 pool ``r`` and check it against the model ``m`` (updated in
+    place): every round's rows and combine equal the reference with the ranks each rank masked
+    left out, and every mask is the model's. Waits that must fail are bounded by FAULT_TIMEOUT_S,
+    the others by VLLM_TIMEOUT_S."""
+    other = (1, 0)
+    kind = step[0]
+    if kind in ("late", "late_combine_sync") and any(m):
+        _fault_step(r, m, ("vllm_clean",), seed)
+    if kind == "mask":
+        a = step[1]
+        assert _run_on(r, [a], "ep_jobs:mask", "update", (other[a], True)) == [None]
+        m[a].add(other[a])
+    elif kind == "lone":
+        a = step[1]
+        if not m[a]:
+            _fault_step(r, m, ("mask", a), seed)
+        assert _run_on(r, [a], "ep_jobs:lone_dispatch", _spec(2, seed=seed, masked=(other[a],))) \
+            == [[other[a]]]
+    elif kind in ("round", "clean"):
+        # A rank that masked its peer neither sends to it nor waits for it; the peer, if it did
+        # not mask that rank, waits in vain and masks it: afterwards both mask, or neither.
+        one_sided = bool(m[0]) != bool(m[1])
+        r.run("ep_jobs:set_timeout", FAULT_TIMEOUT_S if one_sided else VLLM_TIMEOUT_S)
+        if kind == "round":
+            by = {a: ((other[a],), (other[a],)) if any(m) else ((), ()) for a in (0, 1)}
+            spec = _spec(2, seed=seed, tagged=True, masked_by_rank=by)
+            out = r.run("ep_jobs:round_", spec)
+            _assert_round(out, spec)
+            got = [o["masked"] for o in out]
+        else:
+            got = r.run("ep_jobs:clean", _spec(2, seed=seed), timeout=120)
+        if any(m):
+            m[0], m[1] = {1}, {0}
+        assert got == [sorted(m[0]), sorted(m[1])], (step, got, m)
+        r.run("ep_jobs:set_timeout", VLLM_TIMEOUT_S)
+    elif kind == "vllm_clean":
+        assert r.run("ep_jobs:vllm_clean_buffers", timeout=120) == [[0, 0], [0, 0]]
+        m[0], m[1] = set(), set()
+        _fault_step(r, m, ("round",), seed + 100)   # the invariant: exact at once, nothing masked
+    elif kind == "late":
+        # Rank 1 late past the bound before its dispatch (both ranks then mask each other) or
+        # before its combine (rank 0 masks rank 1; rank 1 finds rank 0's combine rows and masks
+        # nobody); each rank goes straight on to vLLM's clean, with no sync in between.
+        phase = step[1]
+        by = {0: ((1,), (1,)), 1: ((), (0,))} if phase == "dispatch" else {0: ((), (1,)), 1: ((), ())}
+        fault = _spec(2, seed=seed, slow=(1, FAULT_DELAY_S, phase), masked_by_rank=by)
+        r.run("ep_jobs:set_timeout", FAULT_TIMEOUT_S)
+        for q in r.inboxes:
+            q.put(("ep_jobs:round_", (fault,)))
+            q.put(("ep_jobs:set_timeout", (VLLM_TIMEOUT_S,)))
+            q.put(("ep_jobs:vllm_clean_buffers", ()))
+        out = r.collect()
+        r.collect()
+        assert r.collect(timeout=120) == [[0, 0], [0, 0]]
         _assert_round(out, fault)
-        assert [o["masked"] for o in out] == [[1], [0]], [o["masked"] for o in out]
-    finally:
-        vllm2.run("ep_jobs:set_timeout", VLLM_TIMEOUT_S)
-    _rounds_after_vllm_clean(vllm2)
+        want = [[1], [0]] if phase == "dispatch" else [[1], []]
+        assert [o["masked"] for o in out] == want, (step, [o["masked"] for o in out])
+        m[0], m[1] = set(), set()
+        _fault_step(r, m, ("round",), seed + 100)   # the invariant: exact at once, nothing masked
+    else:  # late_combine_sync: rank 1 late before its combine, then a sync: masks [[1], []]
+        by = {0: ((), (1,)), 1: ((), ())}
+        fault = _spec(2, seed=seed, slow=(1, FAULT_DELAY_S, "combine"), masked_by_rank=by)
+        r.run("ep_jobs:set_timeout", FAULT_TIMEOUT_S)
+        try:
+            out = r.run("ep_jobs:round_", fault)
+        finally:
+            r.run("ep_jobs:set_timeout", VLLM_TIMEOUT_S)
+        _assert_round(out, fault)
+        assert [o["masked"] for o in out] == [[1], []], [o["masked"] for o in out]
+        m[0] = {1}
 
 
-def test_vllm_clean_buffers_after_ranks_made_different_numbers_of_ll_calls(vllm2):
-    """A rank that masked the other ran one dispatch alone, so it is one LL call (one of the two
-    alternating LL buffers) ahead; vLLM's clean_buffers on every rank puts every rank back on the
-    same LL buffer and the next rounds are exact with nothing masked."""
-    _run_on(vllm2, [1], "ep_jobs:mask", "update", (0, True))
-    assert _run_on(vllm2, [1], "ep_jobs:lone_dispatch", _spec(2, seed=124, masked=(0,))) == [[0]]
+@settings(max_examples=FAULT_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.generate])
+@given(steps=st.lists(st.sampled_from(FAULT_STEPS), min_size=1, max_size=4))
+@example(steps=[("mask", 0), ("clean",), ("vllm_clean",), ("late", "dispatch")])
+@example(steps=[("late_combine_sync",), ("clean",), ("late", "combine")])
+def test_any_fault_sequence_then_vllms_clean_gives_exact_rounds(vllm2, steps):
+    """Generated: up to 4 steps from FAULT_STEPS (a rank masking its peer by hand, a lone
+    dispatch, rounds and cleans with one-sided masks, a rank late past the bound before its
+    dispatch or its combine, vLLM's clean), each checked against the mask model of _fault_step.
+    Invariant: vLLM's clean_buffers on every rank (a step of its own, or straight after a late
+    rank's round) unmasks everyone and the very next round equals the reference with nothing
+    masked; at the end, after one more, so do a round with a merely late peer and an FP8 round
+    (_rounds_after_vllm_clean). The first example failed when a clean's barrier waited for a
+    count of raises: rank 0 skipped the masked rank 1 in the first clean, so rank 1's unanswered
+    raise let rank 0's next first wait pass before rank 1 had left its late round; rank 0
+    re-read its counts before rank 1's late dispatch signal came and took that signal for the
+    next round's (a combine naming slots outside their range)."""
+    m = [set(), set()]
+    for i, step in enumerate(steps):
+        _fault_step(vllm2, m, step, seed=200 + i)
     _rounds_after_vllm_clean(vllm2)
 
 

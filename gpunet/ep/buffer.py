@@ -378,9 +378,8 @@ class Buffer:
         # reads its context's Status); the host reads one only to describe a failure
         self._peer_status = torch.zeros(128 * r, dtype=torch.uint8, device=self._device)
         # workspace (device memory): signal counts seen, grid sync words; per shape: the rest
-        # (ll.cuh LlParams::expected: seen counts, barrier, self words, the signals and barriers
-        # raised)
-        self._expected = torch.zeros(10 * r + 8, dtype=torch.int64, device=self._device)
+        # (ll.cuh LlParams::expected: seen counts, self words, the signals raised, the cleans run)
+        self._expected = torch.zeros(8 * r + 9, dtype=torch.int64, device=self._device)
         self._sync = torch.zeros(dep.SYNC_WORDS * dep.SYNC_STRIDE, dtype=torch.int64, device=self._device)
         self._shape_ws = {}
         self._ctxs_buf = None

@@ -190,10 +190,10 @@ struct LlParams {
   uint64_t status;        // EpStatus, device memory: its first-failure CAS must not be an atomic
                           // on host-mapped memory (PCIe atomics are not guaranteed everywhere)
   // workspace (device memory)
-  uint64_t expected;      // u64 [2 kinds][2 bufs][R] + barrier [R]: signal counts seen so far,
-                          // then self expected [2][2] and self_sig [2][2] (see "Self" above),
-                          // then the signals raised [2 kinds][2 bufs][R] (sent_word) and the
-                          // barriers raised [R] (barrier_sent): 10 R + 8 words
+  uint64_t expected;      // u64 [2 kinds][2 bufs][R]: signal counts seen so far, then self
+                          // expected [2][2] and self_sig [2][2] (see "Self" above), then the
+                          // signals raised [2 kinds][2 bufs][R] (sent_word) and the cleans run
+                          // [1] (clean_epoch): 8 R + 9 words
   uint64_t sync;          // u64 [SYNC_WORDS * kSyncStride], zero between launches
   uint64_t bits;          // u32 dispatch send bitmaps, zero between launches (expert_bits)
   uint64_t tab;           // int32 [2][R * E_loc] + [R]: the receive controller's tables
@@ -455,15 +455,12 @@ GPUNET_DEVICE uint64_t* expected_word(const LlParams& P, uint32_t kind, uint32_t
 GPUNET_DEVICE uint64_t* barrier_sig(const LlParams& P, uint32_t j) {
   return ptr<uint64_t>(P.sig) + (uint64_t(4) * P.nranks + j);
 }
-GPUNET_DEVICE uint64_t* barrier_expected(const LlParams& P, uint32_t j) {
-  return ptr<uint64_t>(P.expected) + (uint64_t(4) * P.nranks + j);
-}
 // Self traffic: the counts seen, and the counters the send phase adds to (device memory).
 GPUNET_DEVICE uint64_t* self_expected(const LlParams& P, uint32_t kind, uint32_t b) {
-  return ptr<uint64_t>(P.expected) + (uint64_t(5) * P.nranks + kind * 2 + b);
+  return ptr<uint64_t>(P.expected) + (uint64_t(4) * P.nranks + kind * 2 + b);
 }
 GPUNET_DEVICE uint64_t* self_sig(const LlParams& P, uint32_t kind, uint32_t b) {
-  return ptr<uint64_t>(P.expected) + (uint64_t(5) * P.nranks + 4 + kind * 2 + b);
+  return ptr<uint64_t>(P.expected) + (uint64_t(4) * P.nranks + 4 + kind * 2 + b);
 }
 // The dispatch / combine signals are SET, not ADD: the value is this rank's count of the signals
 // of that (kind, buffer) it raised on d, kept here (after the self words). The c500 profile's p2p
@@ -472,7 +469,7 @@ GPUNET_DEVICE uint64_t* self_sig(const LlParams& P, uint32_t kind, uint32_t b) {
 // an 8-byte WRITE. (On the H200 the last block's signal phase did not get shorter with it:
 // bench/RESULTS.md, eleventh session, call 2.)
 GPUNET_DEVICE uint64_t* sent_word(const LlParams& P, uint32_t kind, uint32_t b, uint32_t d) {
-  return ptr<uint64_t>(P.expected) + (uint64_t(5) * P.nranks + 8 + uint64_t(kind * 2 + b) * P.nranks + d);
+  return ptr<uint64_t>(P.expected) + (uint64_t(4) * P.nranks + 8 + uint64_t(kind * 2 + b) * P.nranks + d);
 }
 GPUNET_DEVICE uint64_t* sync_word(const LlParams& P, uint32_t w) {
   return ptr<uint64_t>(P.sync) + uint64_t(w) * kSyncStride;
@@ -1627,30 +1624,29 @@ GPUNET_DEVICE bool combine_recv(const LlParams& P, const Geo& g) {
 
 // ---- clean: a barrier over the live ranks, then every signal count re-read, then a barrier -------
 
-// The barrier's signals are SET, as the dispatch / combine ones (sent_word): the value is this
-// rank's count of the barriers it raised on p (barrier_sent), so the word on p holds what an ADD
-// of 1 per barrier would. An ADD to a p2p peer is refused on the c500 profile (store-only), which
-// made every clean there time out (tests/test_ep_ll.py
-// test_the_c500_profile_runs_rounds_and_cleans_over_p2p).
-GPUNET_DEVICE uint64_t* barrier_sent(const LlParams& P, uint32_t p) {
-  return ptr<uint64_t>(P.expected) + (uint64_t(9) * P.nranks + 8 + p);
+// The barrier's signals are SET, as the dispatch / combine ones (sent_word): an ADD to a p2p peer
+// is refused on the c500 profile (store-only), which made every clean there time out
+// (tests/test_ep_ll.py test_the_c500_profile_runs_rounds_and_cleans_over_p2p). The value names
+// the barrier: 2e - 1 and 2e for the two barriers of this rank's e-th clean (clean_epoch). Cleans
+// are collective, so every rank's e-th clean is the same one, and a wait for >= 2e - 1 cannot
+// pass on a raise of an earlier clean (<= 2e - 2). A count of raises could: a rank that skipped
+// a masked peer's raise stayed one barrier behind its count, and its next clean's first wait
+// passed on that old raise, before the peer had left its last LL call (tests/test_ep_ll.py
+// test_any_fault_sequence_then_vllms_clean_gives_exact_rounds, its first example).
+GPUNET_DEVICE uint64_t* clean_epoch(const LlParams& P) {
+  return ptr<uint64_t>(P.expected) + (uint64_t(8) * P.nranks + 8);
 }
-GPUNET_DEVICE void barrier_live(const LlParams& P, const Geo& g) {
+GPUNET_DEVICE void barrier_live(const LlParams& P, const Geo& g, uint64_t v) {
   const uint32_t R = P.nranks;
   for (uint32_t p = g.tid; p < R; p += g.bdim) {
     if (p == P.rank || peer_out(P, p)) continue;
     const DevCtx& cx = peer_ctx(P, p);
     uint64_t* s = barrier_sig(P, P.rank);
-    const uint64_t v = *barrier_sent(P, p) + 1;
-    *barrier_sent(P, p) = v;  // (counted even when the put fails: the peer is failed then)
     if (!(fence(cx) && put_signal_nbi(cx, s, s, 0, s, v, int(p), SIGNAL_SET))) peer_fail(P, p);
   }
   for (uint32_t j = g.tid; j < R; j += g.bdim) {
     if (j == P.rank || peer_out(P, j)) continue;
-    uint64_t* exp = barrier_expected(P, j);
-    const uint64_t want = *exp + 1;
-    if (wait_until(peer_ctx(P, j), barrier_sig(P, j), CMP_GE, want)) *exp = want;
-    else peer_fail(P, j);
+    if (!wait_until(peer_ctx(P, j), barrier_sig(P, j), CMP_GE, v)) peer_fail(P, j);
   }
   arch::syncthreads();
 }
@@ -1659,14 +1655,17 @@ GPUNET_DEVICE void barrier_live(const LlParams& P, const Geo& g) {
 // half way, or a masked peer's late signals, no longer shift what the next launch waits for.
 GPUNET_DEVICE void clean(const LlParams& P, const Geo& g) {
   if (g.bid != 0) return;
-  barrier_live(P, g);
+  const uint64_t e = *clean_epoch(P) + 1;
+  arch::syncthreads();  // (every thread read it before thread 0 moves it on)
+  if (g.tid == 0) *clean_epoch(P) = e;
+  barrier_live(P, g, 2 * e - 1);
   for (uint32_t i = g.tid; i < 4 * P.nranks; i += g.bdim)
     ptr<uint64_t>(P.expected)[i] = signal_read(peer_ctx(P, P.rank), ptr<const uint64_t>(P.sig) + i);
   for (uint32_t i = g.tid; i < 4; i += g.bdim)
     *self_expected(P, i / 2, i % 2) = arch::atomic_load(self_sig(P, i / 2, i % 2));
   for (uint32_t w = g.tid; w < SYNC_WORDS; w += g.bdim) arch::atomic_store(sync_word(P, w), uint64_t(0));
   arch::syncthreads();
-  barrier_live(P, g);
+  barrier_live(P, g, 2 * e);
 }
 
 GPUNET_DEVICE void run(const LlParams& P) {
