@@ -844,7 +844,8 @@ def _transient_fault_then_vllm_clean(r):
 # Fault sequences (2 ranks, enable_shrink): what each step does to the ranks' masks. m[r] is the
 # set rank r masks. A step that needs every rank unmasked first runs vLLM's clean (synced).
 FAULT_STEPS = [("mask", 0), ("mask", 1), ("lone", 0), ("lone", 1), ("round",), ("clean",),
-               ("vllm_clean",), ("late", "dispatch"), ("late", "combine"), ("late_combine_sync",)]
+               ("vllm_clean",), ("unmask_clean",), ("late", "dispatch"), ("late", "combine"),
+               ("late_combine_sync",)]
 FAULT_EXAMPLES = max(2, settings().max_examples // 25)   # CI: 2 per transport; "deep": 80
 
 
@@ -884,8 +885,13 @@ def _fault_step(r, m, step, seed):
             m[0], m[1] = {1}, {0}
         assert got == [sorted(m[0]), sorted(m[1])], (step, got, m)
         r.run("ep_jobs:set_timeout", VLLM_TIMEOUT_S)
-    elif kind == "vllm_clean":
-        assert r.run("ep_jobs:vllm_clean_buffers", timeout=120) == [[0, 0], [0, 0]]
+    elif kind in ("vllm_clean", "unmask_clean"):
+        if kind == "vllm_clean":
+            assert r.run("ep_jobs:vllm_clean_buffers", timeout=120) == [[0, 0], [0, 0]]
+        else:   # DeepEP's way: unmask by hand (update_mask_buffer(p, False)), then the LL clean
+            for a in (0, 1):
+                assert _run_on(r, [a], "ep_jobs:mask", "update", (other[a], False)) == [None]
+            assert r.run("ep_jobs:clean", _spec(2, seed=seed), timeout=120) == [[], []]
         m[0], m[1] = set(), set()
         _fault_step(r, m, ("round",), seed + 100)   # the invariant: exact at once, nothing masked
     elif kind == "late":
@@ -924,14 +930,14 @@ def _fault_step(r, m, step, seed):
 @settings(max_examples=FAULT_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.generate])
 @given(steps=st.lists(st.sampled_from(FAULT_STEPS), min_size=1, max_size=4))
 @example(steps=[("mask", 0), ("clean",), ("vllm_clean",), ("late", "dispatch")])
-@example(steps=[("late_combine_sync",), ("clean",), ("late", "combine")])
+@example(steps=[("late_combine_sync",), ("clean",), ("unmask_clean",), ("late", "combine")])
 def test_any_fault_sequence_then_vllms_clean_gives_exact_rounds(vllm2, steps):
     """Generated: up to 4 steps from FAULT_STEPS (a rank masking its peer by hand, a lone
     dispatch, rounds and cleans with one-sided masks, a rank late past the bound before its
-    dispatch or its combine, vLLM's clean), each checked against the mask model of _fault_step.
-    Invariant: vLLM's clean_buffers on every rank (a step of its own, or straight after a late
-    rank's round) unmasks everyone and the very next round equals the reference with nothing
-    masked; at the end, after one more, so do a round with a merely late peer and an FP8 round
+    dispatch or its combine, vLLM's clean, DeepEP's unmask and clean), each checked against the
+    mask model of _fault_step. Invariant: vLLM's clean_buffers on every rank (a step of its own,
+    or straight after a late rank's round), or every rank unmasking and cleaning the LL buffer,
+    unmasks everyone and the very next round equals the reference with nothing masked; at the end, after one more, so do a round with a merely late peer and an FP8 round
     (_rounds_after_vllm_clean). The first example failed when a clean's barrier waited for a
     count of raises: rank 0 skipped the masked rank 1 in the first clean, so rank 1's unanswered
     raise let rank 0's next first wait pass before rank 1 had left its late round; rank 0
