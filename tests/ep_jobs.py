@@ -6,7 +6,9 @@ what it checked plus the hashes of what it got. Each job takes the rank's ``stat
 A round's ``spec`` (a dict): seed, t_max, hidden, topk, num_experts; routing knobs holes,
 hot_expert, empty_experts, vary_tokens, tagged; modes use_fp8, round_scale, use_ue8m0, hook,
 combine_hook, zero_copy, stats; failures: masked (ranks already masked), die = (rank, "dispatch" |
-"combine") (that rank exits at the start of that phase, the others expect it masked from then on);
+"combine") (that rank exits at the start of that phase, the others expect it masked from then on)
+or (rank, seconds) (that rank exits that long after the round starts, wherever it is then; each
+other rank expects it masked in a phase exactly when it masked it by the phase's end);
 routing = "rank_repeats" (rank_repeating_routing replaces the top-k), wire (record what the
 dispatch put on the wire: wire_prepare / wire_read); slow = (rank, seconds[, "combine"]) (that
 rank sleeps before its dispatch, or before its combine: a late peer, or with a short timeout a
@@ -15,6 +17,7 @@ transient fault), masked_by_rank =
 disagree, as after a transient fault).
 """
 import os
+import threading
 import time
 
 import torch
@@ -410,6 +413,9 @@ def round_(state, spec):
     world, rank = buf.group_size, buf.rank
     masked = tuple(spec.get("masked", ()))
     victim, stage = spec.get("die", (None, None))
+    die_at = stage if isinstance(stage, float) else None
+    if die_at is not None:
+        stage = None
     masked_dispatch = masked + ((victim,) if stage == "dispatch" else ())
     masked_combine = masked + ((victim,) if stage is not None else ())
     if spec.get("masked_by_rank") is not None:
@@ -421,6 +427,8 @@ def round_(state, spec):
     out = {"bad": [], "calc_diff": None, "nan": False, "raised": None, "hashes": {}}
     if rank == victim and stage == "dispatch":
         os._exit(0)
+    if rank == victim and die_at is not None:
+        threading.Timer(die_at, os._exit, (0,)).start()
     if rank == slow_rank and slow_phase == "dispatch":
         time.sleep(delay_s)
     wire = wire_prepare(buf, spec) if spec.get("wire") else None
@@ -435,6 +443,9 @@ def round_(state, spec):
             out["wire"] = wire_read(buf, spec, wire)
         recv_x, count, handle = _cpu(recv_d), _cpu(count_d), _cpu(handle_d)
         cum, wstats = _cpu(cum), _cpu(wstats)
+        if die_at is not None and rank != victim and victim in buf.masked_ranks():
+            masked_dispatch = masked_combine = masked + (victim,)
+            out["victim_masked_in"] = "dispatch"
         out["bad"] += _check_dispatch(spec, world, rank, inputs, (recv_x, count, handle), masked_dispatch)
         if cum is not None and not torch.equal(cum, count):
             out["bad"].append("cumulative_local_expert_recv_stats %s != counts %s"
@@ -455,6 +466,9 @@ def round_(state, spec):
             chook()
         combined, cstats = _cpu(combined), _cpu(cstats)
         out["t_combine"] = time.monotonic() - t0
+        if die_at is not None and rank != victim and victim in buf.masked_ranks():
+            masked_combine = masked + (victim,)
+            out.setdefault("victim_masked_in", "combine")
     except EPTimeout as e:
         out["raised"] = {"phase": e.phase, "peers_silent": e.peers_silent,
                          "counts_seen": e.counts_seen, "msg": str(e)[:400]}
