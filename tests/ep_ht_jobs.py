@@ -8,10 +8,13 @@ A round's ``spec`` (a dict): seed, tokens, hidden, topk, num_experts; routing kn
 hot_expert, hot_fraction, empty_experts, vary_tokens, tagged; modes fp8, no_topk (dispatch without
 top-k), alignment, biases (0-2), worst (extra rows of num_worst_tokens past the exact count, or
 None), cached, async_finish, prev_event, config (Config arguments); failures: masked, die =
-(rank, "dispatch" | "combine"); routing = "rank_repeats" (ep_jobs.rank_repeating_routing), wire
+(rank, "dispatch" | "combine") or (rank, seconds) (that rank exits that long after its round
+starts, wherever it is: see _died_mid_round for what the others then expect); routing = "rank_repeats" (ep_jobs.rank_repeating_routing), wire
 (record the messages per destination and per source the dispatch counted: round_'s "wire").
 """
+import itertools
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -89,6 +92,44 @@ def _dispatch_ref(spec, inputs, rank, masked):
                                expert_alignment=spec.get("alignment", 1))
 
 
+def _rows_from(t, src, idx):
+    """t with its rows idx taken from src (a tensor, or the FP8 pair)."""
+    if isinstance(t, tuple):
+        return tuple(_rows_from(a, b, idx) for a, b in zip(t, src))
+    t = t.clone()
+    t[idx] = src[idx]
+    return t
+
+
+def _dispatch_after_failures(spec, inputs, rank, masked, gone, prefix, got, bad):
+    """What a survivor's dispatch must be when the ranks ``gone`` were marked failed during it
+    (a rank that died at an arbitrary moment: die = (victim, seconds); or a live one taken for
+    dead, ht.cuh "Waits on a peer"). A failed source whose notify header never came has no row
+    (``prefix`` = the handle's rank prefix [R + 1]): the reference leaves it out. Any other
+    failed source keeps the full layout, and each of its rows arrived whole (the reference's
+    row, top-k ids and weights) or not at all: a HOLE, whose recv_topk_idx row is all -1 and
+    weights all 0 (its recv_x content unspecified). Holes get the reference's rows here so that
+    the exact checks after this compare everything else. Returns (reference, masked in
+    dispatch, rx, rtk, rw, number of holes)."""
+    rx, rtk, rw = got
+    fp = _dispatch_ref(spec, inputs, rank, masked)["rank_prefix"]
+    cut = tuple(j for j in gone if int(prefix[j + 1]) == int(prefix[j]) and int(fp[j + 1]) > int(fp[j]))
+    r_ = _dispatch_ref(spec, inputs, rank, masked + cut)
+    holes = 0
+    for j in gone:
+        b0, b1 = int(prefix[j]), int(prefix[j + 1])
+        idx = torch.arange(b0, b1)[(rtk[b0:b1] == -1).all(1)]
+        if j in cut or not idx.numel():
+            continue
+        if bool((rw[idx] != 0).any()):
+            bad.append("a row failed rank %d never sent has non-zero recv_topk_weights" % j)
+        rx = _rows_from(rx, r_["recv_x"], idx)
+        rtk = _rows_from(rtk, r_["recv_topk_idx"], idx)
+        rw = _rows_from(rw, r_["recv_topk_weights"], idx)
+        holes += int(idx.numel())
+    return r_, masked + cut, rx, rtk, rw, holes
+
+
 def _expert_out(spec, recv_x):
     """The expert side's output: the received rows themselves (FP8 cast back to bf16)."""
     if spec.get("fp8"):
@@ -106,8 +147,12 @@ def round_(state, spec):
     world, rank = buf.group_size, buf.rank
     masked = tuple(spec.get("masked", ()))
     victim, stage = spec.get("die", (None, None))
+    die_at = stage if isinstance(stage, float) else None
+    if die_at is not None:
+        stage = None
     masked_d = masked + ((victim,) if stage == "dispatch" else ())
     masked_c = masked + ((victim,) if stage is not None else ())
+    quiet = bool(masked_d) or die_at is not None   # no torch.distributed collective: a rank is gone
     inputs = _inputs(spec, world)
     mine = inputs[rank]
     e = spec["num_experts"]
@@ -118,6 +163,8 @@ def round_(state, spec):
     cpu = lambda o: _dev(o, "cpu")  # noqa: E731
     if rank == victim and stage == "dispatch":
         os._exit(0)
+    if rank == victim and die_at is not None:
+        threading.Timer(die_at, os._exit, (0,)).start()
     try:
         prev = Buffer.capture() if spec.get("prev_event") else None
         ntr_d, ntrr, ntpe_d, in_rank_d, ev = buf.get_dispatch_layout(
@@ -131,7 +178,7 @@ def round_(state, spec):
             bad.append("get_dispatch_layout differs from the token-by-token reference")
         # the counts against the all-reduced layout (DeepEP's check, independent of the reference)
         all_ntr, all_ntpe = ntr.clone(), ntpe.clone()
-        if not masked_d:
+        if not quiet:
             dist.all_reduce(all_ntr)
             dist.all_reduce(all_ntpe)
         topk = None if spec.get("no_topk") else mine["topk_idx"]
@@ -145,7 +192,7 @@ def round_(state, spec):
         n_exact = r_["src_idx"].numel()
         if worst is not None:
             kw["num_worst_tokens"] = n_exact + worst if worst >= 0 else max(1, n_exact + worst)
-        if stage != "dispatch" and not masked:
+        if stage != "dispatch" and not masked and not quiet:
             dist.barrier()      # start together: on a loaded CI machine a rank can lag by seconds
         rx, rtk, rw, counts, handle, ev = buf.dispatch(_dev(_x(spec, mine), dev), **kw)
         if spec.get("async_finish"):
@@ -153,6 +200,12 @@ def round_(state, spec):
                 bad.append("async_finish=True returned no event")
             ev.current_stream_wait()
         rx, rtk, rw = cpu(rx), cpu(rtk), cpu(rw)
+        if die_at is not None and rank != victim:
+            gone = tuple(j for j in buf.masked_ranks() if j not in masked)
+            r_, masked_d, rx, rtk, rw, out["holes"] = _dispatch_after_failures(
+                spec, inputs, rank, masked, gone, cpu(handle[0]), (rx, rtk, rw), bad)
+            masked_c = masked_d
+            n_exact = r_["src_idx"].numel()
         n = n_exact
         if spec.get("wire"):
             # what this dispatch counted as messages: sent per destination (the notify step's
@@ -177,7 +230,7 @@ def round_(state, spec):
         else:
             if counts != r_["counts"]:
                 bad.append("counts %r != reference %r" % (counts, r_["counts"]))
-            if not masked_d:
+            if not quiet:
                 el = e // world
                 a = spec.get("alignment", 1)
                 want_c = [(int(v) + a - 1) // a * a for v in all_ntpe[rank * el:(rank + 1) * el]]
@@ -251,19 +304,41 @@ def round_(state, spec):
         out["host_failed"] = _host_failed(buf)
         return out
     # the exact reference: every rank's dispatch reference gives its expert outputs
-    refs = [_dispatch_ref(spec, inputs, d, masked_d) for d in range(world)]
+    refs = [_dispatch_ref(spec, inputs, d, masked if die_at is not None else masked_d)
+            for d in range(world)]
     ys = [_expert_out(spec, rr["recv_x"]) for rr in refs]
     yws = None if spec.get("no_topk") else [rr["recv_topk_weights"] for rr in refs]
-    want_c, want_w = ref.ht_combine_ref(ys, refs, in_rank, rank, masked_ranks=masked_c, biases=biases,
-                                        ys_weights=yws)
+    combine_ref = lambda m: ref.ht_combine_ref(ys, refs, in_rank, rank, masked_ranks=m,  # noqa: E731
+                                               biases=biases, ys_weights=yws)
+    # Each token's row is reduced over the ranks it reached that were live FOR IT: after a failure
+    # mid-combine (die = (victim, seconds)), a rank marked failed may have sent the rows of some
+    # tokens and not others. So each row may leave out any subset of the ranks this rank marked
+    # failed; without such a failure, exactly masked_c.
+    gone = [] if die_at is None else [j for j in out_masked(buf) if j not in masked and j != rank]
+    subsets = [tuple(c) for k in range(len(gone) + 1) for c in itertools.combinations(gone, k)]
+    cands = [(masked_c + s_, *combine_ref(masked_c + tuple(x for x in s_ if x not in masked_c)))
+             for s_ in subsets]
+    pick = torch.zeros(comb.shape[0], dtype=torch.int64)   # the candidate each row matches
+    if len(cands) > 1:
+        found = torch.zeros(comb.shape[0], dtype=torch.bool)
+        for i, (_, c_, _) in enumerate(cands):
+            hit = (comb == c_).all(1) & ~found
+            pick[hit], found = i, found | hit
+    want_c = torch.stack([cands[int(i)][1][t] for t, i in enumerate(pick)]) if comb.shape[0] else cands[0][1]
+    want_w = None if cands[0][2] is None else (
+        torch.stack([cands[int(i)][2][t] for t, i in enumerate(pick)]) if comb.shape[0] else cands[0][2])
     if not torch.equal(comb, want_c):
         bad.append("combined_x differs from the reference (max |diff| %g)"
                    % float((comb.float() - want_c.float()).abs().max()))
-    # DeepEP's check: (combined - biases) / fan-out == x
-    live = [d for d in range(world) if d not in masked_c]
-    fan = in_rank[:, live].sum(1, keepdim=True).clamp(min=1).float()
+    # DeepEP's check: (combined - biases) / fan-out == x, over the ranks live for each row
+    live = torch.ones(comb.shape[0], world, dtype=torch.bool)
+    for t, i in enumerate(pick):
+        for m in cands[int(i)][0]:
+            live[t, m] = False
+    reach = in_rank.bool() & live
+    fan = reach.sum(1, keepdim=True).clamp(min=1).float()
+    reached = reach.any(1)
     x_ref = mine["x"].float() if not spec.get("fp8") else ref.per_token_cast_back(*mine["x_fp8"])
-    reached = in_rank[:, live].any(1)
     core = comb.float() - sum((b.float() for b in biases), torch.zeros_like(comb.float()))
     if bool(reached.any()):
         out["calc_diff"] = ref.calc_diff(core[reached] / fan[reached], x_ref[reached])
@@ -271,15 +346,14 @@ def round_(state, spec):
         out["calc_diff"] = 0.0
     if comb_w is not None:
         w0 = torch.where(mine["topk_idx"] >= 0, mine["topk_weights"], torch.zeros_like(mine["topk_weights"]))
-        if masked_c:
-            el = e // world
-            dead = torch.zeros_like(w0, dtype=torch.bool)
-            for m in masked_c:
-                dead |= (mine["topk_idx"] >= m * el) & (mine["topk_idx"] < (m + 1) * el)
-            w0 = torch.where(dead, torch.zeros_like(w0), w0)
+        el = e // world
+        owner = torch.where(mine["topk_idx"] >= 0, mine["topk_idx"] // el, torch.zeros_like(mine["topk_idx"]))
+        w0 = torch.where(torch.gather(live, 1, owner), w0, torch.zeros_like(w0))
         out["weights_diff"] = float((comb_w - w0).abs().max()) if w0.numel() else 0.0
         if not torch.equal(comb_w, want_w):
             bad.append("combined_topk_weights differ from the reference")
+    alt = pick != 0
+    out["mixed_tokens"] = int(alt.sum())
     out["nan"] = bool(torch.isnan(comb.float()).any())
     out["n_recv"] = n
     out["hashes"] = {"recv_x": ref.hash_tensor(rx[0] if isinstance(rx, tuple) else rx),
@@ -288,6 +362,11 @@ def round_(state, spec):
     out["host_failed"] = _host_failed(buf)
     out["ht_lib"] = str(buf._ht_lib.gpunet_path)
     return out
+
+
+def out_masked(buf):
+    """The ranks this rank's Buffer has masked (none without enable_shrink)."""
+    return buf.masked_ranks() if buf.enable_shrink else []
 
 
 def _host_failed(buf):

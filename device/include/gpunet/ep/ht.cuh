@@ -235,6 +235,13 @@ GPUNET_DEVICE uint64_t slot_addr(const HtParams& P, uint64_t ring, uint32_t c, u
 // that plus a second, so a live rank is never taken for dead because a third one died
 // (tests/test_ep_ht.py: the killed-rank tests, which mask or raise exactly the dead rank). A
 // rank's own traffic is never timed out (its receiver is bounded by its own direct waits).
+// Not covered: chains across ops. A rank dying amid a dispatch's data can leave one survivor
+// with all its rows (into combine at once, a direct wait on the other's rows) and the other
+// waiting out its tail (indirect): the first then masks the LIVE second (tests/test_ep_ht.py
+// test_a_rank_that_dies_at_any_moment_leaves_the_survivors_exact, about 1 death in 10 in that
+// window). A longer fixed bound for a peer's first word of an op only moved the race (tried:
+// survivors then masked each other, a credit wait against a receiver's first-contact wait); the
+// fix needs liveness, e.g. a waiting rank refreshing a heartbeat word on its peers.
 GPUNET_DEVICE uint64_t indirect_timeout(const HtParams& P) {
   return 2 * P.peer_timeout_ns + 1000000000ull;
 }
