@@ -318,23 +318,26 @@ def round_(state, spec):
     subsets = [tuple(c) for k in range(len(gone) + 1) for c in itertools.combinations(gone, k)]
     cands = [(masked_c + s_, *combine_ref(masked_c + tuple(x for x in s_ if x not in masked_c)))
              for s_ in subsets]
-    pick = torch.zeros(comb.shape[0], dtype=torch.int64)   # the candidate each row matches
-    if len(cands) > 1:
-        found = torch.zeros(comb.shape[0], dtype=torch.bool)
-        for i, (_, c_, _) in enumerate(cands):
-            hit = (comb == c_).all(1) & ~found
-            pick[hit], found = i, found | hit
-    want_c = torch.stack([cands[int(i)][1][t] for t, i in enumerate(pick)]) if comb.shape[0] else cands[0][1]
-    want_w = None if cands[0][2] is None else (
-        torch.stack([cands[int(i)][2][t] for t, i in enumerate(pick)]) if comb.shape[0] else cands[0][2])
+    # the candidate each row matches, its row and its weights (one message carries both)
+    def matches(c_, w_):
+        ok = (comb == c_).all(1)
+        return ok if comb_w is None or w_ is None else ok & (comb_w == w_).all(1)
+    pick = torch.zeros(comb.shape[0], dtype=torch.int64)
+    found = matches(*cands[0][1:])
+    for i, (_, c_, w_) in enumerate(cands[1:], 1):
+        hit = matches(c_, w_) & ~found
+        pick[hit], found = i, found | hit
+    rows = torch.arange(comb.shape[0])
+    want_c = torch.stack([c_ for _, c_, _ in cands])[pick, rows]
+    want_w = None if cands[0][2] is None else torch.stack([w_ for _, _, w_ in cands])[pick, rows]
     if not torch.equal(comb, want_c):
         bad.append("combined_x differs from the reference (max |diff| %g)"
                    % float((comb.float() - want_c.float()).abs().max()))
     # DeepEP's check: (combined - biases) / fan-out == x, over the ranks live for each row
-    live = torch.ones(comb.shape[0], world, dtype=torch.bool)
-    for t, i in enumerate(pick):
-        for m in cands[int(i)][0]:
-            live[t, m] = False
+    live_of = torch.ones(len(cands), world, dtype=torch.bool)
+    for i, (m_, _, _) in enumerate(cands):
+        live_of[i, list(m_)] = False
+    live = live_of[pick]                                    # [T, R]: the ranks live for each row
     reach = in_rank.bool() & live
     fan = reach.sum(1, keepdim=True).clamp(min=1).float()
     reached = reach.any(1)
