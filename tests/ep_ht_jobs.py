@@ -361,7 +361,7 @@ def round_(state, spec):
     out["n_recv"] = n
     out["hashes"] = {"recv_x": ref.hash_tensor(rx[0] if isinstance(rx, tuple) else rx),
                      "combined": ref.hash_tensor(comb)}
-    out["masked"] = buf.masked_ranks() if buf.enable_shrink else []
+    out["masked"] = out_masked(buf)
     out["host_failed"] = _host_failed(buf)
     out["ht_lib"] = str(buf._ht_lib.gpunet_path)
     return out
