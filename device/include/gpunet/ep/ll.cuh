@@ -14,27 +14,29 @@
 //   SEND  1. block 0 quiets every live peer (the previous use of this LL buffer's send staging is
 //            complete at the NIC before it is overwritten; a failure names the peer; a grid flag
 //            tells the blocks that stage); there is no plan to wait for.
-//         2. every warp, a token each (a part of it, a warp each, when every peer is mapped): the
+//         2. every warp, a token each: lane k sets bit t of selection k's expert's token bitmap
+//            and the lane of the token's first selection on a rank bit t of that rank's slot
+//            bitmap (atomic ors on device memory, nothing returned, nothing waited for).
+//         3. every warp, a token each (a part of it, a warp each, when every peer is mapped): the
 //            row (bf16, or fp8 + one f32 scale per 128 columns, quantised here) is staged ONCE in
 //            the send buffer when a NIC peer needs it, and stored ONCE per mapped destination RANK
-//            (not per expert) at slot t of this rank's area there. Lane k sets bit t of selection k's expert's token bitmap and the lane of
-//            the token's first selection on a rank bit t of that rank's slot bitmap (atomic ors
-//            on device memory, nothing returned, nothing waited for); the token's meta (t, then
-//            its K experts, -1 for holes and repeats) follows the row, and a NIC destination gets
-//            the staged row and meta in ONE put to slot t.
-//         3. the block that finishes last (every other block's puts are reserved before its own,
-//            so they execute first on each peer's in-order RC QP or proxy channel) puts a header
-//            per destination (n_d messages, the token count T, per-local-expert counts, the slot
-//            bitmap of d, then per local expert its token bitmap with the running count of the
-//            bits before each word) and adds 1 to the signal word (dispatch, buffer b, source me)
-//            on d, in one put_signal (a mapped peer's header is stored there in place), and
-//            zeroes the bitmaps for the next launch.
-//   RECV  4. block 0 waits (bounded, per source) for each live source's signal to pass the count it
+//            (not per expert) at slot t of this rank's area there; the token's meta (t, then its
+//            K experts, -1 for holes and repeats) follows the row, and a NIC destination gets the
+//            staged row and meta in ONE put to slot t.
+//         4. every block (once every block's bits are in) fills a few rows of the bitmaps into
+//            the headers: per destination n_d messages, per-local-expert counts, the slot bitmap
+//            of d, then per local expert its token bitmap with the running count of the bits
+//            before each word; and zeroes them for the next launch. The block that finishes last
+//            (every other block's puts are reserved before its own, so they execute first on each
+//            peer's in-order RC QP or proxy channel) sets the token count T and sets the signal
+//            word (dispatch, buffer b, source me) on d, in one put_signal per destination (a
+//            mapped peer's header is stored there in place).
+//   RECV  5. block 0 waits (bounded, per source) for each live source's signal to pass the count it
 //            expects (device-resident, so a CUDA graph replays correctly), reads the headers, and
 //            writes begin_j(e) = sum_{i<j} count_i(e), layout_range, packed_recv_count and the
 //            stats. A source that stays silent or fails is masked (enable_shrink) or recorded as
 //            failed (the host raises EPTimeout); it contributes count 0 either way.
-//         5. every warp unpacks messages (slot t < T_j of source j whose bitmap bit is set; the
+//         6. every warp unpacks messages (slot t < T_j of source j whose bitmap bit is set; the
 //            meta must name t, and expert e's token bitmap must hold t): the bits below t,
 //            idx_e(t) = #{t' < t from j selecting e} (one word's running count + one popcount),
 //            give pos = begin_j(e) + idx_e(t) for each local expert of the meta; the row goes to
@@ -48,11 +50,11 @@
 //   side cannot pre-reduce per destination rank without an extra weight exchange (one more network
 //   hop) — and per-selection bf16 rows reduced in float32 on the token side are exactly DeepEP's
 //   arithmetic (bound: calc_diff < 1e-5 against the float32 reference, met with margin).
-//   SEND  6. for each (local expert e, source j) the rows [begin, begin+count) of x are contiguous:
+//   SEND  7. for each (local expert e, source j) the rows [begin, begin+count) of x are contiguous:
 //            copied into the send staging (unless zero_copy: x IS the staging buffer) with their
 //            source token indices (src_info), then ONE put of the rows and one of the indices to
 //            this rank's area on j; the last block puts per-j headers (per-expert counts) + signal.
-//   RECV  7. block 0 waits for each live source's signal and header; every warp then builds the
+//   RECV  8. block 0 waits for each live source's signal and header; every warp then builds the
 //            slot table table[t][k] = (source, row) from the received token indices (a token that
 //            names the same expert twice gets the row twice: its weights add, as in the reference);
 //            a grid barrier; then warp per token: out[t] = bf16(sum_k w[t,k] * row(t,k)) in float32,
@@ -136,8 +138,8 @@ enum : uint32_t {
 enum : uint32_t { SIG_DISPATCH = 0, SIG_COMBINE = 1 };
 // grid sync words (each on its own 64-byte line of LlParams::sync), zero between launches
 enum : uint32_t {
-  SYNC_SEND_QUIET = 0, SYNC_SEND_DONE = 1, SYNC_RECV_READY = 2, SYNC_RECV_TABLE = 3,
-  SYNC_RECV_DONE = 4, SYNC_WORDS = 8,
+  SYNC_SEND_QUIET = 0, SYNC_SEND_BITS = 1, SYNC_SEND_DONE = 2, SYNC_RECV_READY = 3,
+  SYNC_RECV_TABLE = 4, SYNC_RECV_DONE = 5, SYNC_WORDS = 8,
 };
 constexpr uint32_t kSyncStride = 8;     // u64 words between two sync words (64 bytes)
 // A combine slot-table entry is (source << 32 | row of its receive area), or kSelfRow | (row of x)
@@ -155,6 +157,7 @@ enum : uint32_t {
 enum : uint32_t {
   EP_SITE_QUIET = 1, EP_SITE_RECV_READY = 2, EP_SITE_TABLE = 3, EP_SITE_MESSAGE = 4,
   EP_SITE_HEADER = 5, EP_SITE_COMBINE_LAYOUT = 6, EP_SITE_SELF = 7,
+  EP_SITE_BITS = 11,  // (8..10: ht.cuh's EP_SITE_HT_*)
 };
 
 // One launch's arguments, passed BY VALUE (a CUDA graph captures them). 352 B. device/ep.py.
@@ -621,13 +624,19 @@ GPUNET_DEVICE bool last_block(const LlParams& P, const Geo& g, uint32_t w) {
   return last;
 }
 
-// Grid barrier inside a launch: arrive, then wait for every block.
-GPUNET_DEVICE bool grid_barrier(const LlParams& P, const Geo& g, uint32_t w, uint32_t site) {
+// The block has finished what sync word w counts (its stores published to whoever waits for
+// the count; nothing waited for here).
+GPUNET_DEVICE void grid_arrive(const LlParams& P, const Geo& g, uint32_t w) {
   arch::syncthreads();
   if (g.tid == 0) {
     grid_fence(P);
     arch::atomic_add(sync_word(P, w), uint64_t(1));
   }
+}
+
+// Grid barrier inside a launch: arrive, then wait for every block.
+GPUNET_DEVICE bool grid_barrier(const LlParams& P, const Geo& g, uint32_t w, uint32_t site) {
+  grid_arrive(P, g, w);
   return block_wait(P, g, w, g.nblocks, site);
 }
 
@@ -760,14 +769,13 @@ GPUNET_DEVICE HeaderPre header_pre(const LlParams& P, uint32_t kind, uint64_t rh
 }
 
 // One thread, destination d, after last_block (every row before the header handed over) and
-// the header's other words: words 0 (n: the messages or rows to d), 1 (h1) and the tail, then for
-// d != rank the signal (kind, buf, rank) on d raised by one put_signal, which copies the header
-// (`bytes`) from staging for a NIC peer and nothing for a mapped one (header_slot).
+// the header's other words, word 0 (n: the messages or rows to d) included: word 1 (h1) and the
+// tail, then for d != rank the signal (kind, buf, rank) on d raised by one put_signal, which
+// copies the header (`bytes`) from staging for a NIC peer and nothing for a mapped one
+// (header_slot).
 GPUNET_DEVICE void header_finish(const LlParams& P, uint32_t kind, uint64_t rhdr, uint64_t shdr,
-                                 uint32_t d, const HeaderPre& x, int32_t n, int32_t h1,
-                                 uint32_t bytes) {
+                                 uint32_t d, const HeaderPre& x, int32_t h1, uint32_t bytes) {
   int32_t* h = x.h;
-  h[0] = n;
   h[1] = h1;
   fill_header_tail(P, h);
   if (d == P.rank) return;
@@ -861,7 +869,7 @@ GPUNET_DEVICE uint32_t* dmask_row(const LlParams& P, uint32_t d) {
   return expert_bits(P, P.num_experts + d);
 }
 
-// Step 2's row: bf16 copied, or fp8 quantised with its scales, into the token's send slot.
+// Step 3's row: bf16 copied, or fp8 quantised with its scales, into the token's send slot.
 GPUNET_DEVICE void stage_row(const LlParams& P, const Geo& g, uint32_t t) {
   const uint32_t H = P.hidden;
   const uint64_t msg = P.d_send + uint64_t(t) * P.msg_stride;
@@ -893,76 +901,6 @@ GPUNET_DEVICE uint32_t row_parts(uint32_t warps, uint64_t n) {
 // chain of dependent loads at the start of every block. A wrong flag cannot pass the mixed-world
 // tests: a NIC peer would then be sent unstaged send slots.
 GPUNET_DEVICE bool all_peers_mapped(const LlParams& P) { return (P.flags & F_ALL_MAPPED) != 0; }
-
-// The block that finishes dispatch's send last: headers (per-local-expert counts, the slot
-// bitmap, the experts' token bitmaps with their running counts) and one signal per destination;
-// the bitmaps back to zero. Every block finds its header slots (peer mappings: dependent loads)
-// and each destination's HeaderPre before last_block's fences, and every walk after them loads
-// its words together before it stores (a header store may alias the next load: one memory
-// latency per word otherwise, ~1 us each after the fences; the dispatch's header took 10-13 us
-// on the H200 with the slot lookups and such walks after the fences).
-GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uint8_t* out) {
-  const uint32_t T = P.num_tokens, EL = P.e_loc, R = P.nranks;
-  const uint32_t W = dmask_words(P.t_max), TW = (T + 31) / 32;  // words; those of slots t < T
-  const uint32_t e0w = ebits_word0(EL, P.t_max);
-  int32_t** hs = header_slots(P, g, P.d_rhdr, P.d_shdr, out);
-  // warp w loads destination w's HeaderPre (its count of messages is known only after them)
-  const uint32_t d0 = g.wid;
-  HeaderPre pre0;
-  if (d0 < R) pre0 = header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d0, out);
-  if (last_block(P, g, SYNC_SEND_DONE)) {  // (its barrier orders hs for the block)
-    stamp(P, g, ST_SEND_LAST);
-    // Rows of the bitmaps (LlParams::bits): i < E is (destination i / EL, local expert i % EL),
-    // its words with their running counts and its count into the header; E + d is d's slot
-    // bitmap, its words and its popcount (the message count). Two rows a thread, their words
-    // loaded in one batch before any store: every row in one round trip for E + R <= 2 * bdim
-    // (DeepEP's 288 + 2 on 256 threads; a row a thread, then the slot rows by warps after them,
-    // was three round trips in a row, each slow while the other ranks' copies load memory).
-    // Rows of a destination out of this block's view (hs[d] null) are read and zeroed only.
-    uint32_t* nsent = reinterpret_cast<uint32_t*>(hs + R);  // [R]
-    const uint32_t E = P.num_experts, nrows = E + R;
-    for (uint32_t i0 = g.tid; i0 < nrows; i0 += 2 * g.bdim) {
-      uint32_t run0 = 0, run1 = 0;  // the two rows' running counts (scalars: no local array)
-      batched(2 * TW, [&](uint32_t x) {
-        const uint32_t i = i0 + (x / TW) * g.bdim;
-        return i < nrows ? expert_bits(P, i)[x % TW] : 0u;
-      }, [&](uint32_t x, int64_t v) {
-        const bool second = x >= TW;
-        const uint32_t i = i0 + (second ? g.bdim : 0), w = x % TW, b = uint32_t(v);
-        if (i >= nrows) return;
-        const uint32_t run = second ? run1 : run0;
-        if (i < E) {
-          if (int32_t* h = hs[i / EL])
-            (reinterpret_cast<uint64_t*>(h + e0w) + uint64_t(i % EL) * W)[w] = uint64_t(b) | (uint64_t(run) << 32);
-        } else if (int32_t* h = hs[i - E]) {
-          h[kHdrHead + EL + w] = int32_t(b);
-        }
-        (second ? run1 : run0) = run + popc64(b);
-        if (b) expert_bits(P, i)[w] = 0;
-      });
-      for (uint32_t r = 0; r < 2; ++r) {
-        const uint32_t i = i0 + r * g.bdim, run = r ? run1 : run0;
-        if (i >= nrows) continue;
-        if (i >= E) nsent[i - E] = run;
-        else if (int32_t* h = hs[i / EL]) h[kHdrHead + i % EL] = int32_t(run);
-      }
-    }
-    arch::syncthreads();
-    for (uint32_t d = g.wid; d < R; d += g.nwarps) {
-      const HeaderPre x = d == d0 ? pre0 : header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, out);
-      if (g.lane == 0 && !x.skip)
-        header_finish(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, x, int32_t(nsent[d]), int32_t(T),
-                      dispatch_hdr_words(EL, P.t_max) * 4);
-    }
-    stamp(P, g, ST_HDR_FILLED);
-    stamp_after_block(P, g, ST_HDR_SIGNALED);
-    announce_self(P, g, SIG_DISPATCH);
-    reset_sync(P, g, SYNC_SEND_QUIET, SYNC_SEND_DONE);
-    stamp(P, g, ST_SEND_HDR);
-  }
-  return true;
-}
-
 
 // Lane k < K of the warp: selection k of token t, its expert `e` (-1 for a hole and for a repeat
 // of an earlier selection: a token counts once per expert) and that expert's rank `d` (-1 for a
@@ -998,6 +936,92 @@ GPUNET_DEVICE Selection token_selections(const LlParams& P, const Geo& g, uint32
 GPUNET_DEVICE uint64_t dispatch_slot(const LlParams& P, uint32_t t) {
   return P.d_recv + (uint64_t(P.rank) * P.t_max + t) * P.msg_stride;
 }
+
+// Row i of the dispatch send's bitmaps into its header (one thread): i < E is (destination
+// i / EL, local expert i % EL): its words with the running count of the bits before each, and its
+// count; E + d is d's slot bitmap: its words and its popcount, the message count (header word 0).
+// A destination out of the block's view (hs null) gets nothing. The row goes back to zero for
+// the next launch. The words are loaded in one batch before any store (a header store may alias
+// the next load: one memory latency per word otherwise).
+constexpr uint32_t kFillBatch = 4;  // words a batch: DeepEP's 128 tokens are one
+GPUNET_DEVICE void fill_header_row(const LlParams& P, int32_t* const* hs, uint32_t i, uint32_t TW) {
+  const uint32_t E = P.num_experts, EL = P.e_loc, W = dmask_words(P.t_max);
+  const uint32_t e0w = ebits_word0(EL, P.t_max);
+  uint32_t* row = expert_bits(P, i);
+  int32_t* h = hs[i < E ? i / EL : i - E];
+  uint32_t run = 0;
+  for (uint32_t w0 = 0; w0 < TW; w0 += kFillBatch) {
+    uint32_t v[kFillBatch];
+#pragma unroll
+    for (uint32_t u = 0; u < kFillBatch; ++u) v[u] = w0 + u < TW ? row[w0 + u] : 0u;
+#pragma unroll
+    for (uint32_t u = 0; u < kFillBatch; ++u) {
+      const uint32_t w = w0 + u;
+      if (w >= TW) break;
+      if (h && i < E)
+        (reinterpret_cast<uint64_t*>(h + e0w) + uint64_t(i % EL) * W)[w] = uint64_t(v[u]) | (uint64_t(run) << 32);
+      else if (h)
+        h[kHdrHead + EL + w] = int32_t(v[u]);
+      run += popc64(v[u]);
+      if (v[u]) row[w] = 0;
+    }
+  }
+  if (h) h[i < E ? kHdrHead + i % EL : 0] = int32_t(run);
+}
+
+// The end of dispatch's send, in every block: once every block's bits are in (dispatch_bits;
+// they were set before the rows, so nobody waits here in practice), each block turns a few rows
+// of the bitmaps into the headers (fill_header_row: row i in block i % nblocks), then the block
+// that arrives last (every other block's rows, metas, puts and header words are ordered before
+// it) finishes the headers and puts one signal per destination. One last block filling all of
+// the E + R rows (DeepEP's 290 on 2 ranks) took 6-15 us on the H200 after the other blocks were
+// done (bench/RESULTS.md, fifteenth session: hdr.f); spread over the grid the rows are filled by
+// each block after its own rows, in parallel. Every block finds its header slots (peer mappings:
+// dependent loads) and each destination's HeaderPre before last_block's fences.
+GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uint8_t* out) {
+  const uint32_t T = P.num_tokens, EL = P.e_loc, R = P.nranks;
+  int32_t** hs = header_slots(P, g, P.d_rhdr, P.d_shdr, out);
+  // warp w loads destination w's HeaderPre
+  const uint32_t d0 = g.wid;
+  HeaderPre pre0;
+  if (d0 < R) pre0 = header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d0, out);
+  // (block_wait's barrier orders hs for the block)
+  if (!block_wait(P, g, SYNC_SEND_BITS, g.nblocks, EP_SITE_BITS)) return false;
+  const uint32_t nrows = P.num_experts + R, TW = (T + 31) / 32;  // words of slots t < T
+  for (uint64_t i = g.bid + uint64_t(g.tid) * g.nblocks; i < nrows; i += uint64_t(g.bdim) * g.nblocks)
+    fill_header_row(P, hs, uint32_t(i), TW);
+  if (last_block(P, g, SYNC_SEND_DONE)) {
+    stamp(P, g, ST_SEND_LAST);
+    for (uint32_t d = g.wid; d < R; d += g.nwarps) {
+      const HeaderPre x = d == d0 ? pre0 : header_pre(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, out);
+      // hs[d] too: the view that filled d's rows in this block (null: they were not filled)
+      if (g.lane == 0 && !x.skip && hs[d])
+        header_finish(P, SIG_DISPATCH, P.d_rhdr, P.d_shdr, d, x, int32_t(T),
+                      dispatch_hdr_words(EL, P.t_max) * 4);
+    }
+    stamp(P, g, ST_HDR_FILLED);
+    stamp_after_block(P, g, ST_HDR_SIGNALED);
+    announce_self(P, g, SIG_DISPATCH);
+    reset_sync(P, g, SYNC_SEND_QUIET, SYNC_SEND_DONE);
+    stamp(P, g, ST_SEND_HDR);
+  }
+  return true;
+}
+
+// Dispatch's bitmaps, before any row moves: a warp per token sets, lane k, bit t of selection
+// k's expert's token bitmap, and the lane of the token's first selection on a rank bit t of that
+// rank's slot bitmap (atomic ors on device memory, nothing returned, nothing waited for); then
+// the block arrives at SYNC_SEND_BITS (dispatch_send_last turns the bitmaps into the headers).
+GPUNET_DEVICE void dispatch_bits(const LlParams& P, const Geo& g) {
+  for (uint32_t t = g.gw; t < P.num_tokens; t += g.gwarps) {
+    const Selection sel = token_selections(P, g, t);
+    const uint32_t bit = 1u << (t % 32);
+    if (sel.e >= 0) arch::atomic_or(&expert_bits(P, uint32_t(sel.e))[t / 32], bit);
+    if ((sel.first >> g.lane) & 1) arch::atomic_or(&dmask_row(P, uint32_t(sel.d))[t / 32], bit);
+  }
+  grid_arrive(P, g, SYNC_SEND_BITS);
+}
+
 
 // The start of a send phase: block 0 quiets the live peers (the previous use of this LL buffer's
 // staging is complete at the NIC before it is overwritten; a failure names the peer); with
@@ -1087,6 +1111,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   const bool stage = !all_peers_mapped(P);
   uint8_t* out = load_peer_view(P, g);
   if (!send_start(P, g, stage)) return false;
+  dispatch_bits(P, g);
   // Unstaged rows (!stage): a token's row is cut in S contiguous parts, a warp each, when there
   // are warps to spare (DeepEP's 128 tokens on 65 blocks of 8 warps: S = 4). Part 0 also sets
   // the bits and writes the meta and the self message. Staged rows keep S = 1: the warp that
@@ -1119,11 +1144,6 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
         warp_copy(g, uint64_t(uintptr_t(mapped)) + lo, src + lo, hi - lo);
     }
     if (part != 0) continue;
-    // lane k: bit t of its expert's token bitmap; the lane of the token's first selection on a
-    // rank: bit t of that rank's slot bitmap (the last block turns both into the headers)
-    const uint32_t bit = 1u << (t % 32);
-    if (sel.e >= 0) arch::atomic_or(&expert_bits(P, uint32_t(sel.e))[t / 32], bit);
-    if ((sel.first >> g.lane) & 1) arch::atomic_or(&dmask_row(P, uint32_t(sel.d))[t / 32], bit);
     int32_t* meta = ptr<int32_t>(msg + P.payload_bytes);
     if (g.lane == 0) {
       meta[0] = int32_t(t);
@@ -1463,9 +1483,10 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
       fits = arch::all(fits) && n <= P.c_rows;
       if (j == P.rank) self_ok = fits;
       arch::syncwarp();
-      if (!layout_fails(P, g, !fits, j, P.c_rows, n) && g.lane == 0 && !x.skip)
-        header_finish(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, x, int32_t(n), int32_t(P.t_max),
-                      (kHdrHead + EL) * 4);
+      if (!layout_fails(P, g, !fits, j, P.c_rows, n) && g.lane == 0 && !x.skip) {
+        x.h[0] = int32_t(n);
+        header_finish(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, x, int32_t(P.t_max), (kHdrHead + EL) * 4);
+      }
     }
     stamp(P, g, ST_HDR_FILLED);
     stamp_after_block(P, g, ST_HDR_SIGNALED);
@@ -1476,7 +1497,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   return true;
 }
 
-// Step 7's reduce. One item = (token t, a span of SUB * 8 * ws columns): lane l reduces the SUB
+// Step 8's reduce. One item = (token t, a span of SUB * 8 * ws columns): lane l reduces the SUB
 // groups of 8 columns c0 + s * 8 * ws (s < SUB). A warp takes a contiguous run of items (mostly
 // one token's spans), so a token's K row addresses and weights are read once for its run, and
 // each item costs one round of SUB * K loads in flight (a round waits one memory latency: with
