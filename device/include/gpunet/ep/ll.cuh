@@ -53,7 +53,8 @@
 //   SEND  7. for each (local expert e, source j) the rows [begin, begin+count) of x are contiguous:
 //            copied into the send staging (unless zero_copy: x IS the staging buffer) with their
 //            source token indices (src_info), then ONE put of the rows and one of the indices to
-//            this rank's area on j; the last block puts per-j headers (per-expert counts) + signal.
+//            this rank's area on j. The per-j headers (per-expert counts, from the handle alone)
+//            are filled at the start by a warp each; the last block puts them + a signal.
 //   RECV  8. block 0 waits for each live source's signal and header; every warp then builds the
 //            slot table table[t][k] = (source, row) from the received token indices (a token that
 //            names the same expert twice gets the row twice: its weights add, as in the reference);
@@ -138,8 +139,8 @@ enum : uint32_t {
 enum : uint32_t { SIG_DISPATCH = 0, SIG_COMBINE = 1 };
 // grid sync words (each on its own 64-byte line of LlParams::sync), zero between launches
 enum : uint32_t {
-  SYNC_SEND_QUIET = 0, SYNC_SEND_BITS = 1, SYNC_SEND_DONE = 2, SYNC_RECV_READY = 3,
-  SYNC_RECV_TABLE = 4, SYNC_RECV_DONE = 5, SYNC_WORDS = 8,
+  SYNC_SEND_QUIET = 0, SYNC_SEND_BITS = 1, SYNC_SEND_BAD = 2, SYNC_SEND_DONE = 3,
+  SYNC_RECV_READY = 4, SYNC_RECV_TABLE = 5, SYNC_RECV_DONE = 6, SYNC_WORDS = 8,
 };
 constexpr uint32_t kSyncStride = 8;     // u64 words between two sync words (64 bytes)
 // A combine slot-table entry is (source << 32 | row of its receive area), or kSelfRow | (row of x)
@@ -1367,6 +1368,48 @@ GPUNET_DEVICE bool layout_fails(const LlParams& P, const Geo& g, bool bad, uint3
   return bad;
 }
 
+// Combine's headers come from the handle alone (layout_range: per local expert and rank the
+// rows' begin and count), so they are filled at the START of the send, a warp per destination j
+// (the grid's last warps), while the other warps copy rows: the per-expert counts (loaded
+// together, then stored), their sum n (word 0) and the layout check (every row inside x's packed
+// layout, n inside this rank's area on j). The send's last block then only sets word 1 and
+// signals: filled by the last block after every row, they were ~8 us of the H200's combine
+// (bench/RESULTS.md, fifteenth session: hdr.f). A header that does not fit is recorded
+// (EP_ERR_LAYOUT, the host raises a ConfigError) and counted in SYNC_SEND_BAD: the last block
+// then signals nobody, this rank included (a corrupt handle: nothing is announced with it).
+// A destination out of the warp's view is left alone (the last block skips it too: a view only
+// gains peers that are out, and header_pre reads the mask and failed words again).
+GPUNET_DEVICE void combine_header_early(const LlParams& P, const Geo& g, const uint8_t* out) {
+  const uint32_t R = P.nranks, EL = P.e_loc;
+  const uint64_t rows = uint64_t(R) * P.t_max;
+  const int64_t* lr = ptr<const int64_t>(P.layout_range);
+  for (uint32_t j = g.gwarps - 1 - g.gw; j < R; j += g.gwarps) {
+    if (out[j]) continue;  // warp-uniform
+    int32_t* h = header_slot(P, P.c_rhdr, P.c_shdr, j);
+    uint64_t n = 0;
+    bool fits = true;
+    for (uint32_t le0 = 0; le0 < EL; le0 += g.ws * kBatch)
+      batched(kBatch, [&](uint32_t u) {
+        const uint32_t le = le0 + u * g.ws + g.lane;
+        return le < EL ? lr[uint64_t(le) * R + j] : int64_t(0);
+      }, [&](uint32_t u, int64_t v) {
+        const uint32_t le = le0 + u * g.ws + g.lane;
+        const int64_t b = v >> 32, c = v & 0xffffffff;
+        if (le >= EL) return;
+        if (b < 0 || b + c > int64_t(rows)) fits = false;
+        h[kHdrHead + le] = int32_t(c);
+        n += uint64_t(c);
+      });
+    n = warp_sum(g, n);
+    fits = arch::all(fits) && n <= P.c_rows;
+    if (layout_fails(P, g, !fits, j, P.c_rows, n)) {
+      if (g.lane == 0) arch::atomic_add(sync_word(P, SYNC_SEND_BAD), uint64_t(1));
+    } else if (g.lane == 0) {
+      h[0] = int32_t(n);
+    }
+  }
+}
+
 GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden;
   const uint64_t rows = uint64_t(R) * P.t_max;
@@ -1374,6 +1417,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   uint8_t* out = load_peer_view(P, g);
   // staging (the rows unless zero_copy, their token indices, the headers) only for NIC peers
   if (!send_start(P, g, !all_peers_mapped(P))) return false;
+  combine_header_early(P, g, out);
   const bool zero_copy = (P.flags & F_ZERO_COPY) != 0;
   const int64_t* topk = ptr<const int64_t>(P.topk_idx);
   int64_t* table = ptr<int64_t>(P.table);
@@ -1458,39 +1502,17 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   if (j0 < R) pre0 = header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j0, out);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
-    // warp per destination: the per-expert counts into its header by the lanes (loaded
-    // together, then stored), their sum the header's row count, and the layout check (every
-    // row inside x's packed layout, the sum inside this rank's area on j); then lane 0 finishes
-    // the header and signals (the syncwarp orders the lanes' stores before its release)
-    bool self_ok = true;
-    for (uint32_t j = g.wid; j < R; j += g.nwarps) {
+    // every header was filled at the start (combine_header_early); none is sent when one did
+    // not fit (the block reads the count once: every thread the same answer)
+    const bool bad = arch::block_any(g.tid == 0 && arch::atomic_load(sync_word(P, SYNC_SEND_BAD)) != 0);
+    for (uint32_t j = g.wid; !bad && j < R; j += g.nwarps) {
       const HeaderPre x = j == j0 ? pre0 : header_pre(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, out);
-      uint64_t n = 0;
-      bool fits = true;
-      for (uint32_t le0 = 0; le0 < EL; le0 += g.ws * kBatch)
-        batched(kBatch, [&](uint32_t u) {
-          const uint32_t le = le0 + u * g.ws + g.lane;
-          return le < EL ? lr[uint64_t(le) * R + j] : int64_t(0);
-        }, [&](uint32_t u, int64_t v) {
-          const uint32_t le = le0 + u * g.ws + g.lane;
-          const int64_t b = v >> 32, c = v & 0xffffffff;
-          if (le >= EL) return;
-          if (b < 0 || b + c > int64_t(rows)) fits = false;
-          if (hs[j]) hs[j][kHdrHead + le] = int32_t(c);
-          n += uint64_t(c);
-        });
-      n = warp_sum(g, n);
-      fits = arch::all(fits) && n <= P.c_rows;
-      if (j == P.rank) self_ok = fits;
-      arch::syncwarp();
-      if (!layout_fails(P, g, !fits, j, P.c_rows, n) && g.lane == 0 && !x.skip) {
-        x.h[0] = int32_t(n);
+      if (g.lane == 0 && !x.skip && hs[j])
         header_finish(P, SIG_COMBINE, P.c_rhdr, P.c_shdr, j, x, int32_t(P.t_max), (kHdrHead + EL) * 4);
-      }
     }
     stamp(P, g, ST_HDR_FILLED);
     stamp_after_block(P, g, ST_HDR_SIGNALED);
-    if (!arch::block_any(!self_ok)) announce_self(P, g, SIG_COMBINE);
+    if (!bad) announce_self(P, g, SIG_COMBINE);
     reset_sync(P, g, SYNC_SEND_QUIET, SYNC_SEND_DONE);
     stamp(P, g, ST_SEND_HDR);
   }
