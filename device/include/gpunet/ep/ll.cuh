@@ -510,18 +510,45 @@ GPUNET_DEVICE void stamp_after_block(const LlParams& P, const Geo& g, uint32_t w
 // memory on GPUs (the host reads them without a device sync), where every read crosses PCIe. A
 // peer that fails during the launch is marked in the copy of the block that saw it; other blocks
 // keep posting to it until their verbs fail fast on its own Status (harmless).
-// Dynamic shared memory: the peer view (one byte per peer, 16-byte rounded), then 12 bytes per
+// Dynamic shared memory: the peer view (one byte per peer, 16-byte rounded), then 16 bytes per
 // peer for the controllers (smem_ctl_bytes; ep_ll.cu sizes it): the combine's receive controller
-// keeps int64 [R] per-source row counts there, the send's last block [R] header slots
-// (header_slots) and the dispatch's per destination its message count.
+// keeps int64 [R] per-source row counts there; a send keeps its [R] header slots (header_slots)
+// there, then its [R] mapped-peer table (mapped_table).
 GPUNET_HOST_DEVICE uint32_t smem_view_bytes(uint32_t nranks) { return (nranks + 15) / 16 * 16; }
-GPUNET_HOST_DEVICE uint32_t smem_ctl_bytes(uint32_t nranks) { return 12 * nranks; }
+GPUNET_HOST_DEVICE uint32_t smem_ctl_bytes(uint32_t nranks) { return 16 * nranks; }
 
 GPUNET_DEVICE uint8_t* load_peer_view(const LlParams& P, const Geo& g) {
   uint8_t* v = arch::shared_mem();
   for (uint32_t p = g.tid; p < P.nranks; p += g.bdim) v[p] = peer_out(P, p) ? 1 : 0;
   arch::syncthreads();
   return v;
+}
+
+// A send's table of the mapped peers, per block: gpunet::ptr of the anchor P.sig (a heap address)
+// on peer p, 0 for a peer that is not mapped (a NIC peer) and for this rank. gpunet::ptr maps a
+// peer's whole heap as one range, so symmetric `sym` is at mapped[p] + (sym - P.sig) there: the
+// row loops add an offset (mapped_at) instead of calling gpunet::ptr per token and destination,
+// each call a chain of dependent loads (the peer's context, then its descriptor) in front of the
+// row's stores. Thread p loads it with p's view word, its loads in flight with the mask and failed
+// words' (load_send_view: one barrier for both).
+GPUNET_DEVICE uint64_t* mapped_table(const LlParams& P) {
+  return reinterpret_cast<uint64_t*>(arch::shared_mem() + smem_view_bytes(P.nranks) + 8 * P.nranks);
+}
+GPUNET_DEVICE uint8_t* load_send_view(const LlParams& P, const Geo& g) {
+  uint8_t* v = arch::shared_mem();
+  uint64_t* m = mapped_table(P);
+  for (uint32_t p = g.tid; p < P.nranks; p += g.bdim) {
+    void* a = p == P.rank ? nullptr : gpunet::ptr(peer_ctx(P, p), ptr<const void>(P.sig), int(p));
+    v[p] = peer_out(P, p) ? 1 : 0;
+    m[p] = uint64_t(uintptr_t(a));
+  }
+  arch::syncthreads();
+  return v;
+}
+// Where symmetric `sym` (an address of this rank's heap) is on mapped peer d, or 0 (not mapped).
+GPUNET_DEVICE uint64_t mapped_at(const LlParams& P, uint32_t d, uint64_t sym) {
+  const uint64_t b = mapped_table(P)[d];
+  return b ? b + (sym - P.sig) : 0;
 }
 GPUNET_DEVICE void peer_fail_view(const LlParams& P, uint8_t* view, uint32_t p) {
   view[p] = 1;
@@ -1059,7 +1086,7 @@ GPUNET_DEVICE void fp8_to_destinations(const LlParams& P, const Geo& g, uint32_t
     const uint32_t d = uint32_t(sel.d);
     if (!out[d])
       slot = d == P.rank ? dispatch_slot(P, t)
-                         : uint64_t(uintptr_t(gpunet::ptr(peer_ctx(P, d), ptr<const void>(dispatch_slot(P, t)), int(d))));
+                         : mapped_at(P, d, dispatch_slot(P, t));
   }
   const bool round = (P.flags & (F_ROUND_SCALE | F_UE8M0)) != 0;
   const uint32_t per = (G + S - 1) / S, g0 = part * per;
@@ -1110,7 +1137,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   // from the quantiser's registers (FP8) to each destination, this rank's own slot included when
   // the receive does not read x (a hook, or FP8)
   const bool stage = !all_peers_mapped(P);
-  uint8_t* out = load_peer_view(P, g);
+  uint8_t* out = load_send_view(P, g);
   if (!send_start(P, g, stage)) return false;
   dispatch_bits(P, g);
   // Unstaged rows (!stage): a token's row is cut in S contiguous parts, a warp each, when there
@@ -1141,8 +1168,8 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
       if (out[d]) continue;
       // a mapped peer: the warp stores the row there itself, published by the last block's
       // fences and signal like a p2p put (a NIC peer gets the whole message below)
-      if (void* mapped = gpunet::ptr(peer_ctx(P, d), ptr<const void>(dispatch_slot(P, t)), int(d)))
-        warp_copy(g, uint64_t(uintptr_t(mapped)) + lo, src + lo, hi - lo);
+      if (const uint64_t mapped = mapped_at(P, d, dispatch_slot(P, t)))
+        warp_copy(g, mapped + lo, src + lo, hi - lo);
     }
     if (part != 0) continue;
     int32_t* meta = ptr<int32_t>(msg + P.payload_bytes);
@@ -1164,8 +1191,8 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
         continue;
       }
       const DevCtx& cx = peer_ctx(P, d);
-      if (void* mapped = gpunet::ptr(cx, ptr<const void>(dispatch_slot(P, t)), int(d))) {
-        warp_copy(g, uint64_t(uintptr_t(mapped)) + P.payload_bytes, msg + P.payload_bytes, meta_bytes);
+      if (const uint64_t mapped = mapped_at(P, d, dispatch_slot(P, t))) {
+        warp_copy(g, mapped + P.payload_bytes, msg + P.payload_bytes, meta_bytes);
         continue;
       }
       // one fence per token (the staged row and meta before the first post), on every lane
@@ -1414,7 +1441,7 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
   const uint32_t R = P.nranks, EL = P.e_loc, H = P.hidden;
   const uint64_t rows = uint64_t(R) * P.t_max;
   const int64_t* lr = ptr<const int64_t>(P.layout_range);  // the handle's [E_loc, R]
-  uint8_t* out = load_peer_view(P, g);
+  uint8_t* out = load_send_view(P, g);
   // staging (the rows unless zero_copy, their token indices, the headers) only for NIC peers
   if (!send_start(P, g, !all_peers_mapped(P))) return false;
   combine_header_early(P, g, out);
@@ -1472,10 +1499,10 @@ GPUNET_DEVICE bool combine_send(const LlParams& P, const Geo& g) {
     const DevCtx& cx = peer_ctx(P, j);
     // a mapped peer: the warp stores its part's rows (from x, unstaged) and their token indices
     // there itself, published by the last block's fences and signal like a p2p put
-    if (void* mapped = gpunet::ptr(cx, ptr<const void>(P.c_recv + dst_row * H * 2), int(j))) {
+    if (const uint64_t mapped = mapped_at(P, j, P.c_recv + dst_row * H * 2)) {
       for (uint64_t r = part; r < c; r += S)
-        warp_copy(g, uint64_t(uintptr_t(mapped)) + r * H * 2, P.x + (r0 + r) * H * 2, uint64_t(H) * 2);
-      int32_t* tags = static_cast<int32_t*>(gpunet::ptr(cx, ptr<const void>(P.c_rtags + dst_row * 4), int(j)));
+        warp_copy(g, mapped + r * H * 2, P.x + (r0 + r) * H * 2, uint64_t(H) * 2);
+      int32_t* tags = ptr<int32_t>(mapped_at(P, j, P.c_rtags + dst_row * 4));
       for (uint64_t i = part + uint64_t(g.lane) * S; i < c; i += uint64_t(g.ws) * S)
         tags[i] = ptr<const int32_t>(P.src_info)[r0 + i];
       continue;
