@@ -327,7 +327,10 @@ LEGEND = """columns (us, median over calls; device columns from the global timer
   kernel  first block in .. last block out      start  first .. last block in (same rank)
   plan    block 0: begin .. its quiet published  send  plan .. every block's puts posted
   quiet   block 0: begin .. its quiet of the peers done
-  hdr     last block: headers + signals (hdr.f: counts filled after it knew it was last;
+  hdr     headers + signals after the last row (hdr.f: the last block's work on the headers
+          after it knew it was last; every block fills header rows before it (ll.cuh
+          fill_header_row, combine_header_early), so against runs from before that change
+          compare hdr, kernel and event, not hdr.f;
           hdr.s: the signals after that; hdr.a: of hdr.s, self announce + sync reset after
           every signal was posted)              wait   own headers posted .. all sources seen
   recv    receive tables .. unpack / reduce done  table  combine: tables .. slot-table barrier
