@@ -44,7 +44,7 @@ import ep as epbench  # noqa: E402  (bench/ep.py: aligner, checks, yardsticks)
 from machine import machine  # noqa: E402
 
 OPS = ("dispatch bf16", "dispatch fp8", "combine bf16")
-PHASES = ("event", "host", "kernel", "start", "plan", "quiet", "send", "hdr",
+PHASES = ("event", "host", "kernel", "start", "plan", "quiet", "send", "hdr", "fill",
           "hdr.f", "hdr.s", "hdr.a", "wait", "recv", "table", "skew", "sig lat")
 GPU_DEFAULTS = dict(ranks="2", tokens=128, hidden=7168, topk=8, experts=288, iters=30, warmup=5)
 CPU_DEFAULTS = dict(ranks="2", tokens=16, hidden=256, topk=4, experts=8, iters=4, warmup=1)
@@ -77,6 +77,9 @@ def _phases(st, names):
     if hdr and loop:
         out["hdr"] = max(hdr) - max(loop)
         anchor["hdr"] = max(hdr)
+        filled = live("filled") if "filled" in col else []
+        if filled:
+            out["fill"] = max(filled) - max(loop)
         if last and filled:
             out["hdr.f"] = max(filled) - max(last)
             out["hdr.s"] = max(hdr) - max(filled)
@@ -330,7 +333,8 @@ LEGEND = """columns (us, median over calls; device columns from the global timer
   hdr     headers + signals after the last row (hdr.f: the last block's work on the headers
           after it knew it was last; every block fills header rows before it (ll.cuh
           fill_header_row, combine_header_early), so against runs from before that change
-          compare hdr, kernel and event, not hdr.f;
+          compare hdr, kernel and event, not hdr.f; fill: dispatch, the last row .. every
+          block's header rows filled;
           hdr.s: the signals after that; hdr.a: of hdr.s, self announce + sync reset after
           every signal was posted)              wait   own headers posted .. all sources seen
   recv    receive tables .. unpack / reduce done  table  combine: tables .. slot-table barrier

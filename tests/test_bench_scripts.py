@@ -167,6 +167,8 @@ def test_ep_profile_cpu_gives_every_phase_of_every_call(tmp_path):
                 assert 0 < call["kernel"] <= call["host"], (op, call)
                 assert 0 < call["send"] <= call["kernel"] and 0 < call["recv"] <= call["kernel"]
                 assert call["plan"] >= 0 and "skew" in call, (op, call)
+                if op.startswith("dispatch"):  # every block's header rows, before the last block
+                    assert 0 <= call["fill"] <= call["hdr"], (op, call)
     assert "check: OK" in r.stdout and "kernel" in r.stdout
 
 

@@ -225,7 +225,8 @@ enum : uint32_t {
   ST_SEND_LAST = 9,   // the last block of the send phase: it knows it is last
   ST_HDR_FILLED = 10, // the last block: headers written, before the signals
   ST_HDR_SIGNALED = 11,  // the last block: every header's signal posted, before announce / reset
-  kStamps = 12,
+  ST_FILLED = 12,     // dispatch: the block's header rows filled (fill_header_row), before last_block
+  kStamps = 13,
 };
 
 // The first EP-level failure of a launch (first wins). 64 B. device/ep.py: EpStatus.
@@ -1018,6 +1019,7 @@ GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uin
   const uint32_t nrows = P.num_experts + R, TW = (T + 31) / 32;  // words of slots t < T
   for (uint64_t i = g.bid + uint64_t(g.tid) * g.nblocks; i < nrows; i += uint64_t(g.bdim) * g.nblocks)
     fill_header_row(P, hs, uint32_t(i), TW);
+  stamp_after_block(P, g, ST_FILLED);
   if (last_block(P, g, SYNC_SEND_DONE)) {
     stamp(P, g, ST_SEND_LAST);
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {
