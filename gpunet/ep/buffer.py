@@ -390,7 +390,8 @@ class Buffer:
         self._nvl = ctx.alloc((self.num_nvl_bytes,), torch.uint8) if self.num_nvl_bytes else None
         self._ht = self._nvl if self._nvl is not None else (None if self.low_latency_mode else self._ll)
         self._ht_epoch = torch.ones(1, dtype=torch.int64, device=self._device)
-        self._ht_self = torch.zeros(4 * dep.HT_MAX_CHANNELS, dtype=torch.int64, device=self._device)
+        # (ht.cuh HtParams::self_sig: the self words, then the last heartbeat's time)
+        self._ht_self = torch.zeros(4 * dep.HT_MAX_CHANNELS + 1, dtype=torch.int64, device=self._device)
         self._ht_sync = torch.zeros(dep.SYNC_WORDS * dep.SYNC_STRIDE, dtype=torch.int64, device=self._device)
         self._ht_ws = torch.zeros(2 * dep.HT_MAX_CHANNELS * r * dep.HT_WS_WORDS + r + 1 +
                                   dep.HT_MAX_CHANNELS * r * dep.HT_MAX_CHUNK // 2, dtype=torch.int64,

@@ -153,8 +153,9 @@ GPUNET_DEVICE void ht_step_stamps(const LlParams& B, const Geo& g, const HtClock
 
 // per-(channel, peer) state words in HtParams::ws (device memory, set up at every launch)
 // (WS_MAXP: the combine receiver's; WS_MAPPED: the sender's, d's ring slot 0 as mapped here)
+// (WS_HB: the peer's heartbeat word as last read, bit 63 set; 0 = not read yet: ht_silent)
 enum : uint32_t { WS_SENT = 0, WS_CURSOR = 1, WS_TLAST = 2, WS_CREDIT = 3, WS_DONE = 4, WS_TOTAL = 5,
-                  WS_AVAIL = 6, WS_MAXP = 7, WS_MAPPED = 7, WS_WORDS = 8 };
+                  WS_AVAIL = 6, WS_MAXP = 7, WS_MAPPED = 7, WS_HB = 8, WS_WORDS = 9 };
 
 // One launch's arguments, by value. `base` carries what ll.cuh's helpers read (op, flags, rank,
 // nranks, experts, hidden, topk, num_tokens, msg_stride, payload_bytes, hdr_stride, ctxs,
@@ -165,8 +166,10 @@ struct HtParams {
   uint32_t alignment, nbias;
   uint64_t peer_timeout_ns;  // how long a silent peer (no header, no tail progress, no credit) is waited for
   uint64_t epoch;        // u64 device word: the op counter (same on every rank)
-  uint64_t sig;          // heap: tail[2 kinds][kHtMaxChannels][R], head[2][kHtMaxChannels][R], hdr[R]
-  uint64_t self_sig;     // device: u64 [2 kinds][2 (tail, head)][kHtMaxChannels]
+  uint64_t sig;          // heap: tail[2 kinds][kHtMaxChannels][R], head[2][kHtMaxChannels][R], hdr[R],
+                         // hb[R] (each source's heartbeat, ht_heartbeat)
+  uint64_t self_sig;     // device: u64 [2 kinds][2 (tail, head)][kHtMaxChannels], then the time of
+                         // this rank's last heartbeat
   uint64_t send_ring;    // heap: [nc][R][ring] messages of msg_stride bytes (this op's kind)
   uint64_t recv_ring;    // heap: [nc][R][ring]
   uint64_t shdr, rhdr;   // heap: [R] headers of hdr_stride bytes (dispatch)
@@ -212,6 +215,9 @@ GPUNET_DEVICE uint64_t* ht_head(const HtParams& P, uint32_t kind, uint32_t c, ui
 GPUNET_DEVICE uint64_t* ht_hdr_sig(const HtParams& P, uint32_t j) {
   return ptr<uint64_t>(P.sig) + (uint64_t(4) * kHtMaxChannels * P.base.nranks + j);
 }
+GPUNET_DEVICE uint64_t* ht_hb(const HtParams& P, uint32_t j) {
+  return ptr<uint64_t>(P.sig) + (uint64_t(4) * kHtMaxChannels * P.base.nranks + P.base.nranks + j);
+}
 GPUNET_DEVICE uint64_t* ht_self(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c) {
   return ptr<uint64_t>(P.self_sig) + ((uint64_t(kind) * 2 + head) * kHtMaxChannels + c);
 }
@@ -235,15 +241,60 @@ GPUNET_DEVICE uint64_t slot_addr(const HtParams& P, uint64_t ring, uint32_t c, u
 // that plus a second, so a live rank is never taken for dead because a third one died
 // (tests/test_ep_ht.py: the killed-rank tests, which mask or raise exactly the dead rank). A
 // rank's own traffic is never timed out (its receiver is bounded by its own direct waits).
-// Not covered: chains across ops. A rank dying amid a dispatch's data can leave one survivor
-// with all its rows (into combine at once, a direct wait on the other's rows) and the other
-// waiting out its tail (indirect): the first then masks the LIVE second (tests/test_ep_ht.py
+// Bounds alone cannot tell a dead peer from a live one that waits out a dead third rank: a rank
+// dying amid a dispatch's data can leave one survivor with all its rows (into combine at once, a
+// direct wait on the other's rows) while the other waits out the dead rank's tail (indirect):
+// the first then masked the LIVE second (found by tests/test_ep_ht.py
 // test_a_rank_that_dies_at_any_moment_leaves_the_survivors_exact, about 1 death in 10 in that
-// window). A longer fixed bound for a peer's first word of an op only moved the race (tried:
-// survivors then masked each other, a credit wait against a receiver's first-contact wait); the
-// fix needs liveness, e.g. a waiting rank refreshing a heartbeat word on its peers.
+// window; a longer fixed bound for a peer's first word of an op only moved the race). So a rank
+// that waits also says it is alive: HEARTBEATS (ht_heartbeat, from the idle steps of every loop
+// that waits on a peer), and a bound that runs out on peer d is only final when d's heartbeat
+// word has not moved since it was last read (ht_silent). A dead rank beats no more: it is masked
+// at most two heartbeat periods (half a timeout_s) later than before.
 GPUNET_DEVICE uint64_t indirect_timeout(const HtParams& P) {
   return 2 * P.peer_timeout_ns + 1000000000ull;
+}
+// The longest a loop waits on a peer that keeps beating (from the loop's start): a live peer is
+// late by at most its own indirect wait on a dead rank and that rank's second look.
+GPUNET_DEVICE uint64_t hb_cap(const HtParams& P) { return 3 * indirect_timeout(P); }
+
+// A waiting rank's heartbeat: at most every hb_period (a quarter of timeout_s: a live waiting
+// rank beats at least twice within ht_silent's second look), the one thread that wins the
+// rank's time word SETs its word hb[rank] on every live peer to the time (any value that moves
+// would do). Called from idle steps only: a call that finds the period not over costs a device
+// load and a clock read. A failed put is left to the waits (the peer's own Status fails its
+// next verb).
+GPUNET_DEVICE uint64_t hb_period(const HtParams& P) { return P.peer_timeout_ns / 4; }
+GPUNET_DEVICE void ht_heartbeat(const HtParams& P, const uint8_t* out) {
+  const LlParams& B = P.base;
+  uint64_t* last = ptr<uint64_t>(P.self_sig) + uint64_t(4) * kHtMaxChannels;
+  const uint64_t now = arch::now_ns();
+  const uint64_t prev = arch::atomic_load(last);
+  if (now - prev < hb_period(P) || arch::atomic_cas(last, prev, now) != prev) return;
+  uint64_t* w = ht_hb(P, B.rank);
+  for (uint32_t p = 0; p < B.nranks; ++p)
+    if (p != B.rank && !out[p] && !peer_out(B, p))
+      (void)put_signal_nbi(peer_ctx(B, p), w, w, 0, w, now | 1, int(p), SIGNAL_SET);
+}
+
+// Peer d has made no progress for `bound` since *tlast (now). Is it silent? The first time,
+// d's heartbeat word is read into *seen (bit 63 marks it read) and d gets two more heartbeat
+// periods; after that, a word that moved says d is alive and waiting itself: *seen takes it and
+// d gets another bound from now, until `now - t_start` passes hb_cap (every wait stays bounded).
+// true: silent (the caller marks d failed). Nothing is read while peers keep their bounds.
+constexpr uint64_t kHbSeen = 1ull << 63;
+GPUNET_DEVICE bool ht_silent(const HtParams& P, uint32_t d, uint64_t* seen, uint64_t* tlast,
+                             uint64_t bound, uint64_t now, uint64_t t_start) {
+  const uint64_t v = signal_read(peer_ctx(P.base, d), ht_hb(P, d)) | kHbSeen;
+  if (*seen == 0) {
+    *seen = v;
+    *tlast = now - bound + 2 * hb_period(P);
+    return false;
+  }
+  if (v == *seen || now - t_start > hb_cap(P)) return true;
+  *seen = v;
+  *tlast = now;
+  return false;
 }
 
 // The count peer p's SET word (or this rank's own device word) holds for this op: the
@@ -550,6 +601,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       *ws_word(P, 0, c, d, WS_TOTAL) = total;
       *ws_word(P, 0, c, d, WS_DONE) = 0;
       *ws_word(P, 0, c, d, WS_AVAIL) = 0;
+      *ws_word(P, 0, c, d, WS_HB) = 0;
     }
   }
   for (;;) {
@@ -574,7 +626,11 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
               *ws_word(P, 0, c, d, WS_DONE) = 1;
               if (d != B.rank && total && !quiet_pe(peer_ctx(B, d), int(d))) peer_fail_view(B, out, d);
             } else if (sent == total || sent - consumed + n > P.ring) {
-              if (d != B.rank && arch::now_ns() - *ws_word(P, 0, c, d, WS_TLAST) > indirect_timeout(P)) {
+              ht_heartbeat(P, out);
+              const uint64_t now = arch::now_ns();
+              if (d != B.rank && now - *ws_word(P, 0, c, d, WS_TLAST) > indirect_timeout(P) &&
+                  ht_silent(P, d, ws_word(P, 0, c, d, WS_HB), ws_word(P, 0, c, d, WS_TLAST),
+                            indirect_timeout(P), now, t_start)) {
                 peer_fail_view(B, out, d);  // no credit for that long: the peer is silent
                 *ws_word(P, 0, c, d, WS_DONE) = 1;
               }
@@ -661,6 +717,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       const uint64_t sent = *ws_word(P, 0, c, d, WS_SENT);
       *ws_word(P, 0, c, d, WS_SENT) = sent + n;
       *ws_word(P, 0, c, d, WS_TLAST) = arch::now_ns();
+      *ws_word(P, 0, c, d, WS_HB) = 0;  // progress: a later stall takes a new baseline
       if (d == B.rank) continue;
       if (out[d] || !write_count(P, kind, 0, c, d, epoch, sent + n)) {
         peer_fail_view(B, out, d);
@@ -696,6 +753,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
     *ws_word(P, 1, c, j, WS_TLAST) = t_start;
     *ws_word(P, 1, c, j, WS_AVAIL) = 0;
     *ws_word(P, 1, c, j, WS_DONE) = total == 0 ? 1 : 0;
+    *ws_word(P, 1, c, j, WS_HB) = 0;
   }
   arch::syncthreads();
   HtClock clk = ht_clock(B, g);
@@ -711,10 +769,15 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
           const uint64_t total = *ws_word(P, 1, c, j, WS_TOTAL);
           if (tail > total) tail = total;
           avail = tail > done ? tail - done : 0;
-          if (avail == 0 && j != B.rank &&
-              arch::now_ns() - *ws_word(P, 1, c, j, WS_TLAST) > indirect_timeout(P)) {
-            peer_fail_view(B, out, j);
-            *ws_word(P, 1, c, j, WS_DONE) = 1;
+          if (avail == 0 && j != B.rank) {
+            ht_heartbeat(P, out);
+            const uint64_t now = arch::now_ns();
+            if (now - *ws_word(P, 1, c, j, WS_TLAST) > indirect_timeout(P) &&
+                ht_silent(P, j, ws_word(P, 1, c, j, WS_HB), ws_word(P, 1, c, j, WS_TLAST),
+                          indirect_timeout(P), now, t_start)) {
+              peer_fail_view(B, out, j);
+              *ws_word(P, 1, c, j, WS_DONE) = 1;
+            }
           }
         }
       }
@@ -752,6 +815,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
         const uint64_t done = *ws_word(P, 1, c, j, WS_SENT) + avail;
         *ws_word(P, 1, c, j, WS_SENT) = done;
         *ws_word(P, 1, c, j, WS_TLAST) = arch::now_ns();
+        *ws_word(P, 1, c, j, WS_HB) = 0;  // progress: a later stall takes a new baseline
         const uint64_t total = *ws_word(P, 1, c, j, WS_TOTAL);
         if (done == total || done - *ws_word(P, 1, c, j, WS_CREDIT) >= P.chunk) {
           if (!write_count(P, HT_KIND_DISPATCH, 1, c, j, epoch, done)) {
@@ -813,11 +877,20 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
           uint64_t* seen = ws_word(P, 1, c, d, WS_AVAIL);
           if (arch::atomic_load(seen) <= uint64_t(p)) {
             uint32_t n = 0;
-            uint64_t tail;
+            uint64_t tail, tlast = t0, hb = 0;
             while ((tail = read_count(P, HT_KIND_COMBINE, 0, c, d, epoch)) <= uint64_t(p)) {
-              if ((n++ & 7) == 0 && (out[d] || (d != B.rank && arch::now_ns() - t0 > P.peer_timeout_ns))) {
-                ok = false;
-                break;
+              if ((n++ & 7) == 0) {
+                if (out[d]) {
+                  ok = false;
+                  break;
+                }
+                ht_heartbeat(P, out);
+                const uint64_t now = arch::now_ns();
+                if (now - tlast > P.peer_timeout_ns &&
+                    ht_silent(P, d, &hb, &tlast, P.peer_timeout_ns, now, t0)) {
+                  ok = false;
+                  break;
+                }
               }
               arch::spin_pause();
             }
