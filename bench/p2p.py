@@ -58,7 +58,9 @@ RANK_TIMEOUT_S = 900
 PP_MODES = {0: "verbs", 1: "verbs, DevCtx by pointer", 2: "raw: acquire poll",
             3: "raw: relaxed poll + acquire", 4: "raw: acquire poll + pause",
             5: "put_signal verb, raw wait", 6: "raw send, wait_until verb",
-            7: "verbs, source + PeerDesc prefetched", 8: "verbs, PeerRef held"}
+            7: "verbs, source + PeerDesc prefetched", 8: "verbs, PeerRef held",
+            9: "raw: acquire.gpu poll", 10: "raw: signal only, relaxed (floor)",
+            11: "raw: fence.acq_rel.gpu, acquire.gpu", 12: "PeerRef send, acquire.gpu wait"}
 TARGET_MODE = 8
 # The copy sweep (GPU): ops.cu k_put_p2p at a few sizes with other variants and geometries than
 # gpunet.put's (gpunet/_launch.py BULK_TIERS_GPU, bulk_geometry): (name, variant, bytes per

@@ -34,6 +34,15 @@
 //                       acquire the source's load is the first memory round trip, as in the raw
 //                       send. The figure held to the target (what a kernel that waits and puts in
 //                       a loop writes; MODE_VERBS beside it is the by-number form).
+//     MODE_RAW_ACQ_GPU  as MODE_RAW_ACQ, polling with ld.acquire.gpu (device scope: the writer is a
+//                       thread of this GPU) instead of ld.acquire.sys;
+//     MODE_RAW_BARE     the machine's floor: no payload, the signal's relaxed (volatile) store and
+//                       a relaxed poll (FACTS.md's 0.73 us ping-pong was made so); no ordering;
+//     MODE_RAW_FENCE_GPU as MODE_RAW_ACQ_GPU with the signal's release made by fence.acq_rel.gpu
+//                       and a relaxed store (fence_gpu is fence.sc.gpu; st.release.gpu is its own
+//                       form): which release costs what.
+//     MODE_HELD_WAIT_GPU MODE_VERBS_HELD's send and MODE_RAW_ACQ_GPU's wait: what wait_until would
+//                       give if it polled a word only this GPU's threads write at device scope.
 //               The raw modes need both heaps mapped here (a p2p peer); their waits are bounded
 //               by the context's timeout like any wait (a timeout is recorded as SITE_WAIT_UNTIL).
 //
@@ -49,7 +58,13 @@ namespace {
 enum : uint32_t {
   MODE_VERBS = 0, MODE_VERBS_PTR = 1, MODE_RAW_ACQ = 2, MODE_RAW_RELAXED = 3, MODE_RAW_PAUSE = 4,
   MODE_SEND_VERB = 5, MODE_WAIT_VERB = 6, MODE_VERB_PREFETCH = 7, MODE_VERBS_HELD = 8,
+  MODE_RAW_ACQ_GPU = 9, MODE_RAW_BARE = 10, MODE_RAW_FENCE_GPU = 11, MODE_HELD_WAIT_GPU = 12,
+  MODE_LAST = 12,
 };
+// the raw modes' wait and send (the verbs' are gpunet.cuh's)
+GPUNET_DEVICE bool raw_mode(uint32_t m) {
+  return (m >= MODE_RAW_ACQ && m <= MODE_WAIT_VERB) || (m >= MODE_RAW_ACQ_GPU && m <= MODE_RAW_FENCE_GPU);
+}
 
 // Bounded poll of `word` until it is >= v (raw modes). false (and a recorded timeout) after
 // ctx.timeout_ns; the clock is read every 256 polls.
@@ -58,6 +73,10 @@ GPUNET_DEVICE bool raw_wait(const DevCtx& ctx, const uint64_t* word, uint64_t v,
   for (uint32_t n = 0;; ++n) {
     if (mode == MODE_RAW_RELAXED) {
       if (arch::load_relaxed(word) >= v && arch::load_acquire_sys(word) >= v) return true;
+    } else if (mode == MODE_RAW_BARE) {
+      if (arch::load_relaxed(word) >= v) return true;
+    } else if (mode == MODE_RAW_ACQ_GPU || mode == MODE_RAW_FENCE_GPU || mode == MODE_HELD_WAIT_GPU) {
+      if (arch::load_acquire_gpu(word) >= v) return true;
     } else {
       if (arch::load_acquire_sys(word) >= v) return true;
       if (mode == MODE_RAW_PAUSE) arch::spin_pause();
@@ -80,19 +99,32 @@ GPUNET_DEVICE bool raw_wait(const DevCtx& ctx, const uint64_t* word, uint64_t v,
 
 // The stores put_signal_nbi makes to a P2P_SAME_DEVICE peer, without the verb (raw modes).
 GPUNET_DEVICE void raw_send(uint8_t* peer_buf, const uint8_t* buf, uint32_t nbytes,
-                            uint64_t* peer_sig, uint64_t v) {
+                            uint64_t* peer_sig, uint64_t v, uint32_t mode) {
+  if (mode == MODE_RAW_BARE) {
+    arch::store_relaxed(peer_sig, v);
+    return;
+  }
   for (uint32_t k = 0; k + 8 <= nbytes; k += 8)
     arch::store_relaxed(reinterpret_cast<uint64_t*>(peer_buf + k),
                         *reinterpret_cast<const uint64_t*>(buf + k));
+  if (mode == MODE_RAW_FENCE_GPU) {
+#if defined(GPUNET_ARM_CUDA)
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+#else
+    arch::fence_gpu();
+#endif
+    arch::store_relaxed(peer_sig, v);
+    return;
+  }
   arch::store_release_gpu(peer_sig, v);
 }
 
 GPUNET_DEVICE bool run(const DevCtx& c, uint8_t* buf, uint64_t* sig, uint64_t base, uint32_t iters,
                        uint32_t warmup, uint32_t nbytes, int32_t peer, uint32_t ping, uint32_t mode,
                        uint64_t* out) {
-  const bool raw = mode >= MODE_RAW_ACQ && mode <= MODE_WAIT_VERB;
+  const bool raw = raw_mode(mode);
   const bool verb_send = !raw || mode == MODE_SEND_VERB;
-  const bool verb_wait = !raw || mode == MODE_WAIT_VERB;
+  const bool verb_wait = (!raw && mode != MODE_HELD_WAIT_GPU) || mode == MODE_WAIT_VERB;
   const gpunet::PeerRef held = gpunet::peer_ref(c, peer);  // MODE_VERBS_HELD's
   const void* peer_desc = gpunet::api::peers(c) + peer;
   (void)peer_desc;  // read by MODE_VERB_PREFETCH on CUDA only
@@ -108,11 +140,11 @@ GPUNET_DEVICE bool run(const DevCtx& c, uint8_t* buf, uint64_t* sig, uint64_t ba
       asm volatile("prefetch.global.L1 [%0];" ::"l"(peer_desc));
     }
 #endif
-    if (mode == MODE_VERBS_HELD)
+    if (mode == MODE_VERBS_HELD || mode == MODE_HELD_WAIT_GPU)
       return gpunet::put_signal_nbi(c, buf, buf, nbytes, &sig[to], v, held, gpunet::SIGNAL_SET);
     if (verb_send)
       return gpunet::put_signal_nbi(c, buf, buf, nbytes, &sig[to], v, peer, gpunet::SIGNAL_SET);
-    raw_send(peer_buf, buf, nbytes, &peer_sig[to], v);
+    raw_send(peer_buf, buf, nbytes, &peer_sig[to], v, mode);
     return true;
   };
   auto wait = [&](uint32_t from, uint64_t v) {
@@ -153,7 +185,7 @@ extern "C" {
 int gpunet_bench_pingpong(uint32_t warp_size, const DevCtx* ctx, void* buf, uint64_t* sig,
                           uint64_t base, uint32_t iters, uint32_t warmup, uint32_t nbytes,
                           int32_t peer, uint32_t ping, uint32_t mode, uint64_t* out, void* stream) {
-  if (mode > MODE_VERBS_HELD || (nbytes & 7) != 0) return -1;
+  if (mode > MODE_LAST || (nbytes & 7) != 0) return -1;
   gpunet::LaunchSpec s;
   s.warp_size = warp_size;
   s.stream = stream;
