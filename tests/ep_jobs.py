@@ -14,7 +14,8 @@ dispatch put on the wire: wire_prepare / wire_read); slow = (rank, seconds[, "co
 rank sleeps before its dispatch, or before its combine: a late peer, or with a short timeout a
 transient fault), masked_by_rank =
 {rank: (masked in dispatch, masked in combine)} (what each rank expects masked when the ranks
-disagree, as after a transient fault).
+disagree, as after a transient fault); victim_masks = ranks the dying rank (die) masks locally
+before its dispatch, so its last dispatch reaches only the others.
 """
 import os
 import threading
@@ -427,6 +428,9 @@ def round_(state, spec):
     out = {"bad": [], "calc_diff": None, "nan": False, "raised": None, "hashes": {}}
     if rank == victim and stage == "dispatch":
         os._exit(0)
+    if rank == victim:  # the victim leaves these ranks out of its last dispatch (header included)
+        for p in spec.get("victim_masks", ()):
+            buf.low_latency_update_mask_buffer(p, True)
     if rank == victim and die_at is not None:
         threading.Timer(die_at, os._exit, (0,)).start()
     if rank == slow_rank and slow_phase == "dispatch":

@@ -1204,6 +1204,31 @@ def test_a_rank_that_dies_at_any_moment_leaves_the_survivors_exact(transport, di
         _close_survivors(r)
 
 
+@pytest.mark.parametrize("transport", ["p2p", "ibgda"])
+def test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked(transport):
+    """enable_shrink, a 3 s bound, 3 ranks. Rank 2 leaves rank 0 out of its last dispatch (its
+    local mask: no rows, no header to rank 0) and exits before combine: rank 1 gets rank 2's rows
+    and goes into combine at once, while rank 0 waits out rank 2's header (a bound and a half)
+    and then, 0.3 s slower (its sleep before combine), goes into combine too. Invariant: rank 1
+    does not take the LIVE rank 0 for dead: both survivors mask exactly rank 2, rank 0 in
+    dispatch and rank 1 in combine, and their results equal the reference so masked. Without
+    heartbeats rank 1's bound on rank 0 ran out first and it masked [0, 2] (ll.cuh
+    "heartbeats"; a longer bound without them did the same: the wait on the dead rank grew too)."""
+    r = _pool(3, transport, 32, shrink=True, timeout_s=3.0)
+    try:
+        spec = _spec(3, seed=95, die=(VICTIM, "combine"), victim_masks=(0,),
+                     slow=(0, 0.3, "combine"),
+                     masked_by_rank={0: ((VICTIM,), (VICTIM,)), 1: ((), (VICTIM,)),
+                                     VICTIM: ((0,), (0,))})
+        outs = r.run_losing(VICTIM, "ep_jobs:round_", spec)
+        for status, o in outs:
+            assert status == "ok", o
+        _assert_round([o for _, o in outs], spec)
+        assert [o["masked"] for _, o in outs] == [[VICTIM], [VICTIM]]
+    finally:
+        _close_survivors(r)
+
+
 @pytest.mark.parametrize("transport,stage", [("mixed", "dispatch"), ("ibgda", "combine"),
                                              ("p2p", "combine")])
 def test_a_dead_rank_raises_ep_timeout_without_shrink(transport, stage):

@@ -131,7 +131,8 @@ def ctl_layout(num_ranks):
     per-peer state and EP status the host reads without a device sync (on GPUs the heap is
     host-mapped). Returns (dict name -> offset, total bytes)."""
     r = num_ranks
-    sizes = [("sig", 8 * 5 * r), ("mask", 4 * r), ("failed", 4 * r), ("got", 4 * r),
+    # sig: u64 dispatch / combine signals [2][2][R], barrier [R], heartbeats [R] (ll.cuh ll_hb)
+    sizes = [("sig", 8 * 6 * r), ("mask", 4 * r), ("failed", 4 * r), ("got", 4 * r),
              ("nrecv", 4 * r), ("status_flag", 4)]
     out, off = {}, 0
     for k, n in sizes:

@@ -378,8 +378,9 @@ class Buffer:
         # reads its context's Status); the host reads one only to describe a failure
         self._peer_status = torch.zeros(128 * r, dtype=torch.uint8, device=self._device)
         # workspace (device memory): signal counts seen, grid sync words; per shape: the rest
-        # (ll.cuh LlParams::expected: seen counts, self words, the signals raised, the cleans run)
-        self._expected = torch.zeros(8 * r + 9, dtype=torch.int64, device=self._device)
+        # (ll.cuh LlParams::expected: seen counts, self words, the signals raised, the cleans run,
+        # the time of this rank's last heartbeat)
+        self._expected = torch.zeros(8 * r + 10, dtype=torch.int64, device=self._device)
         self._sync = torch.zeros(dep.SYNC_WORDS * dep.SYNC_STRIDE, dtype=torch.int64, device=self._device)
         self._shape_ws = {}
         self._ctxs_buf = None
@@ -1139,7 +1140,8 @@ class Buffer:
         P.msg_stride, P.payload_bytes = lay.msg_stride(layout.hidden, bool(flags & dep.F_FP8))
         P.hdr_stride, P.c_rows = layout.hdr_stride, layout.c_rows
         P.ctxs = self._ctxs_addr
-        P.timeout_ns = int((2 * self._timeout_s + 1.0) * 1e9)
+        # grid-internal waits outlast block 0's waits on a peer (up to 3 T with heartbeats)
+        P.timeout_ns = int((4 * self._timeout_s + 1.0) * 1e9)
         P.sig = self._ctl_base + self._ctl_off["sig"]
         base = int(self._ll.data_ptr())
         for k, off in layout.buffers[buf].items():

@@ -250,7 +250,8 @@ GPUNET_DEVICE uint64_t slot_addr(const HtParams& P, uint64_t ring, uint32_t c, u
 // that waits also says it is alive: HEARTBEATS (ht_heartbeat, from the idle steps of every loop
 // that waits on a peer), and a bound that runs out on peer d is only final when d's heartbeat
 // word has not moved since it was last read (ht_silent). A dead rank beats no more: it is masked
-// at most two heartbeat periods (half a timeout_s) later than before.
+// at most two heartbeat periods (half a timeout_s) later than before. (The LL kernels beat the
+// same way: ll.cuh "heartbeats", whose helpers these are.)
 GPUNET_DEVICE uint64_t indirect_timeout(const HtParams& P) {
   return 2 * P.peer_timeout_ns + 1000000000ull;
 }
@@ -258,43 +259,19 @@ GPUNET_DEVICE uint64_t indirect_timeout(const HtParams& P) {
 // late by at most its own indirect wait on a dead rank and that rank's second look.
 GPUNET_DEVICE uint64_t hb_cap(const HtParams& P) { return 3 * indirect_timeout(P); }
 
-// A waiting rank's heartbeat: at most every hb_period (a quarter of timeout_s: a live waiting
-// rank beats at least twice within ht_silent's second look), the one thread that wins the
-// rank's time word SETs its word hb[rank] on every live peer to the time (any value that moves
-// would do). Called from idle steps only: a call that finds the period not over costs a device
-// load and a clock read. A failed put is left to the waits (the peer's own Status fails its
-// next verb).
-GPUNET_DEVICE uint64_t hb_period(const HtParams& P) { return P.peer_timeout_ns / 4; }
-GPUNET_DEVICE void ht_heartbeat(const HtParams& P, const uint8_t* out) {
-  const LlParams& B = P.base;
-  uint64_t* last = ptr<uint64_t>(P.self_sig) + uint64_t(4) * kHtMaxChannels;
-  const uint64_t now = arch::now_ns();
-  const uint64_t prev = arch::atomic_load(last);
-  if (now - prev < hb_period(P) || arch::atomic_cas(last, prev, now) != prev) return;
-  uint64_t* w = ht_hb(P, B.rank);
-  for (uint32_t p = 0; p < B.nranks; ++p)
-    if (p != B.rank && !out[p] && !peer_out(B, p))
-      (void)put_signal_nbi(peer_ctx(B, p), w, w, 0, w, now | 1, int(p), SIGNAL_SET);
+// HT's heartbeats (ll.cuh "heartbeats": heartbeat, silent): a period of a quarter of timeout_s
+// (a live waiting rank beats at least twice within silent's second look), hb[R] after the header
+// signals, the time of the last beat after the self words. Called from idle steps only.
+GPUNET_DEVICE Beat ht_beat(const HtParams& P) {
+  return Beat{ht_hb(P, 0), ptr<uint64_t>(P.self_sig) + uint64_t(4) * kHtMaxChannels,
+              P.peer_timeout_ns / 4, hb_cap(P)};
 }
-
-// Peer d has made no progress for `bound` since *tlast (now). Is it silent? The first time,
-// d's heartbeat word is read into *seen (bit 63 marks it read) and d gets two more heartbeat
-// periods; after that, a word that moved says d is alive and waiting itself: *seen takes it and
-// d gets another bound from now, until `now - t_start` passes hb_cap (every wait stays bounded).
-// true: silent (the caller marks d failed). Nothing is read while peers keep their bounds.
-constexpr uint64_t kHbSeen = 1ull << 63;
+GPUNET_DEVICE void ht_heartbeat(const HtParams& P, const uint8_t* out) {
+  heartbeat(P.base, ht_beat(P), arch::now_ns(), out);
+}
 GPUNET_DEVICE bool ht_silent(const HtParams& P, uint32_t d, uint64_t* seen, uint64_t* tlast,
                              uint64_t bound, uint64_t now, uint64_t t_start) {
-  const uint64_t v = signal_read(peer_ctx(P.base, d), ht_hb(P, d)) | kHbSeen;
-  if (*seen == 0) {
-    *seen = v;
-    *tlast = now - bound + 2 * hb_period(P);
-    return false;
-  }
-  if (v == *seen || now - t_start > hb_cap(P)) return true;
-  *seen = v;
-  *tlast = now;
-  return false;
+  return silent(P.base, ht_beat(P), d, seen, tlast, bound, now, t_start);
 }
 
 // The count peer p's SET word (or this rank's own device word) holds for this op: the

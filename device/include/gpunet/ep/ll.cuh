@@ -1,7 +1,9 @@
 // gpunet/ep/ll.cuh — MoE expert-parallel LOW-LATENCY dispatch and combine (DeepEP V1's LL packed
 // layout), written on the user device API alone: it includes <gpunet/gpunet.cuh> and nothing below
-// it, moves data only with its verbs (put_nbi, put_signal_nbi, wait_until, quiet_pe, fence) and uses
-// gpunet::arch only for SIMT ids, barriers, atomics on its own workspace and the clock.
+// it, moves data only with its verbs (put_nbi, put_signal_nbi, signal_read, quiet_pe, fence), records
+// a wait's timeout as wait_until does (wait_peer: the same Status record, a bound extended by
+// heartbeats) and uses gpunet::arch only for SIMT ids, barriers, atomics on its own workspace and
+// the clock.
 //
 // The host side is gpunet/ep/buffer.py (it computes every address and size); device/ep.py mirrors
 // LlParams / EpStatus byte for byte; tests/test_ep_ll.py checks the results against
@@ -71,7 +73,9 @@
 // Status block is its own: a dead peer's error CQE or a silent peer's timeout is recorded for that
 // peer alone and never makes operations to live peers fail fast. A verb that returns false marks
 // the peer failed (`failed[p]`), and with F_SHRINK masked (`mask[p]`): masked peers are skipped
-// before posting, never waited for, and count 0. Grid-internal waits (a block waiting for block 0's
+// before posting, never waited for, and count 0. A wait on a peer (wait_peer) is final only when
+// the peer has stopped beating (see "heartbeats" below): a live peer late from waiting out a dead
+// third rank is not masked. Grid-internal waits (a block waiting for block 0's
 // quiet or receive tables, or for the other blocks at a barrier) are bounded by
 // LlParams::timeout_ns and recorded in EpStatus. Nothing traps; every block leaves.
 //
@@ -168,9 +172,10 @@ struct LlParams {
   uint32_t hidden, topk, num_tokens, t_max;    // topk K <= kMaxTopk; num_tokens T <= t_max
   uint32_t msg_stride, payload_bytes, hdr_stride, c_rows;  // c_rows: rows of one source's area
   uint64_t ctxs;          // DevCtx[nranks]: per-peer copies of the Context's, each its own Status
-  uint64_t timeout_ns;    // bound of grid-internal waits (> the per-peer bound in ctxs)
+  uint64_t timeout_ns;    // bound of grid-internal waits (> the longest wait on a peer: the
+                          // per-peer bound in ctxs, extended by heartbeats up to 3x; see wait_peer)
   // symmetric heap (this rank's addresses; the same offsets on every peer)
-  uint64_t sig;           // u64 [2 kinds][2 bufs][R] + barrier [R]
+  uint64_t sig;           // u64 [2 kinds][2 bufs][R] + barrier [R] + hb [R] (heartbeats)
   uint64_t d_send, d_shdr, d_recv, d_rhdr;                 // buffer `buf`'s dispatch areas
   uint64_t c_send, c_stags, c_shdr, c_recv, c_rtags, c_rhdr;  // and combine areas
   // the caller's tensors (device memory on GPUs)
@@ -197,7 +202,8 @@ struct LlParams {
   uint64_t expected;      // u64 [2 kinds][2 bufs][R]: signal counts seen so far, then self
                           // expected [2][2] and self_sig [2][2] (see "Self" above), then the
                           // signals raised [2 kinds][2 bufs][R] (sent_word) and the cleans run
-                          // [1] (clean_epoch): 8 R + 9 words
+                          // [1] (clean_epoch), then the time of this rank's last
+                          // heartbeat [1] (ll_beat): 8 R + 10 words
   uint64_t sync;          // u64 [SYNC_WORDS * kSyncStride], zero between launches
   uint64_t bits;          // u32 dispatch send bitmaps, zero between launches (expert_bits)
   uint64_t tab;           // int32 [2][R * E_loc] + [R]: the receive controller's tables
@@ -460,6 +466,10 @@ GPUNET_DEVICE uint64_t* expected_word(const LlParams& P, uint32_t kind, uint32_t
 GPUNET_DEVICE uint64_t* barrier_sig(const LlParams& P, uint32_t j) {
   return ptr<uint64_t>(P.sig) + (uint64_t(4) * P.nranks + j);
 }
+// hb[j]: rank j's heartbeat (the time of its last beat, SET by j; see Beat below)
+GPUNET_DEVICE uint64_t* ll_hb(const LlParams& P, uint32_t j) {
+  return ptr<uint64_t>(P.sig) + (uint64_t(5) * P.nranks + j);
+}
 // Self traffic: the counts seen, and the counters the send phase adds to (device memory).
 GPUNET_DEVICE uint64_t* self_expected(const LlParams& P, uint32_t kind, uint32_t b) {
   return ptr<uint64_t>(P.expected) + (uint64_t(4) * P.nranks + kind * 2 + b);
@@ -687,6 +697,98 @@ GPUNET_DEVICE void quiet_live_peers(const LlParams& P, const Geo& g) {
     if (!peer_out(P, p) && !quiet_pe(peer_ctx(P, p), int(p))) peer_fail(P, p);
 }
 
+// ---- heartbeats: a live peer that waits out a dead rank is not taken for dead ----------------
+// Bounds alone cannot tell a dead peer from a live one that is itself waiting out a dead third
+// rank. A rank whose dispatch waits a whole bound for a dead source enters combine one bound
+// late; a survivor that got everything went into combine at once, and its bound on that rank
+// ran out first whenever the late one's way from dispatch to combine was a little longer than
+// its own: it masked a LIVE rank and left its experts out of combine (tests/test_ep_ll.py
+// test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked; a longer fixed bound only scales
+// the race, since the wait on the dead rank grows with it). So a rank that waits also says it is
+// alive: it SETs its word hb[rank] on every live peer, at most once a period (heartbeat), and a
+// bound that runs out on peer d is final only when d's word has not moved (silent). The first
+// time, d's word is read and d gets two more periods; after that every move of it grants d
+// another bound, up to `cap` from the wait's start, so every wait stays bounded. A dead rank
+// beats no more: it is masked two periods (half a bound) later than a bound. Nothing is read or
+// sent while peers answer in time. Both modes use them (ht.cuh: ht_beat).
+struct Beat {
+  uint64_t* words;  // hb[R] in this rank's heap, the same offset on every rank
+  uint64_t* last;   // device word: the time of this rank's last beat (one beat a period)
+  uint64_t period;  // between two beats of this rank
+  uint64_t cap;     // the longest a wait extends on a peer that keeps beating (from its start)
+};
+constexpr uint64_t kHbSeen = 1ull << 63;  // a heartbeat word as read (0 = not read yet)
+
+// The one thread that wins the rank's time word SETs hb[rank] on every live peer to the time (any
+// value that moves would do). From idle waits only: a call within the period costs one device
+// load and the clock read the caller made. `out`: the block's view of the peers out (or null). A
+// failed put is left to the waits (the peer's own Status fails its next verb).
+GPUNET_DEVICE void heartbeat(const LlParams& B, const Beat& b, uint64_t now, const uint8_t* out) {
+  const uint64_t prev = arch::atomic_load(b.last);
+  if (now - prev < b.period || arch::atomic_cas(b.last, prev, now) != prev) return;
+  uint64_t* w = b.words + B.rank;
+  for (uint32_t p = 0; p < B.nranks; ++p)
+    if (p != B.rank && !(out && out[p]) && !peer_out(B, p))
+      (void)put_signal_nbi(peer_ctx(B, p), w, w, 0, w, now | 1, int(p), SIGNAL_SET);
+}
+
+// Peer d has made no progress for `bound` since *tlast (now). Is it silent? (see above; *seen is
+// d's word as last read, *tlast where d's current bound started). true: the caller marks d failed.
+GPUNET_DEVICE bool silent(const LlParams& B, const Beat& b, uint32_t d, uint64_t* seen,
+                          uint64_t* tlast, uint64_t bound, uint64_t now, uint64_t t_start) {
+  const uint64_t v = signal_read(peer_ctx(B, d), b.words + d) | kHbSeen;
+  if (*seen == 0) {
+    *seen = v;
+    *tlast = now - bound + 2 * b.period;
+    return false;
+  }
+  if (v == *seen || now - t_start > b.cap) return true;
+  *seen = v;
+  *tlast = now;
+  return false;
+}
+
+// The LL kernels' heartbeats: a period of a quarter of the per-peer bound T, a cap of 3 T (a live
+// peer is late by at most its own wait on a dead rank, 1.5 T); LlParams::timeout_ns, the bound of
+// the grid-internal waits (other blocks wait for block 0's), is above it (host: 4 T + 1 s).
+GPUNET_DEVICE Beat ll_beat(const LlParams& P) {
+  const uint64_t t = peer_ctx(P, P.rank).timeout_ns;
+  return Beat{ll_hb(P, 0), ptr<uint64_t>(P.expected) + (uint64_t(8) * P.nranks + 9), t / 4, 3 * t};
+}
+
+// Bounded wait until source j's word `w` (in this rank's heap, SET by j) is >= want: gpunet.cuh's
+// wait_until with the bound extended while j beats (above), the timeout recorded in j's Status as
+// wait_until records it (the host names the word), and this rank's own beats from its idle polls.
+GPUNET_DEVICE bool wait_peer(const LlParams& P, uint32_t j, const uint64_t* w, uint64_t want) {
+  const DevCtx& cx = peer_ctx(P, j);
+  const Waiter wt = api::waiter(cx);
+  const Beat b = ll_beat(P);
+  uint64_t t_start = 0, tlast = 0, seen = 0;
+  for (uint32_t n = 0;; ++n) {
+    const uint64_t v = signal_read(cx, w);
+    if (v >= want) return true;
+    if (n % kCheckEvery == 0) {
+      if (failed(wt)) return false;
+      const uint64_t now = arch::now_ns();
+      if (t_start == 0) t_start = tlast = now;
+      if (n >= kWaitFastPolls) heartbeat(P, b, now, nullptr);
+      if (now - tlast > wt.timeout_ns && silent(P, b, j, &seen, &tlast, wt.timeout_ns, now, t_start)) {
+        Failure f(STATUS_TIMEOUT, SITE_WAIT_UNTIL);
+        f.addr = uint64_t(uintptr_t(w));
+        const uint64_t off = api::heap_off(cx, w);
+        f.heap_off = off < cx.heap_bytes ? off : NO_HEAP_OFF;
+        f.cmp = CMP_GE;
+        f.expected = want;
+        f.observed = v;
+        f.waited_ns = now - t_start;
+        record_failure(wt.st, f);
+        return false;
+      }
+    }
+    if (n >= kWaitFastPolls) arch::spin_pause();
+  }
+}
+
 // Bounded wait for source j's signal of kind/buffer to pass the count this rank expects; adds
 // the wait to the stats. true: the header and data it announces are visible (acquire).
 GPUNET_DEVICE bool wait_source(const LlParams& P, uint32_t kind, uint32_t j) {
@@ -696,7 +798,7 @@ GPUNET_DEVICE bool wait_source(const LlParams& P, uint32_t kind, uint32_t j) {
   const uint64_t t0 = arch::now_ns();
   // self: a block of this launch (or of the send launch before a hook) adds to a device counter
   const bool ok = self ? grid_wait(P, self_sig(P, kind, P.buf), want, EP_SITE_SELF)
-                       : wait_until(peer_ctx(P, j), sig_word(P, kind, P.buf, j), CMP_GE, want);
+                       : wait_peer(P, j, sig_word(P, kind, P.buf, j), want);
   const uint64_t waited = arch::now_ns() - t0;
   // A SET signal carries the source's own count (sent_word), which can run ahead of what this
   // rank expected (a signal it stopped waiting for, counted by the source): the count seen is
@@ -1718,7 +1820,7 @@ GPUNET_DEVICE void barrier_live(const LlParams& P, const Geo& g, uint64_t v) {
   }
   for (uint32_t j = g.tid; j < R; j += g.bdim) {
     if (j == P.rank || peer_out(P, j)) continue;
-    if (!wait_until(peer_ctx(P, j), barrier_sig(P, j), CMP_GE, v)) peer_fail(P, j);
+    if (!wait_peer(P, j, barrier_sig(P, j), v)) peer_fail(P, j);
   }
   arch::syncthreads();
 }
