@@ -218,6 +218,20 @@ constexpr uint32_t kWaitFastPolls = 1024;
 // the word's address and heap offset, the comparison, expected = value, observed = the last value
 // read, no QP and no peer. After true, everything the signaller put before the signal is visible
 // to this thread (acquire). A local word: no transport is involved.
+namespace api {
+// What a timed-out wait_until records (the host names the word by its heap offset). Also used by
+// waits built on signal_read with their own bound (ep/ll.cuh wait_peer).
+GPUNET_DEVICE void describe_wait(Failure& f, const DevCtx& ctx, const uint64_t* sig_addr,
+                                 uint32_t cmp, uint64_t value) {
+  f.site = SITE_WAIT_UNTIL;
+  f.addr = uint64_t(uintptr_t(sig_addr));
+  const uint64_t off = heap_off(ctx, sig_addr);
+  f.heap_off = off < ctx.heap_bytes ? off : NO_HEAP_OFF;
+  f.cmp = cmp;
+  f.expected = value;
+}
+}  // namespace api
+
 GPUNET_DEVICE bool wait_until(const DevCtx& ctx, const uint64_t* sig_addr, uint32_t cmp, uint64_t value) {
   const Waiter w = api::waiter(ctx);
   Spin spin;
@@ -225,14 +239,7 @@ GPUNET_DEVICE bool wait_until(const DevCtx& ctx, const uint64_t* sig_addr, uint3
   spin.fast = kWaitFastPolls;
   uint64_t v = signal_read(ctx, sig_addr);
   while (!api::compare(v, cmp, value)) {
-    if (!spin.keep_going(w, v, [&](Failure& f) {
-          f.site = SITE_WAIT_UNTIL;
-          f.addr = uint64_t(uintptr_t(sig_addr));
-          const uint64_t off = api::heap_off(ctx, sig_addr);
-          f.heap_off = off < ctx.heap_bytes ? off : NO_HEAP_OFF;
-          f.cmp = cmp;
-          f.expected = value;
-        }))
+    if (!spin.keep_going(w, v, [&](Failure& f) { api::describe_wait(f, ctx, sig_addr, cmp, value); }))
       return false;
     v = signal_read(ctx, sig_addr);
   }

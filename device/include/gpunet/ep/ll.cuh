@@ -773,12 +773,8 @@ GPUNET_DEVICE bool wait_peer(const LlParams& P, uint32_t j, const uint64_t* w, u
       if (t_start == 0) t_start = tlast = now;
       if (n >= kWaitFastPolls) heartbeat(P, b, now, nullptr);
       if (now - tlast > wt.timeout_ns && silent(P, b, j, &seen, &tlast, wt.timeout_ns, now, t_start)) {
-        Failure f(STATUS_TIMEOUT, SITE_WAIT_UNTIL);
-        f.addr = uint64_t(uintptr_t(w));
-        const uint64_t off = api::heap_off(cx, w);
-        f.heap_off = off < cx.heap_bytes ? off : NO_HEAP_OFF;
-        f.cmp = CMP_GE;
-        f.expected = want;
+        Failure f(STATUS_TIMEOUT, SITE_NONE);
+        api::describe_wait(f, cx, w, CMP_GE, want);
         f.observed = v;
         f.waited_ns = now - t_start;
         record_failure(wt.st, f);
