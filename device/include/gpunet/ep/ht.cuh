@@ -266,8 +266,8 @@ GPUNET_DEVICE Beat ht_beat(const HtParams& P) {
   return Beat{ht_hb(P, 0), ptr<uint64_t>(P.self_sig) + uint64_t(4) * kHtMaxChannels,
               P.peer_timeout_ns / 4, hb_cap(P)};
 }
-GPUNET_DEVICE void ht_heartbeat(const HtParams& P, const uint8_t* out) {
-  heartbeat(P.base, ht_beat(P), arch::now_ns(), out);
+GPUNET_DEVICE void ht_heartbeat(const HtParams& P, uint64_t now, const uint8_t* out) {
+  heartbeat(P.base, ht_beat(P), now, out);
 }
 GPUNET_DEVICE bool ht_silent(const HtParams& P, uint32_t d, uint64_t* seen, uint64_t* tlast,
                              uint64_t bound, uint64_t now, uint64_t t_start) {
@@ -603,8 +603,8 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
               *ws_word(P, 0, c, d, WS_DONE) = 1;
               if (d != B.rank && total && !quiet_pe(peer_ctx(B, d), int(d))) peer_fail_view(B, out, d);
             } else if (sent == total || sent - consumed + n > P.ring) {
-              ht_heartbeat(P, out);
               const uint64_t now = arch::now_ns();
+              ht_heartbeat(P, now, out);
               if (d != B.rank && now - *ws_word(P, 0, c, d, WS_TLAST) > indirect_timeout(P) &&
                   ht_silent(P, d, ws_word(P, 0, c, d, WS_HB), ws_word(P, 0, c, d, WS_TLAST),
                             indirect_timeout(P), now, t_start)) {
@@ -747,8 +747,8 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
           if (tail > total) tail = total;
           avail = tail > done ? tail - done : 0;
           if (avail == 0 && j != B.rank) {
-            ht_heartbeat(P, out);
             const uint64_t now = arch::now_ns();
+            ht_heartbeat(P, now, out);
             if (now - *ws_word(P, 1, c, j, WS_TLAST) > indirect_timeout(P) &&
                 ht_silent(P, j, ws_word(P, 1, c, j, WS_HB), ws_word(P, 1, c, j, WS_TLAST),
                           indirect_timeout(P), now, t_start)) {
@@ -861,8 +861,8 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
                   ok = false;
                   break;
                 }
-                ht_heartbeat(P, out);
                 const uint64_t now = arch::now_ns();
+                ht_heartbeat(P, now, out);
                 if (now - tlast > P.peer_timeout_ns &&
                     ht_silent(P, d, &hb, &tlast, P.peer_timeout_ns, now, t0)) {
                   ok = false;
