@@ -213,11 +213,6 @@ constexpr uint32_t kWaitFastPolls = 0;
 constexpr uint32_t kWaitFastPolls = 1024;
 #endif
 
-// Wait (bounded by ctx.timeout_ns) until signal_read(ctx, sig_addr) `cmp` value holds. true when it
-// holds; false on timeout or an earlier failure. A timeout records what waited: SITE_WAIT_UNTIL,
-// the word's address and heap offset, the comparison, expected = value, observed = the last value
-// read, no QP and no peer. After true, everything the signaller put before the signal is visible
-// to this thread (acquire). A local word: no transport is involved.
 namespace api {
 // What a timed-out wait_until records (the host names the word by its heap offset). Also used by
 // waits built on signal_read with their own bound (ep/ll.cuh wait_peer).
@@ -232,6 +227,11 @@ GPUNET_DEVICE void describe_wait(Failure& f, const DevCtx& ctx, const uint64_t* 
 }
 }  // namespace api
 
+// Wait (bounded by ctx.timeout_ns) until signal_read(ctx, sig_addr) `cmp` value holds. true when it
+// holds; false on timeout or an earlier failure. A timeout records what waited: SITE_WAIT_UNTIL,
+// the word's address and heap offset, the comparison, expected = value, observed = the last value
+// read, no QP and no peer. After true, everything the signaller put before the signal is visible
+// to this thread (acquire). A local word: no transport is involved.
 GPUNET_DEVICE bool wait_until(const DevCtx& ctx, const uint64_t* sig_addr, uint32_t cmp, uint64_t value) {
   const Waiter w = api::waiter(ctx);
   Spin spin;

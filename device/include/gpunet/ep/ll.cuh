@@ -751,8 +751,8 @@ GPUNET_DEVICE bool silent(const LlParams& B, const Beat& b, uint32_t d, uint64_t
 // The LL kernels' heartbeats: a period of a quarter of the per-peer bound T, a cap of 3 T (a live
 // peer is late by at most its own wait on a dead rank, 1.5 T); LlParams::timeout_ns, the bound of
 // the grid-internal waits (other blocks wait for block 0's), is above it (host: 4 T + 1 s).
-GPUNET_DEVICE Beat ll_beat(const LlParams& P) {
-  const uint64_t t = peer_ctx(P, P.rank).timeout_ns;
+// `t`: the per-peer bound (the same in every ctxs[p]: gpunet/ep/buffer.py), so no load here.
+GPUNET_DEVICE Beat ll_beat(const LlParams& P, uint64_t t) {
   return Beat{ll_hb(P, 0), ptr<uint64_t>(P.expected) + (uint64_t(8) * P.nranks + 9), t / 4, 3 * t};
 }
 
@@ -762,7 +762,7 @@ GPUNET_DEVICE Beat ll_beat(const LlParams& P) {
 GPUNET_DEVICE bool wait_peer(const LlParams& P, uint32_t j, const uint64_t* w, uint64_t want) {
   const DevCtx& cx = peer_ctx(P, j);
   const Waiter wt = api::waiter(cx);
-  const Beat b = ll_beat(P);
+  const Beat b = ll_beat(P, wt.timeout_ns);
   uint64_t t_start = 0, tlast = 0, seen = 0;
   for (uint32_t n = 0;; ++n) {
     const uint64_t v = signal_read(cx, w);
