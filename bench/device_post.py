@@ -69,9 +69,10 @@ import numpy as np
 from numba import njit
 
 from gpunet import errors, mlx5
-from gpunet.device import abi, loader
-from gpunet.device import testing
+from gpunet.device import abi
 from gpunet.device.testing import loopback as L
+from gpunet.device.testing import post_rate
+from gpunet.device.testing.post_rate import PostArgs
 from gpunet.device.testing import schedule as S
 from gpunet.device.testing.ordering_ref import check_schedule, prepare_schedule, schedule_sizes
 from gpunet.host import platform as P
@@ -88,33 +89,11 @@ ROUNDS = 8                                                    # schedules per or
 PAYLOAD_SPAN = 1 << 20                                        # WRITE src/dst cycle (bytes)
 
 
-class PostArgs(ctypes.Structure):
-    """Mirror of post_rate.cu's PostArgs."""
-    _fields_ = [("qps", ctypes.c_uint64), ("status", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
-                ("raddr", ctypes.c_uint64), ("laddr", ctypes.c_uint64), ("span", ctypes.c_uint64),
-                ("nqps", ctypes.c_uint32), ("iters", ctypes.c_uint32), ("rkey", ctypes.c_uint32),
-                ("lkey", ctypes.c_uint32), ("nbytes", ctypes.c_uint32), ("do_quiet", ctypes.c_uint32),
-                ("per_lane", ctypes.c_uint32), ("mixed", ctypes.c_uint32)]
-
-
 # --- building ----------------------------------------------------------------------------------
 def build(arch, defines=None):
     """(schedule lib, post-rate lib) for ``arch``, bound. nvcc missing: ToolchainError from the
     loader. ``defines``: extra -D for both (a protocol variant, e.g. GPUNET_TEST_DELAY_POINTS)."""
-    sched = S.load(arch, defines=defines)
-    b = loader.build([testing.kernels_dir() / "post_rate.cu"], arch=arch, defines=defines or {})
-    u32, vp = ctypes.c_uint32, ctypes.c_void_p
-    b.gpunet_bench_post_args_size.restype = u32
-    b.gpunet_bench_post.argtypes = [u32, u32, vp, ctypes.POINTER(ctypes.c_float)]
-    b.gpunet_bench_post.restype = ctypes.c_int
-    b.gpunet_bench_store.argtypes = [u32, u32, ctypes.c_uint64, u32, u32, ctypes.POINTER(ctypes.c_float)]
-    b.gpunet_bench_store.restype = ctypes.c_int
-    b.gpunet_bench_phases.argtypes = [ctypes.POINTER(ctypes.c_uint64)]
-    b.gpunet_bench_phases.restype = ctypes.c_int
-    if b.gpunet_bench_post_args_size() != ctypes.sizeof(PostArgs):
-        raise errors.ToolchainError("post_rate.cu PostArgs is %d bytes, the mirror %d"
-                                    % (b.gpunet_bench_post_args_size(), ctypes.sizeof(PostArgs)))
-    return sched, b
+    return S.load(arch, defines=defines), post_rate.load(arch, defines)
 
 
 # --- device memory helpers (shared with the Python API: device/descriptors.py) ---------------------

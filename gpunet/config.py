@@ -6,6 +6,7 @@ callers wrap them), so every layer may read its knobs here. Environment variable
 asked for (``get``), not at import, so tests that change the environment see the change.
 tests/test_config.py checks that every ``GPUNET_*`` name in the sources is in this table.
 """
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -121,6 +122,22 @@ def get(name):
 def is_set(name):
     """True when environment knob ``name`` is set to a non-empty value."""
     return bool(os.environ.get(name, "").strip())
+
+
+@contextlib.contextmanager
+def environ(values):
+    """Set the environment variables of ``values`` (a None value leaves that one as it is) for
+    the ``with`` block, then restore every one of them as it was (unset again if it was unset)."""
+    saved = {k: os.environ.get(k) for k in values}
+    try:
+        os.environ.update({k: v for k, v in values.items() if v is not None})
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def table():

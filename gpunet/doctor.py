@@ -122,20 +122,11 @@ def _forced(platform, profile):
     after, with the cached platform forgotten on both edges."""
     from gpunet.host.platform import reset_platform
 
-    want = {"GPUNET_PLATFORM": platform, "GPUNET_PROFILE": profile}
-    saved = {k: os.environ.get(k) for k in want}
-    for k, v in want.items():
-        if v is not None:
-            os.environ[k] = v
-    reset_platform()
     try:
-        yield
+        with config.environ({"GPUNET_PLATFORM": platform, "GPUNET_PROFILE": profile}):
+            reset_platform()
+            yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         reset_platform()
 
 

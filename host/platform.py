@@ -330,6 +330,18 @@ def _runtime_candidates(api):
     return out
 
 
+def _torch_device():
+    """torch's current CUDA device where torch has initialised CUDA in this process, else None
+    (the runtime's calls then use the device the runtime has current)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    return None
+
+
 IPC_HANDLE_BYTES = 64            # sizeof(cudaIpcMemHandle_t): CUDA_IPC_HANDLE_SIZE
 
 
@@ -642,12 +654,7 @@ class Platform:
 
     def _set_device(self, rt, device):
         if device is None:
-            try:
-                import torch
-                if torch.cuda.is_available() and torch.cuda.is_initialized():
-                    device = torch.cuda.current_device()
-            except ImportError:
-                pass
+            device = _torch_device()
         if device is not None:
             rt.call(rt.api.set_device, int(device))
 
@@ -766,12 +773,7 @@ class Platform:
         rt = self.runtime()
         api = rt.api
         if device is None:
-            try:
-                import torch
-                if torch.cuda.is_available() and torch.cuda.is_initialized():
-                    device = torch.cuda.current_device()
-            except ImportError:
-                pass
+            device = _torch_device()
         device = 0 if device is None else int(device)
         self._set_device(rt, device)
         vp = ctypes.c_void_p

@@ -118,6 +118,14 @@ class Ranks:
         self.procs = self.procs[:victim]
         self.close_with(close_job)
 
+    def lose(self, victim):
+        """The last rank, ``victim``, is gone (a test made it exit; killed here if it is still
+        there): later stops (close) go to the survivors only."""
+        assert victim == len(self.inboxes) - 1, "the victim must be the last rank"
+        if self.procs[victim].is_alive():
+            self.procs[victim].kill()
+        self.inboxes = self.inboxes[:victim]
+
     def close(self):
         for q in self.inboxes:
             try:

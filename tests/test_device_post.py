@@ -15,21 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpunet import errors
-from gpunet.device import abi, loader, testing
+from gpunet.device import abi
 from gpunet.device.testing import loopback as L
+from gpunet.device.testing import post_rate
+from gpunet.device.testing.post_rate import PostArgs
 from gpunet.host.softnic import SoftNic
 
 MIXED_BYTES = (8, 40, 100, 200)          # post_rate.cu mixed_bytes
 SLOT = 256                               # mixed mode: one 256-byte slot per WQE
-
-
-class PostArgs(ctypes.Structure):
-    """post_rate.cu's PostArgs (the same mirror as bench/device_post.py's)."""
-    _fields_ = [("qps", ctypes.c_uint64), ("status", ctypes.c_uint64), ("timeout_ns", ctypes.c_uint64),
-                ("raddr", ctypes.c_uint64), ("laddr", ctypes.c_uint64), ("span", ctypes.c_uint64),
-                ("nqps", ctypes.c_uint32), ("iters", ctypes.c_uint32), ("rkey", ctypes.c_uint32),
-                ("lkey", ctypes.c_uint32), ("nbytes", ctypes.c_uint32), ("do_quiet", ctypes.c_uint32),
-                ("per_lane", ctypes.c_uint32), ("mixed", ctypes.c_uint32)]
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +33,7 @@ def nic():
 
 @pytest.fixture(scope="module")
 def post_lib():
-    b = loader.build([testing.kernels_dir() / "post_rate.cu"], arch="host")
-    u32 = ctypes.c_uint32
-    b.gpunet_bench_post_args_size.restype = u32
-    assert b.gpunet_bench_post_args_size() == ctypes.sizeof(PostArgs)
-    b.gpunet_test_post.argtypes = [u32, u32, u32, u32, ctypes.c_uint64, ctypes.c_void_p]
-    b.gpunet_test_post.restype = ctypes.c_int
-    return b
+    return post_rate.load("host")
 
 
 def _expected(warps, ws, iters):

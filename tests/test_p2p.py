@@ -238,10 +238,7 @@ def test_a_killed_p2p_peer_is_named_and_close_unmaps():
         assert res["before"] >= 1, res
         assert res["after"] == 0, res
     finally:
-        if r.procs[1].is_alive():
-            r.procs[1].kill()
-        r.inboxes[1] = r.inboxes[0]           # rank 1 is gone: only rank 0 gets the stop
-        r.inboxes = r.inboxes[:1]
+        r.lose(1)
         r.close()
 
 
@@ -312,10 +309,7 @@ def test_close_is_bounded_when_a_peer_never_closes_and_prompt_when_it_died():
         assert status == "ok", res
         assert res["close_s"] < 4.0 and res["warnings"] == [], res
     finally:
-        if r.procs[1].is_alive():
-            r.procs[1].kill()
-        r.inboxes[1] = r.inboxes[0]           # rank 1 is gone: only rank 0 gets the stop
-        r.inboxes = r.inboxes[:1]
+        r.lose(1)
         r.close()
 
 

@@ -12,6 +12,7 @@ imports it from the installed package (never through tests/ on sys.path).
   tests/test_device_arch.py), ``post_rate.cu`` (qp.cuh's posting rate, bench/device_post.py),
   ``proxy.cu`` (proxy.cuh's producers, round-trip probe and layout reference: tests/test_proxy.py,
   bench/proxy.py), ``schedule.cu``, ``p2p_bench.cu`` (put_signal ping-pong, bench/p2p.py).
+- :mod:`.post_rate`: binds ``kernels/post_rate.cu`` and mirrors its ``PostArgs``.
 - :mod:`.mps`: ``private_mps()``, a private CUDA MPS daemon for ranks sharing one GPU (bench/p2p.py).
 """
 from pathlib import Path

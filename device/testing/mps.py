@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 
+from gpunet import config
 from gpunet.errors import GpunetError
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -34,7 +35,6 @@ def private_mps(export=True):
     nvidia-cuda-mps-control's words when it cannot start or does not answer."""
     dirs = {"CUDA_MPS_PIPE_DIRECTORY": tempfile.mkdtemp(prefix="gpunet-mps-pipe-"),
             "CUDA_MPS_LOG_DIRECTORY": tempfile.mkdtemp(prefix="gpunet-mps-log-")}
-    saved = {k: os.environ.get(k) for k in dirs}
     env = dict(os.environ, **dirs)
     started = False
     try:
@@ -50,19 +50,13 @@ def private_mps(export=True):
         if up.returncode != 0:
             raise GpunetError("the MPS daemon does not answer (get_server_list exited %d: %s %s)"
                               % (up.returncode, up.stdout, up.stderr))
-        if export:
-            os.environ.update(dirs)
-        yield dict(dirs)
+        with config.environ(dirs if export else {}):
+            yield dict(dirs)
     finally:
         try:
             if started:
                 _control(env, "quit\n")
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
             for d in dirs.values():
                 shutil.rmtree(d, ignore_errors=True)
 
