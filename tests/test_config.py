@@ -1,4 +1,5 @@
 """gpunet/config.py: one table of knobs, read in one place, printed by ``python -m gpunet config``."""
+import os
 import re
 import subprocess
 import sys
@@ -79,3 +80,19 @@ def test_cli_prints_the_table():
     assert r.returncode == 0, r.stderr
     for k in config.KNOBS:
         assert k.name in r.stdout
+
+
+def test_environ_sets_for_the_block_and_restores_even_after_an_error(monkeypatch):
+    """config.environ: inside, the given values (None: left as it was); after, each variable as
+    before the block (an unset one unset again), also when the block raised."""
+    monkeypatch.setenv("GPUNET_TEST_A", "old")
+    monkeypatch.delenv("GPUNET_TEST_B", raising=False)
+    monkeypatch.setenv("GPUNET_TEST_C", "kept")
+    with pytest.raises(RuntimeError):
+        with config.environ({"GPUNET_TEST_A": "new", "GPUNET_TEST_B": "set", "GPUNET_TEST_C": None}):
+            assert (os.environ["GPUNET_TEST_A"], os.environ["GPUNET_TEST_B"]) == ("new", "set")
+            assert os.environ["GPUNET_TEST_C"] == "kept"
+            raise RuntimeError("the block failed")
+    assert os.environ["GPUNET_TEST_A"] == "old"
+    assert "GPUNET_TEST_B" not in os.environ
+    assert os.environ["GPUNET_TEST_C"] == "kept"
