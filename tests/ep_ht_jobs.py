@@ -9,12 +9,14 @@ hot_expert, hot_fraction, empty_experts, vary_tokens, tagged; modes fp8, no_topk
 top-k), alignment, biases (0-2), worst (extra rows of num_worst_tokens past the exact count, or
 None), cached, async_finish, prev_event, config (Config arguments); failures: masked, die =
 (rank, "dispatch" | "combine") or (rank, seconds) (that rank exits that long after its round
-starts, wherever it is: see _died_mid_round for what the others then expect); routing = "rank_repeats" (ep_jobs.rank_repeating_routing), wire
-(record the messages per destination and per source the dispatch counted: round_'s "wire").
+starts, wherever it is: see _dispatch_after_failures for what the others then expect); victim_masks,
+slow = (rank, seconds[, "combine"]) (the sleep is after the barrier before dispatch, or before
+combine) and masked_by_rank: as tests/ep_jobs.py's (one parser, ep_jobs.Failures); routing =
+"rank_repeats" (ep_jobs.rank_repeating_routing), wire (record the messages per destination and
+per source the dispatch counted: round_'s "wire"). round_ reports t_dispatch / t_combine (s).
 """
 import itertools
-import os
-import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -145,14 +147,13 @@ def round_(state, spec):
     host_failed}."""
     buf = state["ep_buf"]
     world, rank = buf.group_size, buf.rank
-    masked = tuple(spec.get("masked", ()))
-    victim, stage = spec.get("die", (None, None))
-    die_at = stage if isinstance(stage, float) else None
-    if die_at is not None:
-        stage = None
-    masked_d = masked + ((victim,) if stage == "dispatch" else ())
-    masked_c = masked + ((victim,) if stage is not None else ())
-    quiet = bool(masked_d) or die_at is not None   # no torch.distributed collective: a rank is gone
+    f = ep_jobs.Failures(spec, rank)
+    masked, victim, stage, die_at = f.masked, f.victim, f.stage, f.die_at
+    masked_d, masked_c = f.masked_dispatch, f.masked_combine
+    # the torch.distributed collectives (the all-reduced layout, a barrier) run only while every
+    # rank is there, decided from the spec alone (the same on every rank)
+    collective = not masked and stage != "dispatch" and die_at is None
+    quiet = not collective or bool(masked_d)   # no check against the all-reduced layout
     inputs = _inputs(spec, world)
     mine = inputs[rank]
     e = spec["num_experts"]
@@ -161,10 +162,7 @@ def round_(state, spec):
     bad = out["bad"]
     dev = "cuda" if buf.runtime.platform.name == "cuda" else "cpu"
     cpu = lambda o: _dev(o, "cpu")  # noqa: E731
-    if rank == victim and stage == "dispatch":
-        os._exit(0)
-    if rank == victim and die_at is not None:
-        threading.Timer(die_at, os._exit, (0,)).start()
+    f.start(buf)
     try:
         prev = Buffer.capture() if spec.get("prev_event") else None
         ntr_d, ntrr, ntpe_d, in_rank_d, ev = buf.get_dispatch_layout(
@@ -178,7 +176,7 @@ def round_(state, spec):
             bad.append("get_dispatch_layout differs from the token-by-token reference")
         # the counts against the all-reduced layout (DeepEP's check, independent of the reference)
         all_ntr, all_ntpe = ntr.clone(), ntpe.clone()
-        if not quiet:
+        if collective:
             dist.all_reduce(all_ntr)
             dist.all_reduce(all_ntpe)
         topk = None if spec.get("no_topk") else mine["topk_idx"]
@@ -192,14 +190,17 @@ def round_(state, spec):
         n_exact = r_["src_idx"].numel()
         if worst is not None:
             kw["num_worst_tokens"] = n_exact + worst if worst >= 0 else max(1, n_exact + worst)
-        if stage != "dispatch" and not masked and not quiet:
+        if collective:
             dist.barrier()      # start together: on a loaded CI machine a rank can lag by seconds
+        f.before("dispatch")
+        t0 = time.monotonic()
         rx, rtk, rw, counts, handle, ev = buf.dispatch(_dev(_x(spec, mine), dev), **kw)
         if spec.get("async_finish"):
             if ev.event is None:
                 bad.append("async_finish=True returned no event")
             ev.current_stream_wait()
         rx, rtk, rw = cpu(rx), cpu(rtk), cpu(rw)
+        out["t_dispatch"] = time.monotonic() - t0
         if die_at is not None and rank != victim:
             gone = tuple(j for j in buf.masked_ranks() if j not in masked)
             r_, masked_d, rx, rtk, rw, out["holes"] = _dispatch_after_failures(
@@ -277,8 +278,7 @@ def round_(state, spec):
             rx2 = tuple(a[:n] for a in rx2) if isinstance(rx2, tuple) else rx2[:n]
             if not _same(rx2, r_["recv_x"]):
                 bad.append("the cached dispatch's recv_x differs")
-        if rank == victim and stage == "combine":
-            os._exit(0)
+        f.before("combine")
         # combine the received rows (the expert output is the row itself), with weights and biases
         y = _expert_out(spec, rx)
         rows = handle[6]["rows"]
@@ -290,6 +290,7 @@ def round_(state, spec):
             yw[:n] = rw
         t, h = mine["x"].shape
         biases = _bias(spec, rank, t, h)
+        t0 = time.monotonic()
         comb, comb_w, ev = buf.combine(y.to(dev), handle, topk_weights=_dev(yw, dev),
                                        bias=_dev(biases, dev) or None,
                                        config=Config(*(spec.get("combine_config") or spec["config"])) if spec.get("config") else None,
@@ -298,6 +299,7 @@ def round_(state, spec):
         if spec.get("async_finish"):
             ev.current_stream_wait()
         comb, comb_w = cpu(comb), cpu(comb_w)
+        out["t_combine"] = time.monotonic() - t0
     except EPTimeout as ex:
         out["raised"] = {"phase": ex.phase, "peers_silent": ex.peers_silent,
                          "counts_seen": ex.counts_seen, "msg": str(ex)[:400]}

@@ -407,34 +407,62 @@ def _combine(buf, spec, mine, recv_x, handle, stats):
     return combined, hook, cstats
 
 
+class Failures:
+    """The failure knobs of a round's spec (the module docstring) as rank ``rank`` reads them, in
+    one place for the LL round here and the HT round (tests/ep_ht_jobs.py): masked, victim and
+    stage ("dispatch" | "combine" | None) or die_at (seconds), what this rank expects masked in
+    dispatch and in combine (masked_by_rank overrides them), and the slow rank, its delay and
+    phase."""
+
+    def __init__(self, spec, rank):
+        self.spec, self.rank = spec, rank
+        self.masked = tuple(spec.get("masked", ()))
+        self.victim, stage = spec.get("die", (None, None))
+        self.die_at = stage if isinstance(stage, float) else None
+        self.stage = None if self.die_at is not None else stage
+        self.masked_dispatch = self.masked + ((self.victim,) if self.stage == "dispatch" else ())
+        self.masked_combine = self.masked + ((self.victim,) if self.stage is not None else ())
+        if spec.get("masked_by_rank") is not None:
+            self.masked_dispatch, self.masked_combine = (tuple(m) for m in spec["masked_by_rank"][rank])
+        self.slow_rank, self.delay_s, self.slow_phase = \
+            (tuple(spec.get("slow", (None, 0.0))) + ("dispatch",))[:3]
+
+    def start(self, buf):
+        """At the start of the round: the victim exits now (die at "dispatch"), or leaves the
+        ranks victim_masks out of its last dispatch (its local mask: no rows, no header to them)
+        and, for die = (victim, seconds), arms its exit."""
+        if self.rank != self.victim:
+            return
+        if self.stage == "dispatch":
+            os._exit(0)
+        for p in self.spec.get("victim_masks", ()):
+            buf.low_latency_update_mask_buffer(p, True)
+        if self.die_at is not None:
+            threading.Timer(self.die_at, os._exit, (0,)).start()
+
+    def before(self, phase):
+        """Before ``phase`` ("dispatch" | "combine"): the victim exits before combine (die at
+        "combine"); the slow rank sleeps before its slow phase."""
+        if self.rank == self.victim and self.stage == "combine" and phase == "combine":
+            os._exit(0)
+        if self.rank == self.slow_rank and self.slow_phase == phase:
+            time.sleep(self.delay_s)
+
+
 def round_(state, spec):
     """One dispatch + combine round on every rank (see the module docstring for spec). Returns
     {bad: findings, calc_diff, nan, count, hashes, masked, raised: None | EPTimeout fields}."""
     buf = state["ep_buf"]
     world, rank = buf.group_size, buf.rank
-    masked = tuple(spec.get("masked", ()))
-    victim, stage = spec.get("die", (None, None))
-    die_at = stage if isinstance(stage, float) else None
-    if die_at is not None:
-        stage = None
-    masked_dispatch = masked + ((victim,) if stage == "dispatch" else ())
-    masked_combine = masked + ((victim,) if stage is not None else ())
-    if spec.get("masked_by_rank") is not None:
-        masked_dispatch, masked_combine = (tuple(m) for m in spec["masked_by_rank"][rank])
-    slow_rank, delay_s, slow_phase = (tuple(spec.get("slow", (None, 0.0))) + ("dispatch",))[:3]
+    f = Failures(spec, rank)
+    masked, victim, die_at = f.masked, f.victim, f.die_at
+    masked_dispatch, masked_combine = f.masked_dispatch, f.masked_combine
     inputs = _inputs(spec, world)
     mine = inputs[rank]
     stats = spec.get("stats", False)
     out = {"bad": [], "calc_diff": None, "nan": False, "raised": None, "hashes": {}}
-    if rank == victim and stage == "dispatch":
-        os._exit(0)
-    if rank == victim:  # the victim leaves these ranks out of its last dispatch (header included)
-        for p in spec.get("victim_masks", ()):
-            buf.low_latency_update_mask_buffer(p, True)
-    if rank == victim and die_at is not None:
-        threading.Timer(die_at, os._exit, (0,)).start()
-    if rank == slow_rank and slow_phase == "dispatch":
-        time.sleep(delay_s)
+    f.start(buf)
+    f.before("dispatch")
     wire = wire_prepare(buf, spec) if spec.get("wire") else None
     try:
         t0 = time.monotonic()
@@ -459,10 +487,7 @@ def round_(state, spec):
             if bool((wstats < 0).any()) or bool((wstats[others] != 0).any()):
                 out["bad"].append("dispatch wait stats negative or outside this rank's row")
             out["dispatch_wait"] = wstats[rank].tolist()
-        if rank == victim and stage == "combine":
-            os._exit(0)
-        if rank == slow_rank and slow_phase == "combine":
-            time.sleep(delay_s)
+        f.before("combine")
         t0 = time.monotonic()
         combined, chook, cstats = _combine(buf, spec, mine, recv_d, handle_d, stats)
         out["bad"] += _hook_findings("combine", chook, spec.get("combine_hook", spec.get("hook", False)))

@@ -492,6 +492,38 @@ def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
         _close_survivors(r)
 
 
+@pytest.mark.parametrize("transport", ["p2p", "ibgda"])
+def test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked(transport):
+    """enable_shrink, a 3 s bound, 3 ranks. Rank 2 leaves rank 0 out of its last dispatch (its
+    local mask: no notify header, no rows to rank 0) and exits before combine: rank 1 gets rank
+    2's header and rows, while rank 0's notify waits out rank 2's header (timeout_s, a plain
+    bound) and then, 0.3 s slower (its sleep before combine), goes into combine too. Invariant:
+    rank 1 does not take the LIVE rank 0 for dead: both survivors mask exactly rank 2, rank 0 in
+    dispatch and rank 1 in combine, and their results equal the reference so masked. (The LL
+    analogue: tests/test_ep_ll.py, same name.) Why it holds without a heartbeat in the notify
+    wait (ht.cuh "Waits on a peer"): rank 1's dispatch cannot end before rank 0's notify does,
+    since rank 0 sends its rows and credits only after it; rank 1 waits for those indirectly
+    (2 x timeout_s + 1 s, with heartbeats), longer than rank 0's notify bound, so both enter
+    combine about timeout_s after the start, and rank 1's direct wait there on rank 0's rows
+    covers the 0.3 s."""
+    r = _pool(3, transport, 32, shrink=True, timeout_s=3.0)
+    try:
+        spec = _spec(3, seed=95, die=(VICTIM, "combine"), victim_masks=(0,),
+                     slow=(0, 0.3, "combine"),
+                     masked_by_rank={0: ((VICTIM,), (VICTIM,)), 1: ((), (VICTIM,)),
+                                     VICTIM: ((0,), (0,))})
+        outs = r.run_losing(VICTIM, "ep_ht_jobs:round_", spec)
+        for status, o in outs:
+            assert status == "ok", o
+        print("t_dispatch, t_combine, masked per survivor:",
+              [(round(o.get("t_dispatch", -1), 2), round(o.get("t_combine", -1), 2), o.get("masked"))
+               for _, o in outs])
+        _assert_round([o for _, o in outs], spec)
+        assert [o["masked"] for _, o in outs] == [[VICTIM], [VICTIM]]
+    finally:
+        _close_survivors(r)
+
+
 @pytest.mark.parametrize("transport,stage", [("mixed", "dispatch"), ("p2p", "combine")])
 def test_a_dead_rank_raises_ep_timeout_without_shrink(transport, stage):
     """Without enable_shrink every survivor raises gpunet.EPTimeout from that call naming rank 2
