@@ -369,6 +369,18 @@ def round_(state, spec):
     return out
 
 
+def rounds(state, specs):
+    """round_ for each spec in turn, each started as soon as the one before returned on this rank
+    (no collective between them: back to back, as a training loop runs its steps). The list of
+    their results (the first raised EPTimeout ends it)."""
+    outs = []
+    for spec in specs:
+        outs.append(round_(state, spec))
+        if outs[-1]["raised"] is not None:
+            break
+    return outs
+
+
 def out_masked(buf):
     """The ranks this rank's Buffer has masked (none without enable_shrink)."""
     return buf.masked_ranks() if buf.enable_shrink else []

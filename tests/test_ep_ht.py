@@ -492,34 +492,72 @@ def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
         _close_survivors(r)
 
 
+def _late_rank_spec():
+    """Rank 2 masks rank 0 locally before its dispatch and exits before combine; rank 0 sleeps
+    0.3 s before combine; rank 0 masks rank 2 in dispatch (no header from it), rank 1 in
+    combine (it had rank 2's header and rows)."""
+    return _spec(3, seed=95, die=(VICTIM, "combine"), victim_masks=(0,), slow=(0, 0.3, "combine"),
+                 masked_by_rank={0: ((VICTIM,), (VICTIM,)), 1: ((), (VICTIM,)), VICTIM: ((0,), (0,))})
+
+
+def _timings(outs):
+    """Per survivor: (t_dispatch, t_combine, masked), for the assertion messages."""
+    return [(round(o.get("t_dispatch", -1), 2), round(o.get("t_combine", -1), 2), o.get("masked"))
+            for o in outs]
+
+
 @pytest.mark.parametrize("transport", ["p2p", "ibgda"])
 def test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked(transport):
     """enable_shrink, a 3 s bound, 3 ranks. Rank 2 leaves rank 0 out of its last dispatch (its
     local mask: no notify header, no rows to rank 0) and exits before combine: rank 1 gets rank
-    2's header and rows, while rank 0's notify waits out rank 2's header (timeout_s, a plain
-    bound) and then, 0.3 s slower (its sleep before combine), goes into combine too. Invariant:
-    rank 1 does not take the LIVE rank 0 for dead: both survivors mask exactly rank 2, rank 0 in
-    dispatch and rank 1 in combine, and their results equal the reference so masked. (The LL
-    analogue: tests/test_ep_ll.py, same name.) Why it holds without a heartbeat in the notify
-    wait (ht.cuh "Waits on a peer"): rank 1's dispatch cannot end before rank 0's notify does,
-    since rank 0 sends its rows and credits only after it; rank 1 waits for those indirectly
-    (2 x timeout_s + 1 s, with heartbeats), longer than rank 0's notify bound, so both enter
-    combine about timeout_s after the start, and rank 1's direct wait there on rank 0's rows
-    covers the 0.3 s."""
+    2's header and rows, while rank 0's notify waits out rank 2's header (a bound) and then,
+    0.3 s slower (its sleep before combine), goes into combine too. Invariant: rank 1 does not
+    take the LIVE rank 0 for dead: both survivors mask exactly rank 2, rank 0 in dispatch and
+    rank 1 in combine, and their results equal the reference so masked (the LL analogue:
+    tests/test_ep_ll.py, same name). It holds by the HT dispatch's coupling (ht.cuh "Waits on a
+    peer"): rank 0 sends its rows and credits only after its notify, so rank 1's dispatch, which
+    waits for them INDIRECTLY (2 x timeout_s + 1 s, heartbeats), ends with rank 0's, a bound
+    after the start (both dispatches ~3.05 s here); the 0.3 s is within rank 1's direct bound on
+    rank 0's combine rows."""
     r = _pool(3, transport, 32, shrink=True, timeout_s=3.0)
     try:
-        spec = _spec(3, seed=95, die=(VICTIM, "combine"), victim_masks=(0,),
-                     slow=(0, 0.3, "combine"),
-                     masked_by_rank={0: ((VICTIM,), (VICTIM,)), 1: ((), (VICTIM,)),
-                                     VICTIM: ((0,), (0,))})
+        spec = _late_rank_spec()
         outs = r.run_losing(VICTIM, "ep_ht_jobs:round_", spec)
         for status, o in outs:
             assert status == "ok", o
-        print("t_dispatch, t_combine, masked per survivor:",
-              [(round(o.get("t_dispatch", -1), 2), round(o.get("t_combine", -1), 2), o.get("masked"))
-               for _, o in outs])
+        why = "t_dispatch, t_combine, masked per survivor: %s" % _timings([o for _, o in outs])
+        assert [o.get("masked") for _, o in outs] == [[VICTIM], [VICTIM]], why
         _assert_round([o for _, o in outs], spec)
-        assert [o["masked"] for _, o in outs] == [[VICTIM], [VICTIM]]
+    finally:
+        _close_survivors(r)
+
+
+@pytest.mark.parametrize("transport", ["p2p", "ibgda"])
+def test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify(transport):
+    """The round of test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked, then at once
+    (each survivor as soon as its combine returned, no barrier: as a training loop's steps) a
+    round with rank 2 masked. In the first combine rank 1 still waits on the dead rank 2: its
+    receiver for rank 2's rows (a bound and a half), its sender for rank 2's credit (the
+    indirect bound and a half, 2 x timeout_s + 1 s + timeout_s / 2), while rank 0, which masked
+    rank 2 in its notify, is done once rank 1's receiver has given up on rank 2: rank 0's next
+    notify then waits for rank 1's header ~4.3 s here. Invariant: both survivors finish both
+    rounds exact and mask exactly rank 2. With a plain bound on the header (wait_until) rank 0
+    masked the LIVE rank 1 after timeout_s, and rank 1, its dispatch left without rank 0's rows
+    and credits, masked rank 0 in turn; the notify waits as the LL waits do (ll.cuh wait_peer:
+    heartbeats, a bound final only while the peer does not beat)."""
+    r = _pool(3, transport, 32, shrink=True, timeout_s=3.0)
+    try:
+        specs = [_late_rank_spec(), _spec(3, seed=96, masked=(VICTIM,))]
+        outs = r.run_losing(VICTIM, "ep_ht_jobs:rounds", specs)
+        for status, o in outs:
+            assert status == "ok", o
+        for k, spec in enumerate(specs):
+            got = [o[k] if k < len(o) else None for _, o in outs]
+            why = "round %d: t_dispatch, t_combine, masked per survivor: %s" % (
+                k, _timings([g or {} for g in got]))
+            assert None not in got, why
+            assert [g.get("masked") for g in got] == [[VICTIM], [VICTIM]], why
+            _assert_round(got, spec)
     finally:
         _close_survivors(r)
 
