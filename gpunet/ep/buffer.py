@@ -582,7 +582,9 @@ class Buffer:
         B.msg_stride, B.payload_bytes = lay.msg_stride(hidden, bool(flags & dep.F_FP8))
         B.hdr_stride = lay.HT_HDR_STRIDE
         B.ctxs = self._ctxs_addr
-        B.timeout_ns = int((2 * self._timeout_s + 1.0) * 1e9)
+        # the grid waits' bound: above the longest notify wait on a beating peer (ht.cuh hb_cap,
+        # 3 x (2 T + 1 s), and a last bound T: "Waits on a peer")
+        B.timeout_ns = int((7 * self._timeout_s + 4.0) * 1e9)
         for k in ("mask", "failed", "got", "nrecv", "status_flag"):
             setattr(B, k, self._ctl_base + self._ctl_off[k])
         B.status, B.sync = _addr(self._ep_status), _addr(self._ht_sync)

@@ -252,6 +252,16 @@ GPUNET_DEVICE uint64_t slot_addr(const HtParams& P, uint64_t ring, uint32_t c, u
 // word has not moved since it was last read (ht_silent). A dead rank beats no more: it is masked
 // at most two heartbeat periods (half a timeout_s) later than before. (The LL kernels beat the
 // same way: ll.cuh "heartbeats", whose helpers these are.)
+// The notify's wait for a header is direct and beats too (ll.cuh wait_peer with ht_beat). While
+// it waits out a dead source, its rank sends nothing, so its peers' dispatch waits on it are
+// indirect and end with it (tests/test_ep_ht.py
+// test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked, which held with a plain bound
+// too). But the header comes from a peer that may still be in the PREVIOUS op, waiting out a dead
+// rank that this rank had already masked: its combine sender waits the indirect bound for the
+// dead rank's credit. With a plain bound this rank masked that LIVE peer in the next notify
+// (test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify: ~4.3 s late on a
+// 3 s bound). The grid waits (LlParams::timeout_ns: the data blocks wait for the notify when
+// both run in one launch) are above hb_cap + timeout_s (host: 7 x timeout_s + 4 s).
 GPUNET_DEVICE uint64_t indirect_timeout(const HtParams& P) {
   return 2 * P.peer_timeout_ns + 1000000000ull;
 }
@@ -398,7 +408,9 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
   for (uint32_t j = g.tid; j < R; j += g.bdim) {
     bool ok = !peer_out(B, j);
     if (ok && j != B.rank) {
-      ok = wait_until(peer_ctx(B, j), ht_hdr_sig(P, j), CMP_GE, (epoch << 32) | 1);
+      // a DIRECT wait (timeout_s), with heartbeats: j may still be in the previous op, waiting
+      // out a dead rank (see "Waits on a peer" above)
+      ok = wait_peer(B, j, ht_hdr_sig(P, j), (epoch << 32) | 1, api::waiter(peer_ctx(B, j)), ht_beat(P));
       if (!ok) peer_fail(B, j);
     }
     const int32_t* h = ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride);

@@ -759,10 +759,11 @@ GPUNET_DEVICE Beat ll_beat(const LlParams& P, uint64_t t) {
 // Bounded wait until source j's word `w` (in this rank's heap, SET by j) is >= want: gpunet.cuh's
 // wait_until with the bound extended while j beats (above), the timeout recorded in j's Status as
 // wait_until records it (the host names the word), and this rank's own beats from its idle polls.
-GPUNET_DEVICE bool wait_peer(const LlParams& P, uint32_t j, const uint64_t* w, uint64_t want) {
+// `wt`: j's Waiter (api::waiter of its context: the per-peer bound); `b`: the mode's heartbeats
+// (the LL kernels: ll_beat, the overload below; HT's notify: ht.cuh ht_beat).
+GPUNET_DEVICE bool wait_peer(const LlParams& P, uint32_t j, const uint64_t* w, uint64_t want,
+                             const Waiter& wt, const Beat& b) {
   const DevCtx& cx = peer_ctx(P, j);
-  const Waiter wt = api::waiter(cx);
-  const Beat b = ll_beat(P, wt.timeout_ns);
   uint64_t t_start = 0, tlast = 0, seen = 0;
   for (uint32_t n = 0;; ++n) {
     const uint64_t v = signal_read(cx, w);
@@ -783,6 +784,10 @@ GPUNET_DEVICE bool wait_peer(const LlParams& P, uint32_t j, const uint64_t* w, u
     }
     if (n >= kWaitFastPolls) arch::spin_pause();
   }
+}
+GPUNET_DEVICE bool wait_peer(const LlParams& P, uint32_t j, const uint64_t* w, uint64_t want) {
+  const Waiter wt = api::waiter(peer_ctx(P, j));
+  return wait_peer(P, j, w, want, wt, ll_beat(P, wt.timeout_ns));
 }
 
 // Bounded wait for source j's signal of kind/buffer to pass the count this rank expects; adds
