@@ -10,7 +10,8 @@ killed ranks (masked or raised).
 Worlds (tests/mp_ranks.py pools running "ep_ht_jobs:*"): 2 ranks ibgda warp 32, 2 ranks proxy
 warp 64, 2 ranks p2p warp 64 (also an LL buffer: HT then LL), 4 ranks mixed (ibgda and proxy
 pairs) warp 32, 4 ranks p2p and proxy pairs warp 32, and 3-rank worlds that lose a rank (masked:
-at combine over the proxy, at dispatch over p2p; raised: at dispatch mixed, at combine over p2p).
+at combine over the proxy, at dispatch over p2p; raised: at dispatch mixed, at combine over p2p;
+a survivor late from waiting out the dead rank, over p2p and ibgda).
 """
 import shutil
 
@@ -510,15 +511,16 @@ def _timings(outs):
 def test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked(transport):
     """enable_shrink, a 3 s bound, 3 ranks. Rank 2 leaves rank 0 out of its last dispatch (its
     local mask: no notify header, no rows to rank 0) and exits before combine: rank 1 gets rank
-    2's header and rows, while rank 0's notify waits out rank 2's header (a bound) and then,
-    0.3 s slower (its sleep before combine), goes into combine too. Invariant: rank 1 does not
-    take the LIVE rank 0 for dead: both survivors mask exactly rank 2, rank 0 in dispatch and
-    rank 1 in combine, and their results equal the reference so masked (the LL analogue:
-    tests/test_ep_ll.py, same name). It holds by the HT dispatch's coupling (ht.cuh "Waits on a
-    peer"): rank 0 sends its rows and credits only after its notify, so rank 1's dispatch, which
-    waits for them INDIRECTLY (2 x timeout_s + 1 s, heartbeats), ends with rank 0's, a bound
-    after the start (both dispatches ~3.05 s here); the 0.3 s is within rank 1's direct bound on
-    rank 0's combine rows."""
+    2's header and rows, while rank 0's notify waits out rank 2's header (a bound and a half:
+    the silent check's second look) and then, 0.3 s slower (its sleep before combine), goes into
+    combine too. Invariant: rank 1 does not take the LIVE rank 0 for dead: both survivors mask
+    exactly rank 2, rank 0 in dispatch and rank 1 in combine, and their results equal the
+    reference so masked (the LL analogue: tests/test_ep_ll.py, same name). It holds by the HT
+    dispatch's coupling (ht.cuh "Waits on a peer"): rank 0 sends its rows and credits only after
+    its notify, so rank 1's dispatch, which waits for them INDIRECTLY (2 x timeout_s + 1 s,
+    heartbeats), ends with rank 0's (both dispatches ~4.5 s here; ~3.05 s when the notify's
+    bound was plain, and it held then too); the 0.3 s is within rank 1's direct bound on rank
+    0's combine rows."""
     r = _pool(3, transport, 32, shrink=True, timeout_s=3.0)
     try:
         spec = _late_rank_spec()
@@ -538,9 +540,9 @@ def test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify(tr
     (each survivor as soon as its combine returned, no barrier: as a training loop's steps) a
     round with rank 2 masked. In the first combine rank 1 still waits on the dead rank 2: its
     receiver for rank 2's rows (a bound and a half), its sender for rank 2's credit (the
-    indirect bound and a half, 2 x timeout_s + 1 s + timeout_s / 2), while rank 0, which masked
-    rank 2 in its notify, is done once rank 1's receiver has given up on rank 2: rank 0's next
-    notify then waits for rank 1's header ~4.3 s here. Invariant: both survivors finish both
+    indirect bound and a half, 2 x timeout_s + 1 s + timeout_s / 2: ~8.5 s), while rank 0, which
+    masked rank 2 in its notify, is done once rank 1's receiver has given up on rank 2 (~4.2 s):
+    rank 0's next notify then waits ~4 s for rank 1's header. Invariant: both survivors finish both
     rounds exact and mask exactly rank 2. With a plain bound on the header (wait_until) rank 0
     masked the LIVE rank 1 after timeout_s, and rank 1, its dispatch left without rank 0's rows
     and credits, masked rank 0 in turn; the notify waits as the LL waits do (ll.cuh wait_peer:
