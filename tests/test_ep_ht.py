@@ -539,11 +539,13 @@ def test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify(tr
     """The round of test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked, then at once
     (each survivor as soon as its combine returned, no barrier: as a training loop's steps) a
     round with rank 2 masked. In the first combine rank 1 still waits on the dead rank 2: its
-    receiver for rank 2's rows (a bound and a half), its sender for rank 2's credit (the
-    indirect bound and a half, 2 x timeout_s + 1 s + timeout_s / 2: ~8.5 s), while rank 0, which
-    masked rank 2 in its notify, is done once rank 1's receiver has given up on rank 2 (~4.2 s):
-    rank 0's next notify then waits ~4 s for rank 1's header. Invariant: both survivors finish both
-    rounds exact and mask exactly rank 2. With a plain bound on the header (wait_until) rank 0
+    receiver for rank 2's rows (a bound and a half), its sender for rank 2's credit (until the
+    receiver has given up on rank 2: ht.cuh failed_meanwhile; before it, the indirect bound and a
+    half, 2 x timeout_s + 1 s + timeout_s / 2: ~8.5 s), while rank 0, which masked rank 2 in its
+    notify, is done once rank 1's receiver has given up on rank 2 (~4.2 s): rank 0's next notify
+    then waited ~4 s for rank 1's header. Invariant: both survivors finish both rounds exact and
+    mask exactly rank 2, and neither waits out the indirect bound in the first combine (rank 1's
+    ~4.5 s, 8.5 s before failed_meanwhile). With a plain bound on the header (wait_until) rank 0
     masked the LIVE rank 1 after timeout_s, and rank 1, its dispatch left without rank 0's rows
     and credits, masked rank 0 in turn; the notify waits as the LL waits do (ll.cuh wait_peer:
     heartbeats, a bound final only while the peer does not beat)."""
@@ -560,6 +562,9 @@ def test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify(tr
             assert None not in got, why
             assert [g.get("masked") for g in got] == [[VICTIM], [VICTIM]], why
             _assert_round(got, spec)
+        # and no survivor waits out the indirect bound (2 T + 1 s) on the dead rank in combine once
+        # one of its waits has given up on it (ht.cuh failed_meanwhile: ~4.5 s, ~8.5 before)
+        assert all(o[0]["t_combine"] < 2 * 3.0 + 1.0 for _, o in outs), _timings([o[0] for _, o in outs])
     finally:
         _close_survivors(r)
 

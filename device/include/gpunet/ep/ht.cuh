@@ -284,6 +284,17 @@ GPUNET_DEVICE bool ht_silent(const HtParams& P, uint32_t d, uint64_t* seen, uint
   return silent(P.base, ht_beat(P), d, seen, tlast, bound, now, t_start);
 }
 
+// An indirect wait on peer d that has seen no progress for a direct bound (timeout_s) ends at
+// once when another wait of this rank has marked d failed meanwhile (the mask / failed words: the
+// block's view `out` is a copy from the launch's start). Without it a combine sender waited the
+// whole indirect bound and a half for a dead rank's credit after its own receiver had given up on
+// that rank (~8.5 s against ~4.5 on a 3 s bound: tests/test_ep_ht.py
+// test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify). Those words are
+// host memory on GPUs (a PCIe read), so they are read only past the direct bound.
+GPUNET_DEVICE bool failed_meanwhile(const HtParams& P, uint32_t d, uint64_t idle) {
+  return idle > P.peer_timeout_ns && peer_out(P.base, d);
+}
+
 // The count peer p's SET word (or this rank's own device word) holds for this op: the
 // receiver's credit (head) or the sender's progress (tail). Acquire.
 GPUNET_DEVICE uint64_t read_count(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c,
@@ -617,9 +628,11 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
             } else if (sent == total || sent - consumed + n > P.ring) {
               const uint64_t now = arch::now_ns();
               ht_heartbeat(P, now, out);
-              if (d != B.rank && now - *ws_word(P, 0, c, d, WS_TLAST) > indirect_timeout(P) &&
-                  ht_silent(P, d, ws_word(P, 0, c, d, WS_HB), ws_word(P, 0, c, d, WS_TLAST),
-                            indirect_timeout(P), now, t_start)) {
+              const uint64_t idle = now - *ws_word(P, 0, c, d, WS_TLAST);
+              if (d != B.rank && (failed_meanwhile(P, d, idle) ||
+                                  (idle > indirect_timeout(P) &&
+                                   ht_silent(P, d, ws_word(P, 0, c, d, WS_HB), ws_word(P, 0, c, d, WS_TLAST),
+                                             indirect_timeout(P), now, t_start)))) {
                 peer_fail_view(B, out, d);  // no credit for that long: the peer is silent
                 *ws_word(P, 0, c, d, WS_DONE) = 1;
               }
@@ -761,9 +774,11 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
           if (avail == 0 && j != B.rank) {
             const uint64_t now = arch::now_ns();
             ht_heartbeat(P, now, out);
-            if (now - *ws_word(P, 1, c, j, WS_TLAST) > indirect_timeout(P) &&
-                ht_silent(P, j, ws_word(P, 1, c, j, WS_HB), ws_word(P, 1, c, j, WS_TLAST),
-                          indirect_timeout(P), now, t_start)) {
+            const uint64_t idle = now - *ws_word(P, 1, c, j, WS_TLAST);
+            if (failed_meanwhile(P, j, idle) ||
+                (idle > indirect_timeout(P) &&
+                 ht_silent(P, j, ws_word(P, 1, c, j, WS_HB), ws_word(P, 1, c, j, WS_TLAST),
+                           indirect_timeout(P), now, t_start))) {
               peer_fail_view(B, out, j);
               *ws_word(P, 1, c, j, WS_DONE) = 1;
             }
