@@ -370,15 +370,9 @@ def round_(state, spec):
 
 
 def rounds(state, specs):
-    """round_ for each spec in turn, each started as soon as the one before returned on this rank
-    (no collective between them: back to back, as a training loop runs its steps). The list of
-    their results (the first raised EPTimeout ends it)."""
-    outs = []
-    for spec in specs:
-        outs.append(round_(state, spec))
-        if outs[-1]["raised"] is not None:
-            break
-    return outs
+    """The HT round_ for each spec, back to back (ep_jobs.run_rounds: no collective between them,
+    the first raised EPTimeout ends it)."""
+    return ep_jobs.run_rounds(round_, state, specs)
 
 
 def out_masked(buf):

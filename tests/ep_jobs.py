@@ -1,7 +1,8 @@
 """Jobs the EP tests run on every rank (tests/mp_ranks.py runs "ep_jobs:<name>"): build a
 gpunet.ep.Buffer, run low-latency dispatch / combine rounds on inputs every rank regenerates from
 one seed (so each rank can compute every rank's reference with gpunet.ep.reference), and report
-what it checked plus the hashes of what it got. Each job takes the rank's ``state`` dict first.
+what it checked plus the hashes of what it got (``rounds``: several back to back). Each job
+takes the rank's ``state`` dict first.
 
 A round's ``spec`` (a dict): seed, t_max, hidden, topk, num_experts; routing knobs holes,
 hot_expert, empty_experts, vary_tokens, tagged; modes use_fp8, round_scale, use_ue8m0, hook,
@@ -515,6 +516,31 @@ def round_(state, spec):
                              "scales": _valid(recv_x[1], count) if use_fp8 else None})
     out["masked"] = buf.masked_ranks() if buf.enable_shrink else []
     return out
+
+
+def run_rounds(round_fn, state, specs):
+    """``round_fn(state, spec)`` for each spec in turn, each started as soon as the one before
+    returned on this rank (no collective between them: back to back, as a training loop runs its
+    steps). The list of their results; the first round that raised (its ``raised`` is not None:
+    an EPTimeout) ends it. The LL and HT ``rounds`` jobs both run here."""
+    outs = []
+    for spec in specs:
+        outs.append(round_fn(state, spec))
+        if outs[-1]["raised"] is not None:
+            break
+    return outs
+
+
+def rounds(state, specs):
+    """The LL round_ for each spec, back to back (run_rounds)."""
+    return run_rounds(round_, state, specs)
+
+
+def timings(outs):
+    """Per rank's round output (or {} for a round it never returned): (t_dispatch, t_combine,
+    masked), -1 for a time not taken; for the tests' assertion messages."""
+    return [(round(o.get("t_dispatch", -1), 2), round(o.get("t_combine", -1), 2), o.get("masked"))
+            for o in outs]
 
 
 def two_in_flight(state, spec_a, spec_b):

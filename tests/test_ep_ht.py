@@ -501,10 +501,7 @@ def _late_rank_spec():
                  masked_by_rank={0: ((VICTIM,), (VICTIM,)), 1: ((), (VICTIM,)), VICTIM: ((0,), (0,))})
 
 
-def _timings(outs):
-    """Per survivor: (t_dispatch, t_combine, masked), for the assertion messages."""
-    return [(round(o.get("t_dispatch", -1), 2), round(o.get("t_combine", -1), 2), o.get("masked"))
-            for o in outs]
+_timings = ep_jobs.timings     # per survivor: (t_dispatch, t_combine, masked)
 
 
 @pytest.mark.parametrize("transport", ["p2p", "ibgda"])
