@@ -2,7 +2,8 @@
 DeepEP's way (EP-ANCHORS.md §B) against gpunet.ep.reference: exact packed rows, counts against the
 gathered routing, layout ranges, self-describing rows, combine within calc_diff bounds, the mode
 matrix, same-seed reruns, two LL calls in flight, generated shapes and routings, tokens sent once
-per destination rank (not once per expert), killed ranks (masked, or raised), and vLLM's
+per destination rank (not once per expert), killed ranks (masked, or raised; a survivor late
+from waiting out the dead one, in one round and followed at once by the next), and vLLM's
 fault-tolerance clean (the RDMA buffer zeroed, the mask cleaned) after a transient fault and after
 generated sequences of faults (one-sided masks, lone dispatches, cleans, late ranks).
 
@@ -75,14 +76,16 @@ def _spec(world, seed, **kw):
     return s
 
 
-def _assert_round(out, spec, bound=None):
+def _assert_round(out, spec, bound=None, why=""):
+    """Every rank's round output raised nothing, found nothing and combined within the bound;
+    ``why`` ends each message (a test's timings)."""
     bound = bound if bound is not None else (FP8_BOUND if spec.get("use_fp8") else BF16_BOUND)
     for rank, o in enumerate(out):
-        assert o["raised"] is None, "rank %d raised %r (spec %r)" % (rank, o["raised"], spec)
-        assert o["bad"] == [], "rank %d: %s (spec %r)" % (rank, o["bad"], spec)
-        assert not o["nan"], "rank %d: NaN in the combined output (spec %r)" % (rank, spec)
-        assert o["calc_diff"] < bound, "rank %d: combine calc_diff %.3g >= %.1g (spec %r)" % (
-            rank, o["calc_diff"], bound, spec)
+        assert o["raised"] is None, "rank %d raised %r (spec %r) %s" % (rank, o["raised"], spec, why)
+        assert o["bad"] == [], "rank %d: %s (spec %r) %s" % (rank, o["bad"], spec, why)
+        assert not o["nan"], "rank %d: NaN in the combined output (spec %r) %s" % (rank, spec, why)
+        assert o["calc_diff"] < bound, "rank %d: combine calc_diff %.3g >= %.1g (spec %r) %s" % (
+            rank, o["calc_diff"], bound, spec, why)
 
 
 # The mode matrix: hook x FP8 (x round_scale x UE8M0) x zero_copy (DeepEP's test_low_latency.py).
@@ -1204,6 +1207,14 @@ def test_a_rank_that_dies_at_any_moment_leaves_the_survivors_exact(transport, di
         _close_survivors(r)
 
 
+def _late_rank_spec():
+    """Rank 2 masks rank 0 locally before its dispatch and exits before combine; rank 0 sleeps
+    0.3 s before combine; rank 0 masks rank 2 in dispatch (no header from it), rank 1 in
+    combine (it had rank 2's header and rows)."""
+    return _spec(3, seed=95, die=(VICTIM, "combine"), victim_masks=(0,), slow=(0, 0.3, "combine"),
+                 masked_by_rank={0: ((VICTIM,), (VICTIM,)), 1: ((), (VICTIM,)), VICTIM: ((0,), (0,))})
+
+
 @pytest.mark.parametrize("transport", ["p2p", "ibgda"])
 def test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked(transport):
     """enable_shrink, a 3 s bound, 3 ranks. Rank 2 leaves rank 0 out of its last dispatch (its
@@ -1216,15 +1227,52 @@ def test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked(transport):
     "heartbeats"; a longer bound without them did the same: the wait on the dead rank grew too)."""
     r = _pool(3, transport, 32, shrink=True, timeout_s=3.0)
     try:
-        spec = _spec(3, seed=95, die=(VICTIM, "combine"), victim_masks=(0,),
-                     slow=(0, 0.3, "combine"),
-                     masked_by_rank={0: ((VICTIM,), (VICTIM,)), 1: ((), (VICTIM,)),
-                                     VICTIM: ((0,), (0,))})
+        spec = _late_rank_spec()
         outs = r.run_losing(VICTIM, "ep_jobs:round_", spec)
         for status, o in outs:
             assert status == "ok", o
         _assert_round([o for _, o in outs], spec)
         assert [o["masked"] for _, o in outs] == [[VICTIM], [VICTIM]]
+    finally:
+        _close_survivors(r)
+
+
+@pytest.mark.parametrize("transport", ["p2p", "ibgda"])
+def test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_dispatch(transport):
+    """The round of test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked, then at once
+    (each survivor as soon as its combine returned, no barrier: as a training loop's steps) a
+    round with rank 2 masked and a new seed (ep_jobs.rounds). The HT analogue (tests/test_ep_ht.py
+    test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify) caught a survivor
+    still waiting out the dead rank in the first combine being masked by the other's next wait.
+    Invariant: both survivors finish both rounds, each equal to the reference for what that
+    survivor masked (the first as in the one-round test, the second without rank 2), and both
+    mask exactly rank 2 after each: no next dispatch takes a LIVE survivor for dead.
+    In LL the late survivor is rank 0: its dispatch waits out rank 2's header (a bound and a
+    half, ~4.5 s), while rank 1, which got it, goes into combine at once and waits there on rank
+    2 and on rank 0 side by side (block 0, a thread per source): it gives up on rank 2 at ~4.5 s
+    and its combine ends with rank 0's rows (~4.8 s), and rank 0's combine, rank 1's rows already
+    there, takes ~0.03 s. So both leave the first round within ~0.1 s of each other (2-core CPU
+    under a concurrent CI load, p2p and ibgda: dispatch 4.56-4.65 / combine 0.02-0.04 s on rank
+    0, 0.1-0.18 / 4.77-4.82 s on rank 1; the second round 0.05-0.42 / 0.04-0.07 s on both). Rank
+    1 stays in the first combine after rank 0 left only by how much later than rank 0's dispatch
+    its combine started (once: dispatch 1.01 s, combine 4.57 s, rank 0 4.95 / 0.03 s, and rank
+    0's next dispatch 0.36 s), waiting out rank 2 alone and beating, so rank 0's next dispatch
+    extends its bound on it. No wait on rank 2 outlives another of the same rank that gave up
+    on it: every LL wait on a peer is direct (no indirect wait like HT's credits)."""
+    r = _pool(3, transport, 32, shrink=True, timeout_s=3.0)
+    try:
+        specs = [_late_rank_spec(), _spec(3, seed=96, masked=(VICTIM,))]
+        outs = r.run_losing(VICTIM, "ep_jobs:rounds", specs)
+        for status, o in outs:
+            assert status == "ok", o
+        for k, spec in enumerate(specs):
+            got = [o[k] if k < len(o) else None for _, o in outs]
+            why = "round %d: t_dispatch, t_combine, masked per survivor: %s; all rounds: %s" % (
+                k, ep_jobs.timings([g or {} for g in got]),
+                [ep_jobs.timings(o) for _, o in outs])
+            assert None not in got, why
+            assert [g.get("masked") for g in got] == [[VICTIM], [VICTIM]], why
+            _assert_round(got, spec, why=why)
     finally:
         _close_survivors(r)
 
