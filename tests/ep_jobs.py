@@ -543,6 +543,22 @@ def timings(outs):
             for o in outs]
 
 
+def check_rounds(outs, specs, masked, assert_round):
+    """The survivors' (status, run_rounds result) pairs of a ``rounds`` job over ``specs``: each
+    survivor finished every round, masked exactly ``masked`` after each, and
+    ``assert_round(that round's outputs, spec, why)`` holds; every message ends with the timings
+    of every round (``timings``)."""
+    for status, o in outs:
+        assert status == "ok", o
+    for k, spec in enumerate(specs):
+        got = [o[k] if k < len(o) else None for _, o in outs]
+        why = "round %d: t_dispatch, t_combine, masked per survivor: %s; all rounds: %s" % (
+            k, timings([g or {} for g in got]), [timings(o) for _, o in outs])
+        assert None not in got, why
+        assert [g.get("masked") for g in got] == [list(masked)] * len(got), why
+        assert_round(got, spec, why)
+
+
 def two_in_flight(state, spec_a, spec_b):
     """Two dispatches in flight (the two LL buffers): dispatch A and B (hooks), receive A then B,
     then combine A and B (hooks), receive both; every result checked against its reference."""

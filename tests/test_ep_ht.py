@@ -550,15 +550,7 @@ def test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify(tr
     try:
         specs = [_late_rank_spec(), _spec(3, seed=96, masked=(VICTIM,))]
         outs = r.run_losing(VICTIM, "ep_ht_jobs:rounds", specs)
-        for status, o in outs:
-            assert status == "ok", o
-        for k, spec in enumerate(specs):
-            got = [o[k] if k < len(o) else None for _, o in outs]
-            why = "round %d: t_dispatch, t_combine, masked per survivor: %s" % (
-                k, _timings([g or {} for g in got]))
-            assert None not in got, why
-            assert [g.get("masked") for g in got] == [[VICTIM], [VICTIM]], why
-            _assert_round(got, spec)
+        ep_jobs.check_rounds(outs, specs, [VICTIM], lambda got, spec, why: _assert_round(got, spec))
         # and no survivor waits out the indirect bound (2 T + 1 s) on the dead rank in combine once
         # one of its waits has given up on it (ht.cuh failed_meanwhile: ~4.5 s, ~8.5 before)
         assert all(o[0]["t_combine"] < 2 * 3.0 + 1.0 for _, o in outs), _timings([o[0] for _, o in outs])

@@ -1263,16 +1263,7 @@ def test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_dispatch(
     try:
         specs = [_late_rank_spec(), _spec(3, seed=96, masked=(VICTIM,))]
         outs = r.run_losing(VICTIM, "ep_jobs:rounds", specs)
-        for status, o in outs:
-            assert status == "ok", o
-        for k, spec in enumerate(specs):
-            got = [o[k] if k < len(o) else None for _, o in outs]
-            why = "round %d: t_dispatch, t_combine, masked per survivor: %s; all rounds: %s" % (
-                k, ep_jobs.timings([g or {} for g in got]),
-                [ep_jobs.timings(o) for _, o in outs])
-            assert None not in got, why
-            assert [g.get("masked") for g in got] == [[VICTIM], [VICTIM]], why
-            _assert_round(got, spec, why=why)
+        ep_jobs.check_rounds(outs, specs, [VICTIM], lambda got, spec, why: _assert_round(got, spec, why=why))
     finally:
         _close_survivors(r)
 
