@@ -67,16 +67,18 @@ def _spec(world, seed, **kw):
     return s
 
 
-def _assert_round(out, spec):
+def _assert_round(out, spec, why=""):
+    """Every rank's round output raised nothing, found nothing and combined within the bound;
+    ``why`` ends each message (a test's timings)."""
     bound = FP8_BOUND if spec.get("fp8") else BF16_BOUND
     for rank, o in enumerate(out):
-        assert o["raised"] is None, "rank %d raised %r (spec %r)" % (rank, o["raised"], spec)
-        assert o["bad"] == [], "rank %d: %s (spec %r)" % (rank, o["bad"], spec)
-        assert not o["nan"], "rank %d: NaN in combined_x" % rank
-        assert o["calc_diff"] < bound, "rank %d: combine / fan-out vs x calc_diff %.3g >= %.1g (spec %r)" % (
-            rank, o["calc_diff"], bound, spec)
+        assert o["raised"] is None, "rank %d raised %r (spec %r) %s" % (rank, o["raised"], spec, why)
+        assert o["bad"] == [], "rank %d: %s (spec %r) %s" % (rank, o["bad"], spec, why)
+        assert not o["nan"], "rank %d: NaN in combined_x %s" % (rank, why)
+        assert o["calc_diff"] < bound, "rank %d: combine / fan-out vs x calc_diff %.3g >= %.1g (spec %r) %s" % (
+            rank, o["calc_diff"], bound, spec, why)
         if o["weights_diff"] is not None:
-            assert o["weights_diff"] < WEIGHT_BOUND, (rank, o["weights_diff"])
+            assert o["weights_diff"] < WEIGHT_BOUND, (rank, o["weights_diff"], why)
 
 
 def test_the_c500_profile_runs_ht_rounds_over_p2p():
@@ -550,7 +552,7 @@ def test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify(tr
     try:
         specs = [_late_rank_spec(), _spec(3, seed=96, masked=(VICTIM,))]
         outs = r.run_losing(VICTIM, "ep_ht_jobs:rounds", specs)
-        ep_jobs.check_rounds(outs, specs, [VICTIM], lambda got, spec, why: _assert_round(got, spec))
+        ep_jobs.check_rounds(outs, specs, [VICTIM], _assert_round)
         # and no survivor waits out the indirect bound (2 T + 1 s) on the dead rank in combine once
         # one of its waits has given up on it (ht.cuh failed_meanwhile: ~4.5 s, ~8.5 before)
         assert all(o[0]["t_combine"] < 2 * 3.0 + 1.0 for _, o in outs), _timings([o[0] for _, o in outs])
