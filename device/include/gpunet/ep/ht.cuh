@@ -257,11 +257,11 @@ GPUNET_DEVICE uint64_t slot_addr(const HtParams& P, uint64_t ring, uint32_t c, u
 // indirect and end with it (tests/test_ep_ht.py
 // test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked, which held with a plain bound
 // too). But the header comes from a peer that may still be in the PREVIOUS op, waiting out a dead
-// rank that this rank had already masked: its combine sender waits the indirect bound for the
-// dead rank's credit. With a plain bound this rank masked that LIVE peer in the next notify
-// (test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify: ~4.3 s late on a
-// 3 s bound). The grid waits (LlParams::timeout_ns: the data blocks wait for the notify when
-// both run in one launch) are above hb_cap + timeout_s (host: 7 x timeout_s + 4 s).
+// rank that this rank had already masked (its combine receiver for a bound and a half, its
+// sender until then: failed_meanwhile). With a plain bound this rank masked that LIVE peer in the
+// next notify (test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify). The
+// grid waits (LlParams::timeout_ns: the data blocks wait for the notify when both run in one
+// launch) are above hb_cap + timeout_s (host: 7 x timeout_s + 4 s).
 GPUNET_DEVICE uint64_t indirect_timeout(const HtParams& P) {
   return 2 * P.peer_timeout_ns + 1000000000ull;
 }
