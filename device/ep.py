@@ -49,7 +49,8 @@ EP_SITE_NAMES = {1: "block 0's quiet of the peers (the send staging's flag)", 2:
                  3: "the combine slot-table barrier", 4: "a received message", 5: "a peer's header",
                  6: "the combine layout check", 7: "this rank's own data (self counter)",
                  8: "a peer's high-throughput header", 9: "the high-throughput notify flag",
-                 10: "the num_worst_tokens check", 11: "the dispatch's token bitmaps (every block's)"}
+                 10: "the num_worst_tokens check", 11: "the dispatch's token bitmaps (every block's)",
+                 12: "a high-throughput bulk (TMA) copy into shared memory"}
 
 
 class LlParams(ctypes.Structure):

@@ -40,6 +40,23 @@ int gpunet_ep_ht_launch(const void* params, uint32_t grid, uint32_t block, uint3
   s.block = block;
   s.warp_size = ws;
   s.shared_bytes = (P.base.nranks + 15) / 16 * 16;  // the blocks' copies of the peer mask (ll.cuh)
+#if defined(GPUNET_ARM_CUDA)
+  // ht.cuh "Bulk copies": the warps' shared buffers where the GPU has the TMA (sm_90+) and can
+  // give the bytes (above 48 KB a kernel must opt in); otherwise the kernel copies without them.
+  const size_t bulk = size_t(gpunet::ep::ht_bulk_smem_bytes(P.base.nranks, block / 32));
+  int dev = 0, major = 0, optin = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
+      major >= 9 && size_t(optin) >= bulk) {
+    static size_t granted = 0;  // the attribute is per kernel: set once for the largest asked
+    if (bulk > granted &&
+        cudaFuncSetAttribute(k_ep_ht, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bulk)) == cudaSuccess)
+      granted = bulk;
+    if (bulk <= granted) s.shared_bytes = bulk;
+  }
+  (void)cudaGetLastError();  // a refused attribute leaves no sticky error for the launch's check
+#endif
   s.stream = stream;
   s.sync = sync != 0;
   return gpunet::launch_kernel(s, k_ep_ht, P);

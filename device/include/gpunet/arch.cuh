@@ -248,6 +248,60 @@ GPUNET_DEVICE uint8_t* shared_mem() {
   return gpunet_dynamic_smem;
 }
 
+// Bulk copies through the Tensor Memory Accelerator (sm_90+: cp.async.bulk, no tensor map):
+// global -> shared completes on an mbarrier (expected bytes), shared -> global in bulk groups.
+// A warp's lane issues a whole piece of a row at once, so the bytes in flight do not cost
+// registers (ht.cuh "Bulk copies" says where and why). Only where GPUNET_ARCH_HAS_BULK_COPY is
+// defined (the device pass for sm_90+); the other arms copy with loads and stores.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define GPUNET_ARCH_HAS_BULK_COPY 1
+GPUNET_DEVICE uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+// The launch's dynamic shared memory in bytes (the kernel checks a launcher asked for enough).
+GPUNET_DEVICE uint32_t dynamic_smem_bytes() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+// One arrival (the thread that arms it with the bytes it expects) completes a phase.
+GPUNET_DEVICE void mbar_init(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+GPUNET_DEVICE bool mbar_test(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  return done != 0;
+}
+// bytes (a multiple of 16, both ends 16-byte aligned) from global src into shared dst; bar's
+// phase completes when they have landed.
+GPUNET_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+// bytes from shared src to global dst, as one bulk group.
+GPUNET_DEVICE void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_u32(src)),
+               "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+// Every bulk store of this thread has read its shared source (the buffer may be written again).
+GPUNET_DEVICE void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Every bulk store of this thread is complete; then generic-proxy accesses are ordered after it.
+GPUNET_DEVICE void bulk_wait_done() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+// What this thread's generic-proxy accesses saw or wrote (an acquired tail or credit, the
+// stores before a block barrier) is ordered before its next bulk copy (the async proxy).
+GPUNET_DEVICE void bulk_fence_proxy() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+#endif
+
 // Two floats to float8 e4m3fn in one instruction (sm_89+): round to nearest even, finite results
 // saturate to +-448; `lo` lands in the low byte. Only where GPUNET_ARCH_HAS_E4M3X2 is defined (the
 // device pass for sm_89+); the other arms and older GPUs convert in software (gpunet/ep/ll.cuh

@@ -90,7 +90,7 @@ enum : uint32_t { HT_KIND_DISPATCH = 0, HT_KIND_COMBINE = 1 };
 enum : uint32_t { HT_SYNC_NOTIFY = 0, HT_SYNC_END = 1 };
 // EpStatus codes and sites of this mode (device/ep.py: EP_ERR_WORST, EP_SITE_HT_*)
 enum : uint32_t { EP_ERR_WORST = 5 };
-enum : uint32_t { EP_SITE_HT_HEADER = 8, EP_SITE_HT_NOTIFY = 9, EP_SITE_HT_WORST = 10 };
+enum : uint32_t { EP_SITE_HT_HEADER = 8, EP_SITE_HT_NOTIFY = 9, EP_SITE_HT_WORST = 10, EP_SITE_HT_BULK = 12 };
 // LlParams::prof (HtParams::base.prof; bench/ep_ht.py --profile): per block, thread 0 stores
 // now_ns() at the points below and, at the block's end, what it summed over its loop (ns and
 // counts, thread 0's view: it takes part in every step). 0 = not reached. Slots below ll.cuh's
@@ -494,17 +494,129 @@ GPUNET_DEVICE int32_t local_slot(const HtParams& P, uint64_t src, uint32_t d, ui
   return int32_t(e - lo);
 }
 
+// ---- bulk copies ---------------------------------------------------------------------------------
+// The data loops copy whole rows (x -> a mapped peer's ring or this rank's receive rows, ring ->
+// receive rows): 14 KB for DeepEP's hidden 7168. A warp copying with loads and stores keeps
+// kCopyUnroll 16-byte loads a lane in flight, 4 KB a warp, the most its registers allow (the
+// kernel is at its bound of 128 a thread), and the H200 / H100 profiles show those loops as
+// rounds of memory latency (sender "move" ~220 us of a ~290 us BF16 dispatch kernel, 2 ranks,
+// bench/RESULTS.md twenty-fourth session). Where the GPU has the TMA (CUDA, sm_90+) and the
+// launch has the shared memory (ep_ht.cu asks for ht_bulk_smem_bytes), lane 0 of each warp
+// copies instead with bulk copies through kBulkBufs shared buffers of kBulkPiece bytes:
+// kBulkBufs pieces in flight a warp, no registers. Completion: each buffer's mbarrier (loads,
+// bounded wait), and before the block barrier that publishes or credits the rows, every bulk
+// store complete (ht_copy_done). Elsewhere (HOST, MACA, older GPUs, a launch without the shared
+// memory) the warp copies as before: the same bytes land either way.
+constexpr uint32_t kBulkPiece = 4096, kBulkBufs = 3;
+constexpr uint32_t kBulkCtl = 64;  // a warp's control bytes: kBulkBufs mbarriers, then their uses
+GPUNET_HOST_DEVICE uint64_t ht_bulk_base(uint32_t nranks) {
+  return (uint64_t(smem_view_bytes(nranks)) + 16 * uint64_t(nranks) + 127) / 128 * 128;
+}
+// The dynamic shared memory a launch of nwarps warps a block needs for bulk copies.
+GPUNET_HOST_DEVICE uint64_t ht_bulk_smem_bytes(uint32_t nranks, uint32_t nwarps) {
+  return ht_bulk_base(nranks) + (uint64_t(nwarps) * kBulkCtl + 127) / 128 * 128 +
+         uint64_t(nwarps) * kBulkBufs * kBulkPiece;
+}
+struct HtBulk {
+  uint8_t* buf = nullptr;  // this warp's kBulkBufs buffers; null: copy with loads and stores
+  uint64_t* bar = nullptr;
+  uint32_t* uses = nullptr;  // per buffer: phases waited for (the next wait's parity)
+};
+GPUNET_DEVICE HtBulk ht_bulk(const HtParams& P, const Geo& g) {
+  HtBulk b;
+#if defined(GPUNET_ARCH_HAS_BULK_COPY)
+  const uint32_t R = P.base.nranks;
+  if (arch::dynamic_smem_bytes() < ht_bulk_smem_bytes(R, g.nwarps)) return b;
+  uint8_t* base = arch::shared_mem() + ht_bulk_base(R);
+  uint8_t* ctl = base + uint64_t(g.wid) * kBulkCtl;
+  b.bar = reinterpret_cast<uint64_t*>(ctl);
+  b.uses = reinterpret_cast<uint32_t*>(ctl + 8 * kBulkBufs);
+  b.buf = base + (uint64_t(g.nwarps) * kBulkCtl + 127) / 128 * 128 +
+          uint64_t(g.wid) * kBulkBufs * kBulkPiece;
+#else
+  (void)P;
+  (void)g;
+#endif
+  return b;
+}
+// Once per launch, before any copy: lane 0 of each warp arms its barriers.
+GPUNET_DEVICE void ht_bulk_init(const HtParams& P, const Geo& g) {
+#if defined(GPUNET_ARCH_HAS_BULK_COPY)
+  const HtBulk b = ht_bulk(P, g);
+  if (b.buf && g.lane == 0)
+    for (uint32_t i = 0; i < kBulkBufs; ++i) {
+      arch::mbar_init(&b.bar[i]);
+      b.uses[i] = 0;
+    }
+  arch::syncwarp();
+#else
+  (void)P;
+  (void)g;
+#endif
+}
+// The warp copies n bytes (n % 16 == 0, both ends 16-byte aligned) from src to dst.
+GPUNET_DEVICE void ht_copy(const HtParams& P, const Geo& g, const HtBulk& b, uint64_t dst, uint64_t src,
+                           uint64_t n) {
+#if defined(GPUNET_ARCH_HAS_BULK_COPY)
+  if (b.buf) {
+    if (g.lane == 0) {
+      arch::bulk_fence_proxy();
+      const uint64_t np = (n + kBulkPiece - 1) / kBulkPiece;
+      auto len = [&](uint64_t k) { return uint32_t(n - k * kBulkPiece < kBulkPiece ? n - k * kBulkPiece : kBulkPiece); };
+      for (uint64_t k = 0; k < np && k < kBulkBufs; ++k)
+        arch::bulk_load(b.buf + k * kBulkPiece, ptr<const void>(src + k * kBulkPiece), len(k), &b.bar[k]);
+      const uint64_t t0 = arch::now_ns();
+      for (uint64_t k = 0; k < np; ++k) {
+        const uint32_t i = uint32_t(k % kBulkBufs);
+        // bounded: a piece that never lands (it cannot, short of a fault) is recorded
+        for (uint32_t n_try = 0; !arch::mbar_test(&b.bar[i], b.uses[i] & 1); ++n_try)
+          if ((n_try & 255) == 255 && arch::now_ns() - t0 > P.base.timeout_ns) {
+            ep_fail(P.base, EP_ERR_GRID_WAIT, EP_SITE_HT_BULK, P.base.rank, n, k * kBulkPiece,
+                    arch::now_ns() - t0);
+            break;
+          }
+        ++b.uses[i];
+        arch::bulk_store(ptr<void>(dst + k * kBulkPiece), b.buf + uint64_t(i) * kBulkPiece, len(k));
+        if (k + kBulkBufs < np) {
+          arch::bulk_wait_read();  // the store above has read buffer i
+          arch::bulk_load(b.buf + uint64_t(i) * kBulkPiece, ptr<const void>(src + (k + kBulkBufs) * kBulkPiece),
+                          len(k + kBulkBufs), &b.bar[i]);
+        }
+      }
+      arch::bulk_wait_read();  // the buffers are free for the warp's next copy
+    }
+    arch::syncwarp();
+    return;
+  }
+#else
+  (void)P;
+  (void)b;
+#endif
+  warp_copy(g, dst, src, n);
+}
+// Before the block barrier that publishes (a tail) or frees (a credit) what the warp copied:
+// its bulk stores complete, ordered before the generic-proxy release that follows.
+GPUNET_DEVICE void ht_copy_done(const Geo& g, const HtBulk& b) {
+#if defined(GPUNET_ARCH_HAS_BULK_COPY)
+  if (b.buf && g.lane == 0) arch::bulk_wait_done();
+#else
+  (void)g;
+  (void)b;
+#endif
+}
+
 // Dispatch to itself: token t goes straight to its receive row `pos` (no ring, no signal).
-GPUNET_DEVICE void ht_deliver_self(const HtParams& P, const Geo& g, uint64_t pos, uint64_t t) {
+GPUNET_DEVICE void ht_deliver_self(const HtParams& P, const Geo& g, const HtBulk& bk, uint64_t pos,
+                                 uint64_t t) {
   const LlParams& B = P.base;
   const uint32_t H = B.hidden, K = B.topk;
   if (B.flags & F_FP8) {
-    warp_copy(g, P.out_x + pos * H, P.x + t * H, H);
+    ht_copy(P, g, bk, P.out_x + pos * H, P.x + t * H, H);
     const uint32_t G = H / kGroup;
     for (uint32_t q = g.lane; q < G; q += g.ws)
       ptr<float>(P.out_scales)[pos * G + q] = ptr<const float>(P.x_scales)[t * G + q];
   } else {
-    warp_copy(g, P.out_x + pos * H * 2, P.x + t * H * 2, uint64_t(H) * 2);
+    ht_copy(P, g, bk, P.out_x + pos * H * 2, P.x + t * H * 2, uint64_t(H) * 2);
   }
   if (g.lane == 0) ptr<int32_t>(P.out_src_idx)[pos] = int32_t(t);
   if ((B.flags & F_HT_TOPK) && g.lane < K) {
@@ -516,18 +628,18 @@ GPUNET_DEVICE void ht_deliver_self(const HtParams& P, const Geo& g, uint64_t pos
 }
 
 // Stage message `idx` (token or row `src`) for destination d into `msg`.
-GPUNET_DEVICE void ht_stage(const HtParams& P, const Geo& g, uint64_t msg, uint64_t src, uint32_t d,
-                            bool combine) {
+GPUNET_DEVICE void ht_stage(const HtParams& P, const Geo& g, const HtBulk& bk, uint64_t msg, uint64_t src,
+                            uint32_t d, bool combine) {
   const LlParams& B = P.base;
   const uint32_t H = B.hidden, K = B.topk;
   const bool fp8 = !combine && (B.flags & F_FP8);
   if (fp8) {
-    warp_copy(g, msg, P.x + src * H, H);
+    ht_copy(P, g, bk, msg, P.x + src * H, H);
     const uint32_t G = H / kGroup;
     for (uint32_t q = g.lane; q < G; q += g.ws)
       ptr<float>(msg + H)[q] = ptr<const float>(P.x_scales)[src * G + q];
   } else {
-    warp_copy(g, msg, P.x + src * H * 2, uint64_t(H) * 2);
+    ht_copy(P, g, bk, msg, P.x + src * H * 2, uint64_t(H) * 2);
   }
   int32_t* meta = ptr<int32_t>(msg + B.payload_bytes);
   if (g.lane == 0) {
@@ -588,6 +700,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
   const uint64_t self_row = uint64_t(pre[uint64_t(B.rank) * (nc + 1) + c]);
   const uint64_t t_start = arch::now_ns();
   HtClock clk = ht_clock(B, g);
+  const HtBulk bk = ht_bulk(P, g);
   if (g.lane == 0) {
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {
       // combine to itself: nothing to send (its receiver reads x in place)
@@ -684,12 +797,13 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       const uint64_t idx = *ws_word(P, 0, c, d, WS_SENT) + i;
       const uint64_t src = uint64_t(tok_list(P, c, d)[i]);
       if (d == B.rank && !combine) {
-        ht_deliver_self(P, g, self_row + idx, src);
+        ht_deliver_self(P, g, bk, self_row + idx, src);
       } else {
         const uint64_t m = ht_mapped_slot(P, c, d, idx);
-        ht_stage(P, g, m ? m : slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
+        ht_stage(P, g, bk, m ? m : slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
       }
     }
+    ht_copy_done(g, bk);
     arch::syncthreads();  // every staging store before the puts read them
     const uint64_t dt_move = clk.lap();
     // (3) the puts, by the whole block: on p2p every thread copies (put_nbi_block), on the NIC
@@ -759,6 +873,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
   }
   arch::syncthreads();
   HtClock clk = ht_clock(B, g);
+  const HtBulk bk = ht_bulk(P, g);
   for (;;) {
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
       uint64_t avail = 0;
@@ -797,7 +912,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
       const uint64_t idx = *ws_word(P, 1, c, j, WS_SENT) + m;
       const uint64_t msg = slot_addr(P, P.recv_ring, c, j, idx);
       const uint64_t pos = uint64_t(pre[uint64_t(j) * (nc + 1) + c]) + idx;
-      warp_copy(g, P.out_x + pos * row_bytes, msg, row_bytes);
+      ht_copy(P, g, bk, P.out_x + pos * row_bytes, msg, row_bytes);
       if (fp8)
         for (uint32_t q = g.lane; q < G; q += g.ws)
           ptr<float>(P.out_scales)[pos * G + q] = ptr<const float>(msg + H)[q];
@@ -810,6 +925,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
               ptr<const float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane];
       }
     }
+    ht_copy_done(g, bk);
     arch::syncthreads();  // every copy out of the ring is done before the credit frees its slots
     const uint64_t dt_move = clk.lap();
     bool left = false;
@@ -990,6 +1106,7 @@ GPUNET_DEVICE void run_ht(const HtParams& P) {
   }
   if (ok && (B.phases & PH_DATA) && !ep_failed(B)) {
     stamp(B, g, HT_ST_BEGIN);
+    ht_bulk_init(P, g);
     uint8_t* out = load_peer_view(B, g);
     const uint32_t c = g.bid / 2;
     if (c < P.nchannels) {
