@@ -114,11 +114,13 @@ def _rank_bench(rank, world, cfg):
             for op, fn in calls[(c, wp)].items():
                 sweep[op].append(laps(fn))
         res["sweep"] = sweep
-        # where the time goes, per op, at the Config this rank found fastest (the ranks agree
-        # closely; each profiles its own best): device stamps of every block (ht.cuh HT_ST_*)
+        # where the time goes, per op, at the Config fastest for the slowest rank, chosen by
+        # every rank alike: device stamps of every block (ht.cuh HT_ST_*)
+        every = [None] * world
+        dist.all_gather_object(every, {op: [statistics.median(l) for l in lapsets]
+                                       for op, lapsets in sweep.items()})
         res["profile"] = {}
-        for op, lapsets in sweep.items():
-            i = min(range(len(configs)), key=lambda i: statistics.median(lapsets[i]))
+        for op, i in profile_choice(every).items():
             buf._ht_warps = warps[i]
             res["profile"][op] = _profile(buf, calls[(configs[i], warps[i])][op], align, gpu,
                                           cfg["configs"][i])
@@ -130,6 +132,19 @@ def _rank_bench(rank, world, cfg):
     everyone = [None] * world
     dist.all_gather_object(everyone, res)
     return everyone if rank == 0 else None
+
+
+def profile_choice(medians):
+    """The Config index each op is profiled at, the same on every rank: medians[r][op][i] is rank
+    r's median time of op at Config i; the choice is the Config whose slowest rank is fastest
+    (the table's figure). Each rank picking its own fastest made the ranks call with different
+    Configs when two were close (H100, twenty-fourth session: 2 of 4 runs ended in the
+    ConfigError "a peer's call disagrees", rightly raised by the kernels' header check)."""
+    out = {}
+    for op in medians[0]:
+        slowest = [max(m[op][i] for m in medians) for i in range(len(medians[0][op]))]
+        out[op] = min(range(len(slowest)), key=slowest.__getitem__)
+    return out
 
 
 def _profile(buf, fn, align, gpu, config):

@@ -172,6 +172,25 @@ def test_ep_profile_cpu_gives_every_phase_of_every_call(tmp_path):
     assert "check: OK" in r.stdout and "kernel" in r.stdout
 
 
+def test_ep_ht_profiles_every_rank_at_the_same_config():
+    """bench/ep_ht.py profiles each op at one Config for all ranks: the one whose slowest rank's
+    median is lowest. Generated: 2 Configs where rank 0 is faster at the first and rank 1 at the
+    second (each rank's own best differs, which made the ranks call with different Configs);
+    invariant: one answer, the min over Configs of the max over ranks, whichever rank asks."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import ep_ht
+    finally:
+        sys.path.pop(0)
+    r0 = {"dispatch bf16": [100.0, 130.0], "combine bf16": [90.0, 95.0]}
+    r1 = {"dispatch bf16": [125.0, 110.0], "combine bf16": [99.0, 80.0]}
+    # slowest per Config: dispatch [125, 130] -> 0; combine [99, 95] -> 1
+    assert ep_ht.profile_choice([r0, r1]) == {"dispatch bf16": 0, "combine bf16": 1}
+    assert ep_ht.profile_choice([r1, r0]) == ep_ht.profile_choice([r0, r1])
+    # each rank's own fastest disagrees here: the old choice
+    assert min(range(2), key=r0["dispatch bf16"].__getitem__) != min(range(2), key=r1["dispatch bf16"].__getitem__)
+
+
 def test_ep_profile_ab_takes_the_slower_rank_and_the_late_starting_ranks_kernel(tmp_path):
     """bench/ep_profile_ab.py on ep_profile.py-shaped JSON: per run the slower rank's figure and
     the kernel of the rank with the largest skew (not the slower one), the median [min, max]
