@@ -251,8 +251,9 @@ GPUNET_DEVICE uint8_t* shared_mem() {
 // Bulk copies through the Tensor Memory Accelerator (sm_90+: cp.async.bulk, no tensor map):
 // global -> shared completes on an mbarrier (expected bytes), shared -> global in bulk groups.
 // A warp's lane issues a whole piece of a row at once, so the bytes in flight do not cost
-// registers (ht.cuh "Bulk copies" says where and why). Only where GPUNET_ARCH_HAS_BULK_COPY is
-// defined (the device pass for sm_90+); the other arms copy with loads and stores.
+// registers (ht.cuh "bulk copies" says where and why). Only where GPUNET_ARCH_HAS_BULK_COPY is
+// defined: the device pass for sm_90+, and the HOST arm's emulation (below, for CI); MACA and
+// older GPUs copy with loads and stores.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define GPUNET_ARCH_HAS_BULK_COPY 1
 GPUNET_DEVICE uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
@@ -655,6 +656,27 @@ GPUNET_DEVICE uint8_t* shared_mem() {
   static thread_local uint8_t lone[16];
   return hd::tl_ctx ? hd::tl_ctx->block->smem.data() : lone;
 }
+
+// Bulk copies (the CUDA arm's TMA primitives, same names and contract), emulated so that the
+// code paths that use them (ht.cuh "bulk copies") run in CI: a load lands at once and completes
+// its barrier's phase (the word counts completed phases), a store is a copy. Their bytes are
+// plain memory accesses, outside the weak model, as the loads and stores of warp_copy are.
+#define GPUNET_ARCH_HAS_BULK_COPY 1
+GPUNET_DEVICE uint32_t dynamic_smem_bytes() {
+  return hd::tl_ctx ? uint32_t(hd::tl_ctx->block->smem.size()) : 0;
+}
+GPUNET_DEVICE void mbar_init(uint64_t* bar) { __atomic_store_n(bar, uint64_t(0), __ATOMIC_RELEASE); }
+GPUNET_DEVICE bool mbar_test(uint64_t* bar, uint32_t parity) {
+  return (__atomic_load_n(bar, __ATOMIC_ACQUIRE) & 1) != parity;  // (several lanes may wait)
+}
+GPUNET_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  std::memcpy(dst, src, bytes);
+  __atomic_fetch_add(bar, uint64_t(1), __ATOMIC_RELEASE);
+}
+GPUNET_DEVICE void bulk_store(void* dst, const void* src, uint32_t bytes) { std::memcpy(dst, src, bytes); }
+GPUNET_DEVICE void bulk_wait_read() {}
+GPUNET_DEVICE void bulk_wait_done() {}
+GPUNET_DEVICE void bulk_fence_proxy() {}
 #endif
 
 // ---- every arm, from the primitives above ------------------------------------------------------

@@ -505,8 +505,9 @@ GPUNET_DEVICE int32_t local_slot(const HtParams& P, uint64_t src, uint32_t d, ui
 // copies instead with bulk copies through kBulkBufs shared buffers of kBulkPiece bytes:
 // kBulkBufs pieces in flight a warp, no registers. Completion: each buffer's mbarrier (loads,
 // bounded wait), and before the block barrier that publishes or credits the rows, every bulk
-// store complete (ht_copy_done). Elsewhere (HOST, MACA, older GPUs, a launch without the shared
-// memory) the warp copies as before: the same bytes land either way.
+// store complete (ht_copy_done). Elsewhere (MACA, older GPUs, a launch without the shared
+// memory) the warp copies as before: the same bytes land either way. The HOST arm emulates the
+// bulk primitives (arch.cuh) and its launches have the shared memory, so CI runs this path.
 constexpr uint32_t kBulkPiece = 4096, kBulkBufs = 3;
 constexpr uint32_t kBulkCtl = 64;  // a warp's control bytes: kBulkBufs mbarriers, then their uses
 GPUNET_HOST_DEVICE uint64_t ht_bulk_base(uint32_t nranks) {
