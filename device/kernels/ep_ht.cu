@@ -41,21 +41,29 @@ int gpunet_ep_ht_launch(const void* params, uint32_t grid, uint32_t block, uint3
   s.warp_size = ws;
   s.shared_bytes = (P.base.nranks + 15) / 16 * 16;  // the blocks' copies of the peer mask (ll.cuh)
 #if defined(GPUNET_ARM_CUDA)
-  // ht.cuh "Bulk copies": the warps' shared buffers where the GPU has the TMA (sm_90+) and can
+  // ht.cuh "bulk copies": the warps' shared buffers where the GPU has the TMA (sm_90+) and can
   // give the bytes (above 48 KB a kernel must opt in); otherwise the kernel copies without them.
+  // The device's answer is read once per device, not at every launch.
   const size_t bulk = size_t(gpunet::ep::ht_bulk_smem_bytes(P.base.nranks, block / 32));
-  int dev = 0, major = 0, optin = 0;
-  if (cudaGetDevice(&dev) == cudaSuccess &&
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
-      major >= 9 && size_t(optin) >= bulk) {
-    static size_t granted = 0;  // the attribute is per kernel: set once for the largest asked
-    if (bulk > granted &&
-        cudaFuncSetAttribute(k_ep_ht, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bulk)) == cudaSuccess)
-      granted = bulk;
-    if (bulk <= granted) s.shared_bytes = bulk;
+  constexpr int kDevs = 64;
+  static int optin_of[kDevs];  // 0: not read yet; -1: no TMA; else the opt-in shared bytes
+  int dev = 0;
+  if (cudaGetDevice(&dev) == cudaSuccess && dev >= 0 && dev < kDevs && optin_of[dev] == 0) {
+    int major = 0, optin = 0;
+    const bool read = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess;
+    optin_of[dev] = read && major >= 9 && optin > 0 ? optin : -1;
   }
-  (void)cudaGetLastError();  // a refused attribute leaves no sticky error for the launch's check
+  if (dev >= 0 && dev < kDevs && optin_of[dev] > 0 && size_t(optin_of[dev]) >= bulk) {
+    static size_t granted_of[kDevs];  // the attribute (per kernel and device): the largest set
+    if (bulk > granted_of[dev]) {
+      if (cudaFuncSetAttribute(k_ep_ht, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bulk)) == cudaSuccess)
+        granted_of[dev] = bulk;
+      else
+        (void)cudaGetLastError();  // a refused attribute leaves no error for the launch's check
+    }
+    if (bulk <= granted_of[dev]) s.shared_bytes = bulk;
+  }
 #elif defined(GPUNET_ARM_HOST)
   // the HOST arm emulates the bulk copies (arch.cuh), so CI runs that path
   s.shared_bytes = size_t(gpunet::ep::ht_bulk_smem_bytes(P.base.nranks, block / ws));
