@@ -1,7 +1,7 @@
 """Does the soft NIC's copy engine stall behind the caller's own CUDA calls? (CUDA only.)
 
 The soft NIC on CUDA moves the bytes of a device-memory heap with the CUDA runtime
-(host/platform.py Platform.copy_engine: cudaMemcpyAsync on a non-blocking stream of its own, then
+(gpunet/host/platform.py Platform.copy_engine: cudaMemcpyAsync on a non-blocking stream of its own, then
 cudaStreamSynchronize, from the NIC's engine thread). A kernel that waits for NIC-set data while
 the caller's thread blocks in a CUDA call queued behind that kernel deadlocks until the kernel's
 bound if the engine's copy has to wait for the caller's call. This measures exactly that, with no

@@ -20,7 +20,7 @@ Target (issue 7): put+quiet under 30 us median on the 2-core CI machine, in ever
 processes' load disturbs these figures (the polling threads give way to any runnable thread): the
 machine's load average is recorded at the start and at the end, and a CPU probe (a fixed Python
 loop) before each run says how fast the vCPU ran then. On the CPU a waiting caller runs the soft
-NIC's and the proxy's passes itself (host/progress.py), so a put + quiet needs no other thread.
+NIC's and the proxy's passes itself (gpunet/host/progress.py), so a put + quiet needs no other thread.
 --diag adds, per row and thread of each rank (caller, NIC engine, proxy threads): CPU time, time
 runnable but not running, switches, migrations and the CPU it ran on last.
 

@@ -5,13 +5,13 @@
     python bench/device_post.py --cpu-smoke                 # the same script on the HOST arm (CI box)
     python bench/device_post.py --phases ...                # + where lane 0's time per post goes
 
-The device code is gpunet's own (device/include/gpunet/qp.cuh through gpunet.device.testing's
-kernels/schedule.cu and kernels/post_rate.cu), built with device/loader.py for arch "cuda"
+The device code is gpunet's own (gpunet/device/include/gpunet/qp.cuh through gpunet.device.testing's
+kernels/schedule.cu and kernels/post_rate.cu), built with gpunet/device/loader.py for arch "cuda"
 (nvcc -arch=sm_90). Needs gpunet installed (``pip install --no-deps -e .``).
 
 Memory (the same on every row):
 - SQ rings, CQs, doorbell records and doorbell words: in a soft NIC's arena (an mmap'd /dev/shm
-  file), registered whole with cudaHostRegister(Mapped | Portable) through host/platform.py; the
+  file), registered whole with cudaHostRegister(Mapped | Portable) through gpunet/host/platform.py; the
   GPU uses the device pointer it returns (translated per address), the CPU the arena address.
 - QpDesc (with its device-only state), its slot arrays, DevCtx, PeerDesc, Status, SchedParams, the
   schedule's results / violations and the bench kernel's arguments: device memory (cudaMalloc),
@@ -96,7 +96,7 @@ def build(arch, defines=None):
     return S.load(arch, defines=defines), post_rate.load(arch, defines)
 
 
-# --- device memory helpers (shared with the Python API: device/descriptors.py) ---------------------
+# --- device memory helpers (shared with the Python API: gpunet/device/descriptors.py) ---------------------
 Dev = DeviceMemory          # device-memory copies of ctypes objects / numpy arrays
 Mapped = NicMapping         # a NIC's mapped_ranges() (the soft NIC: its arena) registered with the GPU
 

@@ -149,7 +149,7 @@ def profile_choice(medians):
 
 def _profile(buf, fn, align, gpu, config):
     """PROFILE_CALLS calls of fn with the HT kernels' stamps on (gpunet/ep/buffer.py
-    _set_profile; names in device/ep.py HT_ST_NAMES). Per call: host (perf_counter around the
+    _set_profile; names in gpunet/device/ep.py HT_ST_NAMES). Per call: host (perf_counter around the
     Python call), notify (block 0 of the notify launch: begin .. headers posted .. every source's
     header seen), gap (notify end .. the data launch's first block in: the host's sync and
     allocations between the two launches), kernel (the data launch's first block in .. last block

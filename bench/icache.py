@@ -2,7 +2,7 @@
 
     python bench/icache.py --gpu [--runs 5] [--json FILE]
 
-device/testing/kernels/icache_probe.cu runs N steps of straight-line code (a clock read and an
+gpunet/device/testing/kernels/icache_probe.cu runs N steps of straight-line code (a clock read and an
 xor each, about 48 B of SASS) twice in one thread and times each pass with the SM clock. The cold
 pass pays the instruction fetch from L2 / HBM; the warm pass the issue alone. The gpunet EP kernels are hundreds of KB of SASS whose phases
 each run once per launch (bench/RESULTS.md), so cold ns per KB of code is a fixed cost per phase.

@@ -11,7 +11,7 @@ transport="p2p": device-memory heaps opened by CUDA IPC, the kernels store into 
   GPU stream time, not Python issue time (a batch whose start event had already passed when the
   host finished queuing is retried with a longer hold; "held" in the JSON says it worked).
   ratio = put GB/s / memcpy GB/s; target (issue 9): >= 0.85 from 1 MiB up.
-- ping-pong: device/testing/kernels/p2p_bench.cu on both ranks, one thread each: put_signal_nbi
+- ping-pong: gpunet/device/testing/kernels/p2p_bench.cu on both ranks, one thread each: put_signal_nbi
   (8 bytes, SET) and wait_until, timed inside the kernel (%globaltimer) over ``--pp-iters`` round
   trips after a warm-up. Target: <= 2 us a round trip (a plain CUDA IPC flag ping-pong measured
   0.73 us, FACTS.md). Mode 8 (the verbs on the kernel's copy of the DevCtx, the peer named by a
@@ -54,7 +54,7 @@ TARGET_RATIO_FROM = 1 << 20
 TARGET_RTT_US = 2.0          # issue 9: put_signal ping-pong round trip
 MEMCPY_D2D = 3               # cudaMemcpyDeviceToDevice
 RANK_TIMEOUT_S = 900
-# device/testing/kernels/p2p_bench.cu's modes; TARGET_MODE is the figure held to TARGET_RTT_US.
+# gpunet/device/testing/kernels/p2p_bench.cu's modes; TARGET_MODE is the figure held to TARGET_RTT_US.
 PP_MODES = {0: "verbs", 1: "verbs, DevCtx by pointer", 2: "raw: acquire poll",
             3: "raw: relaxed poll + acquire", 4: "raw: acquire poll + pause",
             5: "put_signal verb, raw wait", 6: "raw send, wait_until verb",
@@ -458,7 +458,7 @@ def _details(pp, sweep, profile=None):
     tail keeps)."""
     lines = []
     if pp:
-        lines.append("put_signal ping-pong modes (device/testing/kernels/p2p_bench.cu), round trip:")
+        lines.append("put_signal ping-pong modes (gpunet/device/testing/kernels/p2p_bench.cu), round trip:")
         for m in pp["modes"]:
             lines.append("  mode %d %-30s %.2f us [%.2f, %.2f]" % (m["mode"], m["name"], m["rtt_us"],
                                                                   m["rtt_us_min"], m["rtt_us_max"]))

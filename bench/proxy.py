@@ -1,4 +1,4 @@
-"""Benchmark of the CPU-proxy transport (host/proxy.py, device/include/gpunet/proxy.cuh).
+"""Benchmark of the CPU-proxy transport (gpunet/host/proxy.py, gpunet/device/include/gpunet/proxy.cuh).
 
 CPU mode (default): producers are numba threads running ``proxy.cpu_push`` (the device's push
 protocol: one reservation per group of 32 commands, like a warp, cached tail, backoff) into
@@ -432,7 +432,7 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
     lh, rh = a.alloc(1 << 16), b.alloc(1 << 16)
     pcpu = [cpus["proxy"]] if "proxy" in cpus else None
     # the proxy spins (10 ms after its last command) only on a core of its own: spinning on a
-    # shared core takes it from the threads it waits for (host/proxy.py SPIN_US)
+    # shared core takes it from the threads it waits for (gpunet/host/proxy.py SPIN_US)
     pspin = 10_000 if plan else 0
     if drain_only:
         eng = P.ProxyEngine(None, [ch], None, (lh.ctypes.data, 1), [(0, 2)], drain_only=True,
@@ -500,7 +500,7 @@ def run_roundtrip(iters, arch="cuda", size=64, drain_only=False, nic_spin_us=0.0
 def _nic_leg(sq, nbb, qpn, dbrec, db, cq, cqe_cnt, cq_dbrec, raddr, rkey, laddr, lkey, n, out,
              scratch, timeout_ns):
     """The proxy's half of the soft-NIC path without the proxy: post one signalled 64-B WRITE
-    (host/wq.py, as the proxy does), ring, poll the CQ until its CQE; out[i] = ns per WQE.
+    (gpunet/host/wq.py, as the proxy does), ring, poll the CQ until its CQE; out[i] = ns per WQE.
     Returns 0, or -1 if a CQE did not come within timeout_ns."""
     ci = 0
     for i in range(n):

@@ -1,4 +1,4 @@
-"""How a Context runs device code for its host wrappers: one thread of device/kernels/ops.cu's
+"""How a Context runs device code for its host wrappers: one thread of gpunet/device/kernels/ops.cu's
 op-list kernel per call, or its bulk put with blocks sized to the bytes (p2p puts: the threads
 copy, see bulk_geometry), and (CUDA) the ring of OpDesc slots for launches in flight.
 
@@ -105,7 +105,7 @@ def to_host(t):
 class Launcher(Resource):
     """Runs op lists for one Context. ``nic``: where the CUDA ring lives (``nic.alloc``);
     ``gpu``: launch on CUDA (else the HOST arm); ``warp_size``: the launches' warp size. ``dev``
-    (the Context's device context, device/descriptors.py DeviceContext) is set once it exists.
+    (the Context's device context, gpunet/device/descriptors.py DeviceContext) is set once it exists.
 
     A Resource: on CUDA ``close()`` first waits for the current stream, because no kernel may
     still run on descriptors its Context is about to free (the Context closes it first).

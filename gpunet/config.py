@@ -64,7 +64,7 @@ KNOBS = (
          "HOST arm: most OS threads one emulated launch may start (read by host_simt.h)"),
     Knob("GPUNET_SKIP_APT", "env", "flag", "0", ("0", "1"),
          "scripts/install.sh: 1 skips the apt step (no root, or packages already there)"),
-    # --- build defines (pass with device/loader.py build(defines=...)) --------------------------
+    # --- build defines (pass with gpunet/device/loader.py build(defines=...)) --------------------------
     Knob("GPUNET_WARP_MIN_CHUNK", "define", "int", 256, (),
          "put_nbi_warp: smallest chunk one lane posts (a WQE per few bytes costs NIC work)"),
     Knob("GPUNET_TRANSPORTS", "define", "int", 14, (),

@@ -8,10 +8,10 @@
         gpunet.barrier()
 
 Each host wrapper (put / get / put_signal / atomic_add / quiet / barrier) launches the device
-kernel of device/kernels/ops.cu with one thread: the same gpunet.cuh code a user kernel calls.
+kernel of gpunet/device/kernels/ops.cu with one thread: the same gpunet.cuh code a user kernel calls.
 A failure the kernel records in its Status block is raised as a gpunet.GpunetError subclass.
 
-Platforms (host/platform.py decides; GPUNET_PLATFORM=cpu forces the CPU):
+Platforms (gpunet/host/platform.py decides; GPUNET_PLATFORM=cpu forces the CPU):
 - ``cpu``: the HOST arm's SIMT emulator runs the kernel; every launch is synchronous and every
   wrapper raises its own errors. Heap tensors are CPU tensors.
 - ``cuda``: the kernel runs on the GPU, launched on ``torch.cuda.current_stream()``.
@@ -33,7 +33,7 @@ Platforms (host/platform.py decides; GPUNET_PLATFORM=cpu forces the CPU):
   lists) stay in its arena, pinned with cudaHostRegister; gpunet needs the
   registered arena's device pointer to equal its host address (UVA, x86-64 Linux), otherwise
   ConfigError. Several ranks on one GPU need an MPS daemon to run side by side (FACTS.md).
-  Descriptors (DevCtx, PeerDesc, QpDesc, Status) are in device memory (device/descriptors.py); the op
+  Descriptors (DevCtx, PeerDesc, QpDesc, Status) are in device memory (gpunet/device/descriptors.py); the op
   lists of in-flight launches are in the mapped arena.
 
 Transports are chosen per peer (gpunet/transports.py): ``ibgda`` (the kernel posts WQEs and rings
@@ -43,7 +43,7 @@ too), otherwise ibgda where the NIC's doorbell can be mapped into the device, el
 and logs which and why.
 
 What the Context owns, in the order it makes them (and closes them in reverse: gpunet.resource):
-the bootstrap, the NIC (host/nic.py open_nic), on CUDA the NIC's GPU mapping, the device
+the bootstrap, the NIC (gpunet/host/nic.py open_nic), on CUDA the NIC's GPU mapping, the device
 memory of the descriptors and the device heap, the transports (QPs, proxy channels
 and engine, p2p peers' heap mappings: closed before the heap is freed), the close barrier with
 the peers that map this heap (Transports.close_barrier: bounded), the launcher
@@ -431,7 +431,7 @@ class Context(Resource):
 
     def _setup_device_heap(self, heap_bytes):
         """CUDA: the heap in GPU memory of the policy's p2p_dst kind (device on nvidia,
-        Finegrained on c500: host/platform.py says why), a child: freed when the Context closes,
+        Finegrained on c500: gpunet/host/platform.py says why), a child: freed when the Context closes,
         after the transports closed the peers' mappings of theirs; zeroed before any peer can
         store into it (the barrier slots and scratch of the head start at 0). Returns its
         address."""

@@ -2,8 +2,8 @@
 
 It prints a table (section, check, result, detail) and writes the same as JSON (``--json``):
 
-- platform / gpu / toolchain: what host/platform.py detects, the GPUs torch sees, the compilers
-  device/loader.py would use (g++ for the HOST arm, nvcc, MACA's mxcc).
+- platform / gpu / toolchain: what gpunet/host/platform.py detects, the GPUs torch sees, the compilers
+  gpunet/device/loader.py would use (g++ for the HOST arm, nvcc, MACA's mxcc).
 - nic: the RDMA devices the kernel lists (/sys/class/infiniband: ports, link layers, GIDs), what
   ``open_nic("verbs")`` says, the NIC the checks use, DevX / UMEM / atomic endianness as that NIC
   reports them (``getattr``: a NIC that does not report one says so), the doorbell's mapping into
@@ -14,14 +14,14 @@ It prints a table (section, check, result, detail) and writes the same as JSON (
   read (get) and fetch-add (atomic_add) to itself, each checked byte for byte; every device wait
   is bounded by ``--timeout``.
 - coherence: measured, per memory kind (device / finegrained / host) and direction, with and
-  without the fences the coherence policy uses, through device/kernels/doctor.cu (its top comment
+  without the fences the coherence policy uses, through gpunet/device/kernels/doctor.cu (its top comment
   is the protocol): the NIC RDMA-WRITEs a pattern and a kernel that read the buffer earlier
   re-reads it within PROBE_VISIBLE_S; a kernel stores a pattern and the NIC RDMA-READs it back
   within the same bound. No eviction, no remote SM load, every wait bounded, each probe on fresh
   buffers deregistered after. On the CPU the soft NIC's coherence model answers: the ``c500``
   profile's ``device`` memory reads stale in both directions (its HBM image syncs only at
   ``SoftNic.evict``), everything else fresh (tests/test_doctor.py).
-- policy: every NIC-touched role of host/platform.py's COHERENCE_POLICY checked against the
+- policy: every NIC-touched role of gpunet/host/platform.py's COHERENCE_POLICY checked against the
   measurement of the kind it is placed in.
 
 Results: ``ok`` / ``FAIL`` (a check that must pass), ``yes`` / ``no`` (a capability),
@@ -67,7 +67,7 @@ PROBE_PATTERN = 0x5A5A_0000_0000_0000   # + the probe's number: no probe sees an
 LOOPBACK_BYTES = 4096
 LOOPBACK_HEAP = 1 << 20
 
-# ProbeCtl (device/kernels/doctor.cu) word indices; the kernel's size is checked at load.
+# ProbeCtl (gpunet/device/kernels/doctor.cu) word indices; the kernel's size is checked at load.
 CTL_READY, CTL_GO, CTL_DONE, CTL_MATCHED, CTL_FIRST_BAD, CTL_WAITED_NS, CTL_CODE, CTL_WARM_OLD, \
     CTL_PASSES = range(9)
 CTL_BYTES = 128
@@ -118,7 +118,7 @@ def _err(e):
 @contextlib.contextmanager
 def _forced(platform, profile):
     """``--platform`` / ``--profile`` for this run: they are the GPUNET_PLATFORM / GPUNET_PROFILE
-    knobs (host/platform.py reads them when it detects), set while the doctor runs and restored
+    knobs (gpunet/host/platform.py reads them when it detects), set while the doctor runs and restored
     after, with the cached platform forgotten on both edges."""
     from gpunet.host.platform import reset_platform
 
@@ -277,7 +277,7 @@ def _nic_rows(rep, plat, nic_kind):
 
 def _nic_capability_rows(rep, nic, used, devs, verbs_error):
     """DevX, port, ring (UMEM) placement and atomic endianness, as the NIC reports them. Read
-    with getattr: host/nic.py's Nic does not require these attributes (host/devx.py's DevxNic has
+    with getattr: gpunet/host/nic.py's Nic does not require these attributes (gpunet/host/devx.py's DevxNic has
     them), and a NIC without one gets a row saying so."""
     no_nic = "no NIC (soft NIC used)"
     if getattr(nic, "devx", False):
@@ -495,7 +495,7 @@ def warm(nic_kind="soft", timeout_s=60.0, log=None):
     return rep
 
 
-# The library's kernel sources (device/kernels) that its calls build for the CUDA arm on first
+# The library's kernel sources (gpunet/device/kernels) that its calls build for the CUDA arm on first
 # use: prebuild_cuda's default. Serially they took 56 s on this project's 2-core CI VM (ep_ll.cu
 # alone 25 s), and each GPU call of the development machines starts on a fresh machine.
 CUDA_KERNELS = ("ep_ll.cu", "ep_ht.cu", "ops.cu", "doctor.cu")
@@ -558,7 +558,7 @@ def prebuild_cuda(sources=None, jobs=None, then=None):
 # --- coherence probes -----------------------------------------------------------------------------
 
 def load_probe(arch):
-    """Build (cached) and bind device/kernels/doctor.cu for ``arch``; checks ProbeCtl's size."""
+    """Build (cached) and bind gpunet/device/kernels/doctor.cu for ``arch``; checks ProbeCtl's size."""
     from gpunet.device import loader
     from gpunet.errors import ToolchainError
 
@@ -577,7 +577,7 @@ def load_probe(arch):
 
 class Prober:
     """The coherence probes on one NIC: a connected QP pair on it (the NIC writes and reads with
-    host-posted WQEs, host/wq.py), a staging buffer in host memory, and the probe kernel.
+    host-posted WQEs, gpunet/host/wq.py), a staging buffer in host memory, and the probe kernel.
 
     ``g`` translates NIC-memory addresses for the kernel (identity on the CPU; on a GPU the
     NicMapping of the NIC's memory). ``timeout_s`` bounds every wait of the handshake."""
@@ -796,7 +796,7 @@ def _coherence_rows(rep, plat, nic, used, timeout_s):
     try:
         lib = load_probe(arch)
     except GpunetError as e:
-        rep.add("coherence", "probe kernel (device/kernels/doctor.cu)", "FAIL", _err(e))
+        rep.add("coherence", "probe kernel (gpunet/device/kernels/doctor.cu)", "FAIL", _err(e))
         return
     mapping = None
     try:

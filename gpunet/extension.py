@@ -2,8 +2,8 @@
 
 A user kernel includes ``<gpunet/gpunet.cuh>``, takes a ``gpunet::DevCtx*`` (``ctx.device_context()
 .ptr``) and is started by an ``extern "C"`` host wrapper that calls ``gpunet::launch_kernel``
-(device/include/gpunet/arch.cuh). This builds such sources for the arm of the platform gpunet runs
-on (CPU: the HOST arm, g++; CUDA: nvcc; MACA: mxcc, unverified) with device/loader.py, cached like
+(gpunet/device/include/gpunet/arch.cuh). This builds such sources for the arm of the platform gpunet runs
+on (CPU: the HOST arm, g++; CUDA: nvcc; MACA: mxcc, unverified) with gpunet/device/loader.py, cached like
 gpunet's own kernels, and returns the loaded library. examples/exchange.py is a worked example.
 """
 ARMS = {"cpu": "host", "cuda": "cuda", "maca": "maca"}
@@ -14,8 +14,8 @@ def build_extension(sources, defines=None, include_dirs=None, extra_flags=None, 
     shared library and load it: a ``ctypes.CDLL`` (set each function's argtypes before calling).
 
     ``defines`` ({"NAME": value or None}), ``include_dirs`` (searched after gpunet's own
-    ``device/include``) and ``extra_flags`` go to the compiler; ``arch``: "host" | "cuda" | "maca",
-    by default the current platform's arm (host/platform.py ``get_platform()``), which is what a
+    ``gpunet/device/include``) and ``extra_flags`` go to the compiler; ``arch``: "host" | "cuda" | "maca",
+    by default the current platform's arm (gpunet/host/platform.py ``get_platform()``), which is what a
     Context on this platform launches with. Raises ToolchainError when the compiler is missing or
     the compile fails (with its output), ConfigError for a missing source or an unknown arch.
     """

@@ -3,7 +3,7 @@
 Names and values are those of the mlx5 PRM as rdma-core spells them (providers/mlx5/mlx5dv.h,
 installed by Debian's libibverbs-dev as /usr/include/infiniband/mlx5dv.h); tests/test_mlx5_oracle.py
 compiles a C program against that header and checks every offset, value and builder byte for byte.
-``device/include/gpunet/mlx5.cuh`` mirrors this module for device code.
+``gpunet/device/include/gpunet/mlx5.cuh`` mirrors this module for device code.
 
 Every builder and parser takes ``(buf, off, ...)`` where ``buf`` is a 1-D ``np.uint8`` array and
 ``off`` a byte offset, and is a numba function (``host/rawmem.wire_njit``): callable from Python
@@ -253,7 +253,7 @@ def set_inline_hdr(buf, off, nbytes):
 # per WQEBB: use ``write_wqe_wrapped`` for WQEs of more than one WQEBB).
 
 # build_rdma / build_atomic and their segment setters are inline="always": the proxy's drain
-# (host/proxy.py) builds one WQE per command, and a numba call costs more than the build.
+# (gpunet/host/proxy.py) builds one WQE per command, and a numba call costs more than the build.
 @wire_njit(cache=True, inline="always")
 def build_rdma(buf, off, pi, qpn, opcode, fm_ce_se, raddr, rkey, laddr, lkey, nbytes, imm):
     """RDMA WRITE / WRITE_WITH_IMM / READ with one data segment (ds = 3, one WQEBB)."""

@@ -1,7 +1,7 @@
 """One lifecycle for every object that owns something to release (ground floor: imports only
 gpunet.errors).
 
-Every resource owner of gpunet derives from :class:`Resource`: the Context, the NIC (host/nic.py),
+Every resource owner of gpunet derives from :class:`Resource`: the Context, the NIC (gpunet/host/nic.py),
 the proxy engine and channels, platform allocations, device-memory copies and the GPU mapping of
 the NIC, the bootstrap. The contract, the same for all of them
 (tests/test_resource.py checks it for every subclass):

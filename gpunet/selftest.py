@@ -1,6 +1,6 @@
 """``python -m gpunet selftest``: two connected QPs on the soft NIC, every operation kind, a table.
 
-Runs on any CPU-only machine. Each row posts real mlx5 WQEs through host/wq.py into a soft-NIC
+Runs on any CPU-only machine. Each row posts real mlx5 WQEs through gpunet/host/wq.py into a soft-NIC
 send queue, rings the doorbell, waits for the CQE and checks the bytes that arrived; the last rows
 show the protection checks and the C500 coherence model at work. Exit status 1 if any row failed.
 """

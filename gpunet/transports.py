@@ -3,9 +3,9 @@ descriptors of ibgda peers, and the proxy channels and engine of proxy peers (DE
 "Transports under one device API").
 
 - ``ibgda``: the kernel writes WQEs into the peer QP's send ring and rings its doorbell itself
-  (device/descriptors.py QpDescriptor).
+  (gpunet/device/descriptors.py QpDescriptor).
 - ``proxy``: the kernel pushes 16-byte commands into a channel's host-mapped FIFO and a CPU proxy
-  thread posts them (host/proxy.py). One channel per proxied peer.
+  thread posts them (gpunet/host/proxy.py). One channel per proxied peer.
 - ``p2p``: this rank maps the peer's heap into its own address space (on the CPU the peer soft
   NIC's arena by name, ``Nic.map_peer_heap``; on CUDA the peer's device-memory heap by its IPC
   handle, ``Platform.ipc_open``) and the kernel stores into it directly (transport/p2p.cuh). A
@@ -209,7 +209,7 @@ def settled_kinds(everyone, rank):
 class Transports(Resource):
     """The transports of one rank towards every peer (itself included, through loopback QPs).
 
-    ``nic``: a host/nic.py Nic; ``platform``: host/platform.py's Platform (the proxy's FIFOs go in
+    ``nic``: a gpunet/host/nic.py Nic; ``platform``: gpunet/host/platform.py's Platform (the proxy's FIFOs go in
     its host-mapped memory on a GPU); ``transport``: as gpunet.init takes it; ``probe_doorbell``:
     see choose_transport; ``proxy_threads``: threads draining the proxy channels.
 

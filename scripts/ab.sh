@@ -4,7 +4,7 @@
 # .git, so the two versions travel as files:
 #
 #   bash scripts/ab.sh prepare OLD [NEW]     here: _ab/old/ and _ab/new/ hold every file under
-#                                            device/ gpunet/ host/ bench/ that differs between the
+#                                            gpunet/ and bench/ that differs between the
 #                                            revisions OLD and NEW (default HEAD), as in each;
 #                                            _ab/ is untracked and not ignored, so a device call
 #                                            carries it. Delete it before committing.
@@ -26,7 +26,7 @@ case "${1:-}" in
     new=${3:-HEAD}
     rm -rf "$AB"
     mkdir -p "$AB/old" "$AB/new"
-    files=$(git diff --name-only "$old" "$new" -- device gpunet host bench | grep -v '^bench/results/' || true)
+    files=$(git diff --name-only "$old" "$new" -- gpunet bench | grep -v '^bench/results/' || true)
     [ -n "$files" ] || { echo "ab.sh: no code differs between $old and $new" >&2; exit 1; }
     for f in $files; do
       for side in old new; do

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU gate. Run it on the H200 machine (the device tool's `run`) before any change to device/ or
-# host/platform.py lands:   bash scripts/gpu-check.sh        (OUT=dir keeps the logs and JSON there)
+# The GPU gate. Run it on the H200 machine (the device tool's `run`) before any change to gpunet/device/ or
+# gpunet/host/platform.py lands:   bash scripts/gpu-check.sh        (OUT=dir keeps the logs and JSON there)
 #
 # It installs gpunet (editable, no deps: the image has torch, numba, nvcc), runs every CUDA test
 # (a test skipped for want of a GPU or CUDA counts as a failure here), the GPU benchmarks and the

@@ -3,9 +3,9 @@
 #   - libibverbs-dev: rdma-core's mlx5dv.h, the independent oracle for gpunet's wire format;
 #   - g++: compiles the device code's HOST arm (the SIMT emulator) and the oracle programs;
 #   - linux-headers-<version>-common: the kernel's linux/mlx5/mlx5_ifc.h, the oracle for the PRM
-#     command layouts of host/prm.py (tests/test_prm_oracle.py); the version in the name changes
+#     command layouts of gpunet/host/prm.py (tests/test_prm_oracle.py); the version in the name changes
 #     over time, so the newest one apt knows is picked;
-#   - python3-pyverbs: rdma-core's Python bindings (the real-NIC path; host/verbs.py imports
+#   - python3-pyverbs: rdma-core's Python bindings (the real-NIC path; gpunet/host/verbs.py imports
 #     Debian's build) and rdma-core's tests/mlx5_prm_structs.py, the oracle for the DevX fields
 #     the kernel header leaves reserved;
 #   - CPU torch, pinned: a bare `torch` would pull a multi-GB CUDA build;

@@ -21,7 +21,7 @@ import numpy as np
 from gpunet.host.platform import COHERENCE_POLICY, VendorRuntimeError
 from gpunet.resource import Resource
 
-HANDLE_BYTES = 64                 # as host/platform.py IPC_HANDLE_BYTES
+HANDLE_BYTES = 64                 # as gpunet/host/platform.py IPC_HANDLE_BYTES
 SHM = "/dev/shm"
 
 
@@ -44,7 +44,7 @@ class _Shm(Resource):
         self._owner = create
 
     def owner_alive(self):
-        """As host/platform.py IpcMapping.owner_alive: the exporter's pid lives."""
+        """As gpunet/host/platform.py IpcMapping.owner_alive: the exporter's pid lives."""
         if self.closed or self.pid is None:
             return not self.closed
         try:

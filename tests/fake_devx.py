@@ -1,11 +1,11 @@
 """TEST DOUBLE, never used outside tests: a recording stand-in for the layer below the DevX NIC
-(host/devx.py PyverbsDevx: rdma-core through pyverbs) and for a CUDA platform, so that
+(gpunet/host/devx.py PyverbsDevx: rdma-core through pyverbs) and for a CUDA platform, so that
 tests/test_devx.py can drive DevxNic on a machine with no RDMA device and no GPU.
 
 It is not a model of an mlx5 NIC. It records every call (``calls``), every PRM command with its
 bytes (``commands``: (call, opcode, bytes)), every release in order (``closed``: (kind, id)), and
 answers with canned values: device names, port attributes, GIDs, HCA capabilities (built with
-host/prm.py into a query_hca_cap_out), object numbers (CQN, QPN), and a QP state machine that
+gpunet/host/prm.py into a query_hca_cap_out), object numbers (CQN, QPN), and a QP state machine that
 accepts only the RC moves (RESET -> INIT -> RTR -> RTS, any -> ERR, any -> RESET) so a command
 sent in the wrong state fails as the firmware would. Options make it refuse what a real system
 may refuse (DevX, a non-cached UAR, any UAR, UMEM at GPU addresses, dma-buf, the UAR's GPU

@@ -1,6 +1,6 @@
 """A plain-Python reference model of the soft NIC's RC semantics: the oracle for its tests.
 
-Written from DESIGN.md / FACTS.md / INTERFACES.md, independently of ``host/softnic.py`` (it imports
+Written from DESIGN.md / FACTS.md / INTERFACES.md, independently of ``gpunet/host/softnic.py`` (it imports
 nothing from it, and nothing numba): given the memory of every node, the memory regions registered
 on each node, the QPs (connections, CQs, ring depth) and the stream of operations posted on each
 QP, it computes what an mlx5 NIC pair must leave behind:

@@ -21,16 +21,16 @@ def test_prepare_copies_each_side_and_run_alternates_then_restores_new(tmp_path)
     repo = tmp_path / "r"
     (repo / "scripts").mkdir(parents=True)
     shutil.copy(ROOT / "scripts" / "ab.sh", repo / "scripts" / "ab.sh")
-    (repo / "device").mkdir()
+    (repo / "gpunet" / "device").mkdir(parents=True)
     (repo / "bench" / "results").mkdir(parents=True)
-    (repo / "device" / "a.cuh").write_text("v1\n")
-    (repo / "device" / "same.cuh").write_text("same\n")
+    (repo / "gpunet" / "device" / "a.cuh").write_text("v1\n")
+    (repo / "gpunet" / "device" / "same.cuh").write_text("same\n")
     (repo / "bench" / "results" / "x.json").write_text("1\n")
     _git(repo, "init", "-q")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "one")
-    (repo / "device" / "a.cuh").write_text("v2\n")
-    (repo / "device" / "b.cuh").write_text("new file\n")
+    (repo / "gpunet" / "device" / "a.cuh").write_text("v2\n")
+    (repo / "gpunet" / "device" / "b.cuh").write_text("new file\n")
     (repo / "bench" / "results" / "x.json").write_text("2\n")
     _git(repo, "add", "-A")
     _git(repo, "commit", "-qm", "two")
@@ -39,24 +39,24 @@ def test_prepare_copies_each_side_and_run_alternates_then_restores_new(tmp_path)
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     ab = repo / "_ab"
-    assert (ab / "old" / "device" / "a.cuh").read_text() == "v1\n"
-    assert (ab / "new" / "device" / "a.cuh").read_text() == "v2\n"
-    assert (ab / "old" / "device" / "b.cuh.ab-absent").exists()
-    assert (ab / "new" / "device" / "b.cuh").read_text() == "new file\n"
-    assert not (ab / "old" / "device" / "same.cuh").exists()
+    assert (ab / "old" / "gpunet" / "device" / "a.cuh").read_text() == "v1\n"
+    assert (ab / "new" / "gpunet" / "device" / "a.cuh").read_text() == "v2\n"
+    assert (ab / "old" / "gpunet" / "device" / "b.cuh.ab-absent").exists()
+    assert (ab / "new" / "gpunet" / "device" / "b.cuh").read_text() == "new file\n"
+    assert not (ab / "old" / "gpunet" / "device" / "same.cuh").exists()
     assert not (ab / "old" / "bench").exists() and not (ab / "new" / "bench").exists()
 
     log = tmp_path / "log"
-    cmd = ('echo "$AB_TAG $(cat device/a.cuh) $(test -e device/b.cuh && echo b || echo no-b)" >> %s'
+    cmd = ('echo "$AB_TAG $(cat gpunet/device/a.cuh) $(test -e gpunet/device/b.cuh && echo b || echo no-b)" >> %s'
            % log)
     p = subprocess.run(["bash", "scripts/ab.sh", "run", "2", "sh", "-c", cmd], cwd=repo,
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stdout + p.stderr
     assert log.read_text().splitlines() == ["new1 v2 b", "old1 v1 no-b", "new2 v2 b", "old2 v1 no-b"]
-    assert (repo / "device" / "a.cuh").read_text() == "v2\n" and (repo / "device" / "b.cuh").exists()
+    assert (repo / "gpunet" / "device" / "a.cuh").read_text() == "v2\n" and (repo / "gpunet" / "device" / "b.cuh").exists()
 
     # a failing run still ends on the new side and reports the failure
     p = subprocess.run(["bash", "scripts/ab.sh", "run", "1", "sh", "-c", "exit 3"], cwd=repo,
                        capture_output=True, text=True)
     assert p.returncode == 3 and "old1 exited 3" in p.stdout
-    assert (repo / "device" / "a.cuh").read_text() == "v2\n"
+    assert (repo / "gpunet" / "device" / "a.cuh").read_text() == "v2\n"

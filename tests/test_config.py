@@ -21,7 +21,7 @@ CODE_MACROS = {"GPUNET_DEVICE", "GPUNET_GLOBAL", "GPUNET_HOST_DEVICE", "GPUNET_A
 
 def _names_in_sources():
     names = set()
-    for d in ("gpunet", "host", "device", "bench", "scripts"):
+    for d in ("gpunet", "bench", "scripts"):
         for p in (ROOT / d).rglob("*"):
             if p.suffix in (".py", ".cuh", ".h", ".cu", ".sh", ".cpp") and p.name != "config.py":
                 names |= set(re.findall(r"\bGPUNET_[A-Z0-9_]*[A-Z0-9]\b", p.read_text(errors="replace")))

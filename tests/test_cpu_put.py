@@ -102,7 +102,7 @@ def _stop_engine_thread(nic):
 def test_a_waiting_caller_executes_its_nics_work(ctx):
     """With the NIC's engine thread stopped, put + quiet, put_signal + wait_until and an atomic
     still complete with the right bytes: the caller's thread, spinning in the ops kernel,
-    executes its NIC's WQEs through the progress hook (host_simt.h; host/progress.py).
+    executes its NIC's WQEs through the progress hook (host_simt.h; gpunet/host/progress.py).
     Over the proxy the proxy thread posts them and the waiting caller executes them. Without the
     hook each of these waits times out."""
     x = ctx.alloc((256,), torch.uint8)
@@ -192,7 +192,7 @@ def test_fast_paths_still_refuse_bad_operands(ctx, bad):
 def test_a_waiting_caller_drains_the_proxy():
     """Over the proxy, with the proxy thread and the NIC's engine thread both stopped, put +
     quiet, put_signal + wait_until and an atomic still complete with the right bytes: the waiting
-    caller runs the proxy's drain pass (host/proxy.py proxy_progress_hook, under the thread's
+    caller runs the proxy's drain pass (gpunet/host/proxy.py proxy_progress_hook, under the thread's
     pass lock) and the NIC's engine pass on its own thread. Without the proxy's hook the quiet
     times out."""
     c = gpunet.init(transport="proxy", heap_bytes=4 << 20, timeout_s=20.0)

@@ -1,7 +1,7 @@
 """gpunet/arch.cuh on the HOST arm (SIMT emulator, weak-memory model), the CUDA arm's compile, and
-device/loader.py.
+gpunet/device/loader.py.
 
-Kernels are in device/testing/kernels/arch.cu; every HOST test runs with emulated warps of 32 and 64.
+Kernels are in gpunet/device/testing/kernels/arch.cu; every HOST test runs with emulated warps of 32 and 64.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU-initiated QP operations (device/include/gpunet/qp.cuh, gpunet.cuh) on the HOST arm.
+"""GPU-initiated QP operations (gpunet/device/include/gpunet/qp.cuh, gpunet.cuh) on the HOST arm.
 
 The device code runs under the SIMT emulator against the soft NIC (gpunet.device.testing's Loopback: PE 0 posts
 on QP a, PE 1 is its RC peer). Deterministic tests: the ABI mirror, every operation once, both CQ
@@ -86,7 +86,7 @@ def _cpp_layout(tmp_path, source, cxx, py):
 
 @pytest.mark.parametrize("which", ["ops", "schedule"])
 def test_abi_layout_matches_cpp(tmp_path, which):
-    """Every offsetof / sizeof of the C++ descriptors equals its Python mirror: device/abi.py's
+    """Every offsetof / sizeof of the C++ descriptors equals its Python mirror: gpunet/device/abi.py's
     (ops.cu and the headers it includes) and gpunet.device.testing.schedule's (schedule.cu)."""
     if which == "ops":
         source, mirror = loader.kernels_dir() / "ops.cu", abi

@@ -1,8 +1,8 @@
-"""The DevX NIC (host/devx.py) without a NIC: DevxNic driven through tests/fake_devx.py, a
+"""The DevX NIC (gpunet/host/devx.py) without a NIC: DevxNic driven through tests/fake_devx.py, a
 recording stand-in for rdma-core (a test double: not a model of a NIC, never used outside tests).
 
 What these tests establish: the sequence of PRM commands DevxNic sends and every field it writes
-(decoded with host/prm.py, whose layouts tests/test_prm_oracle.py checks against the kernel's
+(decoded with gpunet/host/prm.py, whose layouts tests/test_prm_oracle.py checks against the kernel's
 mlx5_ifc.h) for CQ and QP creation and the three connection moves on IB and RoCE paths; the
 release order; the factory's choices and errors; the fall-backs (UMEM refused in GPU memory, a
 non-cached UAR refused, dma-buf refused, the UAR page not mappable into the GPU -> the proxy).
@@ -683,7 +683,7 @@ def test_the_real_layer_reports_no_device_here():
 
 
 def test_wqes_posted_by_the_host_land_in_the_devx_ring_as_in_the_soft_nics():
-    """host/wq.py posts into a DevX QP's ring exactly the bytes gpunet/mlx5.py builds: the ring is
+    """gpunet/host/wq.py posts into a DevX QP's ring exactly the bytes gpunet/mlx5.py builds: the ring is
     ordinary memory at sq_addr with the QP's number (nothing above the Nic interface differs)."""
     from gpunet.host import wq
     nic, _ = fake_nic()

@@ -1,6 +1,6 @@
 """``python -m gpunet doctor`` end to end on the CPU with the soft NIC (gpunet/doctor.py).
 
-The coherence rows are measurements through the soft NIC's coherence model (device/kernels/
+The coherence rows are measurements through the soft NIC's coherence model (gpunet/device/kernels/
 doctor.cu reads and writes, the NIC RDMA-writes and reads): on the ``c500`` profile ``device``
 memory must come out INCOHERENT in both directions, with and without the policy's fences, and
 ``finegrained`` / ``host`` coherent; on the ``nvidia`` profile every kind coherent. The JSON's
@@ -299,7 +299,7 @@ def test_a_refused_nic_access_fails_one_probe_and_the_next_still_measures(monkey
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None,
                     reason="nvcc is not on PATH: the CUDA arm of doctor.cu cannot be compiled here")
 def test_the_probe_kernel_compiles_for_the_cuda_arm():
-    """device/kernels/doctor.cu builds with nvcc for sm_90 (the H200 runs it in the gate's doctor
+    """gpunet/device/kernels/doctor.cu builds with nvcc for sm_90 (the H200 runs it in the gate's doctor
     step; here there is no GPU to load it on)."""
     from gpunet.device import loader
 

@@ -1,5 +1,5 @@
 """Every Python entry into numba code takes the full unsigned range of its field, whatever was
-called before it in the process (host/rawmem.py's wire_njit rule), and the API's atomics take
+called before it in the process (gpunet/host/rawmem.py's wire_njit rule), and the API's atomics take
 negative operands.
 
 numba compiles one specialization per argument type, in the order calls arrive, and keeps them in

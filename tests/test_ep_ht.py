@@ -179,8 +179,8 @@ def test_size_hint_is_the_layout_and_independent_of_the_token_count():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA arm cannot be compiled")
 def test_ht_kernels_compile_for_the_cuda_arm_with_the_mirrored_layout():
-    """device/kernels/ep_ht.cu builds with nvcc (sm_90) and its HtParams / EpStatus / DevCtx sizes
-    are the ones device/ep.py mirrors (load_ep_ht checks them), as the HOST build's are."""
+    """gpunet/device/kernels/ep_ht.cu builds with nvcc (sm_90) and its HtParams / EpStatus / DevCtx sizes
+    are the ones gpunet/device/ep.py mirrors (load_ep_ht checks them), as the HOST build's are."""
     import ctypes
     for arch in ("host", "cuda"):
         lib = dep.load_ep_ht(arch)

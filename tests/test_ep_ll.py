@@ -219,8 +219,8 @@ def test_fp8_group_scale_is_the_contracts_formula(eplib, amax, round_scale):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: the CUDA arm cannot be compiled")
 def test_ep_kernels_compile_for_the_cuda_arm_with_the_mirrored_layouts(eplib):
-    """device/kernels/ep_ll.cu builds with nvcc (sm_90, device/loader.py) and its LlParams /
-    EpStatus / DevCtx sizes are the ones device/ep.py mirrors (load_ep checks them); the numerics
+    """gpunet/device/kernels/ep_ll.cu builds with nvcc (sm_90, gpunet/device/loader.py) and its LlParams /
+    EpStatus / DevCtx sizes are the ones gpunet/device/ep.py mirrors (load_ep checks them); the numerics
     compiled by nvcc's host pass agree with the HOST build on every e4m3 midpoint."""
     lib = dep.load_ep("cuda")
     f = np.linspace(-500, 500, 20001, dtype=np.float32)
@@ -1107,7 +1107,7 @@ def test_the_ll_grid_leaves_every_sharing_rank_room_on_the_gpu():
 
 def test_an_all_p2p_world_runs_the_p2p_only_build(p2p_world, mixed4):
     """Buffer._kernel_kinds: every rank of an all-p2p world loads ep_ll.cu built with the p2p
-    transport only (device/ep.py load_ep, GPUNET_TRANSPORTS=8u); a world with any NIC peer loads
+    transport only (gpunet/device/ep.py load_ep, GPUNET_TRANSPORTS=8u); a world with any NIC peer loads
     the build with every transport. The rounds above ran on those builds (a p2p-only kernel
     meeting a NIC peer records SITE_PEER_KIND: test_device_qp.py)."""
     full = str(dep.load_ep("host").gpunet_path)

@@ -1,10 +1,10 @@
 """The layering of the device headers, checked on the sources (no compiler needed).
 
-- Code above the verbs (device/kernels/*.cu, the test kernels device/testing/kernels/*.cu, the EP
-  headers under device/include/gpunet/ep/, the user-kernel examples under examples/) includes
+- Code above the verbs (gpunet/device/kernels/*.cu, the test kernels gpunet/device/testing/kernels/*.cu, the EP
+  headers under gpunet/device/include/gpunet/ep/, the user-kernel examples under examples/) includes
   gpunet.cuh and nothing below it, so the transports can change beneath it. Kernels that test or
   measure a lower layer on purpose are listed in BELOW_ON_PURPOSE with the reason.
-- Every transport (device/include/gpunet/transport/*.cuh) includes status.cuh (the failure
+- Every transport (gpunet/device/include/gpunet/transport/*.cuh) includes status.cuh (the failure
   vocabulary) itself and no other transport; the mechanisms under them (qp.cuh, proxy.cuh) do not
   include each other; status.cuh stands on arch.cuh alone; gpunet.cuh includes every transport.
 """
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-INCLUDE_ROOT = ROOT / "device" / "include"
+INCLUDE_ROOT = ROOT / "gpunet" / "device" / "include"
 GPUNET = INCLUDE_ROOT / "gpunet"
-KERNELS = ROOT / "device" / "kernels"
-TEST_KERNELS = ROOT / "device" / "testing" / "kernels"
+KERNELS = ROOT / "gpunet" / "device" / "kernels"
+TEST_KERNELS = ROOT / "gpunet" / "device" / "testing" / "kernels"
 TRANSPORTS = GPUNET / "transport"
 EP = GPUNET / "ep"
 EXAMPLES = ROOT / "examples"
@@ -37,7 +37,7 @@ def _strip_comments(text):
 
 
 def gpunet_includes(path, text=None):
-    """The gpunet headers a file includes directly, as paths relative to device/include/gpunet
+    """The gpunet headers a file includes directly, as paths relative to gpunet/device/include/gpunet
     (system and other headers are not gpunet's business here)."""
     text = path.read_text() if text is None else text
     out = []

@@ -12,12 +12,12 @@ layers, bottom up:
 2. device: the rest of device/ (the device-ABI mirrors, the descriptors filled from NIC objects
    through their attributes, the loader, the kernel bindings).
 3. host: the rest of host/ (NICs, proxy, platform, bootstrap): CPU agents that serve device code
-   may read its ABI (device/abi.py), never the other way round.
+   may read its ABI (gpunet/device/abi.py), never the other way round.
 4. top: the rest of gpunet/ (Context, transports, heap, launcher, API, ep, CLI) wires them.
 
 A module imports only modules of its own layer or of lower ones: device/ never imports host/.
-Besides: only host/nic.py (the factory ``open_nic``) names a NIC implementation (host/softnic.py,
-host/devx.py with host/verbs.py), nothing outside gpunet.device.testing (test and benchmark support) imports it,
+Besides: only gpunet/host/nic.py (the factory ``open_nic``) names a NIC implementation (gpunet/host/softnic.py,
+gpunet/host/devx.py with gpunet/host/verbs.py), nothing outside gpunet.device.testing (test and benchmark support) imports it,
 and the module-level imports form no cycle (a cycle there makes import order matter).
 """
 import ast
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TREES = {"gpunet": "gpunet", "host": "gpunet.host", "device": "gpunet.device"}
+PACKAGE = "gpunet"
 FLOOR = {"gpunet.errors", "gpunet.config", "gpunet._floor", "gpunet.resource"}
 BARE_FLOOR = {"gpunet.errors", "gpunet.config", "gpunet._floor"}     # import nothing from gpunet
 WIRE = {"gpunet.host.rawmem", "gpunet.mlx5", "gpunet.host.prm"}
@@ -37,13 +37,12 @@ RANK = {"floor": 0, "wire": 1, "device": 2, "host": 3, "top": 4}
 
 
 def _modules():
-    """{module name: path} for every .py file under gpunet/, host/ and device/."""
+    """{module name: path} for every .py file of the package (gpunet/, its host/ and device/)."""
     mods = {}
-    for tree, pkg in TREES.items():
-        for path in sorted((ROOT / tree).rglob("*.py")):
-            rel = path.relative_to(ROOT / tree).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            mods[".".join([pkg] + parts)] = path
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        mods[".".join(parts)] = path
     return mods
 
 
@@ -145,7 +144,7 @@ def test_the_bare_floor_imports_nothing_from_gpunet(name):
 
 
 def test_only_the_factory_names_a_nic_implementation():
-    """Above host/nic.py nothing names the soft NIC or the verbs NIC: they are opened through
+    """Above gpunet/host/nic.py nothing names the soft NIC or the verbs NIC: they are opened through
     open_nic (a second implementation is added there alone)."""
     users = sorted(m for m in MODULES for d in _imports(m)
                    if d in NIC_IMPLEMENTATIONS and m not in NIC_IMPLEMENTATIONS | {NIC_FACTORY})

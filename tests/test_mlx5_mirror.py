@@ -1,4 +1,4 @@
-"""device/include/gpunet/mlx5.cuh mirrors gpunet.mlx5 byte for byte; nvcc compiles it.
+"""gpunet/device/include/gpunet/mlx5.cuh mirrors gpunet.mlx5 byte for byte; nvcc compiles it.
 
 A session fixture compiles tests/oracle/mlx5_mirror.cpp (g++ -std=c++17 -DGPUNET_ARCH_HOST, the
 HOST arm, so arch.cuh's swaps are the ones used) and keeps one process running; hypothesis
@@ -19,7 +19,7 @@ from gpunet import mlx5
 from lineproc import LineProcess
 
 ROOT = Path(__file__).resolve().parents[1]
-INCLUDE = ROOT / "device" / "include"
+INCLUDE = ROOT / "gpunet" / "device" / "include"
 HEADER = INCLUDE / "gpunet" / "mlx5.cuh"
 HARNESS = Path(__file__).parent / "oracle" / "mlx5_mirror.cpp"
 

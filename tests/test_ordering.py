@@ -1,7 +1,7 @@
 """Ordering of GPU-initiated operations: hypothesis-generated schedules on the HOST arm + soft NIC.
 
 What is generated (hypothesis draws compact parameters; the kernel expands them, see
-device/testing/kernels/schedule.cu ``k_schedule``, and gpunet.device.testing.ordering_ref mirrors
+gpunet/device/testing/kernels/schedule.cu ``k_schedule``, and gpunet.device.testing.ordering_ref mirrors
 the expansion):
   - T threads in 1-2 blocks of 1-2 warps, warps of 32 or 64 lanes;
   - each thread: ROUNDS schedules back to back (own memory per round, quiet between), each a

@@ -1,6 +1,6 @@
 """p2p on an NVIDIA GPU: ``gpunet.init(transport="p2p")`` puts the heap in device memory (cudaMalloc),
 the ranks open each other's heaps by CUDA IPC handles, and the kernels store into them directly
-(gpunet/context.py, gpunet/transports.py, host/platform.py ipc_export / ipc_open).
+(gpunet/context.py, gpunet/transports.py, gpunet/host/platform.py ipc_export / ipc_open).
 
 One rank in this process (p2p to itself), then two rank processes on ONE GPU under a private MPS
 daemon the module starts and stops (FACTS.md: without MPS the processes' kernels are time-sliced,
@@ -551,7 +551,7 @@ def _dead_pid():
 
 
 def test_an_ipc_mapping_knows_when_its_exporter_is_gone_and_close_stores_nothing_into_it():
-    """IpcMapping.owner_alive (host/platform.py): True for a live exporter pid or an unknown one,
+    """IpcMapping.owner_alive (gpunet/host/platform.py): True for a live exporter pid or an unknown one,
     False for an exited process or once closed. Transports.close_barrier (platform stand-in, no
     GPU needed) then writes its close word into the live peer's mapped heap only, never into the
     heap of the exporter that exited (its memory may be freed), and still closes that mapping."""
@@ -695,7 +695,7 @@ def test_a_stalled_copy_engine_is_counted_and_named_in_a_timeout():
 
 @needs_gpu
 def test_the_p2p_bench_ping_pong_runs_every_mode_on_the_gpu(tmp_path):
-    """bench/p2p.py's ping-pong kernel (device/testing/kernels/p2p_bench.cu: put_signal and
+    """bench/p2p.py's ping-pong kernel (gpunet/device/testing/kernels/p2p_bench.cu: put_signal and
     wait_until on a copy of the DevCtx, by number and through a PeerRef, and the raw floor) runs on
     the GPU, 2 ranks under the bench's private MPS daemon, every mode, and a put lands byte for
     byte. In the sixteenth session a device change (a pure-asm load of the QP's constants) made

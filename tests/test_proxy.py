@@ -1,7 +1,7 @@
 """The CPU-proxy transport: command format, FIFO protocol, completion protocol, failures.
 
 Producers are numba threads running ``proxy.cpu_push`` (the same steps as proxy.cuh's proxy_push)
-and, where g++ is available, real device code (device/testing/kernels/proxy.cu on the HOST arm,
+and, where g++ is available, real device code (gpunet/device/testing/kernels/proxy.cu on the HOST arm,
 warps of 32 and 64). Commands go through ``ProxyEngine`` into soft-NIC QPs between two soft NICs
 (``a``: ours, ``b``: the peers'), and the tests check what arrives in the peers' memory.
 """
@@ -149,7 +149,7 @@ def kernels():
 
 
 def test_header_layout_matches_python(kernels):
-    """proxy.cuh's struct layout and limits are device/abi.py's PROXY_* mirror, and host/proxy.py
+    """proxy.cuh's struct layout and limits are gpunet/device/abi.py's PROXY_* mirror, and gpunet/host/proxy.py
     drains with exactly those values."""
     from gpunet.device import abi
     out = np.zeros(16, dtype=np.uint64)
@@ -169,7 +169,7 @@ def test_header_layout_matches_python(kernels):
 @given(op=ops, peer=st.integers(0, 4095), arg=st.integers(0, P.MAX_SIZE), loff=offs, roff=offs,
        value=st.integers(0, 2**64 - 1))
 def test_header_encoding_matches_python(kernels, op, peer, arg, loff, roff, value):
-    """proxy.cuh's encode / encode_signal produce the same words as host/proxy.py's."""
+    """proxy.cuh's encode / encode_signal produce the same words as gpunet/host/proxy.py's."""
     import ctypes
     kernels.proxy_encode.argtypes = [ctypes.c_uint32, ctypes.c_uint32] + [ctypes.c_uint64] * 3 + [
         ctypes.c_void_p]
@@ -694,7 +694,7 @@ def _nrt_calls(fn, sig):
 
 
 def test_drain_helpers_make_no_reference_count_calls():
-    """host/proxy.py's drain rule: the per-command helpers get the engine state as the pointer
+    """gpunet/host/proxy.py's drain rule: the per-command helpers get the engine state as the pointer
     tuple (_state) and scalars, so building a WQE (_post), completing a command (_mark_done) and
     publishing the counters (_advance_completed, _publish_tail) compile to code with no NRT
     incref / decref call (each an out-of-line call with a locked add when an array is passed,

@@ -78,7 +78,7 @@ def make_local_bootstrap(cleanup):
 
 
 def make_devx_nic(cleanup):
-    """The DevX NIC (host/devx.py) over tests/fake_devx.py's recording stand-in for rdma-core (no
+    """The DevX NIC (gpunet/host/devx.py) over tests/fake_devx.py's recording stand-in for rdma-core (no
     RDMA device here): ``nic.fake.closed`` records what its close released, in order."""
     from fake_devx import fake_nic
     nic, fake = fake_nic(arena_bytes=1 << 20)
@@ -154,7 +154,7 @@ FACTORIES = {
     "Transports": make_transports, "Launcher": make_launcher, "PeerHeap": make_peer_heap,
     "IpcMapping": make_ipc_mapping, "CopyEngine": make_copy_engine,
 }
-ABSTRACT = {"Nic"}              # host/nic.py's interface: its implementations are in FACTORIES
+ABSTRACT = {"Nic"}              # gpunet/host/nic.py's interface: its implementations are in FACTORIES
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The soft mlx5 NIC (host/softnic.py) and the host posting helpers (host/wq.py), case by case.
+"""The soft mlx5 NIC (gpunet/host/softnic.py) and the host posting helpers (gpunet/host/wq.py), case by case.
 
 Each test names the property it checks. Two NICs in this process (A requester, B responder, so a
 remote access goes through B's MR table and a peer slot) serve most tests; the cross-process tests

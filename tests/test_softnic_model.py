@@ -3,7 +3,7 @@
 Random WQE streams (every opcode the NIC models, sizes 0..64 KiB biased to the small and to exact
 boundaries, inline payloads up to the QP's max_inline, signalling and FENCE patterns, rings down
 to 8 WQEBBs so they wrap, 16-bit WQE counters that wrap, owner-bit and collapsed CQs, occasional
-protection faults, one or two QP pairs at once) are posted with host/wq.py's njit post functions
+protection faults, one or two QP pairs at once) are posted with gpunet/host/wq.py's njit post functions
 onto one module-wide pair of soft NICs, and the memory and the CQEs they leave must be exactly
 those the reference model computes.
 

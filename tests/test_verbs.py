@@ -1,5 +1,5 @@
 """The real-NIC side on a host without a NIC: pyverbs loads (or says why not), no devices, and
-the DevX NIC (host/devx.py, through its real pyverbs layer) refuses clearly. Tests needing a NIC
+the DevX NIC (gpunet/host/devx.py, through its real pyverbs layer) refuses clearly. Tests needing a NIC
 skip with the reason."""
 import pytest
 

@@ -13,7 +13,7 @@ whenever the signal word is visible, the whole payload must be.
   between payload and signal) MUST violate it for some script: the test searches for one with
   hypothesis and asserts it is found, and that it replays. A test that cannot fail proves nothing.
 
-Kernel: device/testing/kernels/weak_signal.cu.
+Kernel: gpunet/device/testing/kernels/weak_signal.cu.
 """
 import ctypes
 

@@ -3,7 +3,7 @@
 One function of (num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts) gives the
 byte offsets inside the RDMA buffer (the user-visible ``num_rdma_bytes`` region of the symmetric
 heap) for both LL buffers; the same function is the size hint, so a buffer sized with
-``Buffer.get_low_latency_rdma_size_hint`` always fits. Device code (device/include/gpunet/ep/ll.cuh)
+``Buffer.get_low_latency_rdma_size_hint`` always fits. Device code (gpunet/device/include/gpunet/ep/ll.cuh)
 gets the addresses in its LlParams; it never computes a layout itself.
 
 Per LL buffer (two, alternating as DeepEP's), 64-byte aligned areas:
@@ -29,7 +29,7 @@ from gpunet.device import ep as dep
 from gpunet.errors import ConfigError
 
 ALIGN = 64
-# The proxy transport carries 39-bit heap offsets (device/include/gpunet/proxy.cuh): a larger
+# The proxy transport carries 39-bit heap offsets (gpunet/device/include/gpunet/proxy.cuh): a larger
 # buffer would make puts fail on proxy peers, so the size hint refuses it.
 MAX_REGION_BYTES = (1 << 39) - (1 << 30)
 INT32_MAX = (1 << 31) - 1
@@ -141,7 +141,7 @@ def ctl_layout(num_ranks):
     return out, align(off, 4096)
 
 
-# ---- the high-throughput mode's region (device/include/gpunet/ep/ht.cuh) ----------------------
+# ---- the high-throughput mode's region (gpunet/device/include/gpunet/ep/ht.cuh) ----------------------
 # Its own symmetric allocation (num_nvl_bytes; with num_nvl_bytes = 0 and low_latency_mode=False
 # the num_rdma_bytes allocation). Fixed offsets first, so nothing a peer signals moves when a later
 # call uses another Config or shape (a word left from an earlier call is epoch-stamped, ht.cuh):

@@ -6,7 +6,7 @@ Both modes: low-latency (decode: ``low_latency_dispatch`` / ``low_latency_combin
 high-throughput (training / prefill: ``get_dispatch_layout`` / ``dispatch`` / ``combine``).
 
 Everything a kernel needs is computed here (gpunet/ep/_layout.py) and passed by value in one
-LlParams / HtParams (device/ep.py); the kernels are device/include/gpunet/ep/ll.cuh and ht.cuh. On the CPU platform the
+LlParams / HtParams (gpunet/device/ep.py); the kernels are gpunet/device/include/gpunet/ep/ll.cuh and ht.cuh. On the CPU platform the
 kernels run on the HOST arm synchronously; on CUDA they are enqueued on the current stream and
 nothing here waits for them (CUDA-graph safe: counts stay in device tensors).
 
@@ -542,7 +542,7 @@ class Buffer:
                               % (tuple(size), size.numel(), t.numel()))
         return t[:size.numel()].view(size)
 
-    # ---- high-throughput mode (device/include/gpunet/ep/ht.cuh) ------------------------------
+    # ---- high-throughput mode (gpunet/device/include/gpunet/ep/ht.cuh) ------------------------------
     def _ht_geometry(self, config):
         """(channels, ring, chunk, block threads) for a Config: channels = num_sms / 2 (the grid is
         2 blocks per channel, so never more blocks than num_sms); the HOST arm caps the channels
@@ -1168,7 +1168,7 @@ class Buffer:
 
     def _kernel_kinds(self):
         """The transports the LL and HT kernels are built with: a world whose peers are all p2p (this
-        rank too) gets the p2p-only build (device/ep.py load_ep: half the code, so fewer
+        rank too) gets the p2p-only build (gpunet/device/ep.py load_ep: half the code, so fewer
         instruction fetches in a launch whose code is cold; bench/RESULTS.md), any other world
         the build with every transport. GPUNET_EP_KERNEL_BUILD=all gives every world the latter."""
         if config.get("GPUNET_EP_KERNEL_BUILD") == "all":
@@ -1199,7 +1199,7 @@ class Buffer:
 
     def _set_profile(self, stamps):
         """(bench/ep_profile.py, bench/ep_ht.py) Record phase stamps of every later LL / HT launch
-        into ``stamps``, an int64 tensor of at least [num_blocks, device/ep.py STAMPS] on this
+        into ``stamps``, an int64 tensor of at least [num_blocks, gpunet/device/ep.py STAMPS] on this
         Buffer's device (each launch overwrites the rows of its blocks; an HT launch of more
         blocks than the tensor holds is refused), or stop with None."""
         if stamps is None:

@@ -1,4 +1,4 @@
-// Harness for tests/test_mlx5_mirror.py: drives device/include/gpunet/mlx5.cuh on the HOST arm.
+// Harness for tests/test_mlx5_mirror.py: drives gpunet/device/include/gpunet/mlx5.cuh on the HOST arm.
 //
 // Built with g++ -std=c++17 -DGPUNET_ARCH_HOST. `mlx5_mirror consts` prints every constant as
 // "NAME VALUE"; otherwise it answers one request per stdin line with one stdout line (flushed):

@@ -1,0 +1,1174 @@
+// gpunet/ep/ht.cuh — MoE expert-parallel HIGH-THROUGHPUT dispatch and combine (DeepEP V1's
+// "normal" mode: training and prefill), on the user device API alone: it includes
+// <gpunet/gpunet.cuh> (through ll.cuh, whose helpers it reuses: Geo, the per-peer contexts, the
+// mask / failed words, EpStatus, the grid sync words) and moves data only with its verbs
+// (put_nbi, put_signal_nbi with SIGNAL_SET, wait_until, signal_read, quiet_pe, fence) and plain
+// stores through gpunet::ptr into a mapped (p2p) peer's ring.
+//
+// The host side is gpunet/ep/buffer.py (addresses, sizes, the Config); gpunet/device/ep.py mirrors
+// HtParams; tests/test_ep_ht.py checks it against gpunet/ep/reference.py (ht_dispatch_ref /
+// ht_combine_ref) on 2 and 4 ranks, warps of 32 and 64, over ibgda, proxy, p2p and mixed worlds.
+//
+// ------------------------------------------------------------------------------------------------
+// Channels. The grid is 2 * nc blocks (nc = Config.num_sms / 2, so a launch never uses more
+// blocks than the Config's SM count): block 2c SENDS channel c, block 2c+1 RECEIVES it. Channel c
+// of a rank's T tokens is the contiguous range [T*c/nc, T*(c+1)/nc). Per (channel, peer pair)
+// there is a RING of `ring` message slots in the receiver's heap (Config's
+// num_max_nvl_chunked_recv_tokens) and a staging ring of the same size in the sender's heap; the
+// whole buffer is a few rings, far smaller than the data (docs/EP.md gives the formula).
+//
+// Dispatch
+//   NOTIFY (block 0): per (channel c, destination d) a warp scans is_token_in_rank with ballots:
+//          send_pos[t][d] = the token's index among channel c's tokens going to d (-1: not sent),
+//          send_cnt[c][d] = how many. One header per destination (counts per channel and per
+//          local expert, plus hidden / nc / msg_stride / experts, checked by the receiver) is put
+//          with a SET signal. Then block 0 waits (bounded, per source) for every live source's
+//          header and writes chan_prefix[j][c] (where source j's channel-c rows start in recv_x:
+//          sources in rank order, channels in order, tokens in order: DeepEP's rank_prefix
+//          layout) and recv_info (rank prefix, aligned per-expert counts, total).
+//   DATA   sender block c, in block-wide steps: every destination whose ring has room for its
+//          next chunk gets up to `chunk` messages (the row — bf16, or fp8 + scales — then the
+//          meta: source token, local expert ids (-1 elsewhere), weights (0 elsewhere)), staged by
+//          all warps of the block into consecutive staging slots and put (one put, two when the
+//          ring wraps; a mapped peer's messages are stored straight into its ring instead, no
+//          staging and no put), then a SET of the tail word tail[c][me] on d to
+//          (epoch << 32 | sent). A destination without room (the receiver's credit, head[c][d]
+//          on this rank, SET by d) is only skipped for that step: a sender never blocks on one
+//          destination, so no cycle of waits can form across ranks.
+//          receiver block c: polls every live source's tail, copies whatever arrived to its rows
+//          (chan_prefix[j][c] + index), SETs its credit back every `chunk` messages and at the end.
+//          A sender finishes once every destination has CONSUMED all of its messages (its final
+//          credit), so when a call returns the rings hold nothing of it: the next call may write.
+// Combine (the reverse direction; expert side sends, token side reduces)
+//   DATA   sender block c (expert side): for each source rank j, the rows
+//          [chan_prefix[j][c], chan_prefix[j][c+1]) of x go back in order, with their weights.
+//          receiver block c (token side): warps take channel c's tokens in rounds of one token
+//          per warp; token t's row from d sits at ring slot send_pos[t][d] (its dispatch index),
+//          so each warp waits (bounded) for exactly that row: out[t] = bf16(bias0 + bias1 +
+//          sum over d ascending of row_d) in float32 (deterministic: same inputs, same bits), and
+//          combined weights = sum of the rows' weights. Credits after each round.
+//          A round needs at most nwarps slots past the last credit: the host checks
+//          ring >= 2 * chunk + 32 so a sender waiting for room never waits on a row the receiver
+//          needs first.
+//
+// Signals: every word has ONE writer and is SET (never added) to (epoch << 32 | count): the store
+// form every transport has (c500 p2p peers take no ADD). The epoch is a device word, the same on
+// every rank (each HT op bumps it by one at its end), so a word left over from an earlier call is
+// always below what this call waits for, and nothing needs resetting between calls. A rank's own
+// tokens never touch a ring: its dispatch sender stores them straight into their receive rows
+// (the notify step gave their positions), and its combine receiver reads its own rows from x in
+// place (x stays valid for the launch).
+//
+// Failures: as the LL kernels (ll.cuh): per-peer device contexts, a peer that fails or stays
+// silent for timeout_ns (no credit, no tail progress, no header) is marked failed (masked with
+// F_SHRINK) and skipped from then on, never waited for again; the host raises EPTimeout or masks.
+// Grid-internal waits are bounded and recorded in EpStatus. Nothing traps; every block leaves.
+#pragma once
+
+#include <stdint.h>
+
+#include <gpunet/ep/ll.cuh>
+
+namespace gpunet {
+namespace ep {
+
+constexpr uint32_t kHtMaxChannels = 64;    // signal words are laid out for this many channels
+constexpr uint32_t kHtMaxChunk = 64;       // messages per send step (Config's send chunk, checked)
+constexpr uint32_t kHtMetaBytes = 16 + 8 * kMaxTopk;  // t, K, 0, 0; K local ids; K weights
+constexpr uint32_t kHtHdrHead = 8;         // magic, hidden, nc, msg_stride, experts, total, K, 0
+constexpr int32_t kHtMagic = 0x48544550;   // "PETH": a header of this mode
+enum : uint32_t { OP_HT_DISPATCH = 3, OP_HT_COMBINE = 4 };
+enum : uint32_t { PH_NOTIFY = 1, PH_DATA = 2 };
+enum : uint32_t {
+  F_HT_TOPK = 64,       // topk_idx / topk_weights are present
+  F_HT_WEIGHTS = 128,   // topk_weights present (combine: weights travel back)
+  F_HT_BUMP = 256,      // this launch ends the op: the last block bumps the epoch
+  F_HT_WORST = 512,     // num_worst_tokens: recv rows are fixed (num_recv_max); check, no host sync
+  F_HT_RELAXED_RECV = 1024,  // receivers never wait for their own stores: credit(), handoff_fence()
+};
+enum : uint32_t { HT_KIND_DISPATCH = 0, HT_KIND_COMBINE = 1 };
+// grid sync words (HtParams::base.sync)
+enum : uint32_t { HT_SYNC_NOTIFY = 0, HT_SYNC_END = 1 };
+// EpStatus codes and sites of this mode (gpunet/device/ep.py: EP_ERR_WORST, EP_SITE_HT_*)
+enum : uint32_t { EP_ERR_WORST = 5 };
+enum : uint32_t { EP_SITE_HT_HEADER = 8, EP_SITE_HT_NOTIFY = 9, EP_SITE_HT_WORST = 10, EP_SITE_HT_BULK = 12 };
+// LlParams::prof (HtParams::base.prof; bench/ep_ht.py --profile): per block, thread 0 stores
+// now_ns() at the points below and, at the block's end, what it summed over its loop (ns and
+// counts, thread 0's view: it takes part in every step). 0 = not reached. Slots below ll.cuh's
+// kStamps; gpunet/device/ep.py HT_ST_NAMES names them.
+enum : uint32_t {
+  HT_ST_BEGIN = 0,         // data launch: the block enters
+  HT_ST_END = 1,           // data launch: the block's loop is over (before the end-of-op barrier)
+  HT_ST_NOTIFY_BEGIN = 2,  // block 0: notify starts
+  HT_ST_NOTIFY_SENT = 3,   // block 0: send_pos / counts computed and the headers posted
+  HT_ST_NOTIFY_END = 4,    // block 0: every source's header seen, prefixes written
+  HT_ST_FIRST = 5,         // sender: first chunk posted; receiver: first rows seen
+  HT_ST_T_MOVE = 6,        // sum ns: sender staging (+ p2p stores); receiver copying / reducing
+  HT_ST_T_POST = 7,        // sum ns: sender puts + tail signals; receiver credits
+  HT_ST_T_IDLE = 8,        // sum ns: steps that moved nothing (no credit / nothing arrived)
+  HT_ST_STEPS = 9,         // count: loop steps (receiver combine: rounds)
+  HT_ST_IDLE_STEPS = 10,   // count: steps that moved nothing
+  HT_ST_ITEMS = 11,        // count: messages moved by the block
+};
+static_assert(uint32_t(HT_ST_ITEMS) < uint32_t(kStamps), "HT stamps share LlParams::prof's rows");
+
+// Thread 0's phase clock for the stamps: lap() returns the ns since the previous lap (0 without
+// a profile: no clock reads).
+struct HtClock {
+  bool on;
+  uint64_t t;
+  GPUNET_DEVICE uint64_t lap() {
+    if (!on) return 0;
+    const uint64_t n = arch::now_ns(), d = n - t;
+    t = n;
+    return d;
+  }
+};
+GPUNET_DEVICE HtClock ht_clock(const LlParams& B, const Geo& g) {
+  HtClock c;
+  c.on = B.prof != 0 && g.tid == 0;
+  c.t = c.on ? arch::now_ns() : 0;
+  return c;
+}
+// The sums go straight to the block's row (the host zeroes it before the call): counters kept in
+// registers across the loops took nvcc from 128 to 198 registers a thread.
+GPUNET_DEVICE void ht_stamp_add(const LlParams& B, const Geo& g, uint32_t which, uint64_t v) {
+  if (B.prof && g.tid == 0) ptr<uint64_t>(B.prof)[uint64_t(g.bid) * kStamps + which] += v;
+}
+// One loop step of a sender or dispatch receiver: it moved `items` messages (0: it waited).
+GPUNET_DEVICE void ht_step_stamps(const LlParams& B, const Geo& g, const HtClock& clk, uint64_t items,
+                                  uint64_t dt_move, uint64_t dt_post) {
+  if (!clk.on) return;
+  uint64_t* row = ptr<uint64_t>(B.prof) + uint64_t(g.bid) * kStamps;
+  row[HT_ST_STEPS] += 1;
+  if (items) {
+    row[HT_ST_T_MOVE] += dt_move;
+    row[HT_ST_T_POST] += dt_post;
+    if (!row[HT_ST_ITEMS]) row[HT_ST_FIRST] = clk.t;
+    row[HT_ST_ITEMS] += items;
+  } else {
+    row[HT_ST_T_IDLE] += dt_move + dt_post;
+    row[HT_ST_IDLE_STEPS] += 1;
+  }
+}
+
+// per-(channel, peer) state words in HtParams::ws (device memory, set up at every launch)
+// (WS_MAXP: the combine receiver's; WS_MAPPED: the sender's, d's ring slot 0 as mapped here)
+// (WS_HB: the peer's heartbeat word as last read, bit 63 set; 0 = not read yet: ht_silent)
+enum : uint32_t { WS_SENT = 0, WS_CURSOR = 1, WS_TLAST = 2, WS_CREDIT = 3, WS_DONE = 4, WS_TOTAL = 5,
+                  WS_AVAIL = 6, WS_MAXP = 7, WS_MAPPED = 7, WS_HB = 8, WS_WORDS = 9 };
+
+// One launch's arguments, by value. `base` carries what ll.cuh's helpers read (op, flags, rank,
+// nranks, experts, hidden, topk, num_tokens, msg_stride, payload_bytes, hdr_stride, ctxs,
+// timeout_ns, mask, failed, got, nrecv, status_flag, status, sync). gpunet/device/ep.py: HtParams.
+struct HtParams {
+  LlParams base;
+  uint32_t nchannels, ring, chunk, num_recv_max;  // num_recv_max: rows of the receive tensors
+  uint32_t alignment, nbias;
+  uint64_t peer_timeout_ns;  // how long a silent peer (no header, no tail progress, no credit) is waited for
+  uint64_t epoch;        // u64 device word: the op counter (same on every rank)
+  uint64_t sig;          // heap: tail[2 kinds][kHtMaxChannels][R], head[2][kHtMaxChannels][R], hdr[R],
+                         // hb[R] (each source's heartbeat, ht_heartbeat)
+  uint64_t self_sig;     // device: u64 [2 kinds][2 (tail, head)][kHtMaxChannels], then the time of
+                         // this rank's last heartbeat
+  uint64_t send_ring;    // heap: [nc][R][ring] messages of msg_stride bytes (this op's kind)
+  uint64_t recv_ring;    // heap: [nc][R][ring]
+  uint64_t shdr, rhdr;   // heap: [R] headers of hdr_stride bytes (dispatch)
+  uint64_t x;            // dispatch: bf16 [T, H] or fp8 [T, H]; combine: bf16 [N_recv, H]
+  uint64_t x_scales;     // dispatch fp8: float [T, H/128]
+  uint64_t topk_idx;     // dispatch: int64 [T, K] (or 0)
+  uint64_t topk_weights; // dispatch: float [T, K]; combine: float [N_recv, K] (or 0)
+  uint64_t in_rank;      // dispatch notify: bool [T, R]
+  uint64_t ntpe;         // dispatch notify: int32 [E] num_tokens_per_expert (or 0)
+  uint64_t out_x;        // dispatch: [num_recv_max, H] bf16 | fp8; combine: bf16 [T, H]
+  uint64_t out_scales;   // dispatch fp8: float [num_recv_max, H/128]
+  uint64_t out_topk_idx; // dispatch: int64 [num_recv_max, K]
+  uint64_t out_weights;  // dispatch: float [num_recv_max, K]; combine: float [T, K] (or 0)
+  uint64_t out_src_idx;  // dispatch: int32 [num_recv_max]
+  uint64_t send_pos;     // int32 [T, R]
+  uint64_t send_cnt;     // int32 [nc, R]
+  uint64_t chan_prefix;  // int32 [R, nc + 1]
+  uint64_t recv_info;    // int32 [R + 1 + E_loc]: rank prefix (R + 1 entries), aligned expert counts
+  uint64_t bias0, bias1; // combine: bf16 [T, H] (or 0)
+  uint64_t ws;           // device: u64 [2 (send, recv)][nc][R][WS_WORDS], int32 [R], int32 [nc][R][kHtMaxChunk]
+  uint64_t host_info;    // dispatch notify: mapped host int32 [1 + R + 1 + E_loc] (or 0): recv_info's
+                         // words at [1..], then [0] = 1 (a release): the host reads the counts
+                         // without a stream synchronisation
+};
+static_assert(sizeof(HtParams) == 592, "HtParams layout is mirrored in gpunet/device/ep.py");
+
+// ---- small helpers ------------------------------------------------------------------------------
+
+GPUNET_HOST_DEVICE uint32_t ctz64(uint64_t x) { return popc64((x & (~x + 1)) - 1); }
+
+// The count a SET word holds for this op's epoch: 0 when the word is from an earlier op.
+GPUNET_DEVICE uint64_t count_of(uint64_t v, uint64_t epoch) {
+  const uint64_t e = v >> 32;
+  if (e == epoch) return v & 0xffffffffull;
+  return e > epoch ? 0xffffffffull : 0;
+}
+GPUNET_DEVICE uint64_t* ht_tail(const HtParams& P, uint32_t kind, uint32_t c, uint32_t j) {
+  return ptr<uint64_t>(P.sig) + ((uint64_t(kind) * kHtMaxChannels + c) * P.base.nranks + j);
+}
+GPUNET_DEVICE uint64_t* ht_head(const HtParams& P, uint32_t kind, uint32_t c, uint32_t d) {
+  return ptr<uint64_t>(P.sig) + ((uint64_t(2 + kind) * kHtMaxChannels + c) * P.base.nranks + d);
+}
+GPUNET_DEVICE uint64_t* ht_hdr_sig(const HtParams& P, uint32_t j) {
+  return ptr<uint64_t>(P.sig) + (uint64_t(4) * kHtMaxChannels * P.base.nranks + j);
+}
+GPUNET_DEVICE uint64_t* ht_hb(const HtParams& P, uint32_t j) {
+  return ptr<uint64_t>(P.sig) + (uint64_t(4) * kHtMaxChannels * P.base.nranks + P.base.nranks + j);
+}
+GPUNET_DEVICE uint64_t* ht_self(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c) {
+  return ptr<uint64_t>(P.self_sig) + ((uint64_t(kind) * 2 + head) * kHtMaxChannels + c);
+}
+GPUNET_DEVICE uint64_t* ws_word(const HtParams& P, uint32_t recv, uint32_t c, uint32_t p, uint32_t w) {
+  return ptr<uint64_t>(P.ws) +
+         (((uint64_t(recv) * P.nchannels + c) * P.base.nranks + p) * WS_WORDS + w);
+}
+// Notify's per-source scratch (int32 [R]) after the per-(channel, peer) state words.
+GPUNET_DEVICE int32_t* notify_scratch(const HtParams& P) {
+  return ptr<int32_t>(P.ws + uint64_t(2) * P.nchannels * P.base.nranks * WS_WORDS * 8);
+}
+GPUNET_DEVICE uint64_t chan_begin(uint64_t T, uint32_t nc, uint32_t c) { return T * c / nc; }
+GPUNET_DEVICE uint64_t slot_addr(const HtParams& P, uint64_t ring, uint32_t c, uint32_t p, uint64_t i) {
+  return ring + ((uint64_t(c) * P.base.nranks + p) * P.ring + i % P.ring) * P.base.msg_stride;
+}
+
+// Waits on a peer fall in two kinds. DIRECT: a header, or a combine row the peer must have sent
+// already (within its credit window): timeout_s (peer_timeout_ns). INDIRECT: a sender's credit
+// or a dispatch receiver's tail progress, which a LIVE peer may hold back while it waits directly
+// on a dead one (a combine receiver stuck on a dead rank's row credits nobody meanwhile): twice
+// that plus a second, so a live rank is never taken for dead because a third one died
+// (tests/test_ep_ht.py: the killed-rank tests, which mask or raise exactly the dead rank). A
+// rank's own traffic is never timed out (its receiver is bounded by its own direct waits).
+// Bounds alone cannot tell a dead peer from a live one that waits out a dead third rank: a rank
+// dying amid a dispatch's data can leave one survivor with all its rows (into combine at once, a
+// direct wait on the other's rows) while the other waits out the dead rank's tail (indirect):
+// the first then masked the LIVE second (found by tests/test_ep_ht.py
+// test_a_rank_that_dies_at_any_moment_leaves_the_survivors_exact, about 1 death in 10 in that
+// window; a longer fixed bound for a peer's first word of an op only moved the race). So a rank
+// that waits also says it is alive: HEARTBEATS (ht_heartbeat, from the idle steps of every loop
+// that waits on a peer), and a bound that runs out on peer d is only final when d's heartbeat
+// word has not moved since it was last read (ht_silent). A dead rank beats no more: it is masked
+// at most two heartbeat periods (half a timeout_s) later than before. (The LL kernels beat the
+// same way: ll.cuh "heartbeats", whose helpers these are.)
+// The notify's wait for a header is direct and beats too (ll.cuh wait_peer with ht_beat). While
+// it waits out a dead source, its rank sends nothing, so its peers' dispatch waits on it are
+// indirect and end with it (tests/test_ep_ht.py
+// test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked, which held with a plain bound
+// too). But the header comes from a peer that may still be in the PREVIOUS op, waiting out a dead
+// rank that this rank had already masked (its combine receiver for a bound and a half, its
+// sender until then: failed_meanwhile). With a plain bound this rank masked that LIVE peer in the
+// next notify (test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify). The
+// grid waits (LlParams::timeout_ns: the data blocks wait for the notify when both run in one
+// launch) are above hb_cap + timeout_s (host: 7 x timeout_s + 4 s).
+GPUNET_DEVICE uint64_t indirect_timeout(const HtParams& P) {
+  return 2 * P.peer_timeout_ns + 1000000000ull;
+}
+// The longest a loop waits on a peer that keeps beating (from the loop's start): a live peer is
+// late by at most its own indirect wait on a dead rank and that rank's second look.
+GPUNET_DEVICE uint64_t hb_cap(const HtParams& P) { return 3 * indirect_timeout(P); }
+
+// HT's heartbeats (ll.cuh "heartbeats": heartbeat, silent): a period of a quarter of timeout_s
+// (a live waiting rank beats at least twice within silent's second look), hb[R] after the header
+// signals, the time of the last beat after the self words. Called from idle steps only.
+GPUNET_DEVICE Beat ht_beat(const HtParams& P) {
+  return Beat{ht_hb(P, 0), ptr<uint64_t>(P.self_sig) + uint64_t(4) * kHtMaxChannels,
+              P.peer_timeout_ns / 4, hb_cap(P)};
+}
+GPUNET_DEVICE void ht_heartbeat(const HtParams& P, uint64_t now, const uint8_t* out) {
+  heartbeat(P.base, ht_beat(P), now, out);
+}
+GPUNET_DEVICE bool ht_silent(const HtParams& P, uint32_t d, uint64_t* seen, uint64_t* tlast,
+                             uint64_t bound, uint64_t now, uint64_t t_start) {
+  return silent(P.base, ht_beat(P), d, seen, tlast, bound, now, t_start);
+}
+
+// An indirect wait on peer d that has seen no progress for a direct bound (timeout_s) ends at
+// once when another wait of this rank has marked d failed meanwhile (the mask / failed words: the
+// block's view `out` is a copy from the launch's start). Without it a combine sender waited the
+// whole indirect bound and a half for a dead rank's credit after its own receiver had given up on
+// that rank (~8.5 s against ~4.5 on a 3 s bound: tests/test_ep_ht.py
+// test_a_rank_still_waiting_out_a_dead_one_is_not_masked_by_the_next_notify). Those words are
+// host memory on GPUs (a PCIe read), so they are read only past the direct bound.
+GPUNET_DEVICE bool failed_meanwhile(const HtParams& P, uint32_t d, uint64_t idle) {
+  return idle > P.peer_timeout_ns && peer_out(P.base, d);
+}
+
+// The count peer p's SET word (or this rank's own device word) holds for this op: the
+// receiver's credit (head) or the sender's progress (tail). Acquire.
+GPUNET_DEVICE uint64_t read_count(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c,
+                                  uint32_t p, uint64_t epoch) {
+  if (p == P.base.rank) {
+    const uint64_t v = arch::atomic_load(ht_self(P, kind, head, c));
+    arch::fence_sys();
+    return count_of(v, epoch);
+  }
+  const uint64_t* w = head ? ht_head(P, kind, c, p) : ht_tail(P, kind, c, p);
+  return count_of(signal_read(peer_ctx(P.base, p), w), epoch);
+}
+
+// SET peer p's word (tail of channel c for this rank as source, or head as destination) to
+// (epoch << 32 | n), after the payload put before it (same QP / channel: in order), and after
+// what the block stored or loaded before its last barrier (the rows staged or stored into p's
+// ring, the rows read out of this rank's ring before a credit). A NIC peer: fence() first (the
+// NIC reads the staging from memory). A mapped peer (p2p): the SET is itself a release store
+// (transport/p2p.cuh signal_store; device scope when p's heap is on this GPU), cumulative over
+// the block barrier, so the system fence (~1-2 us on the H200, one per step and destination) is
+// not needed: the p2p rounds of tests/test_ep_ht.py (ht_then_ll) and the bench's bit-exact
+// check on the H200 guard it. false: the verb failed (the caller marks the peer).
+GPUNET_DEVICE bool write_count(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c,
+                               uint32_t p, uint64_t epoch, uint64_t n) {
+  const uint64_t v = (epoch << 32) | n;
+  if (p == P.base.rank) {
+    arch::fence_sys();
+    arch::atomic_store(ht_self(P, kind, head, c), v);
+    return true;
+  }
+  uint64_t* w = head ? ht_head(P, kind, c, P.base.rank) : ht_tail(P, kind, c, P.base.rank);
+  const DevCtx& cx = peer_ctx(P.base, p);
+  const bool mapped = gpunet::ptr(cx, w, int(p)) != nullptr;
+  return (mapped || fence(cx)) && put_signal_nbi(cx, w, w, 0, w, v, int(p), SIGNAL_SET);
+}
+
+// A receiver's credit to peer p: its head word on p, SET to what this rank has read out of p's
+// ring. Every read of the freed slots is complete before the block barrier that precedes the
+// call: its value was consumed first (stored to the receive rows or summed into a row that was
+// stored, or it landed in shared memory and its mbarrier was seen). So a credit, unlike a tail,
+// publishes nothing and needs no release. With F_HT_RELAXED_RECV (GPUNET_EP_HT_RECV=relaxed) a
+// mapped peer's head is SET with a plain volatile store (st.relaxed.sys), as DeepEP's intranode
+// receivers move their queue heads, the dispatch receiver leaves its bulk stores in flight until
+// its end (ht_recv_dispatch) and the combine receiver's warps hand tails over with block-scope
+// fences (handoff_fence). Why it may pay: a release, or a system-scope fence, is cumulative, so it
+// waits until every store the block made before it has reached the point of coherence; in the
+// combine that is a round's output rows (nwarps x 14 KB), and the H100 profile shows ~13 us a
+// combine round in recv.post against ~1 us a dispatch step of ~3 rows (bench/RESULTS.md,
+// twenty-fourth session), while the sender idles for credit. Off by default until a GPU A/B
+// measures it. NIC peers, and an unmapped peer, take write_count (the verbs).
+GPUNET_DEVICE bool credit(const HtParams& P, uint32_t kind, uint32_t c, uint32_t p, uint64_t epoch,
+                          uint64_t n) {
+  if ((P.base.flags & F_HT_RELAXED_RECV) && p != P.base.rank) {
+    const DevCtx& cx = peer_ctx(P.base, p);
+    if (void* m = gpunet::ptr(cx, ht_head(P, kind, c, P.base.rank), int(p))) {
+      arch::store_relaxed(static_cast<uint64_t*>(m), api::signal_order(cx, (epoch << 32) | n));
+      return true;
+    }
+  }
+  return write_count(P, kind, 1, c, p, epoch, n);
+}
+
+// ---- notify (dispatch, block 0) ---------------------------------------------------------------
+
+GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks, nc = P.nchannels, EL = B.e_loc;
+  const uint64_t T = B.num_tokens;
+  const uint8_t* in_rank = ptr<const uint8_t>(P.in_rank);
+  int32_t* send_pos = ptr<int32_t>(P.send_pos);
+  int32_t* send_cnt = ptr<int32_t>(P.send_cnt);
+  const uint64_t below = g.lane == 0 ? 0 : (~uint64_t(0) >> (64 - g.lane));
+  stamp(B, g, HT_ST_NOTIFY_BEGIN);
+  // send_pos / send_cnt: a warp per (channel, destination), ws tokens per ballot; each lane loads
+  // kRounds ballots' flags before the first store (a store to send_pos may alias in_rank, so a
+  // load-ballot-store loop waits one memory latency per ballot)
+  constexpr uint32_t kRounds = 8;
+  for (uint32_t it = g.wid; it < nc * R; it += g.nwarps) {
+    const uint32_t c = it / R, d = it % R;
+    const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
+    uint32_t run = 0;
+    for (uint64_t t0 = cb; t0 < ce; t0 += uint64_t(g.ws) * kRounds) {
+      bool in[kRounds];
+#pragma unroll
+      for (uint32_t u = 0; u < kRounds; ++u) {
+        const uint64_t t = t0 + uint64_t(u) * g.ws + g.lane;
+        in[u] = t < ce && in_rank[t * R + d] != 0;
+      }
+#pragma unroll
+      for (uint32_t u = 0; u < kRounds; ++u) {
+        const uint64_t t = t0 + uint64_t(u) * g.ws + g.lane;
+        const uint64_t bits = arch::ballot(in[u]);
+        if (t < ce) send_pos[t * R + d] = in[u] ? int32_t(run + popc64(bits & below)) : -1;
+        run += popc64(bits);
+      }
+    }
+    if (g.lane == 0) send_cnt[uint64_t(c) * R + d] = int32_t(run);
+  }
+  arch::syncthreads();
+  // one header per destination: its count words filled by the whole block (one load and store a
+  // thread, not nc + E_loc dependent pairs in one thread), then its head by thread d
+  const uint32_t hdr_words = kHtHdrHead + nc + EL;
+  auto hdr_of = [&](uint32_t d) {
+    return ptr<int32_t>(d == B.rank ? P.rhdr + uint64_t(B.rank) * B.hdr_stride
+                                    : P.shdr + uint64_t(d) * B.hdr_stride);
+  };
+  for (uint32_t i = g.tid; i < R * (nc + EL); i += g.bdim) {
+    const uint32_t d = i / (nc + EL), w = i % (nc + EL);
+    if (peer_out(B, d)) continue;
+    hdr_of(d)[kHtHdrHead + w] = w < nc ? send_cnt[uint64_t(w) * R + d]
+                                       : P.ntpe ? ptr<const int32_t>(P.ntpe)[uint64_t(d) * EL + w - nc] : 0;
+  }
+  arch::syncthreads();
+  for (uint32_t d = g.tid; d < R; d += g.bdim) {
+    if (peer_out(B, d)) continue;
+    const bool self = d == B.rank;
+    int32_t* h = hdr_of(d);
+    int64_t total = 0;
+    batched(nc, [&](uint32_t c) { return send_cnt[uint64_t(c) * R + d]; },
+            [&](uint32_t, int64_t v) { total += v; });
+    h[0] = kHtMagic;
+    h[1] = int32_t(B.hidden);
+    h[2] = int32_t(nc);
+    h[3] = int32_t(B.msg_stride);
+    h[4] = int32_t(B.num_experts);
+    h[5] = int32_t(total);
+    h[6] = int32_t(B.topk);
+    h[7] = 0;
+    if (self) continue;
+    const DevCtx& cx = peer_ctx(B, d);
+    const uint64_t rh = P.rhdr + uint64_t(B.rank) * B.hdr_stride;
+    if (!(fence(cx) && put_signal_nbi(cx, ptr<void>(rh), h, uint64_t(hdr_words) * 4,
+                                       ht_hdr_sig(P, B.rank), (epoch << 32) | 1, int(d), SIGNAL_SET)))
+      peer_fail(B, d);
+  }
+  arch::syncthreads();  // this rank's own header (stored above) is complete
+  stamp(B, g, HT_ST_NOTIFY_SENT);
+  // every live source's header (bounded per source: headers go out unconditionally first)
+  int32_t* info_dev = ptr<int32_t>(P.recv_info);
+  int32_t* info_host = P.host_info ? ptr<int32_t>(P.host_info) + 1 : nullptr;
+  auto set_info = [&](uint32_t i, int32_t v) {
+    info_dev[i] = v;
+    if (info_host) info_host[i] = v;
+  };
+  int32_t* pre = ptr<int32_t>(P.chan_prefix);
+  int32_t* nrecv = ptr<int32_t>(B.nrecv);
+  int32_t* got = ptr<int32_t>(B.got);
+  for (uint32_t j = g.tid; j < R; j += g.bdim) {
+    bool ok = !peer_out(B, j);
+    if (ok && j != B.rank) {
+      // a DIRECT wait (timeout_s), with heartbeats: j may still be in the previous op, waiting
+      // out a dead rank (see "Waits on a peer" above)
+      ok = wait_peer(B, j, ht_hdr_sig(P, j), (epoch << 32) | 1, api::waiter(peer_ctx(B, j)), ht_beat(P));
+      if (!ok) peer_fail(B, j);
+    }
+    const int32_t* h = ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride);
+    if (ok && (h[0] != kHtMagic || uint32_t(h[1]) != B.hidden || uint32_t(h[2]) != nc ||
+               uint32_t(h[3]) != B.msg_stride || uint32_t(h[4]) != B.num_experts)) {
+      ep_fail(B, EP_ERR_MISMATCH, EP_SITE_HT_HEADER, j, (uint64_t(nc) << 32) | B.hidden,
+              (uint64_t(uint32_t(h[2])) << 32) | uint32_t(h[1]), 0);
+      ok = false;
+    }
+    int64_t sum = 0;
+    if (ok)  // batched: a loop that stops at the first negative count waits for each load in turn
+      batched(nc, [&](uint32_t c) { return h[kHtHdrHead + c]; }, [&](uint32_t, int64_t v) {
+        if (v < 0) ok = false;
+        sum += v;
+      });
+    if (ok && sum != h[5]) {
+      ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_HEADER, j, uint64_t(h[5]), uint64_t(sum), 0);
+      ok = false;
+    }
+    got[j] = ok ? 1 : 0;
+    nrecv[j] = ok ? h[5] : 0;
+    notify_scratch(P)[j] = ok ? 1 : 0;
+  }
+  arch::syncthreads();
+  if (g.tid == 0) {
+    int64_t run = 0;
+    for (uint32_t j = 0; j < R; ++j) {
+      const bool ok = notify_scratch(P)[j] != 0;
+      const int32_t* h = ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride);
+      set_info(j, int32_t(run));
+      // batched: the stores to pre may alias the header loads (one latency per channel otherwise)
+      batched(nc, [&](uint32_t c) { return ok ? h[kHtHdrHead + c] : 0; },
+              [&](uint32_t c, int64_t v) {
+                pre[uint64_t(j) * (nc + 1) + c] = int32_t(run);
+                run += v;
+              });
+      pre[uint64_t(j) * (nc + 1) + nc] = int32_t(run);
+    }
+    set_info(R, int32_t(run));
+    if ((B.flags & F_HT_WORST) && run > int64_t(P.num_recv_max))
+      ep_fail(B, EP_ERR_WORST, EP_SITE_HT_WORST, B.rank, P.num_recv_max, uint64_t(run), 0);
+  }
+  for (uint32_t le = g.tid; le < EL; le += g.bdim) {
+    int64_t n = 0;
+    for (uint32_t j = 0; j < R; ++j)
+      if (notify_scratch(P)[j])
+        n += ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride)[kHtHdrHead + nc + le];
+    const int64_t a = P.alignment ? int64_t(P.alignment) : 1;
+    set_info(R + 1 + le, int32_t((n + a - 1) / a * a));
+  }
+  arch::syncthreads();
+  if (info_host && g.tid == 0) {  // after every thread's words (the barrier; the fence is cumulative)
+    arch::fence_sys();
+    arch::store_release_sys(ptr<uint32_t>(P.host_info), 1u);
+  }
+  stamp(B, g, HT_ST_NOTIFY_END);
+}
+
+// ---- the sender (block 2c): dispatch tokens or combine rows to every destination ------------------
+
+// Slot k of token `src` as destination d sees it: the local expert id (-1: not on d) and weight.
+GPUNET_DEVICE int32_t local_slot(const HtParams& P, uint64_t src, uint32_t d, uint32_t k, float* w) {
+  const LlParams& B = P.base;
+  *w = 0.0f;
+  if (!(B.flags & F_HT_TOPK)) return -1;
+  const int64_t e = ptr<const int64_t>(P.topk_idx)[src * B.topk + k];
+  const int64_t lo = int64_t(d) * B.e_loc;
+  if (e < lo || e >= lo + int64_t(B.e_loc)) return -1;
+  if (B.flags & F_HT_WEIGHTS) *w = ptr<const float>(P.topk_weights)[src * B.topk + k];
+  return int32_t(e - lo);
+}
+
+// ---- bulk copies ---------------------------------------------------------------------------------
+// The data loops copy whole rows (x -> a mapped peer's ring or this rank's receive rows, ring ->
+// receive rows): 14 KB for DeepEP's hidden 7168. A warp copying with loads and stores keeps
+// kCopyUnroll 16-byte loads a lane in flight, 4 KB a warp, the most its registers allow (the
+// kernel is at its bound of 128 a thread), and the H200 / H100 profiles show those loops as
+// rounds of memory latency (sender "move" ~220 us of a ~290 us BF16 dispatch kernel, 2 ranks,
+// bench/RESULTS.md twenty-fourth session). Where the GPU has the TMA (CUDA, sm_90+) and the
+// launch has the shared memory (ep_ht.cu asks for ht_bulk_smem_bytes), lane 0 of each warp
+// copies instead with bulk copies through kBulkBufs shared buffers of kBulkPiece bytes:
+// kBulkBufs pieces in flight a warp, no registers. Completion: each buffer's mbarrier (loads,
+// bounded wait), and before the block barrier that publishes or credits the rows, every bulk
+// store complete (ht_copy_done). Elsewhere (MACA, older GPUs, a launch without the shared
+// memory) the warp copies as before: the same bytes land either way. The HOST arm emulates the
+// bulk primitives (arch.cuh) and its launches have the shared memory, so CI runs this path.
+constexpr uint32_t kBulkPiece = 4096, kBulkBufs = 3;
+constexpr uint32_t kBulkCtl = 64;  // a warp's control bytes: kBulkBufs mbarriers, then their uses
+GPUNET_HOST_DEVICE uint64_t ht_bulk_base(uint32_t nranks) {
+  return (uint64_t(smem_view_bytes(nranks)) + 16 * uint64_t(nranks) + 127) / 128 * 128;
+}
+// The dynamic shared memory a launch of nwarps warps a block needs for bulk copies.
+GPUNET_HOST_DEVICE uint64_t ht_bulk_smem_bytes(uint32_t nranks, uint32_t nwarps) {
+  return ht_bulk_base(nranks) + (uint64_t(nwarps) * kBulkCtl + 127) / 128 * 128 +
+         uint64_t(nwarps) * kBulkBufs * kBulkPiece;
+}
+struct HtBulk {
+  uint8_t* buf = nullptr;  // this warp's kBulkBufs buffers; null: copy with loads and stores
+  uint64_t* bar = nullptr;
+  uint32_t* uses = nullptr;  // per buffer: phases waited for (the next wait's parity)
+};
+GPUNET_DEVICE HtBulk ht_bulk(const HtParams& P, const Geo& g) {
+  HtBulk b;
+#if defined(GPUNET_ARCH_HAS_BULK_COPY)
+  const uint32_t R = P.base.nranks;
+  if (arch::dynamic_smem_bytes() < ht_bulk_smem_bytes(R, g.nwarps)) return b;
+  uint8_t* base = arch::shared_mem() + ht_bulk_base(R);
+  uint8_t* ctl = base + uint64_t(g.wid) * kBulkCtl;
+  b.bar = reinterpret_cast<uint64_t*>(ctl);
+  b.uses = reinterpret_cast<uint32_t*>(ctl + 8 * kBulkBufs);
+  b.buf = base + (uint64_t(g.nwarps) * kBulkCtl + 127) / 128 * 128 +
+          uint64_t(g.wid) * kBulkBufs * kBulkPiece;
+#else
+  (void)P;
+  (void)g;
+#endif
+  return b;
+}
+// Once per launch, before any copy: lane 0 of each warp arms its barriers.
+GPUNET_DEVICE void ht_bulk_init(const HtParams& P, const Geo& g) {
+#if defined(GPUNET_ARCH_HAS_BULK_COPY)
+  const HtBulk b = ht_bulk(P, g);
+  if (b.buf && g.lane == 0)
+    for (uint32_t i = 0; i < kBulkBufs; ++i) {
+      arch::mbar_init(&b.bar[i]);
+      b.uses[i] = 0;
+    }
+  arch::syncwarp();
+#else
+  (void)P;
+  (void)g;
+#endif
+}
+// The warp copies n bytes (n % 16 == 0, both ends 16-byte aligned) from src to dst.
+GPUNET_DEVICE void ht_copy(const HtParams& P, const Geo& g, const HtBulk& b, uint64_t dst, uint64_t src,
+                           uint64_t n) {
+#if defined(GPUNET_ARCH_HAS_BULK_COPY)
+  if (b.buf) {
+    if (g.lane == 0) {
+      arch::bulk_fence_proxy();
+      const uint64_t np = (n + kBulkPiece - 1) / kBulkPiece;
+      auto len = [&](uint64_t k) { return uint32_t(n - k * kBulkPiece < kBulkPiece ? n - k * kBulkPiece : kBulkPiece); };
+      for (uint64_t k = 0; k < np && k < kBulkBufs; ++k)
+        arch::bulk_load(b.buf + k * kBulkPiece, ptr<const void>(src + k * kBulkPiece), len(k), &b.bar[k]);
+      const uint64_t t0 = arch::now_ns();
+      for (uint64_t k = 0; k < np; ++k) {
+        const uint32_t i = uint32_t(k % kBulkBufs);
+        // bounded: a piece that never lands (it cannot, short of a fault) is recorded
+        for (uint32_t n_try = 0; !arch::mbar_test(&b.bar[i], b.uses[i] & 1); ++n_try)
+          if ((n_try & 255) == 255 && arch::now_ns() - t0 > P.base.timeout_ns) {
+            ep_fail(P.base, EP_ERR_GRID_WAIT, EP_SITE_HT_BULK, P.base.rank, n, k * kBulkPiece,
+                    arch::now_ns() - t0);
+            break;
+          }
+        ++b.uses[i];
+        arch::bulk_store(ptr<void>(dst + k * kBulkPiece), b.buf + uint64_t(i) * kBulkPiece, len(k));
+        if (k + kBulkBufs < np) {
+          arch::bulk_wait_read();  // the store above has read buffer i
+          arch::bulk_load(b.buf + uint64_t(i) * kBulkPiece, ptr<const void>(src + (k + kBulkBufs) * kBulkPiece),
+                          len(k + kBulkBufs), &b.bar[i]);
+        }
+      }
+      arch::bulk_wait_read();  // the buffers are free for the warp's next copy
+    }
+    arch::syncwarp();
+    return;
+  }
+#else
+  (void)P;
+  (void)b;
+#endif
+  warp_copy(g, dst, src, n);
+}
+// Before the block barrier that publishes what the warp copied (a tail; and a credit unless
+// F_HT_RELAXED_RECV: credit()): its bulk stores complete, ordered before the generic-proxy
+// release that follows.
+GPUNET_DEVICE void ht_copy_done(const Geo& g, const HtBulk& b) {
+#if defined(GPUNET_ARCH_HAS_BULK_COPY)
+  if (b.buf && g.lane == 0) arch::bulk_wait_done();
+#else
+  (void)g;
+  (void)b;
+#endif
+}
+
+// Dispatch to itself: token t goes straight to its receive row `pos` (no ring, no signal).
+GPUNET_DEVICE void ht_deliver_self(const HtParams& P, const Geo& g, const HtBulk& bk, uint64_t pos,
+                                 uint64_t t) {
+  const LlParams& B = P.base;
+  const uint32_t H = B.hidden, K = B.topk;
+  if (B.flags & F_FP8) {
+    ht_copy(P, g, bk, P.out_x + pos * H, P.x + t * H, H);
+    const uint32_t G = H / kGroup;
+    for (uint32_t q = g.lane; q < G; q += g.ws)
+      ptr<float>(P.out_scales)[pos * G + q] = ptr<const float>(P.x_scales)[t * G + q];
+  } else {
+    ht_copy(P, g, bk, P.out_x + pos * H * 2, P.x + t * H * 2, uint64_t(H) * 2);
+  }
+  if (g.lane == 0) ptr<int32_t>(P.out_src_idx)[pos] = int32_t(t);
+  if ((B.flags & F_HT_TOPK) && g.lane < K) {
+    float w;
+    const int32_t le = local_slot(P, t, B.rank, g.lane, &w);
+    ptr<int64_t>(P.out_topk_idx)[pos * K + g.lane] = le;
+    if (P.out_weights) ptr<float>(P.out_weights)[pos * K + g.lane] = w;
+  }
+}
+
+// Stage message `idx` (token or row `src`) for destination d into `msg`.
+GPUNET_DEVICE void ht_stage(const HtParams& P, const Geo& g, const HtBulk& bk, uint64_t msg, uint64_t src,
+                            uint32_t d, bool combine) {
+  const LlParams& B = P.base;
+  const uint32_t H = B.hidden, K = B.topk;
+  const bool fp8 = !combine && (B.flags & F_FP8);
+  if (fp8) {
+    ht_copy(P, g, bk, msg, P.x + src * H, H);
+    const uint32_t G = H / kGroup;
+    for (uint32_t q = g.lane; q < G; q += g.ws)
+      ptr<float>(msg + H)[q] = ptr<const float>(P.x_scales)[src * G + q];
+  } else {
+    ht_copy(P, g, bk, msg, P.x + src * H * 2, uint64_t(H) * 2);
+  }
+  int32_t* meta = ptr<int32_t>(msg + B.payload_bytes);
+  if (g.lane == 0) {
+    meta[0] = int32_t(src);
+    meta[1] = int32_t(K);
+    meta[2] = 0;
+    meta[3] = 0;
+  }
+  if (g.lane < K) {
+    float w = 0.0f;
+    int32_t le = -1;
+    if (!combine) le = local_slot(P, src, d, g.lane, &w);
+    else if (B.flags & F_HT_WEIGHTS) w = ptr<const float>(P.topk_weights)[src * K + g.lane];
+    meta[4 + g.lane] = le;
+    ptr<float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane] = w;
+  }
+}
+
+// Where message `idx` of channel c for destination d is written by this block: the slot in d's
+// own receive ring when d's heap is mapped here (a p2p peer: gpunet::ptr), so the warp's stores
+// ARE the transfer (one copy, x -> the peer's ring, instead of x -> staging -> the peer's ring);
+// else the staging slot in this rank's heap, which a put then carries. 0: stage (not mapped).
+// The sender looks the mapping up once per launch (WS_MAPPED: slot 0; a ring is contiguous in
+// the heap, so slot i is i message strides on), not per message (a chain of dependent loads
+// through the peer's context).
+GPUNET_DEVICE uint64_t ht_mapped_ring(const HtParams& P, uint32_t c, uint32_t d) {
+  if (d == P.base.rank) return 0;
+  void* m = gpunet::ptr(peer_ctx(P.base, d), ptr<const void>(slot_addr(P, P.recv_ring, c, P.base.rank, 0)),
+                        int(d));
+  return uint64_t(uintptr_t(m));
+}
+GPUNET_DEVICE uint64_t ht_mapped_slot(const HtParams& P, uint32_t c, uint32_t d, uint64_t idx) {
+  const uint64_t m0 = *ws_word(P, 0, c, d, WS_MAPPED);
+  return m0 ? m0 + (idx % P.ring) * P.base.msg_stride : 0;
+}
+
+// The sender works in block-wide steps: (1) the warp that owns a destination (d % nwarps) decides,
+// from d's credit, whether d gets n more messages now and lists their tokens (rows); (2) every warp
+// of the block stages the listed messages of every destination (a 2-rank world has 1 remote
+// destination: all warps stage its rows, not one); (3) the owner posts them (a mapped peer: nothing
+// to post, the stores were the transfer) and the tail. Lane 0 of the owner reads and writes d's state words, so every lane takes the same branches (the ballots
+// and shuffles need that).
+GPUNET_DEVICE int32_t* tok_list(const HtParams& P, uint32_t c, uint32_t d) {
+  const uint64_t scratch = P.ws + uint64_t(2) * P.nchannels * P.base.nranks * WS_WORDS * 8;
+  return ptr<int32_t>(scratch + (uint64_t(P.base.nranks) * 4 + 7) / 8 * 8) +
+         (uint64_t(c) * P.base.nranks + d) * kHtMaxChunk;
+}
+
+GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks, nc = P.nchannels;
+  const bool combine = B.op == OP_HT_COMBINE;
+  const uint32_t kind = combine ? HT_KIND_COMBINE : HT_KIND_DISPATCH;
+  const uint64_t T = B.num_tokens;
+  const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
+  const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
+  const int32_t* pre = ptr<const int32_t>(P.chan_prefix);
+  const uint64_t self_row = uint64_t(pre[uint64_t(B.rank) * (nc + 1) + c]);
+  const uint64_t t_start = arch::now_ns();
+  HtClock clk = ht_clock(B, g);
+  const HtBulk bk = ht_bulk(P, g);
+  if (g.lane == 0) {
+    for (uint32_t d = g.wid; d < R; d += g.nwarps) {
+      // combine to itself: nothing to send (its receiver reads x in place)
+      const uint64_t total = combine ? (d == B.rank ? 0 : uint64_t(pre[uint64_t(d) * (nc + 1) + c + 1] -
+                                                                   pre[uint64_t(d) * (nc + 1) + c]))
+                                     : uint64_t(ptr<const int32_t>(P.send_cnt)[uint64_t(c) * R + d]);
+      *ws_word(P, 0, c, d, WS_SENT) = 0;
+      *ws_word(P, 0, c, d, WS_MAPPED) = ht_mapped_ring(P, c, d);
+      *ws_word(P, 0, c, d, WS_CURSOR) = combine ? uint64_t(pre[uint64_t(d) * (nc + 1) + c]) : cb;
+      *ws_word(P, 0, c, d, WS_TLAST) = t_start;
+      *ws_word(P, 0, c, d, WS_TOTAL) = total;
+      *ws_word(P, 0, c, d, WS_DONE) = 0;
+      *ws_word(P, 0, c, d, WS_AVAIL) = 0;
+      *ws_word(P, 0, c, d, WS_HB) = 0;
+    }
+  }
+  for (;;) {
+    // (1) decide and list
+    bool left = false;  // lane 0: one of this warp's destinations is not done
+    for (uint32_t d = g.wid; d < R; d += g.nwarps) {  // warp-uniform
+      uint32_t act = 0;  // 2: send n now
+      uint64_t sent = 0, n = 0, cur = 0;
+      if (g.lane == 0) {
+        *ws_word(P, 0, c, d, WS_AVAIL) = 0;
+        if (!*ws_word(P, 0, c, d, WS_DONE)) {
+          if (out[d]) {
+            *ws_word(P, 0, c, d, WS_DONE) = 1;
+          } else {
+            const uint64_t total = *ws_word(P, 0, c, d, WS_TOTAL);
+            sent = *ws_word(P, 0, c, d, WS_SENT);
+            cur = *ws_word(P, 0, c, d, WS_CURSOR);
+            // to itself: rows go straight to their receive rows, no ring: no credit to wait for
+            const uint64_t consumed = d == B.rank ? sent : read_count(P, kind, 1, c, d, epoch);
+            n = total - sent < P.chunk ? total - sent : P.chunk;
+            if (sent == total && consumed >= total) {
+              *ws_word(P, 0, c, d, WS_DONE) = 1;
+              if (d != B.rank && total && !quiet_pe(peer_ctx(B, d), int(d))) peer_fail_view(B, out, d);
+            } else if (sent == total || sent - consumed + n > P.ring) {
+              const uint64_t now = arch::now_ns();
+              ht_heartbeat(P, now, out);
+              const uint64_t idle = now - *ws_word(P, 0, c, d, WS_TLAST);
+              if (d != B.rank && (failed_meanwhile(P, d, idle) ||
+                                  (idle > indirect_timeout(P) &&
+                                   ht_silent(P, d, ws_word(P, 0, c, d, WS_HB), ws_word(P, 0, c, d, WS_TLAST),
+                                             indirect_timeout(P), now, t_start)))) {
+                peer_fail_view(B, out, d);  // no credit for that long: the peer is silent
+                *ws_word(P, 0, c, d, WS_DONE) = 1;
+              }
+            } else {
+              act = 2;
+            }
+          }
+          left = left || !*ws_word(P, 0, c, d, WS_DONE);
+        }
+      }
+      act = arch::shfl(act, 0);
+      if (act != 2) continue;
+      n = arch::shfl(n, 0);
+      cur = arch::shfl(cur, 0);
+      int32_t* list = tok_list(P, c, d);
+      if (combine) {
+        for (uint64_t i = g.lane; i < n; i += g.ws) list[i] = int32_t(cur + i);
+        cur += n;
+      } else {
+        uint64_t taken = 0;
+        while (taken < n) {  // warp-uniform: a ballot over ws tokens from the cursor
+          const uint64_t t = cur + g.lane;
+          const bool in = t < ce && send_pos[t * R + d] >= 0;
+          const uint64_t bits = arch::ballot(in);
+          const uint64_t below = g.lane == 0 ? 0 : (~uint64_t(0) >> (64 - g.lane));
+          const uint64_t cnt = popc64(bits);
+          const uint64_t take = cnt < n - taken ? cnt : n - taken;
+          const uint64_t rank_in = popc64(bits & below);
+          if (in && rank_in < take) list[taken + rank_in] = int32_t(t);
+          uint64_t last = 0;  // the position of the last token taken
+          for (uint64_t b = bits, q = 0; q < take; ++q, b &= b - 1) last = ctz64(b);
+          cur = take < cnt ? cur + last + 1 : cur + g.ws;
+          taken += take;
+        }
+      }
+      if (g.lane == 0) {
+        *ws_word(P, 0, c, d, WS_CURSOR) = cur;
+        *ws_word(P, 0, c, d, WS_AVAIL) = n;
+      }
+    }
+    const bool more = arch::block_any(left);  // (also the barrier after the lists)
+    // (2) every warp stages the listed messages of every destination
+    uint64_t items = 0;
+    for (uint32_t d = 0; d < R; ++d) items += *ws_word(P, 0, c, d, WS_AVAIL);
+    for (uint64_t it = g.wid; it < items; it += g.nwarps) {
+      uint32_t d = 0;
+      uint64_t i = it;
+      while (i >= *ws_word(P, 0, c, d, WS_AVAIL)) i -= *ws_word(P, 0, c, d, WS_AVAIL), ++d;
+      const uint64_t idx = *ws_word(P, 0, c, d, WS_SENT) + i;
+      const uint64_t src = uint64_t(tok_list(P, c, d)[i]);
+      if (d == B.rank && !combine) {
+        ht_deliver_self(P, g, bk, self_row + idx, src);
+      } else {
+        const uint64_t m = ht_mapped_slot(P, c, d, idx);
+        ht_stage(P, g, bk, m ? m : slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
+      }
+    }
+    ht_copy_done(g, bk);
+    arch::syncthreads();  // every staging store before the puts read them
+    const uint64_t dt_move = clk.lap();
+    // (3) the puts, by the whole block: on p2p every thread copies (put_nbi_block), on the NIC
+    // transports it is a few WQEs (ibgda) or one command (proxy); then the owners SET the tails
+    for (uint32_t d = 0; d < R; ++d) {  // block-uniform
+      const uint64_t n = *ws_word(P, 0, c, d, WS_AVAIL);
+      if (!n || d == B.rank) continue;
+      const uint64_t sent = *ws_word(P, 0, c, d, WS_SENT);
+      if (ht_mapped_slot(P, c, d, sent)) continue;  // stored in place above
+      // the slots [sent, sent + n) of the ring: one put, two when they wrap
+      const uint64_t s0 = sent % P.ring;
+      const uint64_t n1 = P.ring - s0 < n ? P.ring - s0 : n;
+      const DevCtx& cx = peer_ctx(B, d);
+      const uint64_t msz = B.msg_stride;
+      bool ok = put_nbi_block(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, sent)),
+                              ptr<const void>(slot_addr(P, P.send_ring, c, d, sent)), n1 * msz, int(d));
+      if (ok && n1 < n)
+        ok = put_nbi_block(cx, ptr<void>(slot_addr(P, P.recv_ring, c, B.rank, 0)),
+                           ptr<const void>(slot_addr(P, P.send_ring, c, d, 0)), (n - n1) * msz, int(d));
+      if (!ok && g.tid == 0) peer_fail_view(B, out, d);
+    }
+    arch::syncthreads();  // every thread's stores of the puts (p2p) before the owners' fences
+    for (uint32_t d = g.wid; d < R; d += g.nwarps) {
+      if (g.lane != 0) continue;
+      const uint64_t n = *ws_word(P, 0, c, d, WS_AVAIL);
+      if (!n) continue;
+      const uint64_t sent = *ws_word(P, 0, c, d, WS_SENT);
+      *ws_word(P, 0, c, d, WS_SENT) = sent + n;
+      *ws_word(P, 0, c, d, WS_TLAST) = arch::now_ns();
+      *ws_word(P, 0, c, d, WS_HB) = 0;  // progress: a later stall takes a new baseline
+      if (d == B.rank) continue;
+      if (out[d] || !write_count(P, kind, 0, c, d, epoch, sent + n)) {
+        peer_fail_view(B, out, d);
+        *ws_word(P, 0, c, d, WS_DONE) = 1;
+      }
+    }
+    ht_step_stamps(B, g, clk, items, dt_move, clk.lap());
+    if (!more) break;
+    if (!items) arch::spin_pause();
+    arch::syncthreads();  // the owners' state words before the next step reads them
+  }
+}
+
+// ---- the receiver (block 2c+1) --------------------------------------------------------------------
+
+// Dispatch: copy whatever arrived from every source into its rows; credit back every chunk.
+GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+                                    uint8_t* out) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks, nc = P.nchannels, H = B.hidden, K = B.topk;
+  const int32_t* pre = ptr<const int32_t>(P.chan_prefix);
+  const bool fp8 = (B.flags & F_FP8) != 0;
+  const uint64_t row_bytes = fp8 ? uint64_t(H) : uint64_t(H) * 2;
+  const uint32_t G = H / kGroup;
+  const uint64_t t_start = arch::now_ns();
+  for (uint32_t j = g.tid; j < R; j += g.bdim) {
+    // its own rows were stored in place by its sender block
+    const uint64_t total = j == B.rank ? 0 : uint64_t(pre[uint64_t(j) * (nc + 1) + c + 1] -
+                                                      pre[uint64_t(j) * (nc + 1) + c]);
+    *ws_word(P, 1, c, j, WS_SENT) = 0;       // consumed
+    *ws_word(P, 1, c, j, WS_CREDIT) = 0;
+    *ws_word(P, 1, c, j, WS_TOTAL) = total;
+    *ws_word(P, 1, c, j, WS_TLAST) = t_start;
+    *ws_word(P, 1, c, j, WS_AVAIL) = 0;
+    *ws_word(P, 1, c, j, WS_DONE) = total == 0 ? 1 : 0;
+    *ws_word(P, 1, c, j, WS_HB) = 0;
+  }
+  arch::syncthreads();
+  HtClock clk = ht_clock(B, g);
+  const HtBulk bk = ht_bulk(P, g);
+  for (;;) {
+    for (uint32_t j = g.tid; j < R; j += g.bdim) {
+      uint64_t avail = 0;
+      if (!*ws_word(P, 1, c, j, WS_DONE)) {
+        if (out[j]) {
+          *ws_word(P, 1, c, j, WS_DONE) = 1;
+        } else {
+          const uint64_t done = *ws_word(P, 1, c, j, WS_SENT);
+          uint64_t tail = read_count(P, HT_KIND_DISPATCH, 0, c, j, epoch);
+          const uint64_t total = *ws_word(P, 1, c, j, WS_TOTAL);
+          if (tail > total) tail = total;
+          avail = tail > done ? tail - done : 0;
+          if (avail == 0 && j != B.rank) {
+            const uint64_t now = arch::now_ns();
+            ht_heartbeat(P, now, out);
+            const uint64_t idle = now - *ws_word(P, 1, c, j, WS_TLAST);
+            if (failed_meanwhile(P, j, idle) ||
+                (idle > indirect_timeout(P) &&
+                 ht_silent(P, j, ws_word(P, 1, c, j, WS_HB), ws_word(P, 1, c, j, WS_TLAST),
+                           indirect_timeout(P), now, t_start))) {
+              peer_fail_view(B, out, j);
+              *ws_word(P, 1, c, j, WS_DONE) = 1;
+            }
+          }
+        }
+      }
+      *ws_word(P, 1, c, j, WS_AVAIL) = avail;
+    }
+    arch::syncthreads();
+    uint64_t items = 0;
+    for (uint32_t j = 0; j < R; ++j) items += *ws_word(P, 1, c, j, WS_AVAIL);
+    for (uint64_t it = g.wid; it < items; it += g.nwarps) {
+      uint32_t j = 0;
+      uint64_t m = it;
+      while (m >= *ws_word(P, 1, c, j, WS_AVAIL)) m -= *ws_word(P, 1, c, j, WS_AVAIL), ++j;
+      const uint64_t idx = *ws_word(P, 1, c, j, WS_SENT) + m;
+      const uint64_t msg = slot_addr(P, P.recv_ring, c, j, idx);
+      const uint64_t pos = uint64_t(pre[uint64_t(j) * (nc + 1) + c]) + idx;
+      ht_copy(P, g, bk, P.out_x + pos * row_bytes, msg, row_bytes);
+      if (fp8)
+        for (uint32_t q = g.lane; q < G; q += g.ws)
+          ptr<float>(P.out_scales)[pos * G + q] = ptr<const float>(msg + H)[q];
+      const int32_t* meta = ptr<const int32_t>(msg + B.payload_bytes);
+      if (g.lane == 0) ptr<int32_t>(P.out_src_idx)[pos] = meta[0];
+      if ((B.flags & F_HT_TOPK) && g.lane < K) {
+        ptr<int64_t>(P.out_topk_idx)[pos * K + g.lane] = int64_t(meta[4 + g.lane]);
+        if (P.out_weights)
+          ptr<float>(P.out_weights)[pos * K + g.lane] =
+              ptr<const float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane];
+      }
+    }
+    // every read of the ring is done at the barrier (credit()); the bulk stores into the receive
+    // rows complete here, or with F_HT_RELAXED_RECV after the loop
+    if (!(B.flags & F_HT_RELAXED_RECV)) ht_copy_done(g, bk);
+    arch::syncthreads();
+    const uint64_t dt_move = clk.lap();
+    bool left = false;
+    for (uint32_t j = g.tid; j < R; j += g.bdim) {
+      const uint64_t avail = *ws_word(P, 1, c, j, WS_AVAIL);
+      if (avail) {
+        const uint64_t done = *ws_word(P, 1, c, j, WS_SENT) + avail;
+        *ws_word(P, 1, c, j, WS_SENT) = done;
+        *ws_word(P, 1, c, j, WS_TLAST) = arch::now_ns();
+        *ws_word(P, 1, c, j, WS_HB) = 0;  // progress: a later stall takes a new baseline
+        const uint64_t total = *ws_word(P, 1, c, j, WS_TOTAL);
+        if (done == total || done - *ws_word(P, 1, c, j, WS_CREDIT) >= P.chunk) {
+          if (!credit(P, HT_KIND_DISPATCH, c, j, epoch, done)) {
+            peer_fail_view(B, out, j);
+            *ws_word(P, 1, c, j, WS_DONE) = 1;
+          }
+          *ws_word(P, 1, c, j, WS_CREDIT) = done;
+        }
+        if (done == total) *ws_word(P, 1, c, j, WS_DONE) = 1;
+      }
+      left = left || !*ws_word(P, 1, c, j, WS_DONE);
+    }
+    const bool more = arch::block_any(left);
+    ht_step_stamps(B, g, clk, items, dt_move, clk.lap());
+    if (!more) break;
+    arch::spin_pause();
+  }
+  if (B.flags & F_HT_RELAXED_RECV) ht_copy_done(g, bk);  // the receive rows, before the block leaves
+}
+
+// The combine receiver's warps hand a peer's tail over through the block's `seen` word (ws): the
+// warp that read the tail with acquire publishes it; a warp that reads it fences before loading
+// the rows below it. Both are threads of one block, so a block-scope fence orders them (the
+// peer's release, this warp's system-scope acquire, the block-scope hand-over: one causality
+// chain in the PTX model). The default, a system-scope fence, also waits for every store the
+// block made before it (the last round's output rows); F_HT_RELAXED_RECV takes the block's.
+GPUNET_DEVICE void handoff_fence(const LlParams& B) {
+  if (B.flags & F_HT_RELAXED_RECV)
+    arch::fence_cta();
+  else
+    arch::fence_sys();
+}
+
+// Combine, token side: rounds of one token per warp, each waiting for exactly its rows.
+GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+                                   uint8_t* out) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks, nc = P.nchannels, H = B.hidden, K = B.topk;
+  const uint64_t T = B.num_tokens;
+  const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
+  const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
+  const int32_t* send_cnt = ptr<const int32_t>(P.send_cnt);
+  // its own rows: read in place from x (rows [self_row, ...) of this channel), never sent
+  const uint64_t self_row = uint64_t(ptr<const int32_t>(P.chan_prefix)[uint64_t(B.rank) * (nc + 1) + c]);
+  for (uint32_t d = g.tid; d < R; d += g.bdim) {
+    *ws_word(P, 1, c, d, WS_CREDIT) = 0;
+    *ws_word(P, 1, c, d, WS_MAXP) = 0;
+    arch::atomic_store(ws_word(P, 1, c, d, WS_AVAIL), uint64_t(0));  // the tail seen (below)
+  }
+  arch::syncthreads();
+  HtClock clk = ht_clock(B, g);
+  ht_stamp_add(B, g, HT_ST_ITEMS, ce - cb);
+  for (uint64_t base = cb; base < ce; base += g.nwarps) {
+    const uint64_t t = base + g.wid;
+    if (t < ce) {
+      float wsum = 0.0f;       // lane k < K: the combined weight of slot k
+      uint64_t have = 0;       // bit d (d < 64): d's row is here (the sum below reads those only)
+      // wait for each row this token gets (d ascending); one timeout_s for all of them
+      const uint64_t t0 = arch::now_ns();
+      for (uint32_t d = 0; d < R; ++d) {
+        const int32_t p = send_pos[t * R + d];
+        if (p < 0) continue;
+        bool ok = !out[d];
+        if (d == B.rank) {
+          if (ok && g.lane < K && (B.flags & F_HT_WEIGHTS))
+            wsum += ptr<const float>(P.topk_weights)[(self_row + uint64_t(p)) * K + g.lane];
+          if (ok && d < 64) have |= uint64_t(1) << d;
+          continue;
+        }
+        if (ok && g.lane == 0) {
+          // the block's last seen tail of d (a lower bound: warps store it racily, never above
+          // the truth) spares most reads of the word itself (host memory on GPUs, a PCIe trip)
+          uint64_t* seen = ws_word(P, 1, c, d, WS_AVAIL);
+          if (arch::atomic_load(seen) <= uint64_t(p)) {
+            uint32_t n = 0;
+            uint64_t tail, tlast = t0, hb = 0;
+            while ((tail = read_count(P, HT_KIND_COMBINE, 0, c, d, epoch)) <= uint64_t(p)) {
+              if ((n++ & 7) == 0) {
+                if (out[d]) {
+                  ok = false;
+                  break;
+                }
+                const uint64_t now = arch::now_ns();
+                ht_heartbeat(P, now, out);
+                if (now - tlast > P.peer_timeout_ns &&
+                    ht_silent(P, d, &hb, &tlast, P.peer_timeout_ns, now, t0)) {
+                  ok = false;
+                  break;
+                }
+              }
+              arch::spin_pause();
+            }
+            if (ok && tail != 0xffffffffull) {
+              handoff_fence(B);  // release: what this acquire made visible, to the warps reading seen
+              arch::atomic_store(seen, tail);
+            }
+            if (!ok && !out[d]) peer_fail_view(B, out, d);
+          } else {
+            handoff_fence(B);  // acquire: the rows below the tail another warp of this block read
+          }
+        }
+        ok = arch::shfl(ok ? 1u : 0u, 0) != 0;
+        if (!ok) continue;
+        if (d < 64) have |= uint64_t(1) << d;
+        const uint64_t msg = slot_addr(P, P.recv_ring, c, d, uint64_t(p));
+        if (g.lane < K && (B.flags & F_HT_WEIGHTS))
+          wsum += ptr<const float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane];
+        if (g.lane == 0) {
+          uint64_t* mp = ws_word(P, 1, c, d, WS_MAXP);
+          uint64_t old = arch::atomic_load(mp);
+          while (old < uint64_t(p) + 1) {
+            const uint64_t seen = arch::atomic_cas(mp, old, uint64_t(p) + 1);
+            if (seen == old) break;
+            old = seen;
+          }
+        }
+      }
+      // out[t] = bias0 + bias1 + sum_d row_d: a second pass over the rows (they are all here now)
+      // kU groups of 8 columns per lane at a time: kU row loads in flight (host memory on GPUs)
+      constexpr uint32_t kU = 4;
+      const uint32_t span = g.ws * 8;
+      for (uint32_t c0 = g.lane * 8; c0 < H; c0 += span * kU) {
+        float acc[kU][8];
+        for (uint32_t u = 0; u < kU; ++u)
+          for (uint32_t q = 0; q < 8; ++q) acc[u][q] = 0.0f;
+        const uint64_t bias[2] = {P.bias0, P.bias1};
+        for (uint32_t b = 0; b < P.nbias; ++b)
+          for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u) {
+            const V16 v = *ptr<const V16>(bias[b] + (t * H + c0 + u * span) * 2);
+            for (uint32_t q = 0; q < 8; ++q) acc[u][q] += bf16_at(v, q);
+          }
+        for (uint32_t d = 0; d < R; ++d) {
+          const int32_t p = send_pos[t * R + d];
+          if (p < 0 || (d < 64 ? !((have >> d) & 1) : out[d] != 0)) continue;
+          const uint64_t row = d == B.rank ? P.x + (self_row + uint64_t(p)) * H * 2
+                                           : slot_addr(P, P.recv_ring, c, d, uint64_t(p));
+          V16 v[kU];
+          for (uint32_t u = 0; u < kU; ++u)
+            if (c0 + u * span < H) v[u] = *ptr<const V16>(row + uint64_t(c0 + u * span) * 2);
+          for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u)
+            for (uint32_t q = 0; q < 8; ++q) acc[u][q] += bf16_at(v[u], q);
+        }
+        for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u) {
+          V16 o = {0, 0};
+          for (uint32_t q = 0; q < 8; ++q)
+            (q < 4 ? o.a : o.b) |= uint64_t(f32_to_bf16(acc[u][q])) << (16 * (q & 3));
+          *ptr<V16>(P.out_x + (t * H + c0 + u * span) * 2) = o;
+        }
+      }
+      if (P.out_weights && g.lane < K) ptr<float>(P.out_weights)[t * K + g.lane] = wsum;
+    }
+    arch::syncthreads();  // the round's rows are read: credit them
+    ht_stamp_add(B, g, HT_ST_T_MOVE, clk.lap());
+    if (clk.on && !ptr<uint64_t>(B.prof)[uint64_t(g.bid) * kStamps + HT_ST_STEPS]) stamp(B, g, HT_ST_FIRST);
+    ht_stamp_add(B, g, HT_ST_STEPS, 1);
+    for (uint32_t d = g.tid; d < R; d += g.bdim) {
+      if (out[d] || d == B.rank) continue;
+      const uint64_t m = arch::atomic_load(ws_word(P, 1, c, d, WS_MAXP));
+      const uint64_t cr = *ws_word(P, 1, c, d, WS_CREDIT);
+      const uint64_t total = uint64_t(send_cnt[uint64_t(c) * R + d]);
+      if (m > cr && (m == total || m - cr >= P.chunk)) {
+        if (!credit(P, HT_KIND_COMBINE, c, d, epoch, m)) peer_fail_view(B, out, d);
+        *ws_word(P, 1, c, d, WS_CREDIT) = m;
+      }
+    }
+    arch::syncthreads();
+    ht_stamp_add(B, g, HT_ST_T_POST, clk.lap());
+  }
+}
+
+// ---- the kernel ------------------------------------------------------------------------------------
+
+GPUNET_DEVICE void run_ht(const HtParams& P) {
+  const Geo g = geo();
+  const LlParams& B = P.base;
+  const uint64_t epoch = arch::atomic_load(ptr<const uint64_t>(P.epoch));
+  bool ok = true;
+  if ((B.phases & PH_NOTIFY) && g.bid == 0) ht_notify(P, g, epoch);
+  if ((B.phases & PH_NOTIFY) && (B.phases & PH_DATA)) {
+    if (g.bid == 0) block_publish(B, g, HT_SYNC_NOTIFY);
+    else ok = block_wait(B, g, HT_SYNC_NOTIFY, 1, EP_SITE_HT_NOTIFY);
+  }
+  if (ok && (B.phases & PH_DATA) && !ep_failed(B)) {
+    stamp(B, g, HT_ST_BEGIN);
+    ht_bulk_init(P, g);
+    uint8_t* out = load_peer_view(B, g);
+    const uint32_t c = g.bid / 2;
+    if (c < P.nchannels) {
+      if (g.bid % 2 == 0) ht_send(P, g, c, epoch, out);
+      else if (B.op == OP_HT_COMBINE) ht_recv_combine(P, g, c, epoch, out);
+      else ht_recv_dispatch(P, g, c, epoch, out);
+    }
+    stamp(B, g, HT_ST_END);
+  }
+  if (last_block(B, g, HT_SYNC_END)) {
+    if (g.tid == 0 && (B.flags & F_HT_BUMP)) {
+      arch::atomic_store(ptr<uint64_t>(P.epoch), epoch + 1);
+      arch::fence_sys();
+    }
+    reset_sync(B, g, HT_SYNC_NOTIFY, HT_SYNC_END);
+  }
+}
+
+}  // namespace ep
+}  // namespace gpunet
