@@ -21,6 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from gpunet import config
 from gpunet.ep import Buffer, Config, EPTimeout
 from gpunet.ep import reference as ref
 
@@ -139,6 +140,13 @@ def _expert_out(spec, recv_x):
         return ref.per_token_cast_back(q, s).to(torch.bfloat16) if q.shape[0] else \
             torch.empty(0, q.shape[1], dtype=torch.bfloat16)
     return recv_x
+
+
+def round_with_env(state, spec, env):
+    """round_ with the environment variables ``env`` set in this rank for the round (knobs the
+    Buffer reads at each launch, e.g. GPUNET_EP_HT_RECV), then restored."""
+    with config.environ(env):
+        return round_(state, spec)
 
 
 def round_(state, spec):
