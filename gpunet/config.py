@@ -45,11 +45,6 @@ KNOBS = (
          "gpunet.ep's kernels: world (a world whose peers are all p2p runs a build with the p2p "
          "transport only, half the code: devctx.cuh GPUNET_TRANSPORTS) or all (every world runs "
          "the build with every transport: the A/B of bench/ep_profile.py)"),
-    Knob("GPUNET_EP_HT_RECV", "env", "choice", "release", ("release", "relaxed"),
-         "gpunet.ep's high-throughput receivers: release (credits to p2p peers are release "
-         "stores, the combine's warps hand rows over with system fences, the dispatch's bulk "
-         "stores complete every step) or relaxed (plain-store credits, block-scope hand-overs, "
-         "bulk stores complete at the end: ht.cuh credit(); not yet measured on a GPU)"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),

@@ -142,13 +142,6 @@ def _expert_out(spec, recv_x):
     return recv_x
 
 
-def round_with_env(state, spec, env):
-    """round_ with the environment variables ``env`` set in this rank for the round (knobs the
-    Buffer reads at each launch, e.g. GPUNET_EP_HT_RECV), then restored."""
-    with config.environ(env):
-        return round_(state, spec)
-
-
 def round_(state, spec):
     """Layout, dispatch (and the cached / worst-case variants the spec asks for), combine, all
     checked on this rank. Returns {bad, calc_diff, weights_diff, n_recv, hashes, masked, raised,

@@ -456,7 +456,7 @@ MACA_STUB = r"""
 #include <cstdint>
 struct uint3_ { unsigned x, y, z; };
 extern uint3_ threadIdx, blockIdx, blockDim, gridDim;
-void __threadfence_system(); void __threadfence(); void __threadfence_block(); void __syncthreads(); void __syncwarp(); int __syncthreads_or(int);
+void __threadfence_system(); void __threadfence(); void __syncthreads(); void __syncwarp(); int __syncthreads_or(int);
 unsigned atomicAdd(unsigned*, unsigned); unsigned long long atomicAdd(unsigned long long*, unsigned long long);
 unsigned atomicCAS(unsigned*, unsigned, unsigned);
 unsigned long long atomicCAS(unsigned long long*, unsigned long long, unsigned long long);

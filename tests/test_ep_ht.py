@@ -405,21 +405,6 @@ def test_four_ranks_p2p_and_proxy_peers(p2p_proxy4):
         _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
 
 
-def test_relaxed_receivers_run_ht_rounds_over_p2p_and_the_proxy(p2p_proxy4):
-    """GPUNET_EP_HT_RECV=relaxed, set in every rank for these rounds (ht.cuh credit(): a receiver
-    credits a mapped peer with a plain store, the dispatch receiver's bulk stores stay in flight
-    until its end, the combine's warps hand tails over with block-scope fences), on the 4 ranks
-    whose pairs with an even sum are p2p and the others go through the proxy (so both credit
-    paths run), rings of 48 slots in chunks of 4 (every round wraps them): a tagged BF16 round
-    with two channels and an FP8 one with biases and num_worst_tokens are exact. A credit above
-    what was read lets a sender overwrite unread rows, one below it starves the sender: either
-    fails here (checked by mutating credit() when this was written)."""
-    env = {"GPUNET_EP_HT_RECV": "relaxed"}
-    for spec in (_spec(4, seed=40, tagged=True, config=TWO_CHANNELS),
-                 _spec(4, seed=41, fp8=True, worst=3, biases=1)):
-        _assert_round(p2p_proxy4.run("ep_ht_jobs:round_with_env", spec, env), spec)
-
-
 def test_a_too_small_buffer_is_refused_on_every_rank(mixed4):
     """A Config whose rings do not fit the HT buffer is refused on every rank, before anything is
     sent, with a ConfigError naming the size hint."""

@@ -156,7 +156,6 @@ HT_HDR_HEAD = 8
 OP_HT_DISPATCH, OP_HT_COMBINE = 3, 4
 PH_NOTIFY, PH_DATA = 1, 2
 F_HT_TOPK, F_HT_WEIGHTS, F_HT_BUMP, F_HT_WORST = 64, 128, 256, 512
-F_HT_RELAXED_RECV = 1024
 HT_WS_WORDS = 9
 # HtParams::base.prof (LlParams::prof's rows, ht.cuh HT_ST_*): stamps (now_ns) and, from
 # "t_move" on, what thread 0 summed over the block's loop (ns, then counts); bench/ep_ht.py

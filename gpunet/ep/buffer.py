@@ -590,8 +590,6 @@ class Buffer:
         B.status, B.sync = _addr(self._ep_status), _addr(self._ht_sync)
         if self.enable_shrink:
             B.flags |= dep.F_SHRINK
-        if config.get("GPUNET_EP_HT_RECV") == "relaxed":
-            B.flags |= dep.F_HT_RELAXED_RECV
         P.nchannels, P.ring, P.chunk = nc, ring, chunk
         P.peer_timeout_ns = int(self._timeout_s * 1e9)
         P.epoch, P.self_sig, P.ws = _addr(self._ht_epoch), _addr(self._ht_self), _addr(self._ht_ws)

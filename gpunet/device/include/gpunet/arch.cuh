@@ -28,7 +28,7 @@
 //   void store_weak_v2(u64* p, u64 w0, u64 w1)       (the same 16 bytes as a WEAK vector store:
 //              a bulk copy's, visible at the kernel's end or a later fence; never for words
 //              another thread polls)
-//   void fence_sys()   void fence_gpu()   void fence_cta()   (system, device, block scope)
+//   void fence_sys()
 //   u32/u64 atomic_add(p, v) -> old                  u32/u64 atomic_cas(p, expected, desired) -> old
 //   u32/u64 atomic_or(p, v) -> old   (32-bit: native on shared memory; the 64-bit one is a CAS
 //              loop there on CUDA sm_90, ATOMS.CAST.SPIN.64)
@@ -137,9 +137,6 @@ GPUNET_DEVICE void fence_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory")
 // Sequentially consistent at device scope: a release / acquire for words only this GPU's threads
 // exchange (qp.cuh's publish tag, p2p peers on one GPU); costs no wait for the host or the NIC.
 GPUNET_DEVICE void fence_gpu() { asm volatile("fence.sc.gpu;" ::: "memory"); }
-// Block scope: orders this thread's accesses for the threads of its block only (words the block
-// hands between its warps); no wait for stores to reach L2.
-GPUNET_DEVICE void fence_cta() { asm volatile("fence.acq_rel.cta;" ::: "memory"); }
 // One 16-byte vector store (st.volatile.v2.u64): a WQE segment in one instruction. Volatile like
 // store_relaxed; p must be 16-byte aligned (SQ slots are).
 GPUNET_DEVICE void store_relaxed_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
@@ -378,7 +375,6 @@ GPUNET_DEVICE uint32_t load_const(const uint32_t* p) { return *p; }
 GPUNET_DEVICE uint64_t load_const(const uint64_t* p) { return *p; }
 GPUNET_DEVICE void fence_sys() { __threadfence_system(); }
 GPUNET_DEVICE void fence_gpu() { __threadfence(); }
-GPUNET_DEVICE void fence_cta() { __threadfence_block(); }
 // UNVERIFIED on MACA: two 8-byte volatile stores; a 16-byte vector store intrinsic is to be
 // confirmed on the first C500 build (the publish protocol does not rely on the store's width).
 GPUNET_DEVICE void store_relaxed_v2(uint64_t* p, uint64_t w0, uint64_t w1) {
@@ -510,9 +506,8 @@ GPUNET_DEVICE void fence_sys() {
   if (hd::ThreadCtx* c = hd::weak_ctx()) hd::drain_all(c);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
-// One memory on the HOST arm: a device- or block-scope fence is a system-scope one.
+// One memory on the HOST arm: a device-scope fence is a system-scope one.
 GPUNET_DEVICE void fence_gpu() { fence_sys(); }
-GPUNET_DEVICE void fence_cta() { fence_sys(); }
 
 template <class T>
 GPUNET_DEVICE void host_before_rmw(T* p) {

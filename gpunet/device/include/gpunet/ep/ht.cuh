@@ -84,7 +84,6 @@ enum : uint32_t {
   F_HT_WEIGHTS = 128,   // topk_weights present (combine: weights travel back)
   F_HT_BUMP = 256,      // this launch ends the op: the last block bumps the epoch
   F_HT_WORST = 512,     // num_worst_tokens: recv rows are fixed (num_recv_max); check, no host sync
-  F_HT_RELAXED_RECV = 1024,  // receivers never wait for their own stores: credit(), handoff_fence()
 };
 enum : uint32_t { HT_KIND_DISPATCH = 0, HT_KIND_COMBINE = 1 };
 // grid sync words (HtParams::base.sync)
@@ -330,32 +329,6 @@ GPUNET_DEVICE bool write_count(const HtParams& P, uint32_t kind, uint32_t head, 
   const DevCtx& cx = peer_ctx(P.base, p);
   const bool mapped = gpunet::ptr(cx, w, int(p)) != nullptr;
   return (mapped || fence(cx)) && put_signal_nbi(cx, w, w, 0, w, v, int(p), SIGNAL_SET);
-}
-
-// A receiver's credit to peer p: its head word on p, SET to what this rank has read out of p's
-// ring. Every read of the freed slots is complete before the block barrier that precedes the
-// call: its value was consumed first (stored to the receive rows or summed into a row that was
-// stored, or it landed in shared memory and its mbarrier was seen). So a credit, unlike a tail,
-// publishes nothing and needs no release. With F_HT_RELAXED_RECV (GPUNET_EP_HT_RECV=relaxed) a
-// mapped peer's head is SET with a plain volatile store (st.relaxed.sys), as DeepEP's intranode
-// receivers move their queue heads, the dispatch receiver leaves its bulk stores in flight until
-// its end (ht_recv_dispatch) and the combine receiver's warps hand tails over with block-scope
-// fences (handoff_fence). Why it may pay: a release, or a system-scope fence, is cumulative, so it
-// waits until every store the block made before it has reached the point of coherence; in the
-// combine that is a round's output rows (nwarps x 14 KB), and the H100 profile shows ~13 us a
-// combine round in recv.post against ~1 us a dispatch step of ~3 rows (bench/RESULTS.md,
-// twenty-fourth session), while the sender idles for credit. Off by default until a GPU A/B
-// measures it. NIC peers, and an unmapped peer, take write_count (the verbs).
-GPUNET_DEVICE bool credit(const HtParams& P, uint32_t kind, uint32_t c, uint32_t p, uint64_t epoch,
-                          uint64_t n) {
-  if ((P.base.flags & F_HT_RELAXED_RECV) && p != P.base.rank) {
-    const DevCtx& cx = peer_ctx(P.base, p);
-    if (void* m = gpunet::ptr(cx, ht_head(P, kind, c, P.base.rank), int(p))) {
-      arch::store_relaxed(static_cast<uint64_t*>(m), api::signal_order(cx, (epoch << 32) | n));
-      return true;
-    }
-  }
-  return write_count(P, kind, 1, c, p, epoch, n);
 }
 
 // ---- notify (dispatch, block 0) ---------------------------------------------------------------
@@ -622,9 +595,8 @@ GPUNET_DEVICE void ht_copy(const HtParams& P, const Geo& g, const HtBulk& b, uin
 #endif
   warp_copy(g, dst, src, n);
 }
-// Before the block barrier that publishes what the warp copied (a tail; and a credit unless
-// F_HT_RELAXED_RECV: credit()): its bulk stores complete, ordered before the generic-proxy
-// release that follows.
+// Before the block barrier that publishes (a tail) or frees (a credit) what the warp copied:
+// its bulk stores complete, ordered before the generic-proxy release that follows.
 GPUNET_DEVICE void ht_copy_done(const Geo& g, const HtBulk& b) {
 #if defined(GPUNET_ARCH_HAS_BULK_COPY)
   if (b.buf && g.lane == 0) arch::bulk_wait_done();
@@ -954,10 +926,8 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
               ptr<const float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane];
       }
     }
-    // every read of the ring is done at the barrier (credit()); the bulk stores into the receive
-    // rows complete here, or with F_HT_RELAXED_RECV after the loop
-    if (!(B.flags & F_HT_RELAXED_RECV)) ht_copy_done(g, bk);
-    arch::syncthreads();
+    ht_copy_done(g, bk);
+    arch::syncthreads();  // every copy out of the ring is done before the credit frees its slots
     const uint64_t dt_move = clk.lap();
     bool left = false;
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
@@ -969,7 +939,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
         *ws_word(P, 1, c, j, WS_HB) = 0;  // progress: a later stall takes a new baseline
         const uint64_t total = *ws_word(P, 1, c, j, WS_TOTAL);
         if (done == total || done - *ws_word(P, 1, c, j, WS_CREDIT) >= P.chunk) {
-          if (!credit(P, HT_KIND_DISPATCH, c, j, epoch, done)) {
+          if (!write_count(P, HT_KIND_DISPATCH, 1, c, j, epoch, done)) {
             peer_fail_view(B, out, j);
             *ws_word(P, 1, c, j, WS_DONE) = 1;
           }
@@ -984,20 +954,6 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
     if (!more) break;
     arch::spin_pause();
   }
-  if (B.flags & F_HT_RELAXED_RECV) ht_copy_done(g, bk);  // the receive rows, before the block leaves
-}
-
-// The combine receiver's warps hand a peer's tail over through the block's `seen` word (ws): the
-// warp that read the tail with acquire publishes it; a warp that reads it fences before loading
-// the rows below it. Both are threads of one block, so a block-scope fence orders them (the
-// peer's release, this warp's system-scope acquire, the block-scope hand-over: one causality
-// chain in the PTX model). The default, a system-scope fence, also waits for every store the
-// block made before it (the last round's output rows); F_HT_RELAXED_RECV takes the block's.
-GPUNET_DEVICE void handoff_fence(const LlParams& B) {
-  if (B.flags & F_HT_RELAXED_RECV)
-    arch::fence_cta();
-  else
-    arch::fence_sys();
 }
 
 // Combine, token side: rounds of one token per warp, each waiting for exactly its rows.
@@ -1060,12 +1016,12 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
               arch::spin_pause();
             }
             if (ok && tail != 0xffffffffull) {
-              handoff_fence(B);  // release: what this acquire made visible, to the warps reading seen
+              arch::fence_sys();  // release: what this acquire made visible, to the warps reading seen
               arch::atomic_store(seen, tail);
             }
             if (!ok && !out[d]) peer_fail_view(B, out, d);
           } else {
-            handoff_fence(B);  // acquire: the rows below the tail another warp of this block read
+            arch::fence_sys();  // acquire: the rows below the tail another warp of this block read
           }
         }
         ok = arch::shfl(ok ? 1u : 0u, 0) != 0;
@@ -1128,7 +1084,7 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
       const uint64_t cr = *ws_word(P, 1, c, d, WS_CREDIT);
       const uint64_t total = uint64_t(send_cnt[uint64_t(c) * R + d]);
       if (m > cr && (m == total || m - cr >= P.chunk)) {
-        if (!credit(P, HT_KIND_COMBINE, c, d, epoch, m)) peer_fail_view(B, out, d);
+        if (!write_count(P, HT_KIND_COMBINE, 1, c, d, epoch, m)) peer_fail_view(B, out, d);
         *ws_word(P, 1, c, d, WS_CREDIT) = m;
       }
     }
