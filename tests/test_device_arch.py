@@ -460,7 +460,7 @@ void __threadfence_system(); void __threadfence(); void __syncthreads(); void __
 unsigned atomicAdd(unsigned*, unsigned); unsigned long long atomicAdd(unsigned long long*, unsigned long long);
 unsigned atomicCAS(unsigned*, unsigned, unsigned);
 unsigned long long atomicCAS(unsigned long long*, unsigned long long, unsigned long long);
-unsigned long long atomicOr(unsigned long long*, unsigned long long); unsigned atomicOr(unsigned*, unsigned);
+unsigned long long atomicOr(unsigned long long*, unsigned long long); unsigned atomicOr(unsigned*, unsigned); unsigned atomicMax(unsigned*, unsigned);
 long long clock64();
 template <class T> T __shfl(T, int); unsigned long long __ballot(int); int __any(int); int __all(int);
 #include <gpunet/arch.cuh>

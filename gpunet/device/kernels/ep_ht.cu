@@ -39,7 +39,7 @@ int gpunet_ep_ht_launch(const void* params, uint32_t grid, uint32_t block, uint3
   s.grid = grid;
   s.block = block;
   s.warp_size = ws;
-  s.shared_bytes = (P.base.nranks + 15) / 16 * 16;  // the blocks' copies of the peer mask (ll.cuh)
+  s.shared_bytes = size_t(gpunet::ep::ht_smem_bytes(P.base.nranks));  // the peer mask, ht_recv_words
 #if defined(GPUNET_ARM_CUDA)
   // ht.cuh "bulk copies": the warps' shared buffers where the GPU has the TMA (sm_90+) and can
   // give the bytes (above 48 KB a kernel must opt in); otherwise the kernel copies without them.

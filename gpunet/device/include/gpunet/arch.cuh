@@ -30,6 +30,7 @@
 //              another thread polls)
 //   void fence_sys()
 //   u32/u64 atomic_add(p, v) -> old                  u32/u64 atomic_cas(p, expected, desired) -> old
+//   u32 atomic_max(p, v) -> old      (native on shared memory)
 //   u32/u64 atomic_or(p, v) -> old   (32-bit: native on shared memory; the 64-bit one is a CAS
 //              loop there on CUDA sm_90, ATOMS.CAST.SPIN.64)
 //   u32/u64 atomic_load(const p)                     void atomic_store(p, v)
@@ -153,6 +154,7 @@ GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
   return atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
 GPUNET_DEVICE uint32_t atomic_or(uint32_t* p, uint32_t v) { return atomicOr(p, v); }
+GPUNET_DEVICE uint32_t atomic_max(uint32_t* p, uint32_t v) { return atomicMax(p, v); }
 GPUNET_DEVICE uint64_t atomic_or(uint64_t* p, uint64_t v) {
   return atomicOr(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
@@ -388,6 +390,7 @@ GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
   return atomicAdd(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
 GPUNET_DEVICE uint32_t atomic_or(uint32_t* p, uint32_t v) { return atomicOr(p, v); }
+GPUNET_DEVICE uint32_t atomic_max(uint32_t* p, uint32_t v) { return atomicMax(p, v); }
 GPUNET_DEVICE uint64_t atomic_or(uint64_t* p, uint64_t v) {
   return atomicOr(reinterpret_cast<unsigned long long*>(p), (unsigned long long)v);
 }
@@ -524,6 +527,13 @@ GPUNET_DEVICE uint64_t atomic_add(uint64_t* p, uint64_t v) {
 GPUNET_DEVICE uint32_t atomic_or(uint32_t* p, uint32_t v) {
   host_before_rmw(p);
   return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST);
+}
+GPUNET_DEVICE uint32_t atomic_max(uint32_t* p, uint32_t v) {
+  host_before_rmw(p);
+  uint32_t old = __atomic_load_n(p, __ATOMIC_SEQ_CST);
+  while (old < v && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return old;
 }
 GPUNET_DEVICE uint64_t atomic_or(uint64_t* p, uint64_t v) {
   host_before_rmw(p);

@@ -104,7 +104,8 @@ enum : uint32_t {
   HT_ST_FIRST = 5,         // sender: first chunk posted; receiver: first rows seen
   HT_ST_T_MOVE = 6,        // sum ns: sender staging (+ p2p stores); receiver copying / reducing
   HT_ST_T_POST = 7,        // sum ns: sender puts + tail signals; receiver credits
-  HT_ST_T_IDLE = 8,        // sum ns: steps that moved nothing (no credit / nothing arrived)
+  HT_ST_T_IDLE = 8,        // sum ns: steps that moved nothing (no credit / nothing arrived);
+                           // combine receiver: warp 0's waits for its tokens' rows (part of T_MOVE)
   HT_ST_STEPS = 9,         // count: loop steps (receiver combine: rounds)
   HT_ST_IDLE_STEPS = 10,   // count: steps that moved nothing
   HT_ST_ITEMS = 11,        // count: messages moved by the block
@@ -152,10 +153,11 @@ GPUNET_DEVICE void ht_step_stamps(const LlParams& B, const Geo& g, const HtClock
 }
 
 // per-(channel, peer) state words in HtParams::ws (device memory, set up at every launch)
-// (WS_MAXP: the combine receiver's; WS_MAPPED: the sender's, d's ring slot 0 as mapped here)
+// (WS_MAPPED: the sender's, d's ring slot 0 as mapped here; the combine receiver keeps its words
+// in shared memory: ht_recv_words)
 // (WS_HB: the peer's heartbeat word as last read, bit 63 set; 0 = not read yet: ht_silent)
 enum : uint32_t { WS_SENT = 0, WS_CURSOR = 1, WS_TLAST = 2, WS_CREDIT = 3, WS_DONE = 4, WS_TOTAL = 5,
-                  WS_AVAIL = 6, WS_MAXP = 7, WS_MAPPED = 7, WS_HB = 8, WS_WORDS = 9 };
+                  WS_AVAIL = 6, WS_MAPPED = 7, WS_HB = 8, WS_WORDS = 9 };
 
 // One launch's arguments, by value. `base` carries what ll.cuh's helpers read (op, flags, rank,
 // nranks, experts, hidden, topk, num_tokens, msg_stride, payload_bytes, hdr_stride, ctxs,
@@ -510,9 +512,12 @@ GPUNET_DEVICE int32_t local_slot(const HtParams& P, uint64_t src, uint32_t d, ui
 // bulk primitives (arch.cuh) and its launches have the shared memory, so CI runs this path.
 constexpr uint32_t kBulkPiece = 4096, kBulkBufs = 3;
 constexpr uint32_t kBulkCtl = 64;  // a warp's control bytes: kBulkBufs mbarriers, then their uses
-GPUNET_HOST_DEVICE uint64_t ht_bulk_base(uint32_t nranks) {
-  return (uint64_t(smem_view_bytes(nranks)) + 16 * uint64_t(nranks) + 127) / 128 * 128;
+// Every HT launch's shared memory: the peer view (ll.cuh load_peer_view), then the combine
+// receiver's per-peer words (ht_recv_words: 3 x u32 a peer); the bulk buffers follow.
+GPUNET_HOST_DEVICE uint64_t ht_smem_bytes(uint32_t nranks) {
+  return uint64_t(smem_view_bytes(nranks)) + 16 * uint64_t(nranks);
 }
+GPUNET_HOST_DEVICE uint64_t ht_bulk_base(uint32_t nranks) { return (ht_smem_bytes(nranks) + 127) / 128 * 128; }
 // The dynamic shared memory a launch of nwarps warps a block needs for bulk copies.
 GPUNET_HOST_DEVICE uint64_t ht_bulk_smem_bytes(uint32_t nranks, uint32_t nwarps) {
   return ht_bulk_base(nranks) + (uint64_t(nwarps) * kBulkCtl + 127) / 128 * 128 +
@@ -956,6 +961,16 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
   }
 }
 
+// The combine receiver's per-peer words, in the block's shared memory (ht_smem_bytes): [0, R) the
+// tail of d last seen (a lower bound: warps store it racily, never above the truth; it spares
+// most reads of the word itself), [R, 2R) one past the highest ring position of d a warp of this
+// round took (atomic max), [2R, 3R) the credit given to d. Only this block uses them: in shared
+// memory they cost no L2 round trip, and the max is one native atomic instead of a CAS loop on
+// one global word that every warp of the round hits.
+GPUNET_DEVICE uint32_t* ht_recv_words(const LlParams& B) {
+  return reinterpret_cast<uint32_t*>(arch::shared_mem() + smem_view_bytes(B.nranks));
+}
+
 // Combine, token side: rounds of one token per warp, each waiting for exactly its rows.
 GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
                                    uint8_t* out) {
@@ -967,10 +982,13 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
   const int32_t* send_cnt = ptr<const int32_t>(P.send_cnt);
   // its own rows: read in place from x (rows [self_row, ...) of this channel), never sent
   const uint64_t self_row = uint64_t(ptr<const int32_t>(P.chan_prefix)[uint64_t(B.rank) * (nc + 1) + c]);
+  uint32_t* const seen_of = ht_recv_words(B);
+  uint32_t* const maxp_of = seen_of + R;
+  uint32_t* const credit_of = seen_of + 2 * R;
   for (uint32_t d = g.tid; d < R; d += g.bdim) {
-    *ws_word(P, 1, c, d, WS_CREDIT) = 0;
-    *ws_word(P, 1, c, d, WS_MAXP) = 0;
-    arch::atomic_store(ws_word(P, 1, c, d, WS_AVAIL), uint64_t(0));  // the tail seen (below)
+    arch::atomic_store(&seen_of[d], 0u);
+    arch::atomic_store(&maxp_of[d], 0u);
+    credit_of[d] = 0;
   }
   arch::syncthreads();
   HtClock clk = ht_clock(B, g);
@@ -982,6 +1000,7 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
       uint64_t have = 0;       // bit d (d < 64): d's row is here (the sum below reads those only)
       // wait for each row this token gets (d ascending); one timeout_s for all of them
       const uint64_t t0 = arch::now_ns();
+      const uint64_t w0 = clk.on ? t0 : 0;
       for (uint32_t d = 0; d < R; ++d) {
         const int32_t p = send_pos[t * R + d];
         if (p < 0) continue;
@@ -993,10 +1012,8 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
           continue;
         }
         if (ok && g.lane == 0) {
-          // the block's last seen tail of d (a lower bound: warps store it racily, never above
-          // the truth) spares most reads of the word itself (host memory on GPUs, a PCIe trip)
-          uint64_t* seen = ws_word(P, 1, c, d, WS_AVAIL);
-          if (arch::atomic_load(seen) <= uint64_t(p)) {
+          uint32_t* seen = &seen_of[d];
+          if (arch::atomic_load(seen) <= uint32_t(p)) {
             uint32_t n = 0;
             uint64_t tail, tlast = t0, hb = 0;
             while ((tail = read_count(P, HT_KIND_COMBINE, 0, c, d, epoch)) <= uint64_t(p)) {
@@ -1017,7 +1034,7 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
             }
             if (ok && tail != 0xffffffffull) {
               arch::fence_sys();  // release: what this acquire made visible, to the warps reading seen
-              arch::atomic_store(seen, tail);
+              arch::atomic_store(seen, uint32_t(tail));
             }
             if (!ok && !out[d]) peer_fail_view(B, out, d);
           } else {
@@ -1030,16 +1047,9 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
         const uint64_t msg = slot_addr(P, P.recv_ring, c, d, uint64_t(p));
         if (g.lane < K && (B.flags & F_HT_WEIGHTS))
           wsum += ptr<const float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane];
-        if (g.lane == 0) {
-          uint64_t* mp = ws_word(P, 1, c, d, WS_MAXP);
-          uint64_t old = arch::atomic_load(mp);
-          while (old < uint64_t(p) + 1) {
-            const uint64_t seen = arch::atomic_cas(mp, old, uint64_t(p) + 1);
-            if (seen == old) break;
-            old = seen;
-          }
-        }
+        if (g.lane == 0) arch::atomic_max(&maxp_of[d], uint32_t(p) + 1);
       }
+      if (w0) ht_stamp_add(B, g, HT_ST_T_IDLE, arch::now_ns() - w0);
       // out[t] = bias0 + bias1 + sum_d row_d: a second pass over the rows (they are all here now)
       // kU groups of 8 columns per lane at a time: kU row loads in flight (host memory on GPUs)
       constexpr uint32_t kU = 4;
@@ -1080,12 +1090,12 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
     ht_stamp_add(B, g, HT_ST_STEPS, 1);
     for (uint32_t d = g.tid; d < R; d += g.bdim) {
       if (out[d] || d == B.rank) continue;
-      const uint64_t m = arch::atomic_load(ws_word(P, 1, c, d, WS_MAXP));
-      const uint64_t cr = *ws_word(P, 1, c, d, WS_CREDIT);
+      const uint64_t m = arch::atomic_load(&maxp_of[d]);
+      const uint64_t cr = credit_of[d];
       const uint64_t total = uint64_t(send_cnt[uint64_t(c) * R + d]);
       if (m > cr && (m == total || m - cr >= P.chunk)) {
         if (!write_count(P, HT_KIND_COMBINE, 1, c, d, epoch, m)) peer_fail_view(B, out, d);
-        *ws_word(P, 1, c, d, WS_CREDIT) = m;
+        credit_of[d] = uint32_t(m);
       }
     }
     arch::syncthreads();
