@@ -279,13 +279,22 @@ GPUNET_DEVICE bool mbar_test(uint64_t* bar, uint32_t parity) {
       : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
   return done != 0;
 }
-// bytes (a multiple of 16, both ends 16-byte aligned) from global src into shared dst; bar's
-// phase completes when they have landed.
-GPUNET_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+// bar's one arrival for its current phase, which then completes when `bytes` more have landed
+// through bulk_load_tx (several loads into one phase: arm it with their sum first).
+GPUNET_DEVICE void bulk_expect(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes)
                : "memory");
+}
+// bytes (a multiple of 16, both ends 16-byte aligned) from global src into shared dst, counted
+// on bar's armed phase.
+GPUNET_DEVICE void bulk_load_tx(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+// One load that is a phase of its own: bar's phase completes when the bytes have landed.
+GPUNET_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  bulk_expect(bar, bytes);
+  bulk_load_tx(dst, src, bytes, bar);
 }
 // bytes from shared src to global dst, as one bulk group.
 GPUNET_DEVICE void bulk_store(void* dst, const void* src, uint32_t bytes) {
@@ -303,6 +312,9 @@ GPUNET_DEVICE void bulk_wait_done() {
 // What this thread's generic-proxy accesses saw or wrote (an acquired tail or credit, the
 // stores before a block barrier) is ordered before its next bulk copy (the async proxy).
 GPUNET_DEVICE void bulk_fence_proxy() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+// The same for shared memory: the warp's reads of a bulk buffer (after a syncwarp) before the
+// next bulk load into it.
+GPUNET_DEVICE void bulk_fence_proxy_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #endif
 
 // Two floats to float8 e4m3fn in one instruction (sm_89+): round to nearest even, finite results
@@ -668,9 +680,11 @@ GPUNET_DEVICE uint8_t* shared_mem() {
 }
 
 // Bulk copies (the CUDA arm's TMA primitives, same names and contract), emulated so that the
-// code paths that use them (ht.cuh "bulk copies") run in CI: a load lands at once and completes
-// its barrier's phase (the word counts completed phases), a store is a copy. Their bytes are
-// plain memory accesses, outside the weak model, as the loads and stores of warp_copy are.
+// code paths that use them (ht.cuh "bulk copies") run in CI: a load lands at once, a store is a
+// copy. The barrier word's low 32 bits count completed phases, its high 32 the bytes its armed
+// phase still waits for: a phase completes when its arrival has come (bulk_expect) and its bytes
+// have landed, whichever is last. Their bytes are plain memory accesses, outside the weak model,
+// as the loads and stores of warp_copy are.
 #define GPUNET_ARCH_HAS_BULK_COPY 1
 GPUNET_DEVICE uint32_t dynamic_smem_bytes() {
   return hd::tl_ctx ? uint32_t(hd::tl_ctx->block->smem.size()) : 0;
@@ -679,14 +693,26 @@ GPUNET_DEVICE void mbar_init(uint64_t* bar) { __atomic_store_n(bar, uint64_t(0),
 GPUNET_DEVICE bool mbar_test(uint64_t* bar, uint32_t parity) {
   return (__atomic_load_n(bar, __ATOMIC_ACQUIRE) & 1) != parity;  // (several lanes may wait)
 }
-GPUNET_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+GPUNET_DEVICE void bulk_expect(uint64_t* bar, uint32_t bytes) {
+  // the bytes to wait for, which the loads that land take back to 0 (they land as they are
+  // issued, after their bulk_expect: the CUDA arm's order too); none: the arrival completes it
+  if (__atomic_add_fetch(bar, uint64_t(bytes) << 32, __ATOMIC_ACQ_REL) >> 32 == 0)
+    __atomic_fetch_add(bar, uint64_t(1), __ATOMIC_RELEASE);
+}
+GPUNET_DEVICE void bulk_load_tx(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   std::memcpy(dst, src, bytes);
-  __atomic_fetch_add(bar, uint64_t(1), __ATOMIC_RELEASE);
+  if (__atomic_sub_fetch(bar, uint64_t(bytes) << 32, __ATOMIC_ACQ_REL) >> 32 == 0)
+    __atomic_fetch_add(bar, uint64_t(1), __ATOMIC_RELEASE);
+}
+GPUNET_DEVICE void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  bulk_expect(bar, bytes);
+  bulk_load_tx(dst, src, bytes, bar);
 }
 GPUNET_DEVICE void bulk_store(void* dst, const void* src, uint32_t bytes) { std::memcpy(dst, src, bytes); }
 GPUNET_DEVICE void bulk_wait_read() {}
 GPUNET_DEVICE void bulk_wait_done() {}
 GPUNET_DEVICE void bulk_fence_proxy() {}
+GPUNET_DEVICE void bulk_fence_proxy_shared() {}
 #endif
 
 // ---- every arm, from the primitives above ------------------------------------------------------

@@ -511,7 +511,9 @@ GPUNET_DEVICE int32_t local_slot(const HtParams& P, uint64_t src, uint32_t d, ui
 // memory) the warp copies as before: the same bytes land either way. The HOST arm emulates the
 // bulk primitives (arch.cuh) and its launches have the shared memory, so CI runs this path.
 constexpr uint32_t kBulkPiece = 4096, kBulkBufs = 3;
-constexpr uint32_t kBulkCtl = 64;  // a warp's control bytes: kBulkBufs mbarriers, then their uses
+// A warp's control bytes: kBulkBufs mbarriers, then their uses; at kBulkRowsAt the combine
+// reduce's list of up to kReduceRows row addresses (ht_reduce_bulk).
+constexpr uint32_t kBulkCtl = 128, kBulkRowsAt = 64, kReduceRows = 8;
 // Every HT launch's shared memory: the peer view (ll.cuh load_peer_view), then the combine
 // receiver's per-peer words (ht_recv_words: 3 x u32 a peer); the bulk buffers follow.
 GPUNET_HOST_DEVICE uint64_t ht_smem_bytes(uint32_t nranks) {
@@ -608,6 +610,80 @@ GPUNET_DEVICE void ht_copy_done(const Geo& g, const HtBulk& b) {
 #else
   (void)g;
   (void)b;
+#endif
+}
+
+// Combine: the warp writes row dst (H bf16) = the sum of its nrows rows (H bf16 each, the
+// addresses lane 0 listed at bar + kBulkRowsAt, in the order to sum them) in float32, rounded
+// once. Through the warp's bulk buffers: stage s is the slice [s W, s W + W) bytes of every row,
+// side by side in buffer s % kBulkBufs (W = kBulkPiece / nrows, in 16-byte units), one barrier
+// phase for the stage's nrows loads; the warp sums stage s from shared memory while lane 0's
+// next stages are in flight. kBulkBufs x 4 KB in flight a warp, where the register loop of
+// ht_recv_combine holds 2 KB of one row at a time (the H100 profile: ~30 us a combine round of
+// one 2-row token a warp, twenty-sixth session). false: a stage never landed (recorded).
+GPUNET_DEVICE bool ht_reduce_bulk(const HtParams& P, const Geo& g, const HtBulk& b, uint32_t nrows,
+                                  uint64_t dst) {
+#if defined(GPUNET_ARCH_HAS_BULK_COPY)
+  const uint64_t* rows = reinterpret_cast<const uint64_t*>(reinterpret_cast<uint8_t*>(b.bar) + kBulkRowsAt);
+  const uint64_t rb = uint64_t(P.base.hidden) * 2;
+  const uint64_t W = kBulkPiece / nrows / 16 * 16;
+  const uint64_t ns = (rb + W - 1) / W;
+  auto len = [&](uint64_t s) { return uint32_t(rb - s * W < W ? rb - s * W : W); };
+  auto issue = [&](uint64_t s) {  // lane 0
+    const uint32_t i = uint32_t(s % kBulkBufs), n = len(s);
+    arch::bulk_expect(&b.bar[i], n * nrows);
+    for (uint32_t r = 0; r < nrows; ++r)
+      arch::bulk_load_tx(b.buf + uint64_t(i) * kBulkPiece + r * W, ptr<const void>(rows[r] + s * W), n, &b.bar[i]);
+  };
+  if (g.lane == 0) {
+    arch::bulk_fence_proxy();  // the rows' tails this warp (or its block) acquired
+    for (uint64_t s = 0; s < ns && s < kBulkBufs; ++s) issue(s);
+  }
+  const uint64_t t0 = arch::now_ns();
+  bool ok = true;
+  for (uint64_t s = 0; s < ns; ++s) {
+    const uint32_t i = uint32_t(s % kBulkBufs);
+    // every lane waits for the phase (it reads the buffer); lane 0's clock decides the bound
+    bool landed = false;
+    for (uint32_t n_try = 0;; ++n_try) {
+      landed = landed || arch::mbar_test(&b.bar[i], b.uses[i] & 1);
+      if (arch::all(landed)) break;
+      const bool late = (n_try & 255) == 255 && arch::now_ns() - t0 > P.base.timeout_ns;
+      if (arch::shfl(late ? 1u : 0u, 0)) {
+        if (g.lane == 0)
+          ep_fail(P.base, EP_ERR_GRID_WAIT, EP_SITE_HT_BULK, P.base.rank, rb, s * W, arch::now_ns() - t0);
+        ok = false;
+        break;
+      }
+    }
+    if (!ok) break;
+    const uint8_t* in = b.buf + uint64_t(i) * kBulkPiece;
+    for (uint32_t o = g.lane * 16; o < len(s); o += g.ws * 16) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (uint32_t r = 0; r < nrows; ++r) {
+        const V16 v = *reinterpret_cast<const V16*>(in + r * W + o);
+        for (uint32_t q = 0; q < 8; ++q) acc[q] += bf16_at(v, q);
+      }
+      V16 out = {0, 0};
+      for (uint32_t q = 0; q < 8; ++q) (q < 4 ? out.a : out.b) |= uint64_t(f32_to_bf16(acc[q])) << (16 * (q & 3));
+      *ptr<V16>(dst + s * W + o) = out;
+    }
+    arch::syncwarp();  // every lane has read buffer i (and seen its phase) before it is reloaded
+    if (g.lane == 0) ++b.uses[i];
+    arch::syncwarp();
+    if (g.lane == 0 && s + kBulkBufs < ns) {
+      arch::bulk_fence_proxy_shared();
+      issue(s + kBulkBufs);
+    }
+  }
+  return ok;
+#else
+  (void)P;
+  (void)g;
+  (void)b;
+  (void)nrows;
+  (void)dst;
+  return false;
 #endif
 }
 
@@ -992,6 +1068,7 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
   }
   arch::syncthreads();
   HtClock clk = ht_clock(B, g);
+  const HtBulk bk = ht_bulk(P, g);
   ht_stamp_add(B, g, HT_ST_ITEMS, ce - cb);
   for (uint64_t base = cb; base < ce; base += g.nwarps) {
     const uint64_t t = base + g.wid;
@@ -1050,36 +1127,62 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
         if (g.lane == 0) arch::atomic_max(&maxp_of[d], uint32_t(p) + 1);
       }
       if (w0) ht_stamp_add(B, g, HT_ST_T_IDLE, arch::now_ns() - w0);
-      // out[t] = bias0 + bias1 + sum_d row_d: a second pass over the rows (they are all here now)
-      // kU groups of 8 columns per lane at a time: kU row loads in flight (host memory on GPUs)
-      constexpr uint32_t kU = 4;
-      const uint32_t span = g.ws * 8;
-      for (uint32_t c0 = g.lane * 8; c0 < H; c0 += span * kU) {
-        float acc[kU][8];
-        for (uint32_t u = 0; u < kU; ++u)
-          for (uint32_t q = 0; q < 8; ++q) acc[u][q] = 0.0f;
-        const uint64_t bias[2] = {P.bias0, P.bias1};
-        for (uint32_t b = 0; b < P.nbias; ++b)
-          for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u) {
-            const V16 v = *ptr<const V16>(bias[b] + (t * H + c0 + u * span) * 2);
-            for (uint32_t q = 0; q < 8; ++q) acc[u][q] += bf16_at(v, q);
+      // out[t] = bias0 + bias1 + sum_d row_d: a second pass over the rows (they are all here now).
+      // With bulk buffers and at most kReduceRows rows: lane 0 lists them, ht_reduce_bulk sums.
+      uint32_t nrows = kReduceRows + 1;
+      if (bk.buf) {
+        if (g.lane == 0) {
+          uint64_t* rows = reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(bk.bar) + kBulkRowsAt);
+          const uint64_t bias[2] = {P.bias0, P.bias1};
+          nrows = 0;
+          for (uint32_t b = 0; b < P.nbias; ++b) rows[nrows++] = bias[b] + t * H * 2;
+          for (uint32_t d = 0; d < R && nrows <= kReduceRows; ++d) {
+            const int32_t p = send_pos[t * R + d];
+            if (p < 0 || (d < 64 ? !((have >> d) & 1) : out[d] != 0)) continue;
+            if (nrows < kReduceRows)
+              rows[nrows] = d == B.rank ? P.x + (self_row + uint64_t(p)) * H * 2
+                                        : slot_addr(P, P.recv_ring, c, d, uint64_t(p));
+            ++nrows;
           }
-        for (uint32_t d = 0; d < R; ++d) {
-          const int32_t p = send_pos[t * R + d];
-          if (p < 0 || (d < 64 ? !((have >> d) & 1) : out[d] != 0)) continue;
-          const uint64_t row = d == B.rank ? P.x + (self_row + uint64_t(p)) * H * 2
-                                           : slot_addr(P, P.recv_ring, c, d, uint64_t(p));
-          V16 v[kU];
-          for (uint32_t u = 0; u < kU; ++u)
-            if (c0 + u * span < H) v[u] = *ptr<const V16>(row + uint64_t(c0 + u * span) * 2);
-          for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u)
-            for (uint32_t q = 0; q < 8; ++q) acc[u][q] += bf16_at(v[u], q);
         }
-        for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u) {
-          V16 o = {0, 0};
-          for (uint32_t q = 0; q < 8; ++q)
-            (q < 4 ? o.a : o.b) |= uint64_t(f32_to_bf16(acc[u][q])) << (16 * (q & 3));
-          *ptr<V16>(P.out_x + (t * H + c0 + u * span) * 2) = o;
+        nrows = arch::shfl(nrows, 0);
+        arch::syncwarp();  // lane 0's list
+      }
+      if (nrows == 0) {  // no row and no bias: zeros
+        for (uint32_t c0 = g.lane * 8; c0 < H; c0 += g.ws * 8) *ptr<V16>(P.out_x + (t * H + c0) * 2) = V16{0, 0};
+      } else if (nrows <= kReduceRows) {
+        ht_reduce_bulk(P, g, bk, nrows, P.out_x + t * H * 2);
+      } else {
+        // kU groups of 8 columns per lane at a time: kU row loads in flight (host memory on GPUs)
+        constexpr uint32_t kU = 4;
+        const uint32_t span = g.ws * 8;
+        for (uint32_t c0 = g.lane * 8; c0 < H; c0 += span * kU) {
+          float acc[kU][8];
+          for (uint32_t u = 0; u < kU; ++u)
+            for (uint32_t q = 0; q < 8; ++q) acc[u][q] = 0.0f;
+          const uint64_t bias[2] = {P.bias0, P.bias1};
+          for (uint32_t b = 0; b < P.nbias; ++b)
+            for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u) {
+              const V16 v = *ptr<const V16>(bias[b] + (t * H + c0 + u * span) * 2);
+              for (uint32_t q = 0; q < 8; ++q) acc[u][q] += bf16_at(v, q);
+            }
+          for (uint32_t d = 0; d < R; ++d) {
+            const int32_t p = send_pos[t * R + d];
+            if (p < 0 || (d < 64 ? !((have >> d) & 1) : out[d] != 0)) continue;
+            const uint64_t row = d == B.rank ? P.x + (self_row + uint64_t(p)) * H * 2
+                                             : slot_addr(P, P.recv_ring, c, d, uint64_t(p));
+            V16 v[kU];
+            for (uint32_t u = 0; u < kU; ++u)
+              if (c0 + u * span < H) v[u] = *ptr<const V16>(row + uint64_t(c0 + u * span) * 2);
+            for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u)
+              for (uint32_t q = 0; q < 8; ++q) acc[u][q] += bf16_at(v[u], q);
+          }
+          for (uint32_t u = 0; u < kU && c0 + u * span < H; ++u) {
+            V16 o = {0, 0};
+            for (uint32_t q = 0; q < 8; ++q)
+              (q < 4 ? o.a : o.b) |= uint64_t(f32_to_bf16(acc[u][q])) << (16 * (q & 3));
+            *ptr<V16>(P.out_x + (t * H + c0 + u * span) * 2) = o;
+          }
         }
       }
       if (P.out_weights && g.lane < K) ptr<float>(P.out_weights)[t * K + g.lane] = wsum;
