@@ -93,9 +93,15 @@ def test_the_c500_profile_runs_ht_rounds_over_p2p():
         _close(r)
 
 
+# ht.cuh ht_reduce_bulk (the combine receiver with warps of 32) sums a token's rows in stages of
+# 4 KB / rows bytes of each; 4 rows (2 biases, 2 ranks) of this hidden are 4 stages, so the third
+# buffer's successor reuses the first (at HIDDEN_MAX a stage holds the whole row).
+WIDE_HIDDEN = 2048
+
+
 @pytest.fixture(scope="module")
 def ibgda2():
-    r = _pool(2, "ibgda", 32)
+    r = _pool(2, "ibgda", 32, num_nvl_bytes=max(_nbytes(2), _nbytes(2, SMALL, WIDE_HIDDEN)))
     yield r
     _close(r)
 
@@ -268,6 +274,15 @@ def test_mode_matrix_over_ibgda(ibgda2, mode):
     token order, combine equals the float32 reference bit for bit and (combined - biases) /
     fan-out is within DeepEP's bound of x; the reduced weights equal the originals."""
     spec = dict(_spec(2, seed=11), **mode)
+    _assert_round(ibgda2.run("ep_ht_jobs:round_", spec), spec)
+
+
+def test_a_wide_combine_through_the_bulk_stages_is_exact(ibgda2):
+    """Hidden 2048 with two biases over ibgda, warps of 32: the combine receiver's bulk reduce
+    (ht.cuh ht_reduce_bulk) takes each token's up to 4 rows in 4 stages through its 3 buffers
+    (so a buffer is loaded again while the others are in flight); tagged rows, combine within
+    the BF16 bound and the weights exact on both ranks."""
+    spec = _spec(2, seed=52, tokens=12, hidden=WIDE_HIDDEN, biases=2, tagged=True)
     _assert_round(ibgda2.run("ep_ht_jobs:round_", spec), spec)
 
 
