@@ -36,10 +36,11 @@ GPU_DEFAULTS = dict(ranks="2", tokens=4096, hidden=7168, topk=8, experts=256, it
 # The warps are gpunet's own knob (Buffer._ht_warps; DeepEP's Config has none): with 128 registers
 # a thread (nvcc -Xptxas -v) a block of 16 warps fills an SM's register file, so 2 ranks sharing
 # the GPU fit 132 SMs up to num_sms 64 each.
-# The list: the best of the 2026-12-02 sweeps (bench/RESULTS.md "sixth session"; (48, 8, 128, 8),
-# the best of 2026-12-01, was 1.4-1.9x slower there), and one small-ring config per geometry.
-GPU_CONFIGS = [(64, 16, 128, 16), (64, 32, 128, 16), (64, 16, 64, 16), (64, 8, 48, 16), (128, 16, 64, 8),
-               (48, 16, 128, 16)]
+# The list: the best of the 2026-12-06 sweep (bench/RESULTS.md "twenty-sixth session": chunks of
+# 48 in rings of 128), the best of the 2026-12-02 sweeps ("sixth session"; (48, 8, 128, 8), the
+# best of 2026-12-01, was 1.4-1.9x slower there), and one small-ring config per geometry.
+GPU_CONFIGS = [(64, 48, 128, 16), (64, 16, 128, 16), (64, 32, 128, 16), (64, 16, 64, 16), (64, 8, 48, 16),
+               (128, 16, 64, 8), (48, 16, 128, 16)]
 CPU_CONFIGS = [(4, 4, 48, 2), (4, 8, 64, 2)]
 PROFILE_CALLS = 5       # per op, with the device stamps on (after the sweep, best Config)
 # The timed ops; "dispatch bf16 worst" is the BF16 dispatch with num_worst_tokens (no host wait).
