@@ -241,6 +241,35 @@ def test_one_rank_round_trip_without_topk_and_a_too_small_buffer():
         nb.destroy()
 
 
+def test_launch_parameters_come_from_a_template_per_shape_and_follow_the_timeout():
+    """The HT launch parameters are a copy of a template per call shape (Buffer._template, as the
+    LL kernels'): a second combine of the same shape launches with its own output tensor and
+    otherwise the same fields; set_timeout reaches the next launch's peer bound (the timeout is
+    part of the template's key)."""
+    cfg = Config(2, 4, 48)
+    b = Buffer(None, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(256 * 2, 1), explicitly_destroy=True,
+               timeout_s=10.0)
+    seen, launch = [], b._ht_launch
+
+    def record(P, grid, block, what):
+        seen.append((what, P.peer_timeout_ns, P.out_x, P.base.timeout_ns))
+        launch(P, grid, block, what)
+    b._ht_launch = record
+    try:
+        x = torch.randn(5, 256).to(torch.bfloat16)
+        in_rank = torch.ones(5, 1, dtype=torch.bool)
+        rx, _, _, _, handle, _ = b.dispatch(x, is_token_in_rank=in_rank, config=cfg)
+        outs = [b.combine(rx, handle, config=cfg)[0] for _ in range(2)]
+        b.set_timeout(4.0)
+        outs.append(b.combine(rx, handle, config=cfg)[0])
+        combines = [s for s in seen if s[0] == "combine"]
+        assert [c[1] for c in combines] == [10 * 10**9, 10 * 10**9, 4 * 10**9]
+        assert combines[0][3] == combines[1][3] > combines[2][3]
+        assert len({c[2] for c in combines}) == 3 and all(torch.equal(o, x) for o in outs)
+    finally:
+        b.destroy()
+
+
 def test_set_num_sms_bounds_the_channels():
     """The kernels use no more blocks than the Config's num_sms (2 per channel), Buffer.num_sms
     (set_num_sms) feeds the default Configs, and the HOST arm caps the channels at 2."""

@@ -371,7 +371,8 @@ class Buffer:
         self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) if self._gpu else None
         self._prof_addr = 0         # LlParams::prof (bench/ep_profile.py: _set_profile)
         self._layouts = {}          # (t_max, hidden, num_experts) -> LlLayout
-        self._param_cache = {}      # call key -> LlParams template (addresses of buffers fixed)
+        self._param_cache = {}      # call key -> LlParams / HtParams template (_template)
+        self._ht_layouts = {}       # (hidden, channels, ring) -> HtLayout
         self._ep_status = torch.zeros(ctypes.sizeof(dep.EpStatus), dtype=torch.uint8,
                                       device=self._device)
         # the per-peer Status blocks of the per-peer device contexts: device memory (every verb
@@ -571,9 +572,23 @@ class Buffer:
             raise ConfigError("%s: this Buffer has no high-throughput buffer: pass num_nvl_bytes="
                               "Config.get_nvl_buffer_size_hint(hidden * 2, num_ranks) (or, with "
                               "low_latency_mode=False, num_rdma_bytes)" % what)
-        return lay.HtLayout(int(self._ht.numel()), hidden, self.group_size, nc, ring, what)
+        key = (hidden, nc, ring)
+        layout = self._ht_layouts.get(key)
+        if layout is None:          # checked when it was made (the host's time per call counts)
+            layout = self._ht_layouts[key] = lay.HtLayout(int(self._ht.numel()), hidden, self.group_size,
+                                                          nc, ring, what)
+        return layout
 
     def _ht_params(self, op, phases, flags, layout, hidden, num_tokens, topk, nc, ring, chunk):
+        """A fresh HtParams for one launch (a copy of the template per call shape: _template); the
+        caller sets the tensor addresses."""
+        P = self._template(("ht", op, phases, flags, hidden, num_tokens, topk, nc, ring, chunk, self._timeout_s),
+                           lambda: self._build_ht_params(op, phases, flags, layout, hidden, num_tokens,
+                                                         topk, nc, ring, chunk))
+        P.base.prof = self._prof_addr
+        return P
+
+    def _build_ht_params(self, op, phases, flags, layout, hidden, num_tokens, topk, nc, ring, chunk):
         r = self.group_size
         P = dep.HtParams()
         B = P.base
@@ -600,7 +615,6 @@ class Buffer:
         # failures mirrored into host memory (as the LL kernels: _check reads them without a
         # device sync or a copy of a device-memory heap), and the profile stamps
         B.host_flags = self._hflags_mem.ptr
-        B.prof = self._prof_addr
         return P
 
     def _ht_launch(self, P, grid, block, what):
@@ -1121,17 +1135,23 @@ class Buffer:
         the caller's tensors is fixed per (op, phases, flags, buffer, shape, timeout) (the
         Buffer's allocations never move), and building it field by field cost more host time
         than the kernel (bench/ep_profile.py). The caller sets the tensor addresses."""
-        key = (op, phases, flags, buf, layout.t_max, layout.hidden, layout.num_experts, num_tokens,
-               topk, self._timeout_s)
+        P = self._template(("ll", op, phases, flags, buf, layout.t_max, layout.hidden, layout.num_experts,
+                            num_tokens, topk, self._timeout_s),
+                           lambda: self._build_params(op, phases, flags, buf, layout, num_tokens, topk))
+        P.prof = self._prof_addr
+        return P
+
+    def _template(self, key, build):
+        """A fresh copy of the launch parameters (an LlParams or HtParams) cached under ``key``,
+        made by ``build()`` the first time: everything but the caller's tensors is fixed per call
+        shape (the Buffer's allocations never move), and building one field by field cost more
+        host time than the kernel (bench/ep_profile.py)."""
         tmpl = self._param_cache.get(key)
         if tmpl is None:
             if len(self._param_cache) >= 256:
                 self._param_cache.clear()
-            tmpl = self._param_cache[key] = self._build_params(op, phases, flags, buf, layout,
-                                                               num_tokens, topk)
-        P = dep.LlParams.from_buffer_copy(tmpl)
-        P.prof = self._prof_addr
-        return P
+            tmpl = self._param_cache[key] = build()
+        return type(tmpl).from_buffer_copy(tmpl)
 
     def _build_params(self, op, phases, flags, buf, layout, num_tokens, topk):
         r = self.group_size
