@@ -779,16 +779,16 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
   const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
   const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
   const int32_t* pre = ptr<const int32_t>(P.chan_prefix);
-  const uint64_t self_row = uint64_t(pre[uint64_t(B.rank) * (nc + 1) + c]);
   const uint64_t t_start = arch::now_ns();
   HtClock clk = ht_clock(B, g);
   const HtBulk bk = ht_bulk(P, g);
   if (g.lane == 0) {
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {
-      // combine to itself: nothing to send (its receiver reads x in place)
-      const uint64_t total = combine ? (d == B.rank ? 0 : uint64_t(pre[uint64_t(d) * (nc + 1) + c + 1] -
-                                                                   pre[uint64_t(d) * (nc + 1) + c]))
-                                     : uint64_t(ptr<const int32_t>(P.send_cnt)[uint64_t(c) * R + d]);
+      // to itself: nothing to send (combine: its receiver reads x in place; dispatch: its
+      // receiver block stores this rank's own rows, ht_recv_self)
+      const uint64_t total = d == B.rank ? 0
+                             : combine ? uint64_t(pre[uint64_t(d) * (nc + 1) + c + 1] - pre[uint64_t(d) * (nc + 1) + c])
+                                       : uint64_t(ptr<const int32_t>(P.send_cnt)[uint64_t(c) * R + d]);
       *ws_word(P, 0, c, d, WS_SENT) = 0;
       *ws_word(P, 0, c, d, WS_MAPPED) = ht_mapped_ring(P, c, d);
       *ws_word(P, 0, c, d, WS_CURSOR) = combine ? uint64_t(pre[uint64_t(d) * (nc + 1) + c]) : cb;
@@ -814,7 +814,6 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
             const uint64_t total = *ws_word(P, 0, c, d, WS_TOTAL);
             sent = *ws_word(P, 0, c, d, WS_SENT);
             cur = *ws_word(P, 0, c, d, WS_CURSOR);
-            // to itself: rows go straight to their receive rows, no ring: no credit to wait for
             const uint64_t consumed = d == B.rank ? sent : read_count(P, kind, 1, c, d, epoch);
             n = total - sent < P.chunk ? total - sent : P.chunk;
             if (sent == total && consumed >= total) {
@@ -878,12 +877,8 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       while (i >= *ws_word(P, 0, c, d, WS_AVAIL)) i -= *ws_word(P, 0, c, d, WS_AVAIL), ++d;
       const uint64_t idx = *ws_word(P, 0, c, d, WS_SENT) + i;
       const uint64_t src = uint64_t(tok_list(P, c, d)[i]);
-      if (d == B.rank && !combine) {
-        ht_deliver_self(P, g, bk, self_row + idx, src);
-      } else {
-        const uint64_t m = ht_mapped_slot(P, c, d, idx);
-        ht_stage(P, g, bk, m ? m : slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
-      }
+      const uint64_t m = ht_mapped_slot(P, c, d, idx);
+      ht_stage(P, g, bk, m ? m : slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
     }
     ht_copy_done(g, bk);
     arch::syncthreads();  // every staging store before the puts read them
@@ -931,6 +926,35 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
 
 // ---- the receiver (block 2c+1) --------------------------------------------------------------------
 
+// Dispatch, this rank's own rows: its tokens in the channel go straight to their receive rows
+// (no ring, no signal), stored by the RECEIVER block, not the sender. The sender's copies are the
+// dispatch's bottleneck (H100: ~225 us of "move" in a ~285 us kernel, of which half were these
+// rows) while the receiver idles ~120 us waiting for the peers' rows; so the receiver stores its
+// own rows in the steps where nothing arrived (kSelfBatch tokens a warp at a time), and the rest
+// after its loop. `t` (block-uniform) is the next token of the channel to look at.
+struct HtSelf {
+  uint64_t t, end, row;  // next token, the channel's end, this rank's first receive row of it
+};
+constexpr uint32_t kSelfBatch = 2;
+GPUNET_DEVICE HtSelf ht_self_begin(const HtParams& P, uint32_t c) {
+  const uint32_t nc = P.nchannels;
+  const uint64_t T = P.base.num_tokens;
+  return HtSelf{chan_begin(T, nc, c), chan_begin(T, nc, c + 1),
+                uint64_t(ptr<const int32_t>(P.chan_prefix)[uint64_t(P.base.rank) * (nc + 1) + c])};
+}
+// The next n tokens of the channel (at most up to its end): a warp per token, those that go to
+// this rank (send_pos: the token's index among the channel's tokens to this rank) stored.
+GPUNET_DEVICE void ht_recv_self(const HtParams& P, const Geo& g, const HtBulk& bk, HtSelf& s, uint64_t n) {
+  const uint64_t end = s.end - s.t < n ? s.end : s.t + n;
+  const uint32_t R = P.base.nranks;
+  const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
+  for (uint64_t t = s.t + g.wid; t < end; t += g.nwarps) {
+    const int32_t p = send_pos[t * R + P.base.rank];
+    if (p >= 0) ht_deliver_self(P, g, bk, s.row + uint64_t(p), t);
+  }
+  s.t = end;
+}
+
 // Dispatch: copy whatever arrived from every source into its rows; credit back every chunk.
 GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
                                     uint8_t* out) {
@@ -942,7 +966,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
   const uint32_t G = H / kGroup;
   const uint64_t t_start = arch::now_ns();
   for (uint32_t j = g.tid; j < R; j += g.bdim) {
-    // its own rows were stored in place by its sender block
+    // its own rows are not in a ring (ht_recv_self)
     const uint64_t total = j == B.rank ? 0 : uint64_t(pre[uint64_t(j) * (nc + 1) + c + 1] -
                                                       pre[uint64_t(j) * (nc + 1) + c]);
     *ws_word(P, 1, c, j, WS_SENT) = 0;       // consumed
@@ -956,6 +980,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
   arch::syncthreads();
   HtClock clk = ht_clock(B, g);
   const HtBulk bk = ht_bulk(P, g);
+  HtSelf self = ht_self_begin(P, c);
   for (;;) {
     for (uint32_t j = g.tid; j < R; j += g.bdim) {
       uint64_t avail = 0;
@@ -1007,6 +1032,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
               ptr<const float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane];
       }
     }
+    if (items == 0) ht_recv_self(P, g, bk, self, uint64_t(g.nwarps) * kSelfBatch);  // nothing arrived
     ht_copy_done(g, bk);
     arch::syncthreads();  // every copy out of the ring is done before the credit frees its slots
     const uint64_t dt_move = clk.lap();
@@ -1033,8 +1059,10 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
     const bool more = arch::block_any(left);
     ht_step_stamps(B, g, clk, items, dt_move, clk.lap());
     if (!more) break;
-    arch::spin_pause();
+    if (self.t == self.end) arch::spin_pause();
   }
+  ht_recv_self(P, g, bk, self, self.end - self.t);  // what the idle steps left
+  ht_copy_done(g, bk);
 }
 
 // The combine receiver's per-peer words, in the block's shared memory (ht_smem_bytes): [0, R) the
