@@ -21,7 +21,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from gpunet import config
 from gpunet.ep import Buffer, Config, EPTimeout
 from gpunet.ep import reference as ref
 
