@@ -22,6 +22,11 @@ Yardsticks in the same run: the one-process torch gather of the same rows (all r
 rows gathered with index_select from all ranks' tokens, on one device; FACTS.md: 200 us on an
 H200; target: dispatch and combine each within 1.5x of it) and, with one rank per GPU (2+ GPUs),
 NCCL all_to_all_single of the same rows (target: gpunet ahead of it).
+
+GPU, "(device)" rows: the same ops at each op's chosen Config, each call timed after a hold of
+the stream (bench/ep.py --hold-us, HOLD_S), and the gather timed the same way: the host's work
+before the first launch is hidden (as in a step whose GPU is still busy with earlier work), the
+host's wait for the dispatch's notify inside the call is not. Targets are listed for both.
 """
 import statistics
 import sys
@@ -91,7 +96,7 @@ def _rank_bench(rank, world, cfg):
         # --- the Config sweep ---------------------------------------------------------------------
         timer = ll_bench._Timer(gpu)
 
-        def laps(fn):
+        def laps(fn, timer=timer):
             cpu = []
             for _ in range(cfg["warmup"] + cfg["iters"]):
                 align()
@@ -120,11 +125,21 @@ def _rank_bench(rank, world, cfg):
         every = [None] * world
         dist.all_gather_object(every, {op: [statistics.median(l) for l in lapsets]
                                        for op, lapsets in sweep.items()})
-        res["profile"] = {}
-        for op, i in profile_choice(every).items():
+        res["profile"], res["device"] = {}, {}
+        choice = profile_choice(every)
+        for op, i in choice.items():
             buf._ht_warps = warps[i]
             res["profile"][op] = _profile(buf, calls[(configs[i], warps[i])][op], align, gpu,
                                           cfg["configs"][i])
+        # the "(device)" rows (GPU): the same calls at the same Config with the stream held before
+        # each (bench/ep.py HOLD_S): the host's work before the first launch is hidden, its wait
+        # for the notify inside the call is not
+        if gpu and cfg.get("hold_s", 0) > 0:
+            held = ll_bench._Timer(gpu, cfg["hold_s"])
+            for op, i in choice.items():
+                buf._ht_warps = warps[i]
+                res["device"][op] = laps(calls[(configs[i], warps[i])][op], held)
+            res["held_fraction"] = sum(held.held) / max(1, len(held.held))
         buf._ht_warps = None
         if nccl is not None:
             res["nccl"] = _nccl(x, in_rank, world, cfg, align, nccl, timer)
@@ -193,6 +208,7 @@ def _phases(st, col, host_s):
     if r0[col["notify_begin"]]:
         out["notify"] = us(r0[col["notify_end"]] - r0[col["notify_begin"]])
         out["notify.hdr"] = us(r0[col["notify_sent"]] - r0[col["notify_begin"]])
+        out["notify.pos"] = us(r0[col["notify_pos"]] - r0[col["notify_begin"]])
         if blocks:
             out["gap"] = us(min(r[col["begin"]] for r in blocks) - r0[col["notify_end"]])
     if not blocks:
@@ -231,9 +247,10 @@ def _nccl(x, in_rank, world, cfg, align, group, timer):
     return {"laps_s": timer.resolve(cpu)[cfg["warmup"]:], "bytes_per_rank": inp.numel() * 2}
 
 
-def _gather_yardstick(cfg, world):
+def _gather_yardstick(cfg, world, hold_s=0.0):
     """The same rows gathered by one process on one device: every rank's received rows (in the HT
-    layout) index_select-ed from all ranks' tokens; median seconds and rows."""
+    layout) index_select-ed from all ranks' tokens; median seconds and rows. ``hold_s`` > 0: each
+    call timed after a hold of the stream (the "(device)" rows' method)."""
     import torch
 
     from gpunet.ep import reference as ref
@@ -251,7 +268,7 @@ def _gather_yardstick(cfg, world):
     idx = torch.cat(idx).to(dev)
     out = torch.empty(idx.numel(), H, dtype=X.dtype, device=dev)
     import ep as ll_bench
-    timer = ll_bench._Timer(cfg["gpu"])
+    timer = ll_bench._Timer(cfg["gpu"], hold_s)
     cpu = []
     for _ in range(cfg["warmup"] + cfg["iters"]):
         cpu.append(timer(lambda: torch.index_select(X, 0, idx, out=out))[1])
@@ -290,7 +307,8 @@ def run(args):
     cfg = dict(gpu=args.gpu, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                experts=args.experts, iters=args.iters, warmup=args.warmup, holes=args.holes,
                seed=args.seed, transport=args.transport, timeout_s=args.timeout_s,
-               no_nccl=args.no_nccl, configs=_configs(args))
+               no_nccl=args.no_nccl, configs=_configs(args),
+               hold_s=getattr(args, "hold_us", 0) * 1e-6 if args.gpu else 0.0)
     rows, gate, runs = [], [], []
     for world in ranks:
         print("[bench/ep ht] %d ranks, %d tokens, hidden %d, top-%d, %d experts (%s)"
@@ -311,6 +329,8 @@ def run(args):
             runs.append({"ranks": world, "error": str(e)})
             continue
         gather_s, gather_rows = _gather_yardstick(cfg, world)
+        held = all(p.get("device") for p in per)
+        gather_dev_s = _gather_yardstick(cfg, world, cfg["hold_s"])[0] if held else None
         fails = ["rank %d: %s" % (p["rank"], f) for p in per for f in p["fail"]]
         recv = max(p["recv_rows"] for p in per)
         H = cfg["hidden"]
@@ -337,22 +357,36 @@ def run(args):
         rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "torch gather, all ranks' rows",
                      "median_us": gather_s * 1e6, "rows": gather_rows,
                      "GBps": gather_rows * H * 2 / gather_s / 1e9})
+        if held:
+            for op in ops:
+                st = ll_bench._stats(step([p["device"][op] for p in per]))
+                rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "HT " + op + ll_bench.DEVICE,
+                             "config": cfg["configs"][best[op]], **st, "bytes_per_rank": nbytes[op],
+                             "GBps": nbytes[op] / (st["median_us"] * 1e-6) / 1e9,
+                             "vs_torch_gather": st["median_us"] * 1e-6 / gather_dev_s,
+                             "check": "FAIL" if fails else "OK"})
+            rows.append({"ranks": world, "tokens": cfg["tokens"],
+                         "op": "torch gather" + ll_bench.DEVICE + ", all ranks' rows",
+                         "median_us": gather_dev_s * 1e6, "rows": gather_rows,
+                         "GBps": gather_rows * H * 2 / gather_dev_s / 1e9})
         gate.append({"kind": "test", "name": "EP HT %d ranks: matches the reference" % world,
                      "result": "FAIL" if fails else "PASS",
                      "figure": "; ".join(fails)[:300] or "rows exact, combine calc_diff %.2g"
                      % max(p["combine_calc_diff"] for p in per),
                      "goal": "exact dispatch; combine / fan-out calc_diff <= %g" % CALC_DIFF_BF16})
-        for op in ("dispatch bf16", "combine bf16"):
+        for op in [o + sfx for sfx in ("",) + ((ll_bench.DEVICE,) if held else ())
+                   for o in ("dispatch bf16", "combine bf16")]:
             r = next(r for r in rows if r["op"] == "HT " + op and r["ranks"] == world)
+            g_s = gather_dev_s if op.endswith(ll_bench.DEVICE) else gather_s
             gate.append({"kind": "target", "name": "EP HT %d ranks, %d tok: %s vs torch gather"
                          % (world, cfg["tokens"], op),
                          "result": "met" if r["vs_torch_gather"] <= TARGET_RATIO else "NOT met",
                          "figure": "%.1f us = %.2fx the gather (%.1f us), %.3g GB/s"
-                         % (r["median_us"], r["vs_torch_gather"], gather_s * 1e6, r["GBps"]),
+                         % (r["median_us"], r["vs_torch_gather"], g_s * 1e6, r["GBps"]),
                          "goal": "<= %.1fx" % TARGET_RATIO})
         profile = {op: [p["profile"][op] for p in per] for op in ops}
         runs.append({"ranks": world, "align": per[0]["align"], "transport": per[0]["transport"],
-                     "profile": profile,
+                     "profile": profile, "held_fraction": [p.get("held_fraction") for p in per],
                      "buffer_bytes": per[0]["buffer_bytes"], "best": {k: cfg["configs"][v] for k, v in best.items()},
                      "wall_s": time.monotonic() - t0})
     m = machine(gpu=args.gpu)

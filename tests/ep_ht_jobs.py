@@ -226,6 +226,8 @@ def round_(state, spec):
                            % (got_rows, rows, counts))
             if rtk is not None and not bool((rtk[n:] == -1).all()):
                 bad.append("num_worst_tokens: the tail of recv_topk_idx is not all -1")
+            if rw is not None and not bool((rw[n:] == 0).all()):
+                bad.append("num_worst_tokens: the tail of recv_topk_weights is not all 0")
             cut = lambda t: None if t is None else (tuple(a[:n] for a in t) if isinstance(t, tuple) else t[:n])  # noqa: E731
             rx, rtk, rw = cut(rx), cut(rtk), cut(rw)
         else:

@@ -160,7 +160,7 @@ HT_WS_WORDS = 9
 # HtParams::base.prof (LlParams::prof's rows, ht.cuh HT_ST_*): stamps (now_ns) and, from
 # "t_move" on, what thread 0 summed over the block's loop (ns, then counts); bench/ep_ht.py
 HT_ST_NAMES = ("begin", "end", "notify_begin", "notify_sent", "notify_end", "first", "t_move",
-               "t_post", "t_idle", "steps", "idle_steps", "items")
+               "t_post", "t_idle", "steps", "idle_steps", "items", "notify_pos")
 EP_ERR_WORST = 5
 EP_ERR_NAMES[EP_ERR_WORST] = ("more tokens arrived than num_worst_tokens rows (pass a larger "
                               "num_worst_tokens, or 0 to size recv_x exactly)")

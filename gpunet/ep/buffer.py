@@ -793,7 +793,7 @@ class Buffer:
         send_pos = torch.empty((num_tokens, r), dtype=torch.int32, device=dev)
         send_cnt = torch.empty((nc, r), dtype=torch.int32, device=dev)
         chan_prefix = torch.empty((r, nc + 1), dtype=torch.int32, device=dev)
-        info = torch.zeros(r + 1 + e_loc, dtype=torch.int32, device=dev)
+        info = torch.empty(r + 1 + e_loc, dtype=torch.int32, device=dev)    # the notify writes it all
         P = self._ht_params(dep.OP_HT_DISPATCH, dep.PH_NOTIFY, flags, layout, hidden, num_tokens, k,
                             nc, ring, chunk)
         P.base.num_experts, P.base.e_loc = num_experts, e_loc
@@ -814,13 +814,13 @@ class Buffer:
         src = torch.empty(rows, dtype=torch.int32, device=dev)
         if not k:
             recv_topk = recv_w = None
-        elif worst or self.enable_shrink:
-            # rows past the received ones (worst) or a masked rank's (never written) read as
-            # "no expert"
+        elif self.enable_shrink:
+            # a masked rank's rows (never written) read as "no expert"
             recv_topk = torch.full((rows, k), -1, dtype=topk_idx_t, device=dev)
             recv_w = torch.zeros((rows, k), dtype=torch.float32, device=dev)
         else:
-            # every row's K slots are written by the kernel (a failed rank raises: no output)
+            # every row's K slots are written by the kernel (a failed rank raises: no output),
+            # with num_worst_tokens those past the received rows too (ht.cuh ht_fill_tail)
             recv_topk = torch.empty((rows, k), dtype=topk_idx_t, device=dev)
             recv_w = torch.empty((rows, k), dtype=torch.float32, device=dev)
         P.host_info = 0
@@ -831,7 +831,7 @@ class Buffer:
         P.out_topk_idx, P.out_weights = _addr(recv_topk), _addr(recv_w)
         self._ht_launch(P, 2 * nc, block, what)
         self._check(what, "dispatch", mirrored=True)
-        counts = [] if worst else [int(v) for v in host[r + 1:].tolist()]
+        counts = [] if worst else host[r + 1:].tolist()    # python ints (numpy's tolist)
         handle = (info[:r + 1], chan_prefix, src, in_rank, send_pos, send_cnt,
                   {"nc": nc, "rows": rows, "num_tokens": num_tokens, "hidden": hidden, "topk": k,
                    "num_recv": None if worst else rows})

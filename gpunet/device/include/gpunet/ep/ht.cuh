@@ -109,6 +109,7 @@ enum : uint32_t {
   HT_ST_STEPS = 9,         // count: loop steps (receiver combine: rounds)
   HT_ST_IDLE_STEPS = 10,   // count: steps that moved nothing
   HT_ST_ITEMS = 11,        // count: messages moved by the block
+  HT_ST_NOTIFY_POS = 12,   // block 0: send_pos / send_cnt computed (before the headers' fill)
 };
 static_assert(uint32_t(HT_ST_ITEMS) < uint32_t(kStamps), "HT stamps share LlParams::prof's rows");
 
@@ -370,6 +371,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     if (g.lane == 0) send_cnt[uint64_t(c) * R + d] = int32_t(run);
   }
   arch::syncthreads();
+  stamp(B, g, HT_ST_NOTIFY_POS);
   // one header per destination: its count words filled by the whole block (one load and store a
   // thread, not nc + E_loc dependent pairs in one thread), then its head by thread d
   const uint32_t hdr_words = kHtHdrHead + nc + EL;
@@ -1234,6 +1236,25 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
   }
 }
 
+// ---- num_worst_tokens: the rows past the received ones ---------------------------------------------
+
+// They read "no expert" (recv_topk_idx -1, weight 0): written here, by the whole grid after the
+// notify (recv_info[R] is the received total), so the host allocates them uninitialised (two
+// fill launches less in the call's host time, which the GPU waits out in a call it starts idle).
+// A masked rank's rows (enable_shrink) are never written: the host still fills those calls.
+GPUNET_DEVICE void ht_fill_tail(const HtParams& P, const Geo& g) {
+  const LlParams& B = P.base;
+  const uint64_t K = B.topk;
+  if (!K || !P.out_topk_idx) return;
+  const uint64_t end = uint64_t(P.num_recv_max) * K;
+  const uint64_t stride = uint64_t(g.nblocks) * g.bdim;
+  for (uint64_t i = uint64_t(ptr<const int32_t>(P.recv_info)[B.nranks]) * K + uint64_t(g.bid) * g.bdim + g.tid;
+       i < end; i += stride) {
+    ptr<int64_t>(P.out_topk_idx)[i] = -1;
+    if (P.out_weights) ptr<float>(P.out_weights)[i] = 0.0f;
+  }
+}
+
 // ---- the kernel ------------------------------------------------------------------------------------
 
 GPUNET_DEVICE void run_ht(const HtParams& P) {
@@ -1248,6 +1269,7 @@ GPUNET_DEVICE void run_ht(const HtParams& P) {
   }
   if (ok && (B.phases & PH_DATA) && !ep_failed(B)) {
     stamp(B, g, HT_ST_BEGIN);
+    if ((B.flags & F_HT_WORST) && B.op == OP_HT_DISPATCH) ht_fill_tail(P, g);
     ht_bulk_init(P, g);
     uint8_t* out = load_peer_view(B, g);
     const uint32_t c = g.bid / 2;
