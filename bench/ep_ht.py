@@ -27,6 +27,9 @@ GPU, "(device)" rows: the same ops at each op's chosen Config, each call timed a
 the stream (bench/ep.py --hold-us, HOLD_S), and the gather timed the same way: the host's work
 before the first launch is hidden (as in a step whose GPU is still busy with earlier work), the
 host's wait for the dispatch's notify inside the call is not. Targets are listed for both.
+"(default Config)" rows: a dispatch and a combine without a Config (get_dispatch_config /
+get_combine_config at Buffer.num_sms, the default warps: what a DeepEP caller that passes none
+gets), host-timed.
 """
 import statistics
 import sys
@@ -65,7 +68,9 @@ def _rank_bench(rank, world, cfg):
     T, H, K, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
     configs = [Config(*c[:3]) for c in cfg["configs"]]
     warps = [c[3] for c in cfg["configs"]]
-    nbytes = max(c.get_nvl_buffer_size_hint(H * 2, world) for c in configs)
+    from gpunet.ep import Buffer
+    defaults = [Buffer.get_dispatch_config(world), Buffer.get_combine_config(world)]   # "(default Config)"
+    nbytes = max(c.get_nvl_buffer_size_hint(H * 2, world) for c in configs + defaults)
     buf, dev, nccl, align, align_how = ll_bench._rank_start(rank, world, cfg, num_nvl_bytes=nbytes,
                                                             low_latency_mode=False)
     res = {"rank": rank, "align": align_how, "transport": buffer_transport(buf), "fail": [],
@@ -141,6 +146,11 @@ def _rank_bench(rank, world, cfg):
                 res["device"][op] = laps(calls[(configs[i], warps[i])][op], held)
             res["held_fraction"] = sum(held.held) / max(1, len(held.held))
         buf._ht_warps = None
+        # what a caller that passes no Config gets (get_dispatch_config / get_combine_config, the
+        # default warps): the "(default Config)" rows, host-timed like the sweep
+        y, _, _, _, h, _ = buf.dispatch(x, **kw)
+        res["default"] = {"dispatch bf16": laps(lambda: buf.dispatch(x, **kw)),
+                          "combine bf16": laps(lambda: buf.combine(y, h))}
         if nccl is not None:
             res["nccl"] = _nccl(x, in_rank, world, cfg, align, nccl, timer)
     finally:
@@ -275,6 +285,13 @@ def _gather_yardstick(cfg, world, hold_s=0.0):
     return statistics.median(timer.resolve(cpu)[cfg["warmup"]:]), idx.numel()
 
 
+def _config_tuple(c, gpu):
+    """(num_sms, send chunk, receive ring, warps) of a Config at the arm's default warps."""
+    from gpunet.ep import buffer as B
+    return (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+            B.CUDA_HT_WARPS if gpu else B.HOST_HT_WARPS)
+
+
 def _configs(args):
     """The sweep: --ht-configs "num_sms:chunk:ring:warps,..." or the defaults for the arm."""
     if not args.ht_configs:
@@ -296,6 +313,7 @@ def run(args):
 
     import ep as ll_bench
     from gpunet.demo import run_ranks
+    from gpunet.ep import Buffer
     from gpunet.errors import GpunetError
     from machine import machine
 
@@ -357,6 +375,14 @@ def run(args):
         rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "torch gather, all ranks' rows",
                      "median_us": gather_s * 1e6, "rows": gather_rows,
                      "GBps": gather_rows * H * 2 / gather_s / 1e9})
+        for op in ("dispatch bf16", "combine bf16"):
+            st = ll_bench._stats(step([p["default"][op] for p in per]))
+            cfg_default = getattr(Buffer, "get_%s_config" % op.split()[0])(world)
+            rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "HT " + op + " (default Config)",
+                         "config": _config_tuple(cfg_default, args.gpu), **st, "bytes_per_rank": nbytes[op],
+                         "GBps": nbytes[op] / (st["median_us"] * 1e-6) / 1e9,
+                         "vs_torch_gather": st["median_us"] * 1e-6 / gather_s,
+                         "check": "FAIL" if fails else "OK"})
         if held:
             for op in ops:
                 st = ll_bench._stats(step([p["device"][op] for p in per]))

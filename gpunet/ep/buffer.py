@@ -212,11 +212,15 @@ CUDA_WARPS_PER_BLOCK = 8
 CUDA_SPARE_SMS = 2
 CUDA_LL_BLOCKS = 32
 # High-throughput mode: 2 blocks per channel (send, receive). HOST: at most 2 channels of 2 warps
-# (OS threads on 2 cores); CUDA: 8 warps a block (a sender's warps each own destinations, a
-# receiver's warps take one token each per round).
+# (OS threads on 2 cores); CUDA: 16 warps a block (a sender's warps each own destinations, a
+# receiver's warps take one token each per round; 16 x 32 threads at the kernel's 128 registers
+# fill an SM's register file). With 8, DeepEP's default Config at 2 ranks, (20, 24, 256), took
+# 622 us a BF16 dispatch and 844 us a combine where 16 warps took 547 and 596 (H100, 2 ranks
+# under MPS, 4096 tokens x 7168, one run: bench/RESULTS.md, twenty-seventh session); every best
+# Config of the sweeps since the twenty-fourth session had 16.
 HOST_HT_MAX_CHANNELS = 2
 HOST_HT_WARPS = 2
-CUDA_HT_WARPS = 8
+CUDA_HT_WARPS = 16
 # A dispatch's one host wait (the notify's counts): polls of the mapped-host mailbox
 # (HtParams::host_info) before a stream synchronisation takes over. Only in worlds whose other
 # ranks are all p2p peers: the soft NIC's engine is a Python thread, which a spin holding the GIL
