@@ -829,9 +829,11 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
             sent = *ws_word(P, 0, c, d, WS_SENT);
             cur = *ws_word(P, 0, c, d, WS_CURSOR);
             const uint64_t consumed = d == B.rank ? sent : read_count(P, kind, 1, c, d, epoch);
-            // the first step a third of a chunk: the receiver's first rows arrive sooner (the
-            // combine's receiver, the slower side, waited ~40 us for a first chunk of 48 rows)
-            const uint64_t step = sent == 0 ? (uint64_t(P.chunk) + 2) / 3 : uint64_t(P.chunk);
+            // combine: the first step a third of a chunk, so the token side (the slower one)
+            // gets its first rows sooner (it waited ~40 us for a first chunk of 48 rows): the
+            // combine 1-2% faster in 3 of 3 pairs (H100); the dispatch with the same ramp was
+            // ~3% slower (3 of 3), so it keeps whole chunks (bench/RESULTS.md, 27th session)
+            const uint64_t step = combine && sent == 0 ? (uint64_t(P.chunk) + 2) / 3 : uint64_t(P.chunk);
             n = total - sent < step ? total - sent : step;
             if (sent == total && consumed >= total) {
               *ws_word(P, 0, c, d, WS_DONE) = 1;
