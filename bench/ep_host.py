@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+import ep_ht            # bench/ep_ht.py (this script's directory is on sys.path)
+
 
 class _NoLaunch:
     """The Buffer's kernel library, with the LL and HT launches answering 0 at once (everything
@@ -63,7 +65,6 @@ def main(argv=None):
     a.experts = a.experts or (256 if ht else 8)
 
     import torch
-    from gpunet.ep import Buffer
 
     dev = "cuda" if a.gpu else "cpu"
     if a.gpu:
@@ -115,8 +116,8 @@ def _ht_buffer(a):
                   explicitly_destroy=True, timeout_s=10.0)
 
 
-# the HT Config timed: bench/ep_ht.py's best on the H100 (bench/RESULTS.md, twenty-sixth session)
-HT_CONFIG = (64, 48, 128)
+# the HT Config timed: the first of bench/ep_ht.py's GPU sweep (its best on the H100)
+HT_CONFIG = ep_ht.GPU_CONFIGS[0][:3]
 
 
 def _inputs(a, dev):

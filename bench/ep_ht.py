@@ -68,9 +68,8 @@ def _rank_bench(rank, world, cfg):
     T, H, K, E = cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"]
     configs = [Config(*c[:3]) for c in cfg["configs"]]
     warps = [c[3] for c in cfg["configs"]]
-    from gpunet.ep import Buffer
-    defaults = [Buffer.get_dispatch_config(world), Buffer.get_combine_config(world)]   # "(default Config)"
-    nbytes = max(c.get_nvl_buffer_size_hint(H * 2, world) for c in configs + defaults)
+    nbytes = max(c.get_nvl_buffer_size_hint(H * 2, world)
+                 for c in configs + list(default_configs(world).values()))
     buf, dev, nccl, align, align_how = ll_bench._rank_start(rank, world, cfg, num_nvl_bytes=nbytes,
                                                             low_latency_mode=False)
     res = {"rank": rank, "align": align_how, "transport": buffer_transport(buf), "fail": [],
@@ -285,11 +284,26 @@ def _gather_yardstick(cfg, world, hold_s=0.0):
     return statistics.median(timer.resolve(cpu)[cfg["warmup"]:]), idx.numel()
 
 
+def default_configs(world):
+    """The Configs a caller that passes none gets, per op of the "(default Config)" rows."""
+    from gpunet.ep import Buffer
+    return {"dispatch bf16": Buffer.get_dispatch_config(world), "combine bf16": Buffer.get_combine_config(world)}
+
+
 def _config_tuple(c, gpu):
     """(num_sms, send chunk, receive ring, warps) of a Config at the arm's default warps."""
     from gpunet.ep import buffer as B
     return (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
             B.CUDA_HT_WARPS if gpu else B.HOST_HT_WARPS)
+
+
+def _op_row(world, cfg, op, config, laps, nbytes, gather_s, fails):
+    """A table row of one op: the slowest rank's laps' stats, bytes, GB/s and the gather ratio."""
+    import ep as ll_bench
+    st = ll_bench._stats(laps)
+    return {"ranks": world, "tokens": cfg["tokens"], "op": op, "config": config, **st,
+            "bytes_per_rank": nbytes, "GBps": nbytes / (st["median_us"] * 1e-6) / 1e9,
+            "vs_torch_gather": st["median_us"] * 1e-6 / gather_s, "check": "FAIL" if fails else "OK"}
 
 
 def _configs(args):
@@ -313,7 +327,6 @@ def run(args):
 
     import ep as ll_bench
     from gpunet.demo import run_ranks
-    from gpunet.ep import Buffer
     from gpunet.errors import GpunetError
     from machine import machine
 
@@ -361,36 +374,22 @@ def run(args):
                              "GBps": nbytes[op] / med[op][i] / 1e9})
         laps = {op: step([p["sweep"][op][best[op]] for p in per]) for op in ops}
         for op in ops:
-            st = ll_bench._stats(laps[op])
-            cfg_used = cfg["configs"][best[op]]
-            row = {"ranks": world, "tokens": cfg["tokens"], "op": "HT " + op, "config": cfg_used, **st,
-                   "bytes_per_rank": nbytes[op], "GBps": nbytes[op] / (st["median_us"] * 1e-6) / 1e9,
-                   "vs_torch_gather": st["median_us"] * 1e-6 / gather_s,
-                   "check": "FAIL" if fails else "OK"}
+            row = _op_row(world, cfg, "HT " + op, cfg["configs"][best[op]], laps[op], nbytes[op], gather_s, fails)
             if "nccl" in per[0]:
                 nst = ll_bench._stats(step([p["nccl"]["laps_s"] for p in per]))
                 row["nccl_median_us"] = nst["median_us"]
-                row["vs_nccl"] = st["median_us"] / nst["median_us"]
+                row["vs_nccl"] = row["median_us"] / nst["median_us"]
             rows.append(row)
         rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "torch gather, all ranks' rows",
                      "median_us": gather_s * 1e6, "rows": gather_rows,
                      "GBps": gather_rows * H * 2 / gather_s / 1e9})
-        for op in ("dispatch bf16", "combine bf16"):
-            st = ll_bench._stats(step([p["default"][op] for p in per]))
-            cfg_default = getattr(Buffer, "get_%s_config" % op.split()[0])(world)
-            rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "HT " + op + " (default Config)",
-                         "config": _config_tuple(cfg_default, args.gpu), **st, "bytes_per_rank": nbytes[op],
-                         "GBps": nbytes[op] / (st["median_us"] * 1e-6) / 1e9,
-                         "vs_torch_gather": st["median_us"] * 1e-6 / gather_s,
-                         "check": "FAIL" if fails else "OK"})
+        for op, c in default_configs(world).items():
+            rows.append(_op_row(world, cfg, "HT " + op + " (default Config)", _config_tuple(c, args.gpu),
+                                step([p["default"][op] for p in per]), nbytes[op], gather_s, fails))
         if held:
             for op in ops:
-                st = ll_bench._stats(step([p["device"][op] for p in per]))
-                rows.append({"ranks": world, "tokens": cfg["tokens"], "op": "HT " + op + ll_bench.DEVICE,
-                             "config": cfg["configs"][best[op]], **st, "bytes_per_rank": nbytes[op],
-                             "GBps": nbytes[op] / (st["median_us"] * 1e-6) / 1e9,
-                             "vs_torch_gather": st["median_us"] * 1e-6 / gather_dev_s,
-                             "check": "FAIL" if fails else "OK"})
+                rows.append(_op_row(world, cfg, "HT " + op + ll_bench.DEVICE, cfg["configs"][best[op]],
+                                    step([p["device"][op] for p in per]), nbytes[op], gather_dev_s, fails))
             rows.append({"ranks": world, "tokens": cfg["tokens"],
                          "op": "torch gather" + ll_bench.DEVICE + ", all ranks' rows",
                          "median_us": gather_dev_s * 1e6, "rows": gather_rows,

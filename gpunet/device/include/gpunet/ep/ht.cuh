@@ -111,7 +111,7 @@ enum : uint32_t {
   HT_ST_ITEMS = 11,        // count: messages moved by the block
   HT_ST_NOTIFY_POS = 12,   // block 0: send_pos / send_cnt computed (before the headers' fill)
 };
-static_assert(uint32_t(HT_ST_ITEMS) < uint32_t(kStamps), "HT stamps share LlParams::prof's rows");
+static_assert(uint32_t(HT_ST_NOTIFY_POS) < uint32_t(kStamps), "HT stamps share LlParams::prof's rows");
 
 // Thread 0's phase clock for the stamps: lap() returns the ns since the previous lap (0 without
 // a profile: no clock reads).
