@@ -516,6 +516,10 @@ def main(argv=None):
     ap.add_argument("--mode", default="ll", choices=("ll", "ht"),
                     help="ll: the low-latency rows (this file); ht: the high-throughput rows "
                          "(bench/ep_ht.py: 4096 tokens, a Config sweep, the gather yardstick)")
+    ap.add_argument("--recv-pool-mib", type=int, default=-1,
+                    help="ht: the Buffer's receive pool (recv_pool_bytes) in MiB: p2p peers store "
+                         "rows straight into the receive tensors; -1 (default): room for 4 calls' "
+                         "receive tensors, 0: none (the rings)")
     ap.add_argument("--ht-configs",
                     help="ht: the Config sweep as num_sms:chunk:ring:warps,... (default: bench/ep_ht.py "
                          "GPU_CONFIGS / CPU_CONFIGS)")

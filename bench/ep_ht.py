@@ -70,10 +70,11 @@ def _rank_bench(rank, world, cfg):
     warps = [c[3] for c in cfg["configs"]]
     nbytes = max(c.get_nvl_buffer_size_hint(H * 2, world)
                  for c in configs + list(default_configs(world).values()))
+    pool = recv_pool_bytes(cfg, world)
     buf, dev, nccl, align, align_how = ll_bench._rank_start(rank, world, cfg, num_nvl_bytes=nbytes,
-                                                            low_latency_mode=False)
+                                                            low_latency_mode=False, recv_pool_bytes=pool)
     res = {"rank": rank, "align": align_how, "transport": buffer_transport(buf), "fail": [],
-           "buffer_bytes": nbytes}
+           "buffer_bytes": nbytes, "recv_pool_bytes": pool}
     try:
         ins = ref.make_rank_inputs(world, T, H, K, E, cfg["seed"], holes=cfg["holes"])
         x = ins[rank]["x"].to(dev)
@@ -97,6 +98,7 @@ def _rank_bench(rank, world, cfg):
         if not d <= CALC_DIFF_BF16:
             res["fail"].append("combine / fan-out vs x: calc_diff %.3g > %g" % (d, CALC_DIFF_BF16))
         res["recv_rows"] = int(rx.shape[0])
+        res["recv_in_pool"] = buf._pool is not None and buf._pool.contains(rx)
         # --- the Config sweep ---------------------------------------------------------------------
         timer = ll_bench._Timer(gpu)
 
@@ -319,6 +321,16 @@ def _configs(args):
     return out
 
 
+def recv_pool_bytes(cfg, world):
+    """The Buffer's recv_pool_bytes: cfg["recv_pool_mib"] MiB, or (-1) room for 4 calls' BF16
+    receive tensors (rows, src_idx, top-k ids and weights) of world x tokens rows, + 32 MiB."""
+    mib = cfg.get("recv_pool_mib", -1)
+    if mib >= 0:
+        return mib << 20
+    row = 2 * cfg["hidden"] + 12 * cfg["topk"] + 4
+    return (4 * world * cfg["tokens"] * row + (32 << 20)) // (1 << 20) * (1 << 20)
+
+
 def run(args):
     """Called by bench/ep.py main() with its parsed args (--mode ht). Returns the exit code."""
     import datetime
@@ -338,7 +350,7 @@ def run(args):
     cfg = dict(gpu=args.gpu, tokens=args.tokens, hidden=args.hidden, topk=args.topk,
                experts=args.experts, iters=args.iters, warmup=args.warmup, holes=args.holes,
                seed=args.seed, transport=args.transport, timeout_s=args.timeout_s,
-               no_nccl=args.no_nccl, configs=_configs(args),
+               no_nccl=args.no_nccl, configs=_configs(args), recv_pool_mib=getattr(args, "recv_pool_mib", -1),
                hold_s=getattr(args, "hold_us", 0) * 1e-6 if args.gpu else 0.0)
     rows, gate, runs = [], [], []
     for world in ranks:
@@ -412,7 +424,8 @@ def run(args):
         profile = {op: [p["profile"][op] for p in per] for op in ops}
         runs.append({"ranks": world, "align": per[0]["align"], "transport": per[0]["transport"],
                      "profile": profile, "held_fraction": [p.get("held_fraction") for p in per],
-                     "buffer_bytes": per[0]["buffer_bytes"], "best": {k: cfg["configs"][v] for k, v in best.items()},
+                     "buffer_bytes": per[0]["buffer_bytes"], "recv_pool_bytes": per[0]["recv_pool_bytes"],
+                     "recv_in_pool": [p["recv_in_pool"] for p in per], "best": {k: cfg["configs"][v] for k, v in best.items()},
                      "wall_s": time.monotonic() - t0})
     m = machine(gpu=args.gpu)
     head = ("gpunet EP high-throughput bench, %s, %s; %d tokens/rank, hidden %d, top-%d, %d experts, "
@@ -420,9 +433,12 @@ def run(args):
                 "GPU " + m.get("gpu", "?") if args.gpu else "CPU soft NIC + HOST arm", m["date"],
                 cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["holes"], cfg["iters"],
                 cfg["warmup"]))
+    pools = sorted({"%d MiB (receive tensors in it on ranks %s)" % (
+        r["recv_pool_bytes"] >> 20, [i for i, v in enumerate(r["recv_in_pool"]) if v]) if r["recv_pool_bytes"]
+        else "none" for r in runs if "recv_pool_bytes" in r})
     note = ("bytes/rank as DeepEP's intranode test counts them: received rows x 2H (FP8: x (1+4/128)/2), "
             "combine the same; the rank receiving most; time = median over iterations of the slowest "
-            "rank; Config = (num_sms, send chunk, receive ring)")
+            "rank; Config = (num_sms, send chunk, receive ring); receive pool: %s" % ", ".join(pools))
     print(head)
     print(note)
     fmt = "%5s %6s  %-34s %-14s %10s %9s %8s %8s  %s"

@@ -15,6 +15,7 @@ combine) and masked_by_rank: as tests/ep_jobs.py's (one parser, ep_jobs.Failures
 "rank_repeats" (ep_jobs.rank_repeating_routing), wire (record the messages per destination and
 per source the dispatch counted: round_'s "wire"). round_ reports t_dispatch / t_combine (s).
 """
+import gc
 import itertools
 import time
 
@@ -32,12 +33,14 @@ WEIGHT_BOUND = 1e-9     # the reduced top-k weights vs the originals
 
 
 def init(state, transport, num_nvl_bytes, timeout_s=20.0, shrink=False, warp_size=32,
-         num_rdma_bytes=0, low_latency_mode=False):
+         num_rdma_bytes=0, low_latency_mode=False, recv_pool_bytes=0):
     """Make this rank's Buffer with an HT buffer of num_nvl_bytes (and an LL buffer of
-    num_rdma_bytes when low_latency_mode). ``transport`` as ep_jobs.make_buffer's."""
+    num_rdma_bytes when low_latency_mode; a receive pool of recv_pool_bytes). ``transport`` as
+    ep_jobs.make_buffer's."""
     return ep_jobs.make_buffer(state, transport, num_nvl_bytes=num_nvl_bytes,
                                num_rdma_bytes=num_rdma_bytes, low_latency_mode=low_latency_mode,
-                               enable_shrink=shrink, timeout_s=timeout_s, warp_size=warp_size)
+                               enable_shrink=shrink, timeout_s=timeout_s, warp_size=warp_size,
+                               recv_pool_bytes=recv_pool_bytes)
 
 
 close = ep_jobs.close
@@ -141,6 +144,27 @@ def _expert_out(spec, recv_x):
     return recv_x
 
 
+def hold_pool(state, left_by_rank):
+    """Hold this rank's receive pool full but for ``left_by_rank[rank]`` bytes (a tensor of its
+    own; None: drop it). Returns the pool's bytes in use."""
+    buf = state["ep_buf"]
+    state.pop("pool_hold", None)
+    gc.collect()                # earlier rounds' receive tensors go back first
+    left = left_by_rank[buf.rank]
+    held = state["pool_hold"] = []
+    size = buf._pool_mem.numel()
+    while left is not None and size - buf._pool.used_bytes() > left:   # largest pieces first
+        n = (size - buf._pool.used_bytes() - left) // 4096 * 4096
+        t = buf._pool.empty((n,), torch.uint8) if n else None
+        while t is None and n > 4096:
+            n //= 2
+            t = buf._pool.empty((n,), torch.uint8)
+        if t is None:
+            break
+        held.append(t)
+    return buf._pool.used_bytes()
+
+
 def round_(state, spec):
     """Layout, dispatch (and the cached / worst-case variants the spec asks for), combine, all
     checked on this rank. Returns {bad, calc_diff, weights_diff, n_recv, hashes, masked, raised,
@@ -195,6 +219,8 @@ def round_(state, spec):
         f.before("dispatch")
         t0 = time.monotonic()
         rx, rtk, rw, counts, handle, ev = buf.dispatch(_dev(_x(spec, mine), dev), **kw)
+        # where the receive tensors came from (the receive pool: peers stored rows in place)
+        out["in_pool"] = buf._pool is not None and buf._pool.contains(rx[0] if spec.get("fp8") else rx)
         if spec.get("async_finish"):
             if ev.event is None:
                 bad.append("async_finish=True returned no event")

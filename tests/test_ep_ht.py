@@ -46,6 +46,9 @@ GEN_WORLDS = ("ibgda2", "p2p2", "p2p_proxy4")
 GEN_EXAMPLES = max(2, -(-max(3, settings().max_examples // 10) // len(GEN_WORLDS)))
 # The p2p pool's LL buffer (test_ht_then_ll_with_a_clean_between's LL round).
 LL_BYTES = Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8)
+# The receive pool (Buffer's recv_pool_bytes) of the p2p worlds below: p2p peers store their rows
+# straight into its receive tensors (ht.cuh "the receive pool"); room for several rounds' tensors.
+RECV_POOL = 8 << 20
 
 
 def _nbytes(world, config=TWO_CHANNELS, hidden=HIDDEN_MAX):
@@ -88,7 +91,9 @@ def test_the_c500_profile_runs_ht_rounds_over_p2p():
     r = _pool(2, "p2p", 32, env={"GPUNET_PROFILE": "c500"})
     try:
         for spec in (_spec(2, seed=30, tagged=True), _spec(2, seed=31, fp8=True)):
-            _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
+            outs = r.run("ep_ht_jobs:round_", spec)
+            _assert_round(outs, spec)
+            assert not any(o["in_pool"] for o in outs)      # no receive pool: the rings
     finally:
         _close(r)
 
@@ -122,16 +127,20 @@ def mixed4():
 
 @pytest.fixture(scope="module")
 def p2p2():
-    """2 ranks, all p2p, warps of 64, with an LL buffer beside the HT one."""
-    r = _pool(2, "p2p", 64, num_nvl_bytes=_nbytes(2), num_rdma_bytes=LL_BYTES, low_latency_mode=True)
+    """2 ranks, all p2p, warps of 64, with an LL buffer beside the HT one and a receive pool (rows
+    stored in place)."""
+    r = _pool(2, "p2p", 64, num_nvl_bytes=_nbytes(2), num_rdma_bytes=LL_BYTES, low_latency_mode=True,
+              recv_pool_bytes=RECV_POOL)
     yield r
     _close(r)
 
 
 @pytest.fixture(scope="module")
 def p2p_proxy4():
-    """4 ranks, pairs with an even sum p2p, the others through the proxy, warps of 32."""
-    r = _pool(4, "p2p+proxy", 32)
+    """4 ranks, pairs with an even sum p2p, the others through the proxy, warps of 32, with a
+    receive pool: the p2p sources store rows in place, the proxy ones go through the rings."""
+    r = _pool(4, "p2p+proxy", 32, num_nvl_bytes=_nbytes(4), num_rdma_bytes=0, low_latency_mode=False,
+              recv_pool_bytes=RECV_POOL)
     yield r
     _close(r)
 
@@ -415,6 +424,7 @@ def test_ht_then_ll_with_a_clean_between(p2p2):
     spec = _spec(2, seed=31, tagged=True)
     outs = r.run("ep_ht_jobs:round_", spec)
     _assert_round(outs, spec)
+    assert [o["in_pool"] for o in outs] == [True, True]     # the rows were stored in place
     # an all-p2p world runs ep_ht.cu built with the p2p transport only (Buffer._kernel_kinds)
     p2p_only = str(dep.load_ep_ht("host", kinds={abi.TRANSPORT_P2P}).gpunet_path)
     assert p2p_only != str(dep.load_ep_ht("host").gpunet_path)
@@ -446,7 +456,30 @@ def test_four_ranks_p2p_and_proxy_peers(p2p_proxy4):
     assert {t for i in r.info for t in i["transports"].values()} == {"p2p", "proxy"}
     for spec in (_spec(4, seed=45, vary_tokens=True, hot_expert=5, tagged=True),
                  _spec(4, seed=46, fp8=True, cached=True, biases=2)):
-        _assert_round(r.run("ep_ht_jobs:round_", spec), spec)
+        outs = r.run("ep_ht_jobs:round_", spec)
+        _assert_round(outs, spec)
+        assert all(o["in_pool"] for o in outs)
+
+
+def test_a_receive_pool_without_room_falls_back_to_the_ring(p2p2):
+    """Rank 1's receive pool held full by a tensor of its own: its receive tensors come from
+    torch and rank 0 stages its rows into rank 1's ring, while rank 1 stores its rows straight
+    into rank 0's pool; both exact (BF16 tagged, then FP8 with a cached dispatch). The tensor
+    dropped, both go in place again."""
+    r = p2p2
+    used = r.run("ep_ht_jobs:hold_pool", [None, 0])
+    assert used[0] < RECV_POOL - (1 << 20) < used[1], used
+    try:
+        for spec in (_spec(2, seed=34, tagged=True, vary_tokens=True), _spec(2, seed=35, fp8=True, cached=True)):
+            outs = r.run("ep_ht_jobs:round_", spec)
+            _assert_round(outs, spec)
+            assert [o["in_pool"] for o in outs] == [True, False], spec
+    finally:
+        r.run("ep_ht_jobs:hold_pool", [None, None])
+    spec = _spec(2, seed=36, tagged=True)
+    outs = r.run("ep_ht_jobs:round_", spec)
+    _assert_round(outs, spec)
+    assert [o["in_pool"] for o in outs] == [True, True]
 
 
 def test_a_too_small_buffer_is_refused_on_every_rank(mixed4):

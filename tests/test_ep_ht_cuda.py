@@ -56,6 +56,35 @@ def test_ht_two_ranks_share_the_gpu(cuda_platform):
         r.close()
 
 
+def test_p2p_ranks_store_rows_into_the_receive_pool(cuda_platform):
+    """Two rank processes on one GPU over p2p with a receive pool (Buffer's recv_pool_bytes): the
+    receive tensors come from the pool and the peer stores its rows straight into them (BF16
+    tagged with varying tokens, FP8 cached with biases, num_worst_tokens); with rank 1's pool held
+    full, rank 1 takes torch memory and the ring while rank 0 still receives in place; every
+    round matches the reference on both ranks."""
+    from mp_ranks import Ranks
+    r = Ranks(2, env={"GPUNET_PLATFORM": "cuda"})
+    try:
+        nb = Config(*CFG).get_nvl_buffer_size_hint(SPEC["hidden"] * 2, 2)
+        info = r.run("ep_ht_jobs:init", "p2p", nb, 60.0, False, None, 0, False, 64 << 20, timeout=300)
+        assert {t for i in info for t in i["transports"].values()} == {"p2p"}
+        modes = (dict(tagged=True, vary_tokens=True), dict(fp8=True, cached=True, biases=2), dict(worst=9))
+        for held in (False, True):
+            if held:
+                r.run("ep_ht_jobs:hold_pool", [None, 0], timeout=120)
+            for mode in modes:
+                spec = dict(SPEC, seed=7, num_experts=16, **mode)
+                outs = r.run("ep_ht_jobs:round_", spec, timeout=300)
+                for rank, o in enumerate(outs):
+                    assert o["raised"] is None and o["bad"] == [], (rank, o)
+                    assert o["calc_diff"] < (5e-4 if mode.get("fp8") else 5e-6), (rank, o["calc_diff"])
+                assert [o["in_pool"] for o in outs] == [True, not held], (mode, held)
+        r.run("ep_ht_jobs:hold_pool", [None, None], timeout=120)
+        r.run("ep_ht_jobs:close", timeout=120)
+    finally:
+        r.close()
+
+
 def test_num_worst_tokens_dispatch_and_combine_replay_in_a_cuda_graph(cuda_platform):
     """num_worst_tokens keeps everything on the device: get_dispatch_layout + dispatch + combine
     captured once in a CUDA graph, then replayed on three new routings copied into the captured
@@ -66,8 +95,10 @@ def test_num_worst_tokens_dispatch_and_combine_replay_in_a_cuda_graph(cuda_platf
     from gpunet.ep import reference as ref
     T, H, K, E, worst = 64, 512, 4, 8, 80
     cfg = Config(*CFG)
+    # with a receive pool: the warm-up's receive tensors come from it, the captured call's from
+    # torch (a pool is not used while a stream is captured)
     b = Buffer(None, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(H * 2, 1), explicitly_destroy=True,
-               timeout_s=20.0, transport="ibgda")
+               timeout_s=20.0, transport="ibgda", recv_pool_bytes=16 << 20)
     try:
         def inputs(seed):
             return ref.make_rank_inputs(1, T, H, K, E, seed, holes=5)[0]

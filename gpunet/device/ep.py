@@ -155,8 +155,9 @@ HT_MAX_CHUNK = 64
 HT_HDR_HEAD = 8
 OP_HT_DISPATCH, OP_HT_COMBINE = 3, 4
 PH_NOTIFY, PH_DATA = 1, 2
-F_HT_TOPK, F_HT_WEIGHTS, F_HT_BUMP, F_HT_WORST = 64, 128, 256, 512
-HT_WS_WORDS = 9
+F_HT_TOPK, F_HT_WEIGHTS, F_HT_BUMP, F_HT_WORST, F_HT_DESC, F_HT_DIRECT = 64, 128, 256, 512, 1024, 2048
+HT_WS_WORDS = 15
+HT_RD_WORDS = 8       # ht.cuh RD_WORDS: a receive descriptor's u64 words
 # HtParams::base.prof (LlParams::prof's rows, ht.cuh HT_ST_*): stamps (now_ns) and, from
 # "t_move" on, what thread 0 summed over the block's loop (ns, then counts); bench/ep_ht.py
 HT_ST_NAMES = ("begin", "end", "notify_begin", "notify_sent", "notify_end", "first", "t_move",
@@ -176,10 +177,11 @@ class HtParams(ctypes.Structure):
                 ("in_rank", u64), ("ntpe", u64), ("out_x", u64), ("out_scales", u64),
                 ("out_topk_idx", u64), ("out_weights", u64), ("out_src_idx", u64),
                 ("send_pos", u64), ("send_cnt", u64), ("chan_prefix", u64), ("recv_info", u64),
-                ("bias0", u64), ("bias1", u64), ("ws", u64), ("host_info", u64)]
+                ("bias0", u64), ("bias1", u64), ("ws", u64), ("host_info", u64),
+                ("pool", u64), ("rdesc", u64), ("pool_bytes", u64)]
 
 
-HT_SIZES = {"HtParams": 592, "EpStatus": 64, "DevCtx": 128}
+HT_SIZES = {"HtParams": 616, "EpStatus": 64, "DevCtx": 128}
 
 
 def load_ep_ht(arch="host", defines=None, kinds=None):

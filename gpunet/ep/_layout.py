@@ -145,20 +145,23 @@ def ctl_layout(num_ranks):
 # Its own symmetric allocation (num_nvl_bytes; with num_nvl_bytes = 0 and low_latency_mode=False
 # the num_rdma_bytes allocation). Fixed offsets first, so nothing a peer signals moves when a later
 # call uses another Config or shape (a word left from an earlier call is epoch-stamped, ht.cuh):
-#   sig    u64 tail[2 kinds][64 channels][R], head[2][64][R], hdr[R], hb[R] (heartbeats)
+#   sig    u64 tail[2 kinds][64 channels][R], head[2][64][R], hdr[R], hb[R] (heartbeats),
+#          desc[R] (receive descriptors' signals)
 #   shdr   R headers of HT_HDR_STRIDE bytes (send staging), rhdr R headers (one per source)
+#   rdesc  R receive descriptors of HT_RD_WORDS u64 (ht.cuh "the receive pool"), one per destination
 #   then the rest in two halves, dispatch then combine, each: a send (staging) ring and a receive
 #   ring of [nc][R][ring] messages (msg_stride of bf16 rows: the larger kind).
 HT_HDR_STRIDE = 4096
 
 
 def ht_sig_bytes(num_ranks):
-    """Bytes of the HT signal words (ht.cuh ht_tail, ht_head, ht_hdr_sig, ht_hb)."""
-    return 8 * (4 * dep.HT_MAX_CHANNELS * num_ranks + 2 * num_ranks)
+    """Bytes of the HT signal words (ht.cuh ht_tail, ht_head, ht_hdr_sig, ht_hb, ht_desc_sig)."""
+    return 8 * (4 * dep.HT_MAX_CHANNELS * num_ranks + 3 * num_ranks)
 
 
 def ht_fixed_bytes(num_ranks):
-    return align(ht_sig_bytes(num_ranks), 4096) + 2 * num_ranks * HT_HDR_STRIDE
+    return align(ht_sig_bytes(num_ranks), 4096) + 2 * num_ranks * HT_HDR_STRIDE + \
+        align(num_ranks * dep.HT_RD_WORDS * 8, 4096)
 
 
 def ht_area_bytes(hidden, num_ranks, nchannels, ring):
@@ -188,6 +191,7 @@ class HtLayout:
         self.sig = 0
         self.shdr = align(ht_sig_bytes(r), 4096)
         self.rhdr = self.shdr + r * HT_HDR_STRIDE
+        self.rdesc = self.rhdr + r * HT_HDR_STRIDE
         start = ht_fixed_bytes(r)
         half = (region_bytes - start) // 2 // ALIGN * ALIGN
         per = ht_area_bytes(hidden, r, nchannels, ring) // 2

@@ -29,6 +29,7 @@ from gpunet.errors import ClosedError, ConfigError, EPTimeout, GpunetError, with
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet._launch import to_host
 from gpunet.ep import _layout as lay
+from gpunet.ep._pool import RecvPool
 
 log = logging.getLogger("gpunet.ep")
 
@@ -257,7 +258,7 @@ class Buffer:
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
                  explicitly_destroy=False, enable_shrink=False, comm=None, *, transport="auto",
                  timeout_s=100.0, diagnostics=False, num_blocks=None, block_threads=None,
-                 warp_size=None):
+                 warp_size=None, recv_pool_bytes=0):
         """Collective over ``group``: every rank builds its buffers and connects to every peer.
 
         Arguments (DeepEP's): ``group`` a torch.distributed ProcessGroup (None: the default
@@ -273,7 +274,15 @@ class Buffer:
         of every wait on a peer (runtime-settable: ``set_timeout``); ``diagnostics`` keeps the
         per-peer wait-cost matrices on when the caller passes none (``report()``);
         ``num_blocks`` / ``block_threads`` the kernels' grid; ``warp_size`` the HOST arm's warp
-        (32 or 64; GPUs use theirs).
+        (32 or 64; GPUs use theirs); ``recv_pool_bytes`` (the same on every rank; 0: none) a
+        receive pool in the symmetric heap: the high-throughput dispatch allocates its receive
+        tensors there (fresh tensors the caller owns, as torch.empty's; on CUDA through a
+        torch MemPool, so stream-ordered reuse and record_stream work as usual), and every p2p
+        peer then stores its rows straight into them instead of into a ring the receiver copies
+        out of (docs/EP.md "The receive pool"). A call whose tensors do not fit (or one captured
+        into a CUDA graph) takes ordinary memory and the ring. Receive tensors from the pool are
+        valid until the Buffer is destroyed. Size: a dispatch's receive tensors, about
+        rows x (hidden x 2 + 8 K + 12) bytes for BF16, with room for those the caller still holds.
         """
         from gpunet.context import Context
 
@@ -283,7 +292,7 @@ class Buffer:
         # otherwise wait in the Context's first exchange for torch.distributed's own timeout)
         _collectively(group, "gpunet.ep.Buffer", self._check_args, comm, dict(
             num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
-            num_qps_per_rank=num_qps_per_rank), dict(
+            num_qps_per_rank=num_qps_per_rank, recv_pool_bytes=recv_pool_bytes), dict(
             low_latency_mode=low_latency_mode, explicitly_destroy=explicitly_destroy,
             enable_shrink=enable_shrink, diagnostics=diagnostics), timeout_s)
         self.group = group
@@ -294,8 +303,9 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self.diagnostics = diagnostics
         self.num_qps_per_rank = num_qps_per_rank
+        self.recv_pool_bytes = recv_pool_bytes
         ctx = Context(group=group, transport=transport,
-                      heap_bytes=self._heap_bytes(num_rdma_bytes, group, num_nvl_bytes),
+                      heap_bytes=self._heap_bytes(num_rdma_bytes, group, num_nvl_bytes + recv_pool_bytes),
                       timeout_s=float(timeout_s), warp_size=warp_size)
         self._ctx = ctx
         self.runtime = ctx
@@ -403,6 +413,10 @@ class Buffer:
                                   dep.HT_MAX_CHANNELS * r * dep.HT_MAX_CHUNK // 2, dtype=torch.int64,
                                   device=self._device)
         self._ht_lib = None
+        # the receive pool (recv_pool_bytes): the HT dispatch's receive tensors, which mapped
+        # peers store rows into (gpunet/ep/_pool.py; ht.cuh "the receive pool")
+        self._pool_mem = ctx.alloc((self.recv_pool_bytes,), torch.uint8) if self.recv_pool_bytes else None
+        self._pool = RecvPool(self._pool_mem) if self._pool_mem is not None else None
         self._stats = {"dispatch": torch.zeros(r, r, dtype=torch.int64, device=self._device),
                        "combine": torch.zeros(r, r, dtype=torch.int64, device=self._device)}
         self._warned_masked = set()
@@ -448,6 +462,9 @@ class Buffer:
                 fin.detach()
             ctx, self._ctx = self._ctx, None
             self._closed = True
+            pool = getattr(self, "_pool", None)
+            if pool is not None:
+                pool.close()
             ctx.close()
             mail = getattr(self, "_ht_mail", None)
             for mem in (getattr(self, "_hflags_mem", None), mail[0] if mail else None):
@@ -616,6 +633,10 @@ class Buffer:
         kind = 1 if op == dep.OP_HT_COMBINE else 0
         P.sig, P.shdr, P.rhdr = base + layout.sig, base + layout.shdr, base + layout.rhdr
         P.send_ring, P.recv_ring = base + layout.send[kind], base + layout.recv[kind]
+        P.rdesc = base + layout.rdesc
+        if self._pool is not None and op == dep.OP_HT_DISPATCH:
+            B.flags |= dep.F_HT_DESC    # every rank has a pool (the same size: a collective alloc)
+            P.pool, P.pool_bytes = int(self._pool_mem.data_ptr()), int(self._pool_mem.numel())
         # failures mirrored into host memory (as the LL kernels: _check reads them without a
         # device sync or a copy of a device-memory heap), and the profile stamps
         B.host_flags = self._hflags_mem.ptr
@@ -748,10 +769,10 @@ class Buffer:
             nc = h["nc"]
             layout = self._ht_region(hidden, nc, ring, what)
             rows = h["rows"]
-            recv_x, recv_s = self._ht_recv_x(fp8, rows, hidden)
-            src = torch.empty(rows, dtype=torch.int32, device=dev)
+            recv_x, recv_s, src, _, _, direct = self._ht_recv_tensors(fp8, rows, hidden, 0)
             P = self._ht_params(dep.OP_HT_DISPATCH, dep.PH_DATA, flags | dep.F_HT_BUMP, layout, hidden,
                                 num_tokens, 0, nc, ring, chunk)
+            P.base.flags |= direct
             P.x, P.x_scales = _addr(xq), _addr(xs)
             P.out_x, P.out_scales, P.out_src_idx = _addr(recv_x), _addr(recv_s), _addr(src)
             P.send_pos, P.send_cnt = _addr(h["send_pos"]), _addr(h["send_cnt"])
@@ -814,22 +835,16 @@ class Buffer:
             host = self._ht_notify(P, info, block, r + 1 + e_loc, what)
             self._check(what, "dispatch", mirrored=True)  # the notify is done: its failures are seen
             rows = int(host[r])
-        recv_x, recv_s = self._ht_recv_x(fp8, rows, hidden)
-        src = torch.empty(rows, dtype=torch.int32, device=dev)
-        if not k:
-            recv_topk = recv_w = None
-        elif self.enable_shrink:
-            # a masked rank's rows (never written) read as "no expert"
-            recv_topk = torch.full((rows, k), -1, dtype=topk_idx_t, device=dev)
-            recv_w = torch.zeros((rows, k), dtype=torch.float32, device=dev)
-        else:
-            # every row's K slots are written by the kernel (a failed rank raises: no output),
-            # with num_worst_tokens those past the received rows too (ht.cuh ht_fill_tail)
-            recv_topk = torch.empty((rows, k), dtype=topk_idx_t, device=dev)
-            recv_w = torch.empty((rows, k), dtype=torch.float32, device=dev)
+        recv_x, recv_s, src, recv_topk, recv_w, direct = self._ht_recv_tensors(fp8, rows, hidden, k)
+        if k and self.enable_shrink:
+            # a masked rank's rows (never written) read as "no expert"; else every row's K slots
+            # are written by the kernel (a failed rank raises: no output), with num_worst_tokens
+            # those past the received rows too (ht.cuh ht_fill_tail)
+            recv_topk.fill_(-1)
+            recv_w.zero_()
         P.host_info = 0
         P.base.phases = (dep.PH_NOTIFY | dep.PH_DATA) if worst else dep.PH_DATA
-        P.base.flags |= dep.F_HT_BUMP | (dep.F_HT_WORST if worst else 0)
+        P.base.flags |= dep.F_HT_BUMP | (dep.F_HT_WORST if worst else 0) | direct
         P.num_recv_max = rows
         P.out_x, P.out_scales, P.out_src_idx = _addr(recv_x), _addr(recv_s), _addr(src)
         P.out_topk_idx, P.out_weights = _addr(recv_topk), _addr(recv_w)
@@ -869,12 +884,22 @@ class Buffer:
                     return arr[1:1 + n].copy()
         return to_host(info).numpy()
 
-    def _ht_recv_x(self, fp8, rows, hidden):
+    def _ht_recv_tensors(self, fp8, rows, hidden, k):
+        """A dispatch's receive tensors ``(recv_x [rows, H] bf16 | fp8, scales float32
+        [rows, H/128] | None, src_idx int32 [rows], topk_idx int64 [rows, k] | None, weights float32
+        [rows, k] | None, flag)``, uninitialised: from the receive pool when it has room (flag
+        F_HT_DIRECT: mapped peers store their rows into them), else from torch (flag 0)."""
+        shapes = [((rows, hidden), torch.float8_e4m3fn if fp8 else torch.bfloat16),
+                  ((rows, hidden // dep.GROUP), torch.float32) if fp8 else None,
+                  ((rows,), torch.int32),
+                  ((rows, k), topk_idx_t) if k else None,
+                  ((rows, k), torch.float32) if k else None]
+        if self._pool is not None:
+            got = [self._pool.empty(*sd) if sd else None for sd in shapes]
+            if all(t is not None for t, sd in zip(got, shapes) if sd):
+                return tuple(got) + (dep.F_HT_DIRECT,)
         dev = self._device
-        if fp8:
-            return (torch.empty((rows, hidden), dtype=torch.float8_e4m3fn, device=dev),
-                    torch.empty((rows, hidden // dep.GROUP), dtype=torch.float32, device=dev))
-        return torch.empty((rows, hidden), dtype=torch.bfloat16, device=dev), None
+        return tuple(torch.empty(sd[0], dtype=sd[1], device=dev) if sd else None for sd in shapes) + (0,)
 
     def _ht_handle(self, handle, what):
         if not isinstance(handle, tuple) or len(handle) != 7 or not isinstance(handle[6], dict):

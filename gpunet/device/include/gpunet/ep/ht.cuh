@@ -84,7 +84,17 @@ enum : uint32_t {
   F_HT_WEIGHTS = 128,   // topk_weights present (combine: weights travel back)
   F_HT_BUMP = 256,      // this launch ends the op: the last block bumps the epoch
   F_HT_WORST = 512,     // num_worst_tokens: recv rows are fixed (num_recv_max); check, no host sync
+  F_HT_DESC = 1024,     // dispatch data: receivers send mapped sources their receive descriptor
+                        // (every rank has a receive pool: the flag is the same on every rank)
+  F_HT_DIRECT = 2048,   // dispatch data: this rank's receive tensors lie in its pool (HtParams::pool)
 };
+// A dispatch tail word's count with this bit: the rows were stored straight into the receive
+// tensors ("Receive pool" above), nothing to copy out of a ring and no credit to give.
+constexpr uint64_t kHtDirectBit = 1ull << 31;
+// The receive descriptor (u64 words) a receiver stores into each mapped source's rdesc[receiver]:
+enum : uint32_t { RD_DIRECT = 0, RD_ROW0 = 1, RD_ROWS = 2, RD_X = 3, RD_SCALES = 4, RD_TOPK = 5,
+                  RD_WEIGHTS = 6, RD_SRC = 7, RD_WORDS = 8 };
+constexpr uint64_t kHtNoTensor = ~0ull;  // an RD_* offset: the call has no such tensor
 enum : uint32_t { HT_KIND_DISPATCH = 0, HT_KIND_COMBINE = 1 };
 // grid sync words (HtParams::base.sync)
 enum : uint32_t { HT_SYNC_NOTIFY = 0, HT_SYNC_END = 1 };
@@ -158,7 +168,10 @@ GPUNET_DEVICE void ht_step_stamps(const LlParams& B, const Geo& g, const HtClock
 // in shared memory: ht_recv_words)
 // (WS_HB: the peer's heartbeat word as last read, bit 63 set; 0 = not read yet: ht_silent)
 enum : uint32_t { WS_SENT = 0, WS_CURSOR = 1, WS_TLAST = 2, WS_CREDIT = 3, WS_DONE = 4, WS_TOTAL = 5,
-                  WS_AVAIL = 6, WS_MAPPED = 7, WS_HB = 8, WS_WORDS = 9 };
+                  WS_AVAIL = 6, WS_MAPPED = 7, WS_HB = 8,
+                  // sender, a destination whose receive tensors are in its pool (0: not direct):
+                  // this channel's first row there, then the tensors' addresses as mapped here
+                  WS_ROW = 9, WS_OX = 10, WS_OS = 11, WS_OI = 12, WS_OW = 13, WS_OSRC = 14, WS_WORDS = 15 };
 
 // One launch's arguments, by value. `base` carries what ll.cuh's helpers read (op, flags, rank,
 // nranks, experts, hidden, topk, num_tokens, msg_stride, payload_bytes, hdr_stride, ctxs,
@@ -196,8 +209,12 @@ struct HtParams {
   uint64_t host_info;    // dispatch notify: mapped host int32 [1 + R + 1 + E_loc] (or 0): recv_info's
                          // words at [1..], then [0] = 1 (a release): the host reads the counts
                          // without a stream synchronisation
+  uint64_t pool;         // heap: this rank's receive pool (F_HT_DESC; symmetric: a peer's is at the
+                         // same offset of its heap), the base of the RD_* offsets
+  uint64_t rdesc;        // heap: [R] receive descriptors of RD_WORDS u64, slot d written by d
+  uint64_t pool_bytes;   // the pool's size
 };
-static_assert(sizeof(HtParams) == 592, "HtParams layout is mirrored in gpunet/device/ep.py");
+static_assert(sizeof(HtParams) == 616, "HtParams layout is mirrored in gpunet/device/ep.py");
 
 // ---- small helpers ------------------------------------------------------------------------------
 
@@ -220,6 +237,10 @@ GPUNET_DEVICE uint64_t* ht_hdr_sig(const HtParams& P, uint32_t j) {
 }
 GPUNET_DEVICE uint64_t* ht_hb(const HtParams& P, uint32_t j) {
   return ptr<uint64_t>(P.sig) + (uint64_t(4) * kHtMaxChannels * P.base.nranks + P.base.nranks + j);
+}
+// The signal of the receive descriptor destination d stored here (rdesc[d]).
+GPUNET_DEVICE uint64_t* ht_desc_sig(const HtParams& P, uint32_t d) {
+  return ptr<uint64_t>(P.sig) + (uint64_t(4) * kHtMaxChannels * P.base.nranks + 2 * P.base.nranks + d);
 }
 GPUNET_DEVICE uint64_t* ht_self(const HtParams& P, uint32_t kind, uint32_t head, uint32_t c) {
   return ptr<uint64_t>(P.self_sig) + ((uint64_t(kind) * 2 + head) * kHtMaxChannels + c);
@@ -701,26 +722,35 @@ GPUNET_DEVICE bool ht_reduce_bulk(const HtParams& P, const Geo& g, const HtBulk&
 #endif
 }
 
-// Dispatch to itself: token t goes straight to its receive row `pos` (no ring, no signal).
-GPUNET_DEVICE void ht_deliver_self(const HtParams& P, const Geo& g, const HtBulk& bk, uint64_t pos,
-                                 uint64_t t) {
+// Where a dispatch writes rank d's received rows: its receive tensors (this rank's own, or a
+// mapped peer's as this rank maps them; 0 = absent).
+struct HtOut {
+  uint64_t x, scales, topk_idx, weights, src_idx;
+};
+// Dispatch, token t straight into receive row `pos` of destination d's tensors `o` (no ring, no
+// signal): this rank's own tokens (d = rank), and a mapped peer's whose tensors lie in its pool.
+GPUNET_DEVICE void ht_deliver(const HtParams& P, const Geo& g, const HtBulk& bk, const HtOut& o,
+                              uint64_t pos, uint64_t t, uint32_t d) {
   const LlParams& B = P.base;
   const uint32_t H = B.hidden, K = B.topk;
   if (B.flags & F_FP8) {
-    ht_copy(P, g, bk, P.out_x + pos * H, P.x + t * H, H);
+    ht_copy(P, g, bk, o.x + pos * H, P.x + t * H, H);
     const uint32_t G = H / kGroup;
     for (uint32_t q = g.lane; q < G; q += g.ws)
-      ptr<float>(P.out_scales)[pos * G + q] = ptr<const float>(P.x_scales)[t * G + q];
+      ptr<float>(o.scales)[pos * G + q] = ptr<const float>(P.x_scales)[t * G + q];
   } else {
-    ht_copy(P, g, bk, P.out_x + pos * H * 2, P.x + t * H * 2, uint64_t(H) * 2);
+    ht_copy(P, g, bk, o.x + pos * H * 2, P.x + t * H * 2, uint64_t(H) * 2);
   }
-  if (g.lane == 0) ptr<int32_t>(P.out_src_idx)[pos] = int32_t(t);
-  if ((B.flags & F_HT_TOPK) && g.lane < K) {
+  if (g.lane == 0) ptr<int32_t>(o.src_idx)[pos] = int32_t(t);
+  if ((B.flags & F_HT_TOPK) && o.topk_idx && g.lane < K) {
     float w;
-    const int32_t le = local_slot(P, t, B.rank, g.lane, &w);
-    ptr<int64_t>(P.out_topk_idx)[pos * K + g.lane] = le;
-    if (P.out_weights) ptr<float>(P.out_weights)[pos * K + g.lane] = w;
+    const int32_t le = local_slot(P, t, d, g.lane, &w);
+    ptr<int64_t>(o.topk_idx)[pos * K + g.lane] = le;
+    if (o.weights) ptr<float>(o.weights)[pos * K + g.lane] = w;
   }
+}
+GPUNET_DEVICE HtOut ht_own_out(const HtParams& P) {
+  return HtOut{P.out_x, P.out_scales, P.out_topk_idx, P.out_weights, P.out_src_idx};
 }
 
 // Stage message `idx` (token or row `src`) for destination d into `msg`.
@@ -772,6 +802,74 @@ GPUNET_DEVICE uint64_t ht_mapped_slot(const HtParams& P, uint32_t c, uint32_t d,
   return m0 ? m0 + (idx % P.ring) * P.base.msg_stride : 0;
 }
 
+// ---- the receive pool: rows stored in place ------------------------------------------------------
+// A dispatch receiver whose receive tensors lie in its pool (F_HT_DIRECT) tells every mapped source
+// where they are: one descriptor a source (RD_*: offsets from the pool's base, which is at the
+// same heap offset on every rank, and where the source's rows start), stored into the source's
+// rdesc[receiver] and released by a SET of its signal. Without a pool it still sends one (direct
+// 0): a mapped source cannot tell otherwise whether to wait. Block 1 (channel 0's receiver) sends
+// them at the start of the data phase; the notify has written chan_prefix.
+GPUNET_DEVICE void ht_send_descs(const HtParams& P, const Geo& g, uint64_t epoch, uint8_t* out) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks, nc = P.nchannels;
+  const bool direct = (B.flags & F_HT_DIRECT) != 0;
+  auto off = [&](uint64_t a) { return a ? a - P.pool : kHtNoTensor; };
+  for (uint32_t j = g.tid; j < R; j += g.bdim) {
+    if (j == B.rank || out[j]) continue;
+    const DevCtx& cx = peer_ctx(B, j);
+    uint64_t* slot = ptr<uint64_t>(P.rdesc + uint64_t(B.rank) * RD_WORDS * 8);
+    uint64_t* rd = static_cast<uint64_t*>(gpunet::ptr(cx, slot, int(j)));
+    if (!rd) continue;  // not mapped: that source stages into the ring (and waits for no descriptor)
+    rd[RD_DIRECT] = direct ? 1 : 0;
+    rd[RD_ROW0] = uint64_t(ptr<const int32_t>(P.chan_prefix)[uint64_t(j) * (nc + 1)]);
+    rd[RD_ROWS] = P.num_recv_max;
+    rd[RD_X] = off(P.out_x);
+    rd[RD_SCALES] = off(P.out_scales);
+    rd[RD_TOPK] = off(P.out_topk_idx);
+    rd[RD_WEIGHTS] = off(P.out_weights);
+    rd[RD_SRC] = off(P.out_src_idx);
+    uint64_t* w = ht_desc_sig(P, B.rank);
+    if (!put_signal_nbi(cx, w, w, 0, w, (epoch << 32) | 1, int(j), SIGNAL_SET)) peer_fail_view(B, out, j);
+  }
+}
+
+// The sender's lane 0, once per (channel c, mapped destination d): waits (bounded, direct, with
+// heartbeats: d may still be in its notify) for d's descriptor and, when d's rows go in place,
+// keeps where (WS_ROW: channel c's first row, WS_O*: d's tensors as mapped here). false: d failed.
+GPUNET_DEVICE bool ht_take_desc(const HtParams& P, uint32_t c, uint32_t d, uint64_t epoch) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks;
+  *ws_word(P, 0, c, d, WS_OX) = 0;
+  if (!wait_peer(B, d, ht_desc_sig(P, d), (epoch << 32) | 1, api::waiter(peer_ctx(B, d)), ht_beat(P)))
+    return false;
+  const uint64_t* rd = ptr<const uint64_t>(P.rdesc + uint64_t(d) * RD_WORDS * 8);
+  if (!rd[RD_DIRECT]) return true;
+  uint64_t row = rd[RD_ROW0];
+  const int32_t* cnt = ptr<const int32_t>(P.send_cnt);
+  for (uint32_t cc = 0; cc < c; ++cc) row += uint64_t(cnt[uint64_t(cc) * R + d]);
+  // every row of this channel must fit d's tensors: else nothing goes in place (the ring then
+  // carries them and d's own check reports the overflow)
+  if (row + uint64_t(cnt[uint64_t(c) * R + d]) > rd[RD_ROWS] || rd[RD_X] == kHtNoTensor ||
+      rd[RD_SRC] == kHtNoTensor)
+    return true;
+  const DevCtx& cx = peer_ctx(B, d);
+  auto at = [&](uint32_t k) -> uint64_t {
+    if (rd[k] == kHtNoTensor || rd[k] >= P.pool_bytes) return 0;
+    return uint64_t(uintptr_t(gpunet::ptr(cx, ptr<void>(P.pool + rd[k]), int(d))));
+  };
+  *ws_word(P, 0, c, d, WS_ROW) = row;
+  *ws_word(P, 0, c, d, WS_OS) = at(RD_SCALES);
+  *ws_word(P, 0, c, d, WS_OI) = at(RD_TOPK);
+  *ws_word(P, 0, c, d, WS_OW) = at(RD_WEIGHTS);
+  *ws_word(P, 0, c, d, WS_OSRC) = at(RD_SRC);
+  *ws_word(P, 0, c, d, WS_OX) = at(RD_X);
+  return true;
+}
+GPUNET_DEVICE HtOut ht_peer_out(const HtParams& P, uint32_t c, uint32_t d) {
+  return HtOut{*ws_word(P, 0, c, d, WS_OX), *ws_word(P, 0, c, d, WS_OS), *ws_word(P, 0, c, d, WS_OI),
+               *ws_word(P, 0, c, d, WS_OW), *ws_word(P, 0, c, d, WS_OSRC)};
+}
+
 // The sender works in block-wide steps: (1) the warp that owns a destination (d % nwarps) decides,
 // from d's credit, whether d gets n more messages now and lists their tokens (rows); (2) every warp
 // of the block stages the listed messages of every destination (a 2-rank world has 1 remote
@@ -805,6 +903,10 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
                                        : uint64_t(ptr<const int32_t>(P.send_cnt)[uint64_t(c) * R + d]);
       *ws_word(P, 0, c, d, WS_SENT) = 0;
       *ws_word(P, 0, c, d, WS_MAPPED) = ht_mapped_ring(P, c, d);
+      *ws_word(P, 0, c, d, WS_OX) = 0;
+      if (!combine && (B.flags & F_HT_DESC) && *ws_word(P, 0, c, d, WS_MAPPED) && !out[d] &&
+          !ht_take_desc(P, c, d, epoch))
+        peer_fail_view(B, out, d);
       *ws_word(P, 0, c, d, WS_CURSOR) = combine ? uint64_t(pre[uint64_t(d) * (nc + 1) + c]) : cb;
       *ws_word(P, 0, c, d, WS_TLAST) = t_start;
       *ws_word(P, 0, c, d, WS_TOTAL) = total;
@@ -828,7 +930,9 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
             const uint64_t total = *ws_word(P, 0, c, d, WS_TOTAL);
             sent = *ws_word(P, 0, c, d, WS_SENT);
             cur = *ws_word(P, 0, c, d, WS_CURSOR);
-            const uint64_t consumed = d == B.rank ? sent : read_count(P, kind, 1, c, d, epoch);
+            // to itself, or in place (no ring): nothing to wait for
+            const uint64_t consumed = d == B.rank || *ws_word(P, 0, c, d, WS_OX) ? sent
+                                      : read_count(P, kind, 1, c, d, epoch);
             // combine: the first step a third of a chunk, so the token side (the slower one)
             // gets its first rows sooner (it waited ~40 us for a first chunk of 48 rows): the
             // combine 1-2% faster in 3 of 3 pairs (H100); the dispatch with the same ramp was
@@ -896,6 +1000,10 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       while (i >= *ws_word(P, 0, c, d, WS_AVAIL)) i -= *ws_word(P, 0, c, d, WS_AVAIL), ++d;
       const uint64_t idx = *ws_word(P, 0, c, d, WS_SENT) + i;
       const uint64_t src = uint64_t(tok_list(P, c, d)[i]);
+      if (*ws_word(P, 0, c, d, WS_OX)) {  // into d's receive tensors (its pool)
+        ht_deliver(P, g, bk, ht_peer_out(P, c, d), *ws_word(P, 0, c, d, WS_ROW) + idx, src, d);
+        continue;
+      }
       const uint64_t m = ht_mapped_slot(P, c, d, idx);
       ht_stage(P, g, bk, m ? m : slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
     }
@@ -908,7 +1016,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       const uint64_t n = *ws_word(P, 0, c, d, WS_AVAIL);
       if (!n || d == B.rank) continue;
       const uint64_t sent = *ws_word(P, 0, c, d, WS_SENT);
-      if (ht_mapped_slot(P, c, d, sent)) continue;  // stored in place above
+      if (ht_mapped_slot(P, c, d, sent)) continue;  // stored in d's ring or tensors above
       // the slots [sent, sent + n) of the ring: one put, two when they wrap
       const uint64_t s0 = sent % P.ring;
       const uint64_t n1 = P.ring - s0 < n ? P.ring - s0 : n;
@@ -931,7 +1039,8 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       *ws_word(P, 0, c, d, WS_TLAST) = arch::now_ns();
       *ws_word(P, 0, c, d, WS_HB) = 0;  // progress: a later stall takes a new baseline
       if (d == B.rank) continue;
-      if (out[d] || !write_count(P, kind, 0, c, d, epoch, sent + n)) {
+      const uint64_t flag = *ws_word(P, 0, c, d, WS_OX) ? kHtDirectBit : 0;
+      if (out[d] || !write_count(P, kind, 0, c, d, epoch, (sent + n) | flag)) {
         peer_fail_view(B, out, d);
         *ws_word(P, 0, c, d, WS_DONE) = 1;
       }
@@ -969,7 +1078,7 @@ GPUNET_DEVICE void ht_recv_self(const HtParams& P, const Geo& g, const HtBulk& b
   const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
   for (uint64_t t = s.t + g.wid; t < end; t += g.nwarps) {
     const int32_t p = send_pos[t * R + P.base.rank];
-    if (p >= 0) ht_deliver_self(P, g, bk, s.row + uint64_t(p), t);
+    if (p >= 0) ht_deliver(P, g, bk, ht_own_out(P), s.row + uint64_t(p), t, P.base.rank);
   }
   s.t = end;
 }
@@ -996,6 +1105,7 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
     *ws_word(P, 1, c, j, WS_DONE) = total == 0 ? 1 : 0;
     *ws_word(P, 1, c, j, WS_HB) = 0;
   }
+  if (c == 0 && (B.flags & F_HT_DESC)) ht_send_descs(P, g, epoch, out);
   arch::syncthreads();
   HtClock clk = ht_clock(B, g);
   const HtBulk bk = ht_bulk(P, g);
@@ -1009,10 +1119,21 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
         } else {
           const uint64_t done = *ws_word(P, 1, c, j, WS_SENT);
           uint64_t tail = read_count(P, HT_KIND_DISPATCH, 0, c, j, epoch);
+          // j stored the rows in place (this rank's pool): they are there, nothing to copy
+          const bool direct = tail != 0xffffffffull && (tail & kHtDirectBit);
+          if (direct) tail &= ~kHtDirectBit;
           const uint64_t total = *ws_word(P, 1, c, j, WS_TOTAL);
           if (tail > total) tail = total;
-          avail = tail > done ? tail - done : 0;
-          if (avail == 0 && j != B.rank) {
+          const uint64_t fresh = tail > done ? tail - done : 0;
+          if (direct && fresh) {
+            *ws_word(P, 1, c, j, WS_SENT) = tail;
+            *ws_word(P, 1, c, j, WS_TLAST) = arch::now_ns();
+            *ws_word(P, 1, c, j, WS_HB) = 0;
+            if (tail == total) *ws_word(P, 1, c, j, WS_DONE) = 1;
+          } else {
+            avail = fresh;
+          }
+          if (fresh == 0 && j != B.rank) {
             const uint64_t now = arch::now_ns();
             ht_heartbeat(P, now, out);
             const uint64_t idle = now - *ws_word(P, 1, c, j, WS_TLAST);

@@ -1,0 +1,371 @@
+"""gpunet/ep/_pool.py (RecvPool) and gpunet/device/kernels/pool_alloc.cpp, on the CPU: fresh tensors
+inside one byte region, returned when their storage dies; the C allocator's first fit, coalescing and
+thread-local selection through ctypes. The CUDA branch (torch.cuda.MemPool over gp_torch_alloc) needs
+a GPU and is not exercised here."""
+import ctypes
+import gc
+import logging
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpunet.ep._pool import RecvPool, _library
+
+PAGE = 4096
+REGION_BYTES = 1 << 20
+DTYPES = [torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int32, torch.int64]
+# Fake address ranges for the C-level tests: never dereferenced, far from where Linux maps memory.
+FAKE_BASE = 1 << 44
+
+
+@pytest.fixture
+def pool():
+    region = torch.zeros(REGION_BYTES, dtype=torch.uint8)
+    p = RecvPool(region)
+    yield p
+    p.close()
+
+
+def _nbytes(t):
+    return t.numel() * t.element_size()
+
+
+def _rounded(n):
+    return -(-n // PAGE) * PAGE
+
+
+def _assert_inside_and_disjoint(p, tensors):
+    spans = []
+    for t in tensors:
+        assert p.contains(t)
+        if t.numel():
+            off = p.offset(t)
+            assert 0 <= off and off + _nbytes(t) <= REGION_BYTES
+            spans.append((t.data_ptr(), t.data_ptr() + _nbytes(t)))
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert end <= start, "two live tensors overlap"
+
+
+def _as_bytes(t):
+    return t.reshape(-1).view(torch.uint8)
+
+
+# ---- RecvPool -----------------------------------------------------------------------------------
+
+def test_tensors_of_several_dtypes_and_shapes_lie_inside_the_region_and_do_not_overlap(pool):
+    """Every dtype the dispatch uses, shapes with 0 rows included, comes back with the asked shape and
+    dtype on the CPU, inside the region and disjoint from the others; each takes its size rounded to
+    4 KiB, a 0-element tensor none."""
+    shapes = [(0, 7168), (1, 1), (3, 7), (5, 128), (17,), ()]
+    out, want_used = [], 0
+    for dtype in DTYPES:
+        for shape in shapes:
+            t = pool.empty(shape, dtype)
+            assert t is not None and t.shape == torch.Size(shape) and t.dtype == dtype
+            assert t.device.type == "cpu" and t.is_contiguous()
+            want_used += _rounded(_nbytes(t))
+            out.append(t)
+    _assert_inside_and_disjoint(pool, out)
+    assert pool.used_bytes() == want_used
+    assert pool.empty(4, torch.int32).shape == (4,)      # an int shape, like torch.empty
+
+
+def test_writes_through_one_tensor_do_not_touch_another(pool):
+    """Filling one tensor changes its own bytes only: its neighbours keep theirs."""
+    a = pool.empty((10, 33), torch.bfloat16)
+    b = pool.empty((7,), torch.float8_e4m3fn)
+    c = pool.empty((3, 3), torch.int64)
+    for i, t in enumerate((a, b, c)):
+        _as_bytes(t).fill_(i + 1)
+    _as_bytes(b).fill_(0xAB)
+    assert bool((_as_bytes(a) == 1).all()) and bool((_as_bytes(c) == 3).all())
+    assert bool((_as_bytes(b) == 0xAB).all())
+    a.fill_(1.5)
+    assert bool((_as_bytes(b) == 0xAB).all()) and bool((_as_bytes(c) == 3).all())
+    assert bool((a == 1.5).all())
+
+
+def test_exhaustion_returns_none_without_raising_and_frees_nothing(pool):
+    """A request larger than what is left gives None; the live tensors keep their blocks and bytes."""
+    cap = pool.capacity_bytes()
+    assert REGION_BYTES - PAGE <= cap <= REGION_BYTES
+    big = pool.empty(cap - PAGE, torch.uint8)
+    assert big is not None
+    _as_bytes(big).fill_(7)
+    used = pool.used_bytes()
+    assert pool.empty(2 * PAGE, torch.uint8) is None
+    assert pool.empty(cap + 1, torch.uint8) is None
+    assert pool.empty((1 << 40,), torch.int64) is None
+    assert pool.used_bytes() == used
+    assert bool((_as_bytes(big) == 7).all())
+    last = pool.empty(PAGE // 4, torch.float32)           # exactly the last page still fits
+    assert last is not None and pool.used_bytes() == cap
+    assert pool.empty(1, torch.uint8) is None
+
+
+def test_dropping_a_tensor_returns_its_bytes_but_a_live_view_keeps_them(pool):
+    """The block goes back when the last tensor sharing the storage dies, not before: a view
+    (``y = t[1:]; del t``) keeps it, and so do dtype / shape views."""
+    t = pool.empty((4, 1000), torch.float32)
+    n = _rounded(_nbytes(t))
+    assert pool.used_bytes() == n
+    y = t[1:]
+    del t
+    gc.collect()
+    assert pool.used_bytes() == n
+    z = y.view(torch.int32).view(-1)
+    del y
+    gc.collect()
+    assert pool.used_bytes() == n
+    del z
+    gc.collect()
+    assert pool.used_bytes() == 0
+    u = pool.empty((8,), torch.int64)
+    del u
+    gc.collect()
+    assert pool.used_bytes() == 0
+
+
+def test_offset_and_contains_name_the_place_in_the_region(pool):
+    """offset is data_ptr minus the region's start, for views too; a tensor outside the region is not
+    contained and its offset raises ValueError."""
+    region = pool._region
+    t = pool.empty((16, 16), torch.int32)
+    assert pool.offset(t) == t.data_ptr() - region.data_ptr()
+    assert pool.offset(t[2:]) == pool.offset(t) + 2 * 16 * 4
+    assert pool.contains(t[2:]) and pool.contains(t.view(torch.uint8))
+    assert pool.offset(region[100:200]) == 100        # the region's own bytes are inside too
+    outside = torch.empty(64, dtype=torch.int32)
+    assert not pool.contains(outside)
+    with pytest.raises(ValueError, match="not inside the region"):
+        pool.offset(outside)
+    straddling = torch.zeros(2 * REGION_BYTES, dtype=torch.uint8)
+    other = RecvPool(straddling[:REGION_BYTES])
+    try:
+        assert not pool.contains(straddling) and not other.contains(straddling)
+    finally:
+        other.close()
+
+
+def test_close_with_live_tensors_warns_and_then_empty_returns_none(caplog):
+    """close() logs a warning naming the bytes still held; afterwards empty gives None, used_bytes 0,
+    close again is a no-op, and the live tensor's late free is counted as a bad free, not applied."""
+    region = torch.zeros(REGION_BYTES, dtype=torch.uint8)
+    lib = _library()
+    p = RecvPool(region)
+    t = p.empty((3, 3), torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="gpunet.ep"):
+        p.close()
+    assert any("still held by live tensors" in r.getMessage() and "invalid" in r.getMessage()
+               for r in caplog.records)
+    assert p.empty((1,), torch.float32) is None and p.used_bytes() == 0
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gpunet.ep"):
+        p.close()
+    assert not caplog.records
+    bad = lib.gp_bad_frees()
+    del t
+    gc.collect()
+    assert lib.gp_bad_frees() == bad + 1
+
+
+def test_close_without_live_tensors_is_silent_and_the_region_can_be_registered_again(caplog):
+    region = torch.zeros(REGION_BYTES, dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, logger="gpunet.ep"):
+        with RecvPool(region) as p:
+            t = p.empty((5,), torch.int64)
+            del t
+    assert not caplog.records
+    with RecvPool(region) as again:
+        assert again.empty((5,), torch.int64) is not None
+
+
+def test_a_bad_region_is_refused():
+    """Not uint8, not 1-D, not contiguous, too small for one aligned page, or overlapping a
+    registered region: ValueError."""
+    with pytest.raises(ValueError):
+        RecvPool(torch.zeros(1024, dtype=torch.int32))
+    with pytest.raises(ValueError):
+        RecvPool(torch.zeros(64, 64, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        RecvPool(torch.zeros(2 * REGION_BYTES, dtype=torch.uint8)[::2])
+    with pytest.raises(ValueError, match="refused"):
+        RecvPool(torch.zeros(100, dtype=torch.uint8))
+    region = torch.zeros(REGION_BYTES, dtype=torch.uint8)
+    with RecvPool(region[:REGION_BYTES // 2]):
+        with pytest.raises(ValueError, match="refused"):
+            RecvPool(region[REGION_BYTES // 4:])
+
+
+_OP = st.one_of(
+    st.tuples(st.just("alloc"), st.integers(0, 40), st.sampled_from([1, 7, 128, 1000, 7168]),
+              st.sampled_from(DTYPES)),
+    st.tuples(st.just("drop"), st.integers(0, 1 << 16)),
+    st.tuples(st.just("view"), st.integers(0, 1 << 16)),
+)
+
+
+# 30 examples under the ci profile (max_examples 50), ~1 s; the deep profile scales it up.
+@settings(max_examples=max(10, settings().max_examples * 3 // 5), deadline=None)
+@given(st.lists(_OP, min_size=1, max_size=40))
+def test_random_allocate_and_drop_keeps_tensors_inside_disjoint_and_intact(ops):
+    """Generates sequences of: allocate (rows x cols of a dtype; ~0-280 KiB, so the 1 MiB region runs
+    out now and then), drop a live tensor, or replace a live tensor by a view of its tail (the block must
+    stay). After every step: every live tensor lies inside the region, no two overlap, used_bytes is
+    the sum of the live blocks' sizes rounded up to 4 KiB, and each live tensor still holds the byte
+    pattern last written into it."""
+    region = torch.zeros(REGION_BYTES, dtype=torch.uint8)
+    p = RecvPool(region)
+    live = []                  # [tensor (maybe a view), block bytes, fill byte]; the only references
+    try:
+        for i, op in enumerate(ops):
+            if op[0] == "alloc":
+                _random_alloc(p, live, *op[1:], fill=i % 251 + 1)
+            elif live and op[0] == "drop":
+                del live[op[1] % len(live)]
+            elif live and op[0] == "view":
+                k = op[1] % len(live)
+                live[k][0] = live[k][0].reshape(-1)[1:]
+            _check_live(p, live)
+        live.clear()
+        assert p.used_bytes() == 0
+    finally:
+        p.close()
+
+
+def _random_alloc(p, live, rows, cols, dtype, fill):
+    before = p.used_bytes()
+    t = p.empty((rows, cols), dtype)
+    if t is None:
+        assert p.used_bytes() == before
+        assert before + _rounded(rows * cols * dtype.itemsize) > p.capacity_bytes()
+        return
+    assert t.shape == (rows, cols) and t.dtype == dtype
+    _as_bytes(t).fill_(fill)
+    live.append([t, _rounded(_nbytes(t)), fill])
+
+
+def _check_live(p, live):
+    _assert_inside_and_disjoint(p, [e[0] for e in live])
+    assert p.used_bytes() == sum(e[1] for e in live)
+    for t, _, fill in live:
+        assert bool((_as_bytes(t) == fill).all())
+
+
+# ---- pool_alloc.cpp through ctypes ---------------------------------------------------------------
+
+@pytest.fixture
+def lib():
+    return _library()
+
+
+@pytest.fixture
+def fake_region(lib):
+    rid = lib.gp_region_add(FAKE_BASE, 64 * PAGE)
+    assert rid >= 0
+    yield rid
+    lib.gp_region_remove(rid)
+
+
+def test_blocks_are_page_aligned_first_fit_and_coalesce_on_free(lib, fake_region):
+    """Blocks start on 4 KiB and take whole pages; a freed hole is reused first (first fit); freeing
+    everything, in any order, merges the region back into one range the whole region's request fits."""
+    rid = fake_region
+    a = lib.gp_alloc_in(rid, 1)
+    b = lib.gp_alloc_in(rid, PAGE + 1)
+    c = lib.gp_alloc_in(rid, 3 * PAGE)
+    assert (a, b, c) == (FAKE_BASE, FAKE_BASE + PAGE, FAKE_BASE + 3 * PAGE)
+    assert lib.gp_region_used(rid) == 6 * PAGE
+    assert lib.gp_alloc_in(rid, 0) == 0 and lib.gp_alloc_in(rid, 65 * PAGE) == 0
+    lib.gp_free_at(b)
+    assert lib.gp_alloc_in(rid, PAGE) == b                  # first fit: the hole, not the tail
+    assert lib.gp_alloc_in(rid, 2 * PAGE) == FAKE_BASE + 6 * PAGE
+    assert lib.gp_alloc_in(rid, 60 * PAGE) == 0
+    for addr in (b, c, FAKE_BASE + 6 * PAGE, a):            # neighbours on both sides get merged
+        lib.gp_free_at(addr)
+    assert lib.gp_region_used(rid) == 0
+    whole = lib.gp_alloc_in(rid, 64 * PAGE)
+    assert whole == FAKE_BASE
+    lib.gp_free_at(whole)
+
+
+def test_bad_frees_are_ignored_and_counted(lib, fake_region):
+    rid = fake_region
+    a = lib.gp_alloc_in(rid, PAGE)
+    bad = lib.gp_bad_frees()
+    lib.gp_free_at(a + 16)                  # inside the region, not a block start
+    lib.gp_free_at(12345)                   # in no region
+    lib.gp_free_in(rid + 1000, a)           # no such region
+    assert lib.gp_bad_frees() == bad + 3 and lib.gp_region_used(rid) == PAGE
+    lib.gp_free_at(a)
+    lib.gp_free_at(a)                       # twice
+    assert lib.gp_bad_frees() == bad + 4 and lib.gp_region_used(rid) == 0
+
+
+def test_region_add_refuses_bad_ranges_and_never_reuses_an_id(lib, fake_region):
+    assert lib.gp_region_add(0, PAGE) == -1
+    assert lib.gp_region_add(FAKE_BASE + (1 << 30), 0) == -1
+    assert lib.gp_region_add(FAKE_BASE + (1 << 30) + 1, PAGE) == -1     # no whole aligned page
+    assert lib.gp_region_add(2**64 - PAGE, 2 * PAGE) == -1               # wraps around
+    assert lib.gp_region_add(FAKE_BASE + 63 * PAGE, 2 * PAGE) == -1      # overlaps fake_region
+    other = lib.gp_region_add(FAKE_BASE + 64 * PAGE, PAGE)               # adjacent is fine
+    assert other > fake_region
+    lib.gp_region_remove(other)
+    again = lib.gp_region_add(FAKE_BASE + 64 * PAGE, PAGE)
+    assert again > other
+    lib.gp_region_remove(again)
+
+
+def test_region_add_refuses_more_than_64_regions(lib):
+    ids = []
+    try:
+        for k in range(200):
+            rid = lib.gp_region_add(FAKE_BASE + (1 << 32) + k * PAGE, PAGE)
+            if rid < 0:
+                break
+            ids.append(rid)
+        assert len(ids) <= 64 and len(ids) < 200
+    finally:
+        for rid in ids:
+            lib.gp_region_remove(rid)
+
+
+def test_selection_is_thread_local_and_drives_the_torch_entry_points(lib, fake_region):
+    """gp_torch_alloc allocates in this thread's selected region only: a selection made in another
+    thread does not apply here; gp_torch_free returns the block by address from any thread."""
+    alloc = lib.gp_torch_alloc
+    alloc.argtypes, alloc.restype = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+    free = lib.gp_torch_free
+    free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    free.restype = None
+    rid = fake_region
+    lib.gp_select(-1)
+    assert alloc(PAGE, 0, None) is None
+    got = {}
+
+    def other():
+        lib.gp_select(rid)
+        got["there"] = alloc(2 * PAGE, 0, None)
+
+    th = threading.Thread(target=other)
+    th.start()
+    th.join()
+    assert got["there"] == FAKE_BASE
+    assert alloc(PAGE, 0, None) is None                 # the other thread's selection is not ours
+    lib.gp_select(rid)
+    try:
+        here = alloc(PAGE, 0, None)
+        assert here == FAKE_BASE + 2 * PAGE
+        assert alloc(-1, 0, None) is None and alloc(0, 0, None) is None
+        assert alloc(64 * PAGE, 0, None) is None        # no room
+    finally:
+        lib.gp_select(-1)
+    th = threading.Thread(target=free, args=(got["there"], 2 * PAGE, 0, None))
+    th.start()
+    th.join()
+    free(here, PAGE, 0, None)
+    assert lib.gp_region_used(rid) == 0
