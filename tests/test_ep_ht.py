@@ -55,9 +55,15 @@ def _nbytes(world, config=TWO_CHANNELS, hidden=HIDDEN_MAX):
     return Config(*config).get_nvl_buffer_size_hint(hidden * 2, world)
 
 
-def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, env=None, **kw):
-    return Ranks.start(world, "ep_ht_jobs:init", transport, kw.pop("num_nvl_bytes", _nbytes(world)),
-                       timeout_s, shrink, warp_size, *kw.values(), env=env, timeout=180)
+def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, env=None, num_nvl_bytes=None,
+          num_rdma_bytes=0, low_latency_mode=False, recv_pool_bytes=0):
+    """Rank processes with an HT Buffer each (ep_ht_jobs.init); transport "p2p-pool": p2p with a
+    receive pool of RECV_POOL bytes."""
+    if transport == "p2p-pool":
+        transport, recv_pool_bytes = "p2p", recv_pool_bytes or RECV_POOL
+    return Ranks.start(world, "ep_ht_jobs:init", transport, num_nvl_bytes or _nbytes(world), timeout_s,
+                       shrink, warp_size, num_rdma_bytes, low_latency_mode, recv_pool_bytes, env=env,
+                       timeout=180)
 
 
 def _close(r):
@@ -513,12 +519,14 @@ HT_DIE_SPAN_S = 0.5
 
 @settings(max_examples=max(3, settings().max_examples // 15), deadline=None,
           phases=[Phase.explicit, Phase.generate])
-@given(transport=st.sampled_from(["ibgda", "proxy", "p2p", "mixed"]),
+@given(transport=st.sampled_from(["ibgda", "proxy", "p2p", "p2p-pool", "mixed"]),
        die_at=st.floats(0.0, HT_DIE_SPAN_S), fp8=st.booleans())
 @example(transport="p2p", die_at=0.12, fp8=True)   # the moment of the weights finding (docs/EP.md)
 @example(transport="ibgda", die_at=0.2, fp8=False)
+@example(transport="p2p-pool", die_at=0.15, fp8=False)   # rows stored in place: holes past the last tail
 def test_a_rank_that_dies_at_any_moment_leaves_the_survivors_exact(transport, die_at, fp8):
-    """Generated: the world (3 ranks over ibgda, proxy, p2p, or mixed ibgda and proxy pairs),
+    """Generated: the world (3 ranks over ibgda, proxy, p2p (with a receive pool: rows stored in
+    place), or mixed ibgda and proxy pairs),
     the moment rank 2 exits (die_at seconds after its round starts, wherever its kernels are)
     and BF16 or FP8; enable_shrink. Invariant: each survivor finishes the round without raising
     and masks no rank but the dead one; its dispatch is the reference without each failed source
@@ -552,7 +560,7 @@ def test_a_rank_that_dies_at_any_moment_leaves_the_survivors_exact(transport, di
         _close_survivors(r)
 
 
-@pytest.mark.parametrize("transport,stage", [("proxy", "combine"), ("p2p", "dispatch")])
+@pytest.mark.parametrize("transport,stage", [("proxy", "combine"), ("p2p", "dispatch"), ("p2p-pool", "dispatch")])
 def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
     """enable_shrink: rank 2 exits at the start of dispatch (or combine). The survivors finish the
     round within the timeout with rank 2 masked (nothing received from it; combine leaves its rows

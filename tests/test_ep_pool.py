@@ -107,6 +107,18 @@ def test_exhaustion_returns_none_without_raising_and_frees_nothing(pool):
     assert pool.empty(1, torch.uint8) is None
 
 
+def test_empty_many_gives_all_the_tensors_or_none(pool):
+    """empty_many (the HT dispatch's five receive tensors): every spec's tensor, None where the
+    spec is None; when the last one does not fit, None, and the ones made before it go back."""
+    got = pool.empty_many([((8, 64), torch.bfloat16), None, ((8,), torch.int32)])
+    assert got[1] is None and tuple(got[0].shape) == (8, 64) and got[0].dtype == torch.bfloat16
+    _assert_inside_and_disjoint(pool, [got[0], got[2]])
+    used = pool.used_bytes()
+    assert pool.empty_many([((PAGE,), torch.uint8), ((1 << 40,), torch.uint8)]) is None
+    gc.collect()
+    assert pool.used_bytes() == used
+
+
 def test_dropping_a_tensor_returns_its_bytes_but_a_live_view_keeps_them(pool):
     """The block goes back when the last tensor sharing the storage dies, not before: a view
     (``y = t[1:]; del t``) keeps it, and so do dtype / shape views."""

@@ -143,6 +143,14 @@ class RecvPool:
         in the pool for reuse; a request the region cannot serve makes torch release its cached
         blocks (a device synchronisation) before ``None`` comes back.
         """
+        got = self.empty_many([(shape, dtype)])
+        return None if got is None else got[0]
+
+    def empty_many(self, specs: Sequence[tuple | None]) -> list | None:
+        """``empty`` for several tensors at once, all or none: ``specs`` a list of ``(shape,
+        dtype)`` or None; returns the tensors (None where the spec is None), or None when one of
+        them does not fit (those already made go back). On CUDA one pass through torch's pool
+        context for them all (the HT dispatch makes five a call: its host time counts)."""
         if self._id < 0:
             return None
         if self._cuda:
@@ -151,11 +159,21 @@ class RecvPool:
             self._select(self._id)
             try:
                 with torch.cuda.use_mem_pool(self._pool, self._dev_index):
-                    return torch.empty(shape, dtype=dtype, device=self._device)
+                    return [torch.empty(sd[0], dtype=sd[1], device=self._device) if sd else None
+                            for sd in specs]
             except torch.OutOfMemoryError:
                 return None
             finally:
                 self._select(-1)
+        out = []
+        for sd in specs:
+            t = self._empty_host(*sd) if sd else None
+            if sd and t is None:
+                return None
+            out.append(t)
+        return out
+
+    def _empty_host(self, shape, dtype):
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if any(d < 0 for d in shape):
             raise ValueError("RecvPool.empty: negative dimension in shape %s" % (shape,))

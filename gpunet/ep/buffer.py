@@ -895,8 +895,8 @@ class Buffer:
                   ((rows, k), topk_idx_t) if k else None,
                   ((rows, k), torch.float32) if k else None]
         if self._pool is not None:
-            got = [self._pool.empty(*sd) if sd else None for sd in shapes]
-            if all(t is not None for t, sd in zip(got, shapes) if sd):
+            got = self._pool.empty_many(shapes)
+            if got is not None:
                 return tuple(got) + (dep.F_HT_DIRECT,)
         dev = self._device
         return tuple(torch.empty(sd[0], dtype=sd[1], device=dev) if sd else None for sd in shapes) + (0,)

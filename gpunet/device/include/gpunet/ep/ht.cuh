@@ -1203,6 +1203,19 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
   }
   ht_recv_self(P, g, bk, self, self.end - self.t);  // what the idle steps left
   ht_copy_done(g, bk);
+  // A source that failed with rows still due: in place (F_HT_DIRECT), its stores past the last
+  // tail seen may have landed in part, so those rows become holes (no expert, weight 0), as a
+  // row the ring never delivered reads (the host filled them so before the launch)
+  if ((B.flags & F_HT_DIRECT) && (B.flags & F_HT_TOPK))
+    for (uint32_t j = 0; j < R; ++j) {
+      if (j == B.rank || !out[j]) continue;
+      const uint64_t r0 = uint64_t(pre[uint64_t(j) * (nc + 1) + c]) + *ws_word(P, 1, c, j, WS_SENT);
+      const uint64_t r1 = uint64_t(pre[uint64_t(j) * (nc + 1) + c + 1]);
+      for (uint64_t i = r0 * K + g.tid; i < r1 * K; i += g.bdim) {
+        ptr<int64_t>(P.out_topk_idx)[i] = -1;
+        if (P.out_weights) ptr<float>(P.out_weights)[i] = 0.0f;
+      }
+    }
 }
 
 // The combine receiver's per-peer words, in the block's shared memory (ht_smem_bytes): [0, R) the
