@@ -56,6 +56,9 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=None, help="ll 8, ht 256")
     ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--recv-pool-mib", type=int, default=0,
+                    help="ht: the Buffer's receive pool in MiB (0: none); the dispatch's receive "
+                         "tensors then come from it")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
@@ -113,7 +116,7 @@ def _ll_buffer(a):
 def _ht_buffer(a):
     from gpunet.ep import Buffer, Config
     return Buffer(None, num_nvl_bytes=Config(*HT_CONFIG).get_nvl_buffer_size_hint(a.hidden * 2, 1),
-                  explicitly_destroy=True, timeout_s=10.0)
+                  explicitly_destroy=True, timeout_s=10.0, recv_pool_bytes=a.recv_pool_mib << 20)
 
 
 # the HT Config timed: the first of bench/ep_ht.py's GPU sweep (its best on the H100)

@@ -39,6 +39,10 @@
 //          (chan_prefix[j][c] + index), SETs its credit back every `chunk` messages and at the end.
 //          A sender finishes once every destination has CONSUMED all of its messages (its final
 //          credit), so when a call returns the rings hold nothing of it: the next call may write.
+//          RECEIVE POOL (F_HT_DESC / F_HT_DIRECT; docs/EP.md "The receive pool"): a receiver whose
+//          receive tensors lie in its pool in the heap tells each mapped source where (a
+//          descriptor, ht_send_descs), and that source stores its rows straight into them
+//          (ht_deliver; no ring, no credit), its tails carrying kHtDirectBit.
 // Combine (the reverse direction; expert side sends, token side reduces)
 //   DATA   sender block c (expert side): for each source rank j, the rows
 //          [chan_prefix[j][c], chan_prefix[j][c+1]) of x go back in order, with their weights.
