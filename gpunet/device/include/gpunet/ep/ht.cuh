@@ -856,10 +856,10 @@ GPUNET_DEVICE bool ht_take_desc(const HtParams& P, uint32_t c, uint32_t d, uint6
   if (row + uint64_t(cnt[uint64_t(c) * R + d]) > rd[RD_ROWS] || rd[RD_X] == kHtNoTensor ||
       rd[RD_SRC] == kHtNoTensor)
     return true;
-  const DevCtx& cx = peer_ctx(B, d);
+  // d's pool as mapped here: one lookup (the heap is mapped whole, so the pool is contiguous)
+  const uint64_t base = uint64_t(uintptr_t(gpunet::ptr(peer_ctx(B, d), ptr<void>(P.pool), int(d))));
   auto at = [&](uint32_t k) -> uint64_t {
-    if (rd[k] == kHtNoTensor || rd[k] >= P.pool_bytes) return 0;
-    return uint64_t(uintptr_t(gpunet::ptr(cx, ptr<void>(P.pool + rd[k]), int(d))));
+    return rd[k] == kHtNoTensor || rd[k] >= P.pool_bytes || !base ? 0 : base + rd[k];
   };
   *ws_word(P, 0, c, d, WS_ROW) = row;
   *ws_word(P, 0, c, d, WS_OS) = at(RD_SCALES);
