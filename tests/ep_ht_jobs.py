@@ -144,24 +144,22 @@ def _expert_out(spec, recv_x):
     return recv_x
 
 
-def hold_pool(state, left_by_rank):
-    """Hold this rank's receive pool full but for ``left_by_rank[rank]`` bytes (a tensor of its
-    own; None: drop it). Returns the pool's bytes in use."""
+def hold_pool(state, hold_by_rank):
+    """Hold this rank's receive pool full (tensors of its own) where ``hold_by_rank[rank]``, else
+    drop what was held. Pieces of falling sizes until none fits: on CUDA torch's cached blocks in
+    the pool are taken too (it releases them before it reports the pool full). Returns the pool's
+    bytes in use."""
     buf = state["ep_buf"]
     state.pop("pool_hold", None)
     gc.collect()                # earlier rounds' receive tensors go back first
-    left = left_by_rank[buf.rank]
     held = state["pool_hold"] = []
-    size = buf._pool_mem.numel()
-    while left is not None and size - buf._pool.used_bytes() > left:   # largest pieces first
-        n = (size - buf._pool.used_bytes() - left) // 4096 * 4096
-        t = buf._pool.empty((n,), torch.uint8) if n else None
-        while t is None and n > 4096:
-            n //= 2
-            t = buf._pool.empty((n,), torch.uint8)
-        if t is None:
-            break
-        held.append(t)
+    if hold_by_rank[buf.rank]:
+        for n in (8 << 20, 1 << 20, 64 << 10, 4096, 512):
+            while True:
+                t = buf._pool.empty((n,), torch.uint8)
+                if t is None:
+                    break
+                held.append(t)
     return buf._pool.used_bytes()
 
 

@@ -473,7 +473,7 @@ def test_a_receive_pool_without_room_falls_back_to_the_ring(p2p2):
     into rank 0's pool; both exact (BF16 tagged, then FP8 with a cached dispatch). The tensor
     dropped, both go in place again."""
     r = p2p2
-    used = r.run("ep_ht_jobs:hold_pool", [None, 0])
+    used = r.run("ep_ht_jobs:hold_pool", [False, True])
     assert used[0] < RECV_POOL - (1 << 20) < used[1], used
     try:
         for spec in (_spec(2, seed=34, tagged=True, vary_tokens=True), _spec(2, seed=35, fp8=True, cached=True)):
@@ -481,7 +481,7 @@ def test_a_receive_pool_without_room_falls_back_to_the_ring(p2p2):
             _assert_round(outs, spec)
             assert [o["in_pool"] for o in outs] == [True, False], spec
     finally:
-        r.run("ep_ht_jobs:hold_pool", [None, None])
+        r.run("ep_ht_jobs:hold_pool", [False, False])
     spec = _spec(2, seed=36, tagged=True)
     outs = r.run("ep_ht_jobs:round_", spec)
     _assert_round(outs, spec)

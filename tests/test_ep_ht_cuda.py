@@ -71,7 +71,7 @@ def test_p2p_ranks_store_rows_into_the_receive_pool(cuda_platform):
         modes = (dict(tagged=True, vary_tokens=True), dict(fp8=True, cached=True, biases=2), dict(worst=9))
         for held in (False, True):
             if held:
-                r.run("ep_ht_jobs:hold_pool", [None, 0], timeout=120)
+                r.run("ep_ht_jobs:hold_pool", [False, True], timeout=120)
             for mode in modes:
                 spec = dict(SPEC, seed=7, num_experts=16, **mode)
                 outs = r.run("ep_ht_jobs:round_", spec, timeout=300)
@@ -79,7 +79,7 @@ def test_p2p_ranks_store_rows_into_the_receive_pool(cuda_platform):
                     assert o["raised"] is None and o["bad"] == [], (rank, o)
                     assert o["calc_diff"] < (5e-4 if mode.get("fp8") else 5e-6), (rank, o["calc_diff"])
                 assert [o["in_pool"] for o in outs] == [True, not held], (mode, held)
-        r.run("ep_ht_jobs:hold_pool", [None, None], timeout=120)
+        r.run("ep_ht_jobs:hold_pool", [False, False], timeout=120)
         r.run("ep_ht_jobs:close", timeout=120)
     finally:
         r.close()

@@ -898,8 +898,22 @@ class Buffer:
             got = self._pool.empty_many(shapes)
             if got is not None:
                 return tuple(got) + (dep.F_HT_DIRECT,)
+            self._pool_full(shapes)
         dev = self._device
         return tuple(torch.empty(sd[0], dtype=sd[1], device=dev) if sd else None for sd in shapes) + (0,)
+
+    def _pool_full(self, shapes):
+        """The receive pool had no room (not a graph capture): said once per Buffer, with the
+        sizes, since on CUDA torch first released its cached blocks (a device synchronisation)."""
+        if getattr(self, "_pool_warned", False) or (self._gpu and torch.cuda.is_current_stream_capturing()):
+            return
+        self._pool_warned = True
+        need = sum(int(np.prod(sd[0])) * sd[1].itemsize for sd in shapes if sd)
+        log.warning("gpunet.ep rank %d: the receive pool (recv_pool_bytes=%d, %d in use) had no room for "
+                    "a dispatch's receive tensors (%d bytes): the call used torch memory and the rings%s; "
+                    "pass a larger recv_pool_bytes (room for the receive tensors held at once)",
+                    self.rank, self.recv_pool_bytes, self._pool.used_bytes(), need,
+                    " after torch released its cached blocks (a device synchronisation)" if self._gpu else "")
 
     def _ht_handle(self, handle, what):
         if not isinstance(handle, tuple) or len(handle) != 7 or not isinstance(handle[6], dict):
