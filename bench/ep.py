@@ -518,7 +518,7 @@ def main(argv=None):
                          "(bench/ep_ht.py: 4096 tokens, a Config sweep, the gather yardstick)")
     ap.add_argument("--recv-pool-mib", type=int, default=-1,
                     help="ht: the Buffer's receive pool (recv_pool_bytes) in MiB: p2p peers store "
-                         "rows straight into the receive tensors; -1 (default): room for 4 calls' "
+                         "rows straight into the receive tensors; -1 (default): room for 10 calls' "
                          "receive tensors, 0: none (the rings)")
     ap.add_argument("--ht-configs",
                     help="ht: the Config sweep as num_sms:chunk:ring:warps,... (default: bench/ep_ht.py "

@@ -322,13 +322,15 @@ def _configs(args):
 
 
 def recv_pool_bytes(cfg, world):
-    """The Buffer's recv_pool_bytes: cfg["recv_pool_mib"] MiB, or (-1) room for 4 calls' BF16
-    receive tensors (rows, src_idx, top-k ids and weights) of world x tokens rows, + 32 MiB."""
+    """The Buffer's recv_pool_bytes: cfg["recv_pool_mib"] MiB, or (-1) room for 10 calls' BF16
+    receive tensors (rows, src_idx, top-k ids and weights) of world x tokens rows, + 64 MiB: the
+    sweep's calls of several sizes leave torch's cached blocks of each in the pool (with 4 calls'
+    room the pool ran out in the sweep's third Config, H100, twenty-eighth session)."""
     mib = cfg.get("recv_pool_mib", -1)
     if mib >= 0:
         return mib << 20
     row = 2 * cfg["hidden"] + 12 * cfg["topk"] + 4
-    return (4 * world * cfg["tokens"] * row + (32 << 20)) // (1 << 20) * (1 << 20)
+    return (10 * world * cfg["tokens"] * row + (64 << 20)) // (1 << 20) * (1 << 20)
 
 
 def run(args):
