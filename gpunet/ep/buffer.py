@@ -282,7 +282,7 @@ class Buffer:
         out of (docs/EP.md "The receive pool"). A call whose tensors do not fit (or one captured
         into a CUDA graph) takes ordinary memory and the ring. Receive tensors from the pool are
         valid until the Buffer is destroyed. Size: a dispatch's receive tensors, about
-        rows x (hidden x 2 + 8 K + 12) bytes for BF16, with room for those the caller still holds.
+        rows x (2 hidden + 12 K + 4) bytes for BF16, with room for those the caller still holds.
         """
         from gpunet.context import Context
 
@@ -305,7 +305,7 @@ class Buffer:
         self.num_qps_per_rank = num_qps_per_rank
         self.recv_pool_bytes = recv_pool_bytes
         ctx = Context(group=group, transport=transport,
-                      heap_bytes=self._heap_bytes(num_rdma_bytes, group, num_nvl_bytes + recv_pool_bytes),
+                      heap_bytes=self._heap_bytes(num_rdma_bytes, group, num_nvl_bytes) + lay.align(recv_pool_bytes, 4096),
                       timeout_s=float(timeout_s), warp_size=warp_size)
         self._ctx = ctx
         self.runtime = ctx
