@@ -113,6 +113,8 @@ class RecvPool:
         self._fin.atexit = False
         self._select = lib.gp_select
         self._alloc_in = lib.gp_alloc_in
+        # CUDA: set when the pool ran out of room (empty_many); empty then returns None at once
+        self.exhausted = False
         if self._cuda:
             self._np = None
             self._dev_index = region.device.index if region.device.index is not None \
@@ -151,7 +153,7 @@ class RecvPool:
         dtype)`` or None; returns the tensors (None where the spec is None), or None when one of
         them does not fit (those already made go back). On CUDA one pass through torch's pool
         context for them all (the HT dispatch makes five a call: its host time counts)."""
-        if self._id < 0:
+        if self._id < 0 or self.exhausted:
             return None
         if self._cuda:
             if torch.cuda.is_current_stream_capturing():
@@ -162,6 +164,10 @@ class RecvPool:
                     return [torch.empty(sd[0], dtype=sd[1], device=self._device) if sd else None
                             for sd in specs]
             except torch.OutOfMemoryError:
+                # each such try costs a device synchronisation (torch releases its other cached
+                # blocks before it gives up) and torch never gives this pool's cached blocks
+                # back while the pool lives: once out of room, it stays so
+                self.exhausted = True
                 return None
             finally:
                 self._select(-1)

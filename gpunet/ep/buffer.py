@@ -417,7 +417,7 @@ class Buffer:
         # peers store rows into (gpunet/ep/_pool.py; ht.cuh "the receive pool")
         self._pool_mem = ctx.alloc((self.recv_pool_bytes,), torch.uint8) if self.recv_pool_bytes else None
         self._pool = RecvPool(self._pool_mem) if self._pool_mem is not None else None
-        self._pool_off = False      # set when the pool ran out of room on CUDA (_pool_full)
+        self._pool_warned = False   # _pool_full said it once
         self._stats = {"dispatch": torch.zeros(r, r, dtype=torch.int64, device=self._device),
                        "combine": torch.zeros(r, r, dtype=torch.int64, device=self._device)}
         self._warned_masked = set()
@@ -895,7 +895,7 @@ class Buffer:
                   ((rows,), torch.int32),
                   ((rows, k), topk_idx_t) if k else None,
                   ((rows, k), torch.float32) if k else None]
-        if self._pool is not None and not self._pool_off:
+        if self._pool is not None:
             got = self._pool.empty_many(shapes)
             if got is not None:
                 return tuple(got) + (dep.F_HT_DIRECT,)
@@ -904,22 +904,19 @@ class Buffer:
         return tuple(torch.empty(sd[0], dtype=sd[1], device=dev) if sd else None for sd in shapes) + (0,)
 
     def _pool_full(self, shapes):
-        """The receive pool had no room (not a graph capture). On CUDA every such call costs a
-        device synchronisation (torch releases its cached blocks before it gives up) and torch
-        never releases the pool's own cached blocks while the pool lives, so a pool that ran out
-        once stays out of room: this Buffer stops using it (its dispatches then take torch
-        memory and the rings), and says so once, with the sizes. On the CPU the bytes come back
-        exactly when tensors die, so only the warning."""
-        if self._gpu and torch.cuda.is_current_stream_capturing():
+        """The receive pool had no room (not a graph capture): said once per Buffer, with the
+        sizes. On CUDA the pool then stays out of use (RecvPool.exhausted: torch keeps its cached
+        blocks in it, and each try synchronised the device)."""
+        if self._pool_warned or (self._gpu and torch.cuda.is_current_stream_capturing()):
             return
+        self._pool_warned = True
         need = sum(int(np.prod(sd[0])) * sd[1].itemsize for sd in shapes if sd)
         log.warning("gpunet.ep rank %d: the receive pool (recv_pool_bytes=%d, %d in use) had no room for "
                     "a dispatch's receive tensors (%d bytes): the call used torch memory and the rings%s; "
                     "pass a larger recv_pool_bytes (room for the receive tensors held at once)",
                     self.rank, self.recv_pool_bytes, self._pool.used_bytes(), need,
                     "; the pool is not used again by this Buffer (on CUDA torch keeps its cached blocks "
-                    "in it, each later try would synchronise the device)" if self._gpu else "")
-        self._pool_off = self._gpu
+                    "in it, each later try would synchronise the device)" if self._pool.exhausted else "")
 
     def _ht_handle(self, handle, what):
         if not isinstance(handle, tuple) or len(handle) != 7 or not isinstance(handle[6], dict):
