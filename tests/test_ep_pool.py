@@ -253,8 +253,9 @@ def _random_alloc(p, live, rows, cols, dtype, fill):
     before = p.used_bytes()
     t = p.empty((rows, cols), dtype)
     if t is None:
+        # refused: nothing taken (the request may fit the free total but no free run: first fit
+        # fragments, so "used + size > capacity" is not implied; CI found such a sequence)
         assert p.used_bytes() == before
-        assert before + _rounded(rows * cols * dtype.itemsize) > p.capacity_bytes()
         return
     assert t.shape == (rows, cols) and t.dtype == dtype
     _as_bytes(t).fill_(fill)
