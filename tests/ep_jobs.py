@@ -432,6 +432,7 @@ class Failures:
         """At the start of the round: the victim exits now (die at "dispatch"), or leaves the
         ranks victim_masks out of its last dispatch (its local mask: no rows, no header to them)
         and, for die = (victim, seconds), arms its exit."""
+        self.buf = buf
         if self.rank != self.victim:
             return
         if self.stage == "dispatch":
@@ -443,9 +444,21 @@ class Failures:
 
     def before(self, phase):
         """Before ``phase`` ("dispatch" | "combine"): the victim exits before combine (die at
-        "combine"); the slow rank sleeps before its slow phase."""
+        "combine") once its dispatch's sends completed; the slow rank sleeps before its slow
+        phase.
+
+        Why the quiet: a dispatch returns when this rank's rows ARRIVED, not when the rows it SENT
+        did; over ibgda and proxy the soft NIC that still has to move them is a thread of this
+        process. Exiting at once let a starved NIC thread die with a send undone (CI, 2026-12-06:
+        test_a_rank_late_from_waiting_out_a_dead_one_is_not_masked[ibgda], rank 1 never got rank
+        2's header and masked it in dispatch). "Dies before combine" means after its dispatch was
+        delivered; a death with sends in flight is what die_at (seconds) and the killed-rank
+        tests generate."""
         if self.rank == self.victim and self.stage == "combine" and phase == "combine":
-            os._exit(0)
+            try:
+                self.buf._ctx.quiet()
+            finally:
+                os._exit(0)
         if self.rank == self.slow_rank and self.slow_phase == phase:
             time.sleep(self.delay_s)
 
