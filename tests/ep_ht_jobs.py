@@ -219,6 +219,10 @@ def round_(state, spec):
         rx, rtk, rw, counts, handle, ev = buf.dispatch(_dev(_x(spec, mine), dev), **kw)
         # where the receive tensors came from (the receive pool: peers stored rows in place)
         out["in_pool"] = buf._pool is not None and buf._pool.contains(rx[0] if spec.get("fp8") else rx)
+        # the rows recv_x's allocation holds (more than its own when a guess made during the
+        # notify fitted: Buffer._ht_recv_guess)
+        t_ = rx[0] if spec.get("fp8") else rx
+        out["rows_held"] = t_.untyped_storage().nbytes() // max(1, t_.shape[1] * t_.element_size())
         if spec.get("async_finish"):
             if ev.event is None:
                 bad.append("async_finish=True returned no event")

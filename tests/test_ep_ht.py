@@ -488,6 +488,34 @@ def test_a_receive_pool_without_room_falls_back_to_the_ring(p2p2):
     assert [o["in_pool"] for o in outs] == [True, True]
 
 
+def test_receive_tensors_allocated_during_the_notify_are_used_when_the_rows_fit(p2p2):
+    """Dispatches of one kind (BF16, hidden, top-k) back to back with 24, 24, 40, 8 and 8 tokens a
+    rank. From the second on, each call allocated its
+    receive tensors while its notify ran, for 1/8 more rows than the last call of that kind got
+    (Buffer._ht_recv_guess). Invariant: every round exact (the views of a larger allocation
+    included); a call takes views of that allocation iff its rows fit it and fill at least half
+    of it, else an allocation of its own rows (rows_held == rows), in the pool either way."""
+    r = p2p2
+    specs = [_spec(2, seed=40 + i, tokens=t, tagged=True) for i, t in enumerate((24, 24, 40, 8, 8))]
+    outs = [r.run("ep_ht_jobs:round_", spec) for spec in specs]
+    for spec, out in zip(specs, outs):
+        _assert_round(out, spec)
+    used_guess = 0
+    for rank in range(2):
+        rows = [o[rank]["n_recv"] for o in outs]
+        held = [o[rank]["rows_held"] for o in outs]
+        assert held[0] >= rows[0], (rank, rows, held)   # the module's earlier rounds may leave a guess
+        for i in range(1, len(rows)):
+            guess = rows[i - 1] + -(-rows[i - 1] // 8)
+            fits = guess // 2 <= rows[i] <= guess
+            assert held[i] == (guess if fits else rows[i]), (rank, i, rows, held)
+            used_guess += fits
+        assert all(o[rank]["in_pool"] for o in outs)
+    # the sequence has both kinds of call on each rank: a guess used (24 after 24, 8 after 8),
+    # a guess too small (40 after 24) and one far too large (8 after 40)
+    assert used_guess >= 4, [[o[k]["n_recv"] for o in outs] for k in range(2)]
+
+
 def test_a_too_small_buffer_is_refused_on_every_rank(mixed4):
     """A Config whose rings do not fit the HT buffer is refused on every rank, before anything is
     sent, with a ConfigError naming the size hint."""

@@ -418,6 +418,8 @@ class Buffer:
         self._pool_mem = ctx.alloc((self.recv_pool_bytes,), torch.uint8) if self.recv_pool_bytes else None
         self._pool = RecvPool(self._pool_mem) if self._pool_mem is not None else None
         self._pool_warned = False   # _pool_full said it once
+        # (fp8, hidden, topk) -> the rows of the last HT dispatch of that kind (_ht_recv_guess)
+        self._ht_rows_seen = {}
         self._stats = {"dispatch": torch.zeros(r, r, dtype=torch.int64, device=self._device),
                        "combine": torch.zeros(r, r, dtype=torch.int64, device=self._device)}
         self._warned_masked = set()
@@ -727,7 +729,9 @@ class Buffer:
         recv_topk_idx int64 [N, K] with LOCAL expert ids (global - rank * E/R) and -1 for experts
         elsewhere; recv_topk_weights float32 [N, K] (0 where -1); the per-local-expert counts as a
         python list (aligned); handle (opaque: pass it to combine or a cached dispatch). With a
-        handle: ``(recv_x, None, None, None, None, event)``."""
+        handle: ``(recv_x, None, None, None, None, event)``. Without num_worst_tokens or a handle
+        the receive tensors may be views of the first N rows of an allocation for up to 1/8 more
+        (made while the notify ran, sized from the last such call: _ht_recv_guess)."""
         self._alive()
         what = "dispatch"
         r = self.group_size
@@ -832,11 +836,18 @@ class Buffer:
         worst = num_worst_tokens > 0
         if worst:
             rows = num_worst_tokens
+            recv = self._ht_recv_tensors(fp8, rows, hidden, k)
         else:
-            host = self._ht_notify(P, info, block, r + 1 + e_loc, what)
+            key = (fp8, hidden, k)
+            host, early = self._ht_notify(P, info, block, r + 1 + e_loc, what,
+                                          meanwhile=lambda: self._ht_recv_guess(key))
             self._check(what, "dispatch", mirrored=True)  # the notify is done: its failures are seen
             rows = int(host[r])
-        recv_x, recv_s, src, recv_topk, recv_w, direct = self._ht_recv_tensors(fp8, rows, hidden, k)
+            self._ht_rows_seen[key] = rows
+            recv, early = self._ht_recv_fit(early, rows), None   # a guess that does not fit is freed first
+            if recv is None:
+                recv = self._ht_recv_tensors(fp8, rows, hidden, k)
+        recv_x, recv_s, src, recv_topk, recv_w, direct = recv
         if k and self.enable_shrink:
             # a masked rank's rows (never written) read as "no expert"; else every row's K slots
             # are written by the kernel (a failed rank raises: no output), with num_worst_tokens
@@ -859,13 +870,15 @@ class Buffer:
         out_x = (recv_x, recv_s) if fp8 else recv_x
         return out_x, recv_topk, recv_w, counts, handle, self._event(async_finish, keep)
 
-    def _ht_notify(self, P, info, block, n, what):
-        """Launch the dispatch's notify and return recv_info's n int32 words on the host (the
-        one host wait of a dispatch: recv_x's rows). The kernel mirrors them into a mapped-host
-        mailbox and sets its flag last; in worlds whose other ranks are all p2p the host polls
-        that flag (no stream synchronisation: with it and the fills this dispatch no longer makes,
-        the H200's notify-to-data gap went from 66 to 32 us, bench/RESULTS.md), else, or when the
-        polls run out, it copies info with a synchronisation."""
+    def _ht_notify(self, P, info, block, n, what, meanwhile=None):
+        """Launch the dispatch's notify and return ``(recv_info's n int32 words on the host,
+        meanwhile())``: the one host wait of a dispatch (recv_x's rows), with ``meanwhile`` run
+        between the launch and the wait (host work the notify's GPU time hides). The kernel
+        mirrors the words into a mapped-host mailbox and sets its flag last; in worlds whose
+        other ranks are all p2p the host polls that flag (no stream synchronisation: with it and
+        the fills this dispatch no longer makes, the H200's notify-to-data gap went from 66 to 32
+        us, bench/RESULTS.md), else, or when the polls run out, it copies info with a
+        synchronisation."""
         mail = self._ht_mail
         if mail is None or mail[1].size < 1 + n:
             if mail is not None:
@@ -877,13 +890,41 @@ class Buffer:
         flag[0] = 0
         P.host_info = mem.ptr
         self._ht_launch(P, 1, block, what + " (notify)")
+        extra = meanwhile() if meanwhile is not None else None
         if not self._gpu:
-            return arr[1:1 + n].copy()        # the HOST arm's launch has finished
+            return arr[1:1 + n].copy(), extra   # the HOST arm's launch has finished
         if self._ll_world_flags() & dep.F_ALL_MAPPED:
             for _ in range(HT_NOTIFY_POLLS):
                 if flag[0]:
-                    return arr[1:1 + n].copy()
-        return to_host(info).numpy()
+                    return arr[1:1 + n].copy(), extra
+        return to_host(info).numpy(), extra
+
+    def _ht_recv_guess(self, key):
+        """Receive tensors allocated while the notify runs, before the rows are known:
+        ``(rows they hold, _ht_recv_tensors' tuple)`` sized 1/8 above the rows of the last
+        dispatch of this kind (``key`` = (fp8, hidden, topk)), or None for the first one.
+
+        Why: allocating them after the notify put ~18 us of host time (five torch allocations,
+        through the pool's MemPool context ~5 us more) between the notify and the data kernel,
+        where the GPU waits (docs/EP.md "Where the high-throughput time goes"). A call whose
+        rows fit takes views of their first rows (_ht_recv_fit): the views keep the whole
+        allocation, up to 1/8 more bytes than the rows need, or twice as many after a call with
+        far more rows."""
+        seen = self._ht_rows_seen.get(key)
+        if not seen:
+            return None
+        fp8, hidden, k = key
+        rows = seen + -(-seen // 8)
+        return rows, self._ht_recv_tensors(fp8, rows, hidden, k)
+
+    @staticmethod
+    def _ht_recv_fit(early, rows):
+        """``early`` (_ht_recv_guess) narrowed to ``rows`` rows when they fit and use at least half
+        of it (no more than twice the bytes held), else None (the caller allocates them now)."""
+        if early is None or not early[0] // 2 <= rows <= early[0]:
+            return None
+        tensors = early[1]
+        return tuple(t if t is None else t[:rows] for t in tensors[:5]) + (tensors[5],)
 
     def _ht_recv_tensors(self, fp8, rows, hidden, k):
         """A dispatch's receive tensors ``(recv_x [rows, H] bf16 | fp8, scales float32
