@@ -1,6 +1,9 @@
-"""A pool of rank processes for multi-process tests: spawned once, fed jobs, torn down at the end.
+"""A pool of rank processes for multi-process tests: started once, fed jobs, torn down at the end.
 
-Each rank is a ``spawn``-ed process (numba threads and fork do not mix) that joins a gloo group on
+Each rank is a process forked by a ``forkserver`` that imported torch once (numba threads and fork
+do not mix, so never a fork of the test process; a ``spawn``-ed rank imported torch itself, seconds
+a rank on the 2-core CI machine, for every world of every test). It takes the test process's
+environment and working directory as they are when the pool starts, joins a gloo group on
 127.0.0.1, then runs jobs the test sends: a job is the name of a function in ``tests/mp_jobs.py``
 (or ``"module:function"`` for a function of another module in tests/, e.g. ``"ep_jobs:init"``)
 plus arguments, run on every rank at once; each rank answers ("ok", result) or ("err", repr).
@@ -13,10 +16,28 @@ import traceback
 from gpunet.host.bootstrap import free_port
 
 JOB_TIMEOUT_S = 120
+# What the forkserver imports before it forks ranks: torch's and numba's imports were most of a
+# rank's start (3 ranks: ~4-7 s a world spawned, ~0.25 s forked, this 2-core machine). numba starts
+# no thread at import; numpy's BLAS pool has its fork handlers (as torch's DataLoader relies on).
+_PRELOAD = ["numpy", "torch", "torch.distributed", "numba"]
+_ctx = None
 
 
-def _worker(rank, world, port, inbox, outbox, env):
+def _context():
+    """The process's forkserver context, its preload set before the server starts (once)."""
+    global _ctx
+    if _ctx is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _ctx = ctx
+    return _ctx
+
+
+def _worker(rank, world, port, inbox, outbox, env, cwd):
+    # the server's environment is the test process's when the server started: take today's
+    os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)
     try:
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
@@ -40,24 +61,31 @@ def _worker(rank, world, port, inbox, outbox, env):
         outbox.put(("err", "rank %d died: %r\n%s" % (rank, e, traceback.format_exc())))
 
 
+def start_rank(rank, world, port, env=None):
+    """Start rank ``rank`` of a ``world``-rank gloo group on ``port`` (this process's environment
+    plus ``env``): returns (process, inbox, outbox)."""
+    ctx = _context()
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+        os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, **(env or {}))                     # its ranks import mp_jobs
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_worker, args=(rank, world, port, inbox, outbox, env, os.getcwd()),
+                       daemon=True)
+    proc.start()
+    return proc, inbox, outbox
+
+
 class Ranks:
     """``world`` rank processes. ``run(name, *args)`` -> list of per-rank results (raises on error)."""
 
     def __init__(self, world, env=None):
-        ctx = mp.get_context("spawn")
         port = free_port()
         self.world = world
-        self.inboxes = [ctx.Queue() for _ in range(world)]
-        self.outboxes = [ctx.Queue() for _ in range(world)]
-        here = os.path.dirname(os.path.abspath(__file__))
-        env = dict(env or {})
-        env["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
-        os.environ["PYTHONPATH"] = env["PYTHONPATH"]          # spawn children import mp_jobs
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r],
-                                                        self.outboxes[r], env), daemon=True)
-                      for r in range(world)]
-        for p in self.procs:
-            p.start()
+        started = [start_rank(r, world, port, env) for r in range(world)]
+        self.procs = [s[0] for s in started]
+        self.inboxes = [s[1] for s in started]
+        self.outboxes = [s[2] for s in started]
 
     @classmethod
     def start(cls, world, init_job, *args, env=None, timeout=JOB_TIMEOUT_S):

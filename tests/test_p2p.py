@@ -317,22 +317,14 @@ def replace_rank(r, rank, env=None):
     """Start a new process for ``rank`` of ``r`` (its old one is gone) in a NEW torch.distributed
     group on a new port, and move ``r``'s other ranks there (p2p_jobs.rejoin); ``r`` then runs
     jobs on the new world. Returns the new process."""
-    import multiprocessing as mp
-    import os
-
     from gpunet.host.bootstrap import free_port
-    from mp_ranks import _worker
+    from mp_ranks import start_rank
 
     port = free_port()
-    sp = mp.get_context("spawn")
-    inbox, outbox = sp.Queue(), sp.Queue()
-    e = dict(env or {})
-    e["PYTHONPATH"] = os.environ.get("PYTHONPATH", "")
     for i, q in enumerate(r.inboxes):
         if i != rank:
             q.put(("p2p_jobs:rejoin", (port, r.world, i)))
-    proc = sp.Process(target=_worker, args=(rank, r.world, port, inbox, outbox, e), daemon=True)
-    proc.start()
+    proc, inbox, outbox = start_rank(rank, r.world, port, env)
     for i, q in enumerate(r.outboxes):
         if i != rank:
             status, res = q.get(timeout=120)
