@@ -456,7 +456,7 @@ class Failures:
         tests generate."""
         if self.rank == self.victim and self.stage == "combine" and phase == "combine":
             try:
-                self.buf._ctx.quiet()
+                self.buf.runtime.quiet()
             finally:
                 os._exit(0)
         if self.rank == self.slow_rank and self.slow_phase == phase:

@@ -3,7 +3,7 @@
 Each rank is a process forked by a ``forkserver`` that imported torch once (numba threads and fork
 do not mix, so never a fork of the test process; a ``spawn``-ed rank imported torch itself, seconds
 a rank on the 2-core CI machine, for every world of every test). It takes the test process's
-environment and working directory as they are when the pool starts, joins a gloo group on
+environment and working directory as they are when the rank starts, joins a gloo group on
 127.0.0.1, then runs jobs the test sends: a job is the name of a function in ``tests/mp_jobs.py``
 (or ``"module:function"`` for a function of another module in tests/, e.g. ``"ep_jobs:init"``)
 plus arguments, run on every rank at once; each rank answers ("ok", result) or ("err", repr).
@@ -17,8 +17,9 @@ from gpunet.host.bootstrap import free_port
 
 JOB_TIMEOUT_S = 120
 # What the forkserver imports before it forks ranks: torch's and numba's imports were most of a
-# rank's start (3 ranks: ~4-7 s a world spawned, ~0.25 s forked, this 2-core machine). numba starts
-# no thread at import; numpy's BLAS pool has its fork handlers (as torch's DataLoader relies on).
+# rank's start (a 3-rank world and one job on this idle 2-core machine: 3.5-3.9 s spawned, 0.15-0.17
+# s forked, 1.9 s for the first, which starts the server). numba starts no thread at import; numpy's
+# BLAS pool has its fork handlers (as torch's DataLoader relies on).
 _PRELOAD = ["numpy", "torch", "torch.distributed", "numba"]
 _ctx = None
 
@@ -34,7 +35,8 @@ def _context():
 
 
 def _worker(rank, world, port, inbox, outbox, env, cwd):
-    # the server's environment is the test process's when the server started: take today's
+    # the server's environment is the test process's when the server started: take the one
+    # start_rank passed (the test process's now)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -68,7 +70,7 @@ def start_rank(rank, world, port, env=None):
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         os.environ["PYTHONPATH"] = here + os.pathsep + os.environ.get("PYTHONPATH", "")
-    env = dict(os.environ, **(env or {}))                     # its ranks import mp_jobs
+    env = dict(os.environ, **(env or {}))   # PYTHONPATH: processes a rank starts import from tests/
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_worker, args=(rank, world, port, inbox, outbox, env, os.getcwd()),
                        daemon=True)

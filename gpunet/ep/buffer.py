@@ -844,7 +844,8 @@ class Buffer:
             self._check(what, "dispatch", mirrored=True)  # the notify is done: its failures are seen
             rows = int(host[r])
             self._ht_rows_seen[key] = rows
-            recv, early = self._ht_recv_fit(early, rows), None   # a guess that does not fit is freed first
+            recv = self._ht_recv_fit(early, rows)
+            early = None                # a guess that does not fit is freed before the exact tensors
             if recv is None:
                 recv = self._ht_recv_tensors(fp8, rows, hidden, k)
         recv_x, recv_s, src, recv_topk, recv_w, direct = recv
@@ -901,8 +902,8 @@ class Buffer:
 
     def _ht_recv_guess(self, key):
         """Receive tensors allocated while the notify runs, before the rows are known:
-        ``(rows they hold, _ht_recv_tensors' tuple)`` sized 1/8 above the rows of the last
-        dispatch of this kind (``key`` = (fp8, hidden, topk)), or None for the first one.
+        _ht_recv_tensors' tuple for 1/8 more rows than the last dispatch of this kind (``key`` =
+        (fp8, hidden, topk)) received, or None for the first one.
 
         Why: allocating them after the notify put ~18 us of host time (five torch allocations,
         through the pool's MemPool context ~5 us more) between the notify and the data kernel,
@@ -914,17 +915,15 @@ class Buffer:
         if not seen:
             return None
         fp8, hidden, k = key
-        rows = seen + -(-seen // 8)
-        return rows, self._ht_recv_tensors(fp8, rows, hidden, k)
+        return self._ht_recv_tensors(fp8, seen + -(-seen // 8), hidden, k)
 
     @staticmethod
     def _ht_recv_fit(early, rows):
         """``early`` (_ht_recv_guess) narrowed to ``rows`` rows when they fit and use at least half
         of it (no more than twice the bytes held), else None (the caller allocates them now)."""
-        if early is None or not early[0] // 2 <= rows <= early[0]:
+        if early is None or not early[0].shape[0] // 2 <= rows <= early[0].shape[0]:
             return None
-        tensors = early[1]
-        return tuple(t if t is None else t[:rows] for t in tensors[:5]) + (tensors[5],)
+        return tuple(t if t is None else t[:rows] for t in early[:5]) + (early[5],)
 
     def _ht_recv_tensors(self, fp8, rows, hidden, k):
         """A dispatch's receive tensors ``(recv_x [rows, H] bf16 | fp8, scales float32
