@@ -254,6 +254,83 @@ def test_collapsed_cq_credits_the_newest_cqe_exactly(sched_lib, case):
     assert st.code == 0
 
 
+# ------------------------------------------------------------------------------------------------
+# The late leave (qp.cuh "The late leave"): the turn's owner rang up to r and added to db_head, then
+# stalled before its leave-CAS while r's publisher took the fast path and the ring went round, so
+# the slot of r holds a later lap's value. White box: a hand-made QP state (no NIC: the DBR and the
+# doorbell are plain words), one qpd::own_and_ring(rung = r, r, hint) by one thread.
+KLEFT = 1 << 63
+
+
+def _late_leave_qp(depth, heads, slots):
+    """A QpDesc with its ring bookkeeping in numpy arrays: ``heads`` (resv, ready, db, done),
+    ``slots`` {position: slot_ready value}. Returns (qp, slot_ready, dbrec, doorbell)."""
+    qp = abi.alloc_struct(abi.QpDesc)
+    sq = np.zeros(depth * 64, dtype=np.uint8)
+    slot_db = np.ones(depth, dtype=np.uint64)          # a doorbell word is never 0
+    slot_nbb = np.ones(depth, dtype=np.uint32)
+    slot_ready = np.zeros(depth, dtype=np.uint64)
+    dbrec = np.zeros(2, dtype=np.uint32)
+    doorbell = np.zeros(1, dtype=np.uint64)
+    for pos, v in slots.items():
+        slot_ready[pos % depth] = v
+    qp.sq, qp.dbrec, qp.db = sq.ctypes.data, dbrec.ctypes.data, doorbell.ctypes.data
+    qp.slot_db, qp.slot_nbb, qp.slot_ready = slot_db.ctypes.data, slot_nbb.ctypes.data, slot_ready.ctypes.data
+    qp.sq_wqebbs, qp.qpn, qp.post_mode = depth, 7, abi.POST_BATCHED
+    qp.resv_head, qp.ready_head, qp.db_head, qp.done_head = heads
+    qp._keep = (sq, slot_db, slot_nbb)
+    return qp, slot_ready, dbrec, doorbell
+
+
+# (slot value of r, heads, expected slot value of r and heads after the late owner's leave);
+# depth 16, D = every head, r = D - 19 (the ring went round since r was rung), hint = an older lap's.
+_D, _R = 1000, 981
+LATE_LEAVE_CASES = {
+    # a later lap's reservation at r + 16 tagged (and was rung since): not ours to ring again
+    "later_tag": (_R + 16 + 2, (_D,) * 4, _R + 16 + 2, (_D,) * 4),
+    # the owner at r + 16 left there (its publisher tags against the marker): not ours to overwrite
+    "later_marker": ((_R + 16) | KLEFT, (_D,) * 4, (_R + 16) | KLEFT, (_D,) * 4),
+    # an older lap's value, different from the hint: the CAS retries and leaves a marker nobody
+    # reads (an older position's)
+    "earlier_lap": (_R - 16 + 3, (_D,) * 4, _R | KLEFT, (_D,) * 4),
+    # control, not late: r's publisher tagged [r, r + 2): the owner rings it and leaves at r + 2
+    "own_lap_tag": (_R + 2, (_R + 2, _R, _R, _R - 5), _R + 2, (_R + 2, _R + 2, _R + 2, _R - 5)),
+}
+
+
+@pytest.mark.parametrize("case", list(LATE_LEAVE_CASES))
+def test_a_late_leave_leaves_a_later_lap_alone(sched_lib, case):
+    """A late owner's leave-CAS that finds a later lap's tag or marker returns: heads, DBR,
+    doorbell and the slot unchanged (it rang a lap twice before: db_head 19 past resv_head in the
+    CI run of stop 40). An older lap's value is CASed over; a tag of r's own lap is still taken
+    over and rung (control)."""
+    slot, heads, want_slot, want_heads = LATE_LEAVE_CASES[case]
+    qp, slot_ready, dbrec, doorbell = _late_leave_qp(16, heads, {_R: slot})
+    hint = _R - 16 + 1                                # an older lap's tag, read long ago
+    assert sched_lib.gpunet_own_once(ctypes.addressof(qp), _R, _R, hint) == 0
+    got = (int(qp.resv_head), int(qp.ready_head), int(qp.db_head), int(qp.done_head))
+    assert (int(slot_ready[_R % 16]), got) == (want_slot, want_heads)
+    if case == "own_lap_tag":
+        assert int(slot_ready[(_R + 2) % 16]) == (_R + 2) | KLEFT
+        assert int(dbrec[1]) != 0                     # the send DBR (mlx5 DBREC_SND) rung
+    else:
+        assert not dbrec.any() and not doorbell.any(), "a late owner rang"
+
+
+def test_the_late_leave_test_sees_the_bug():
+    """The same cases on a build without the lap check (GPUNET_TEST_NO_LAP_CHECK): the later tag
+    is rung again (db_head past resv_head), the later marker overwritten."""
+    broken = schedule.load(defines={"GPUNET_TEST_NO_LAP_CHECK": None})
+    slot, heads, _, _ = LATE_LEAVE_CASES["later_tag"]
+    qp, slot_ready, dbrec, _ = _late_leave_qp(16, heads, {_R: slot})
+    assert broken.gpunet_own_once(ctypes.addressof(qp), _R, _R, _R - 15) == 0
+    assert int(qp.db_head) == _D + 18 > int(qp.resv_head) and dbrec.any()
+    slot, heads, _, _ = LATE_LEAVE_CASES["later_marker"]
+    qp, slot_ready, _, _ = _late_leave_qp(16, heads, {_R: slot})
+    assert broken.gpunet_own_once(ctypes.addressof(qp), _R, _R, _R - 15) == 0
+    assert int(slot_ready[_R % 16]) == _R | KLEFT
+
+
 @pytest.mark.parametrize("post_mode", POST_MODES)
 @pytest.mark.parametrize("weak", [False, True], ids=["strong", "weak"])
 def test_collapsed_cq_many_threads_past_65536(nic, lib, weak, post_mode):
@@ -439,6 +516,9 @@ def _weak_trial(nic, vlib, seed, collapsed, post_mode, T=8, N=16, S=64):
         return type(e).__name__
     if not (lb.remote[dst:dst + T * N * S] == lb.local[src:src + T * N * S]).all():
         return "wrong data"
+    resv, ready, db, done = lb.heads()
+    if not resv == ready == db == done:
+        return "heads differ"
     return "ok"
 
 

@@ -39,6 +39,7 @@ def load(arch="host", defines=None):
     lib.gpunet_schedule_launch.argtypes = [u32, u32, u32, u32, u64, u32, u32, vp, vp]
     lib.gpunet_schedule_launch.restype = ctypes.c_int
     lib.gpunet_poll_cq_once.argtypes, lib.gpunet_poll_cq_once.restype = [vp, vp], ctypes.c_int
+    lib.gpunet_own_once.argtypes, lib.gpunet_own_once.restype = [vp, u64, u64, u64], ctypes.c_int
     got = lib.gpunet_schedule_params_size()
     if got != SIZES["SchedParams"]:
         raise ToolchainError("schedule.cu was built with sizeof(SchedParams) = %d, "

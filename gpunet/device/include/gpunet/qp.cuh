@@ -46,9 +46,20 @@
 //   fast-path owner's fence_sys (before its DBR) comes after the last DBR; a marker's reader
 //   likewise (fence_sys, the leave-CAS, the publisher's CAS reading it, its fence_sys).
 //   Why a tag is exact: for a position r, a value written in an earlier lap is a tag <= r or a
-//   marker of another position; a reservation of the current lap starting at r writes r + n > r;
-//   no later lap can start at r + sq_wqebbs before r completes, i.e. before r is rung. So "ready
-//   at r" is exactly a tag > r without kLeft. The tag follows a release fence: an owner that reads
+//   marker of a position below r; a reservation of the current lap starting at r writes r + n
+//   (r < r + n <= r + sq_wqebbs); no later lap can start at r + sq_wqebbs before r completes,
+//   i.e. before r is rung. So while r is not rung, "ready at r" is exactly a tag in
+//   (r, r + sq_wqebbs] without kLeft.
+//   The late leave: an owner's db_head add hands the fast path to r's publisher before the
+//   owner's leave-CAS at r; if the owner stalls there (a descheduled warp), r's publisher can
+//   ring r, the ring can go round, and the slot can hold a later lap's tag (> r + sq_wqebbs)
+//   or marker (of a position > r) when the CAS finally runs. Taking that tag rang a lap twice
+//   (db_head 19 past resv_head on a 16-deep ring: the CI run of stop 40, b3684ea); overwriting a
+//   later marker would strand its publisher. So a failed leave-CAS that finds a later lap's value
+//   just returns (qpd::passed): the turn went on, nothing is the late owner's any more. A leave-CAS
+//   that succeeds late over an earlier lap's value leaves a marker nobody reads (harmless: an
+//   older position's marker). Test: test_device_qp.py test_a_late_leave_*.
+//   The tag follows a release fence: an owner that reads
 //   it (scan load or CAS) and fences (fence_sys before the DBR) has the WQEs, slot_nbb and slot_db
 //   it covers. The doorbell word is a wake-up: the NIC reads the producer index from the DBR,
 //   which only owners write, after a fence_sys, in increasing order; two owners' doorbell stores
@@ -103,6 +114,8 @@
 //   GPUNET_TEST_RELAXED_PUBLISH       no release fence before a publisher's tag (slot_ready)
 //   GPUNET_TEST_PLAIN_HANDOFF         an owner leaves the turn with a plain store of the marker,
 //                                     not the CAS (a tag stored meanwhile is never rung)
+//   GPUNET_TEST_NO_LAP_CHECK          a failed leave-CAS takes a later lap's tag as its own and
+//                                     overwrites a later marker (the bug "The late leave" tells)
 //   GPUNET_TEST_DELAY_POINTS          status.cuh's GPUNET_DELAY_POINT(): a stall where real
 //                                     hardware may stall a thread (widens the weak model's windows)
 //
@@ -408,8 +421,14 @@ namespace qpd {
 // bit 63: counters stay below 2^63).
 constexpr uint64_t kLeft = uint64_t(1) << 63;
 
-// "The reservation starting at r is written and handed over": tags[r & mask] read as t.
+// "The reservation starting at r is written and handed over": tags[r & mask] read as t while r
+// is not rung (header: "Why a tag is exact").
 GPUNET_DEVICE bool tagged(uint64_t t, uint64_t r) { return (t & kLeft) == 0 && t > r; }
+// "tags[r & mask] holds a value of a later lap than r's": a tag ending past r + sq_wqebbs or a
+// marker of a position past r. Only after the turn moved past r (header: "The late leave").
+GPUNET_DEVICE bool passed(uint64_t t, uint64_t r, uint32_t nbbs) {
+  return (t & kLeft) ? (t & ~kLeft) > r : t > r + nbbs;
+}
 
 // Owner only: ready_head = r, then ONE ring for everything below r. `word`: the doorbell word of
 // the WQE ending at r when the caller has it, else 0 (read from slot_db; a doorbell word is never
@@ -479,6 +498,11 @@ GPUNET_DEVICE void own_and_ring(const QpRef& c, uint64_t rung, uint64_t r, uint6
     const uint64_t old = arch::atomic_cas(&tags[r & mask], t, r | kLeft);
     GPUNET_POST_STAMP(5);
     if (old == t) return;  // left: the publisher at r finds the marker and takes the turn
+#if !defined(GPUNET_TEST_NO_LAP_CHECK)
+    // The turn went on without us (header: "The late leave"): what we found belongs to a later
+    // lap, and neither taking it as a tag nor overwriting it is ours to do.
+    if (passed(old, r, nbbs)) return;
+#endif
     t = old;               // tagged meanwhile (ring on), or t was stale (CAS again)
 #endif
   }

@@ -179,6 +179,13 @@ GPUNET_GLOBAL void k_poll_once(gpunet::QpDesc* qp, gpunet::Status* st) {
   gpunet::poll_cq(qp, gpunet::Waiter{st, 1000000000ull});
 }
 
+// ---- one late leave ----------------------------------------------------------------------------
+// The doorbell turn's owner at r, with everything below `rung` rung, by one thread, its tag hint
+// `t` (tests/test_device_qp.py's late-leave cases: qp.cuh "The late leave").
+GPUNET_GLOBAL void k_own_once(gpunet::QpDesc* qp, uint64_t rung, uint64_t r, uint64_t t) {
+  gpunet::qpd::own_and_ring(gpunet::qp_ref(qp), rung, r, 0, t);
+}
+
 }  // namespace
 
 extern "C" {
@@ -200,6 +207,11 @@ int gpunet_schedule_launch(uint32_t grid, uint32_t block, uint32_t ws, uint32_t 
 // One poll of qp's CQ by one thread. Returns 0 or a launch error.
 int gpunet_poll_cq_once(gpunet::QpDesc* qp, gpunet::Status* st) {
   return gpunet::launch_kernel(gpunet::LaunchSpec{}, k_poll_once, qp, st);
+}
+
+// qpd::own_and_ring(qp, rung, r, word 0, hint t) by one thread. Returns 0 or a launch error.
+int gpunet_own_once(gpunet::QpDesc* qp, uint64_t rung, uint64_t r, uint64_t t) {
+  return gpunet::launch_kernel(gpunet::LaunchSpec{}, k_own_once, qp, rung, r, t);
 }
 
 }  // extern "C"
