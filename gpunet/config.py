@@ -75,6 +75,8 @@ KNOBS = (
          "tests: the doorbell fence removed (the weak-memory tests must catch it)"),
     Knob("GPUNET_TEST_PLAIN_HANDOFF", "define", "flag", None, (),
          "tests: the doorbell turn left with a plain store, not the CAS (must be caught)"),
+    Knob("GPUNET_TEST_NO_LAP_CHECK", "define", "flag", None, (),
+         "tests: a late owner's leave takes a later lap's tag or marker (qp.cuh \"The late leave\"; must be caught)"),
     Knob("GPUNET_POST_STAMP", "define", "str", None, (),
          "qp.cuh's phase-stamp hook (k): nothing unless an includer defines it (post_rate.cu)"),
     Knob("GPUNET_BENCH_PHASES", "define", "flag", None, (),

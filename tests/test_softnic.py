@@ -270,6 +270,33 @@ def test_malformed_wqe_errors_and_engine_keeps_serving_other_qps(nics, case):
     assert p.guards_intact()
 
 
+@pytest.mark.parametrize("case", ["back", "lap_ahead"])
+def test_a_dbr_that_goes_back_or_laps_errors_the_qp_and_runs_nothing(nics, case):
+    """The producer index in the DBR is 1 behind the consumer index ("back", the doorbell turn's
+    lap bug, qp.cuh "The late leave") or 2 WQEBBs past a full ring ("lap_ahead"): the QP goes to
+    ERR with one LOCAL_QP_OP_ERR CQE at the consumer index, no stale WQE of the ring runs again,
+    and the other QPs keep being served."""
+    a, b = nics
+    p, other = Pair(a, b, sq_wqebbs=8), Pair(a, b)
+    p.lbuf[MR_OFF:MR_OFF + 8] = 7
+    for _ in range(5):
+        p.sq.post_write(p.l(), p.lmr.lkey, p.r(), p.rmr.rkey, 8, signaled=True)
+    _ok(p.cq.wait(5))
+    p.rbuf[MR_OFF:MR_OFF + 8] = 0                        # a stale WQE run again would write 7s
+    bad = p.sq.pi - 1 if case == "back" else p.sq.pi + 8 + 2
+    q = p.aqp
+    # the doorbell word of an earlier WQE: a changed word makes the NIC read the DBR
+    wq.ring_doorbell(q.sq_addr, p.sq.n, q.dbrec_addr, q.db_addr, bad, p.sq.pi - 2)
+    c = p.cq.wait(1)[0]
+    assert (c.opcode, c.syndrome, c.wqe_counter) == (mlx5.CQE_REQ_ERR, mlx5.SYNDROME_LOCAL_QP_OP_ERR,
+                                                     p.sq.pi & 0xFFFF)
+    assert a.qp_state(p.aqp) == "ERR"
+    assert not p.rbuf[MR_OFF:MR_OFF + 8].any() and p.guards_intact()
+    other.lbuf[MR_OFF:MR_OFF + 8] = 4
+    other.sq.post_write(other.l(), other.lmr.lkey, other.r(), other.rmr.rkey, 8, signaled=True)
+    _ok(other.cq.wait(1))
+
+
 # --- rings, counters, CQ modes ----------------------------------------------------------------------
 def test_depth_8_ring_wraps_with_inline_wqes_spanning_the_end(nics):
     p = Pair(*nics, sq_wqebbs=8)

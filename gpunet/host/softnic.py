@@ -32,6 +32,10 @@ Semantics chosen where the issue leaves a choice (docs/INTERFACES.md repeats the
 - A data segment's byte_count of 0 moves 0 bytes (real mlx5 reads it as 2 GiB).
 - A WQE whose ds runs past the posted DBR fails with SYNDROME_LOCAL_QP_OP_ERR and swallows every
   WQEBB up to the DBR (no way to find the next WQE boundary inside it).
+- A DBR that claims more outstanding WQEBBs than the ring holds (the producer index went back
+  behind the consumer index, or ran a lap ahead: a producer bug) moves the QP to ERR with one
+  SYNDROME_LOCAL_QP_OP_ERR CQE naming the WQE at the consumer index, and is dropped (hardware
+  would run the ring's stale WQEs; the model makes the bug loud instead).
 - A peer is dead when its header's down flag is set (``mark_down()``, ``close()``), its heartbeat
   is older than ``retry_timeout_s``, or (cross-process, heartbeat older than PID_CHECK_NS) its pid
   no longer exists. A marked-down NIC's own engine stops executing too.
@@ -413,6 +417,18 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
     while done < budget:
         pending = (target - ci) & 0xFFFF
         if pending == 0:
+            break
+        if pending > nw:
+            # The DBR claims more WQEBBs than the ring holds: it went back behind the consumer
+            # index (or jumped a lap ahead), a producer bug (qp.cuh: "the DBR never goes back").
+            # Hardware would run stale WQEs; the model errors the QP once and drops this DBR.
+            T[qe + Q_STATE] = QPS_ERR
+            if T[qe + Q_ERR_SYND] == 0:
+                T[qe + Q_ERR_SYND] = mlx5.SYNDROME_LOCAL_QP_OP_ERR
+            _cq_push(base, scq, mlx5.CQE_REQ_ERR, q, ci & 0xFFFF, 0, 0,
+                     mlx5.SYNDROME_LOCAL_QP_OP_ERR, 0, scratch)
+            T[qe + Q_TARGET] = ci & 0xFFFF
+            done += 1
             break
         off = (ci & mask) * mlx5.WQEBB
         opcode = np.int64(mlx5.ctrl_opcode(ring, off))
