@@ -535,22 +535,30 @@ class Transports(Resource):
         from gpunet.host.proxy import ProxyEngine, resume_after_reset
 
         chans = list(self.channels.values())
+        heads = [self.proxy_head(ch) for ch in chans]
         bad = [(p, row[0]) for p, row in enumerate(self._engine_args[2])
                if self.nic.qp_state(row[0]) == "ERR"]
-        if all(ch.error() is None for ch in chans) and not bad:
+        failed = bad or any(ch.error() is not None for ch in chans)
+        if not failed and all(ch.completed >= h for ch, h in zip(chans, heads)):
             return []
         # Every command pushed so far completes first (those behind an error flush), so that the
-        # new engine, which resumes at `completed`, takes none of them again.
+        # new engine, which resumes at `completed`, takes none of them again. A push that gave up
+        # while the FIFO was full (proxy.cuh wait_space) left its slots empty, and the proxy would
+        # stop at the first for good: they get NOPs as the proxy frees their slots.
         deadline = Deadline(timeout_s)
-        for ch in chans:
-            head = self.proxy_head(ch)
+        filled = 0
+        for ch, head in zip(chans, heads):
             while ch.completed < head:
+                filled += ch.fill_holes(head)
                 if deadline.expired() or self.engine.alive_threads() == []:
                     return ["a proxy channel did not drain (%d of %d commands completed), so it "
                             "stays failed; close this Context" % (ch.completed, head)]
                 time.sleep(50e-6)
+        notes = ["%d proxy FIFO slot(s) that a push reserved and left empty (it gave up on a "
+                 "failure) were filled with NOPs" % filled] if filled else []
+        if not failed:
+            return notes
         self.engine.close()
-        notes = []
         for p, qp in bad:
             if self._dead_peer(qp, p, notes):
                 continue

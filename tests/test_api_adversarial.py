@@ -327,6 +327,31 @@ def test_protection_error_is_raised_then_the_context_recovers(ctx):
         ctx.free(t)
 
 
+def test_recovery_fills_a_proxy_slot_that_a_push_reserved_and_left_empty():
+    """A device push that gives up while the FIFO is full (a failure seen meanwhile) leaves its
+    reserved slot empty, and the proxy stops there (proxy.cuh "A push that gives up"). Made here by
+    raising the channel's head by one with nothing written: the context's recovery fills the slot
+    with a NOP and says so, the channel drains, and a put with quiet over the proxy works after it
+    (without the fill the quiet times out: the channel would be lost)."""
+    from gpunet.host.proxy import DC_HEAD
+    c = gpunet.init(transport="proxy", heap_bytes=4 << 20, timeout_s=5.0)
+    try:
+        src, dst = c.alloc((64,), torch.uint8), c.alloc((64,), torch.uint8)
+        (ch,) = c._transports.channels.values()
+        head = ch.head
+        ch._dctrl.view(np.uint64)[DC_HEAD] = head + 1        # reserved, never written
+        notes = c._transports.recover(5.0)
+        assert notes == ["1 proxy FIFO slot(s) that a push reserved and left empty (it gave up on "
+                         "a failure) were filled with NOPs"], notes
+        assert ch.completed == head + 1
+        src[:] = torch.arange(64, dtype=torch.uint8)
+        c.put(c.remote(0, dst), src)
+        c.quiet()
+        assert torch.equal(dst, src)
+    finally:
+        c.close()
+
+
 def test_a_failure_in_a_barriers_first_quiet_does_not_count_as_an_arrival(ctx):
     """A barrier whose first quiet fails (an earlier put went bad) signals nobody: it raises and
     the next barrier waits for the same count again, so it completes instead of timing out."""

@@ -682,6 +682,41 @@ def test_host_arm_push_after_a_failure_fills_its_slots_with_nops(kernels):
         assert out[0] > 0 and out[1] > 0
 
 
+def test_host_arm_push_that_gives_up_on_a_full_fifo_leaves_a_hole_the_host_fills(kernels):
+    """A failure already recorded while the FIFO is full (depth 4, 4 commands not yet taken): the
+    push returns false at once and its slot stays empty (the previous lap's parity), so the proxy
+    stops there (completed sticks at 4 of 5). ProxyChannel.fill_holes (what gpunet.context's
+    recovery calls, no kernel running) writes a NOP there once the slot is free; the channel then
+    drains to its head and a push after the Status is cleared goes through. Without the fill the
+    channel would be lost for good (proxy.cuh "A push that gives up")."""
+    import ctypes
+    f = kernels.proxy_roundtrip
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
+                  ctypes.c_uint32, ctypes.c_void_p]
+    ch = P.ProxyChannel(4)
+    heap = np.zeros(1 << 16, np.uint8)
+    desc = _descs([ch])
+    out = np.zeros(4, np.uint64)
+    status = np.zeros(128, np.uint8)
+    ch.push([P.encode(P.OP_NOP, 0, 0, 0, 0)] * 4)          # no proxy yet: full
+    assert ch.head == 4 and ch.tail == 0
+    status.view(np.uint64)[0] = STATUS_TIMEOUT               # a failure recorded elsewhere
+    assert f(ctypes.addressof(desc), status.ctypes.data, int(5e9), 1, 64, out.ctypes.data) == 0
+    assert ch.head == 5 and out[0] == 0                     # reserved, gave up at once
+    assert ch.fill_holes(5) == 0                            # slot 4 is not free yet (tail 0)
+    with P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], drain_only=True) as eng:
+        eng.quiet(ch, 4, timeout_s=10)
+        time.sleep(0.05)
+        assert ch.completed == 4 and ch.tail == 4          # stopped at the hole
+        w0 = int(np.frombuffer((ctypes.c_uint8 * 16).from_address(ch.fifo_addr), np.uint64)[0])
+        assert (w0 >> P.VALID_SHIFT) == 1                   # lap 0's parity: not seq 4's
+        assert ch.fill_holes(5) == 1 and ch.fill_holes(5) == 0
+        eng.quiet(ch, 5, timeout_s=10)
+        status[:] = 0
+        assert f(ctypes.addressof(desc), status.ctypes.data, int(5e9), 2, 64, out.ctypes.data) == 0
+        assert int(status.view(np.uint64)[0]) == 0 and ch.head == 7 and ch.completed == 7
+
+
 def _nrt_calls(fn, sig):
     """Calls to numba's reference-count functions in the LLVM IR of ``fn`` compiled for ``sig``
     (a fresh, uncached compile: numba does not keep the IR of cached code)."""

@@ -272,6 +272,25 @@ def cpu_push(fifo, depth, hctrl, dctrl, w0, w1, n, timeout_ns):
 
 
 @wire_njit(cache=True, nogil=True)
+def fill_holes(fifo, depth, tail, head, nop_w0):
+    """Write a NOP (``nop_w0``, valid for its lap) into every slot of [tail, min(head, tail +
+    depth)) that does not hold a command of its own lap: slots a producer reserved and never wrote
+    (proxy.cuh: a push that gave up). Slots from ``tail + depth`` on still hold the previous lap's
+    commands and are left alone. No producer may be running. Returns how many were written."""
+    lg = _log2(depth)
+    end = min(head, tail + depth)
+    n = 0
+    for s in range(tail, end):
+        slot = fifo + (s & (depth - 1)) * CMD_BYTES
+        vb = valid_bit(s, lg)
+        if (load_acquire_u64(slot) >> np.uint64(VALID_SHIFT)) != vb:
+            store_release_u64(slot + 8, np.uint64(0))
+            store_release_u64(slot, np.uint64(nop_w0) | (vb << np.uint64(VALID_SHIFT)))
+            n += 1
+    return n
+
+
+@wire_njit(cache=True, nogil=True)
 def cpu_wait_completed(hctrl, issued, timeout_ns):
     """Bounded wait until HostCtrl.completed >= issued; returns 0, or the packed error word, or
     -1 on timeout (proxy_quiet's CPU twin)."""
@@ -815,6 +834,16 @@ class ProxyChannel(Resource):
         h[HC_ERR_PEER] = 0
         h[HC_ERROR] = 0
         h[HC_COMPLETED] = int(h[HC_COMPLETED]) & ~COMPLETED_ERROR
+
+    def fill_holes(self, head):
+        """Fill with NOPs the slots below ``head`` (the producers' reservations, DevCtrl.head)
+        that a push reserved and never wrote (proxy.cuh ``wait_space``: a push that saw a failure
+        or timed out while the FIFO was full gives up), as far as the proxy has freed their
+        slots: the proxy then completes them and the channel drains to ``head`` again. Call it
+        again as the tail moves. No producer may be running (gpunet.context recovers this way).
+        Returns how many slots were filled."""
+        return int(fill_holes(self.fifo_addr, self.depth, self.tail, int(head),
+                              encode(OP_NOP, 0, 0, 0, 0)[0]))
 
     def push(self, commands, timeout_s=1.0):
         """CPU producer (tests): push ``commands`` [(w0, w1), ...] with one reservation; returns

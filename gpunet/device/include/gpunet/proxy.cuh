@@ -73,11 +73,13 @@
 //   3. per slot: store_relaxed(w1); store_release_sys(w0 | VALID)
 //   Returns the issue count seq + n: pass it to proxy_quiet.
 //
-//   A push that times out in step 2 leaves its reserved slots unwritten: the proxy stops at the
-//   first of them for good, so the channel is POISONED (every later push and quiet fails by timeout
-//   too). The failure is recorded in the Status (STATUS_TIMEOUT, SITE_PROXY_FIFO) and the host
-//   must recreate the channel. Space only fails to appear when the proxy is gone or stuck for the
-//   whole timeout, so this only loses a channel that was lost already.
+//   A push that gives up in step 2 leaves its reserved slots unwritten, and the proxy stops at the
+//   first of them: it times out (STATUS_TIMEOUT, SITE_PROXY_FIFO: space only fails to appear when
+//   the proxy is gone or stuck for the whole timeout), or it sees a failure recorded meanwhile
+//   (any failure in the Status: the grid drains at once, it does not wait for the proxy). With no
+//   kernel running the host fills those slots with NOPs as the proxy frees them
+//   (gpunet/host/proxy.py ProxyChannel.fill_holes, called by gpunet.context's recovery), so the
+//   channel drains and stays usable; a channel whose proxy is gone stays lost.
 //
 // Completion (the proxy, gpunet/host/proxy.py): each command becomes WQE(s) on the peer's QP chosen by
 // (channel, peer), so one channel's commands to one peer stay in order on one QP. Commands to
@@ -330,7 +332,8 @@ GPUNET_DEVICE bool proxy_push_n(const ProxyChannel& ch, const Waiter& w, const C
   // The Status and the cached tail are read with the reservation in flight, not before it (one
   // round trip to device memory per push, not two: bench/proxy.py's round trip). A failure
   // recorded meanwhile fills the slots with NOPs (completed by the proxy as soon as it reads
-  // them), so the channel stays whole.
+  // them), so the channel stays whole; when there is no room for them, the host's recovery
+  // writes them (the header: "A push that gives up").
   const bool was_failed = failed(w);
   const uint64_t cached = arch::atomic_load(&d->cached_tail);
   const bool room = seq + n <= cached + ch.depth;
