@@ -423,6 +423,31 @@ def ll_round(state, spec):
     return ep_jobs.round_(state, spec)
 
 
+def dispatch_failing_after_notify(state, spec, failing_rank):
+    """One dispatch (the spec's inputs) whose host step between the notify and the data launch
+    raises MemoryError on ``failing_rank`` (the receive tensors' allocation). Returns (the
+    exception's type name or None, this rank's HT epoch after the call, its masked ranks)."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    mine = _inputs(spec, world)[rank]
+    ntr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(mine["topk_idx"], spec["num_experts"])
+    if rank == failing_rank:
+        def no_memory(*a, **kw):
+            raise MemoryError("injected: the receive tensors' allocation")
+        buf._ht_recv_fit = buf._ht_recv_tensors = no_memory
+    raised = None
+    try:
+        buf.dispatch(_x(spec, mine), num_tokens_per_rank=ntr, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=ntpe, topk_idx=mine["topk_idx"],
+                     topk_weights=mine["topk_weights"], config=Config(*spec["config"]))
+    except Exception as e:  # noqa: BLE001 - the test checks the type
+        raised = type(e).__name__
+    finally:
+        buf.__dict__.pop("_ht_recv_fit", None)
+        buf.__dict__.pop("_ht_recv_tensors", None)
+    return raised, int(buf._ht_epoch[0]), out_masked(buf)
+
+
 def too_small(state, hidden):
     """A dispatch whose Config needs more than the HT buffer holds: the ConfigError's text."""
     buf = state["ep_buf"]

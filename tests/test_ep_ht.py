@@ -608,6 +608,23 @@ def test_a_dead_rank_is_masked_and_the_survivors_go_on(transport, stage):
         _close_survivors(r)
 
 
+def test_a_rank_whose_host_raises_after_the_notify_keeps_its_epoch_in_step():
+    """2 ranks over p2p, enable_shrink: rank 1's receive-tensor allocation raises MemoryError
+    between its notify and its data launch. Rank 1 raises it; rank 0 masks rank 1 (no rows came)
+    and goes on; both ranks' HT epochs moved on by one (Buffer._ht_skip_op): a rank left one epoch
+    behind would read every peer word of the next operation as complete (ht.cuh count_of) and
+    return stale rows as received ones."""
+    r = _pool(2, "p2p", 32, shrink=True, timeout_s=3.0)
+    try:
+        spec = _spec(2, seed=77)
+        outs = r.run("ep_ht_jobs:dispatch_failing_after_notify", spec, 1)
+        (raised0, epoch0, masked0), (raised1, epoch1, masked1) = outs
+        assert (raised0, masked0) == (None, [1]) and raised1 == "MemoryError", outs
+        assert epoch0 == epoch1 == 2, outs
+    finally:
+        _close(r)
+
+
 def _late_rank_spec():
     """Rank 2 masks rank 0 locally before its dispatch and exits before combine; rank 0 sleeps
     0.3 s before combine; rank 0 masks rank 2 in dispatch (no header from it), rank 1 in

@@ -654,6 +654,8 @@ class Buffer:
         stream = self._stream() if self._gpu else None
         rc = self._ht_lib.gpunet_ep_ht_launch(ctypes.addressof(P), grid, block, self._ws, stream, 0)
         if rc != 0:
+            if P.base.flags & dep.F_HT_BUMP:
+                self._ht_skip_op()      # not launched: neither was the epoch bump it carries
             raise GpunetError("%s: EP kernel launch failed (error %d)" % (what, rc))
 
     @staticmethod
@@ -839,15 +841,19 @@ class Buffer:
             recv = self._ht_recv_tensors(fp8, rows, hidden, k)
         else:
             key = (fp8, hidden, k)
-            host, early = self._ht_notify(P, info, block, r + 1 + e_loc, what,
-                                          meanwhile=lambda: self._ht_recv_guess(key))
-            self._check(what, "dispatch", mirrored=True)  # the notify is done: its failures are seen
-            rows = int(host[r])
-            self._ht_rows_seen[key] = rows
-            recv = self._ht_recv_fit(early, rows)
-            early = None                # a guess that does not fit is freed before the exact tensors
-            if recv is None:
-                recv = self._ht_recv_tensors(fp8, rows, hidden, k)
+            try:
+                host, early = self._ht_notify(P, info, block, r + 1 + e_loc, what,
+                                              meanwhile=lambda: self._ht_recv_guess(key))
+                self._check(what, "dispatch", mirrored=True)  # the notify is done: its failures are seen
+                rows = int(host[r])
+                self._ht_rows_seen[key] = rows
+                recv = self._ht_recv_fit(early, rows)
+                early = None            # a guess that does not fit is freed before the exact tensors
+                if recv is None:
+                    recv = self._ht_recv_tensors(fp8, rows, hidden, k)
+            except BaseException:
+                self._ht_skip_op()
+                raise
         recv_x, recv_s, src, recv_topk, recv_w, direct = recv
         if k and self.enable_shrink:
             # a masked rank's rows (never written) read as "no expert"; else every row's K slots
@@ -870,6 +876,16 @@ class Buffer:
         keep = (xq, xs, topk_idx, topk_weights, in_rank, ntpe, recv_x, recv_s, recv_topk, recv_w) + handle[:6]
         out_x = (recv_x, recv_s) if fp8 else recv_x
         return out_x, recv_topk, recv_w, counts, handle, self._event(async_finish, keep)
+
+    def _ht_skip_op(self):
+        """This rank's HT operation ends without the launch that bumps the epoch (the host raised
+        once it had started the notify: an allocation, a failure the notify recorded, a launch
+        that failed). The peers finish the operation without this rank (they mask it or raise) and
+        bump theirs, so this rank's epoch moves on too, on the stream: a rank left one epoch
+        behind reads every peer word of the next operation as complete (ht.cuh count_of) and
+        returns stale rows as received ones. An exception before the notify launch leaves the
+        epoch alone (nothing of the operation reached a peer: calling it again resumes it)."""
+        self._ht_epoch.add_(1)
 
     def _ht_notify(self, P, info, block, n, what, meanwhile=None):
         """Launch the dispatch's notify and return ``(recv_info's n int32 words on the host,
