@@ -536,7 +536,10 @@ GPUNET_DEVICE Resv reserve_start(QpDesc* qp, uint32_t n) {
 
 // Step 2: wait for the reservation's space. `done0`: a done_head read before (relaxed, issued with
 // the reservation): a stale one only sends us to the exact check. false only when a failure is
-// recorded (the caller still publishes: the turn may be its own; post's NOP fill).
+// recorded: the caller then writes and publishes nothing (its slots may still be the NIC's), so
+// [base, base + n) stays a hole that nothing after it passes; the host resets the QP
+// (QpDescriptor.needs_reset: resv_head != ready_head). A failure seen with room is what post's
+// NOP fill is for.
 GPUNET_DEVICE bool wait_room(const QpRef& c, const Waiter& w, const Resv& v, uint64_t done0) {
   QpDesc* const qp = c.qp;
   // The WQE stores that follow need the slots' old WQEs read by the NIC: it read them before the
