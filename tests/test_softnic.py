@@ -37,9 +37,9 @@ class Pair:
     """A fresh RC pair A.qp <-> B.qp with guarded, registered buffers on both sides."""
 
     def __init__(self, a, b, sq_wqebbs=64, max_inline=256, cqe_cnt=256, laccess=Access.ALL,
-                 raccess=Access.ALL, lpd=None, rpd=None, qp_pd=None):
+                 raccess=Access.ALL, lpd=None, rpd=None, qp_pd=None, rcqe_cnt=256):
         self.a, self.b = a, b
-        self.acq, self.bcq = a.create_cq(cqe_cnt), b.create_cq(256)
+        self.acq, self.bcq = a.create_cq(cqe_cnt), b.create_cq(rcqe_cnt)
         self.aqp = a.create_qp(self.acq, sq_wqebbs=sq_wqebbs, max_inline=max_inline, pd=qp_pd)
         self.bqp = b.create_qp(self.bcq)
         a.connect(self.aqp, self.bqp.info())
@@ -405,6 +405,53 @@ def test_cq_overrun_errors_the_cq_and_the_qp(nics):
     assert p.cq.poll() == []
 
 
+@pytest.mark.parametrize("side", ["remote", "local"])
+def test_an_address_whose_end_wraps_past_2_63_is_refused_not_dereferenced(nics, side):
+    """A WRITE whose remote (or local) address is 8 bytes below 2**63 with 16 bytes: address +
+    length wraps negative in the NIC's signed 64-bit check, which let it pass and the copy fault
+    (SIGSEGV). It completes with the protection error and touches nothing."""
+    p = Pair(*nics)
+    bad = (1 << 63) - 8
+    if side == "remote":
+        p.sq.post_write(p.l(), p.lmr.lkey, bad, p.rmr.rkey, 16, signaled=True)
+        want = mlx5.SYNDROME_REMOTE_ACCESS_ERR
+    else:
+        p.sq.post_write(bad, p.lmr.lkey, p.r(), p.rmr.rkey, 16, signaled=True)
+        want = mlx5.SYNDROME_LOCAL_PROT_ERR
+    c = p.cq.wait(1)[0]
+    assert (c.opcode, c.syndrome) == (mlx5.CQE_REQ_ERR, want)
+    assert p.guards_intact()
+
+
+def test_write_imm_whose_bytes_did_not_land_gives_the_responder_no_completion(nics):
+    """A WRITE_WITH_IMM from a local region registered as device memory with no copy engine
+    attached: the requester completes with the protection error, and the responder gets no
+    RESP_WR_IMM (it said byte_cnt 64 for bytes that never came)."""
+    a, b = nics
+    p = Pair(a, b)
+    host = np.full(64, 9, np.uint8)
+    dmr = a.reg_mr(host.ctypes.data, 64, device_memory=True)
+    p.sq.post_write_imm(host.ctypes.data, dmr.lkey, p.r(), p.rmr.rkey, 64, 0xABCD, signaled=True)
+    c = p.cq.wait(1)[0]
+    assert c.error and c.syndrome == mlx5.SYNDROME_LOCAL_PROT_ERR, c
+    time.sleep(0.05)
+    assert p.rcq.poll() == []
+    assert (p.rbuf[MR_OFF:MR_OFF + 64] == GUARD).all()
+    a.dereg_mr(dmr)
+
+
+def test_a_responder_whose_cq_overruns_goes_to_error_with_the_overrun_syndrome(nics):
+    """WRITE_WITH_IMMs into a responder CQ of 4 entries nobody polls: the responder QP goes to ERR
+    and reports the overrun (-1, as for a requester), not 0."""
+    p = Pair(*nics, rcqe_cnt=4)
+    p.lbuf[MR_OFF:MR_OFF + 8] = 1
+    for i in range(6):
+        p.sq.post_write_imm(p.l(), p.lmr.lkey, p.r(), p.rmr.rkey, 8, i, signaled=True)
+    _ok(p.cq.wait(6))
+    assert p.b.qp_state(p.bqp) == "ERR"
+    assert p.b.qp_error_syndrome(p.bqp) == -1
+
+
 # --- dead peers -----------------------------------------------------------------------------------
 def test_dead_peer_read_times_out_with_retry_exceeded_and_fence_holds():
     with SoftNic(retry_timeout_s=0.3) as a, SoftNic() as b:
@@ -541,6 +588,9 @@ def test_c500_strict_mode_reports_the_first_device_access():
         _ok(p.cq.wait(1))
         assert (p.lbuf[MR_OFF:MR_OFF + 8] == 3).all()   # finegrained: coherent at once
         a.check()
+        p.sq.post_write(p.l(0), p.lmr.lkey, dmr.addr + 8, dmr.rkey, 0, signaled=True)
+        _ok(p.cq.wait(1))
+        a.check()                                       # 0 bytes: nothing touched, no violation
         p.sq.post_write(p.l(0), p.lmr.lkey, dmr.addr + 8, dmr.rkey, 8, signaled=True)
         _ok(p.cq.wait(1))                               # the access proceeds as modelled
         with pytest.raises(gpunet.CoherenceViolation, match="0x%x" % (dmr.addr + 8)):

@@ -188,7 +188,9 @@ def _mr_lookup(T, key, pd, addr, length, need):
     if T[me + M_KEY] != key or T[me + M_PD] != pd:
         return -1
     a = T[me + M_ADDR]
-    if addr < a or length < 0 or addr + length > a + T[me + M_LEN]:
+    n = T[me + M_LEN]
+    # no addr + length: near 2**63 it wraps negative and a range far outside would pass
+    if addr < a or length < 0 or length > n or addr - a > n - length:
         return -1
     if (T[me + M_ACCESS] & need) != need:
         return -1
@@ -336,10 +338,15 @@ def _devmap(T, slot, addr, length):
     """Where this process reaches [addr, addr + length) of peer slot ``slot``'s device memory
     (add_peer_memory), or -1."""
     e = DEVMAP_BASE + DEVMAP_WORDS * slot
-    start, nb, mapped = T[e], T[e + 1], T[e + 2]
-    if mapped == 0 or addr < start or length < 0 or addr + length > start + nb:
+    # `mapped` first (add_peer_memory clears it before changing start / nb, and sets it last),
+    # then the range, then `mapped` again: a mapping replaced meanwhile is refused, never mixed
+    mapped = load_acquire_u64(T.ctypes.data + 8 * (e + 2))
+    start, nb = T[e], T[e + 1]
+    if mapped == 0 or addr < start or length < 0 or length > nb or addr - start > nb - length:
         return -1
-    return mapped + (addr - start)
+    if load_acquire_u64(T.ctypes.data + 8 * (e + 2)) != mapped:
+        return -1
+    return np.int64(mapped) + (addr - start)
 
 
 @njit(cache=True)
@@ -554,7 +561,7 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                 synd = mlx5.SYNDROME_REMOTE_ACCESS_ERR
             else:
                 moved = True
-                if P[rme + M_HBM_OFF] >= 0 and P[H_STRICT] != 0:
+                if P[rme + M_HBM_OFF] >= 0 and P[H_STRICT] != 0 and rlen > 0:
                     _record_violation(pb, q, opcode, rkey, raddr, 8 if is_atomic else total,
                                       0 if opcode == mlx5.OPCODE_RDMA_READ else 1, own_pid)
                 dev = ldev or rdev
@@ -604,13 +611,15 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                 if not moved:                              # the copy engine failed (H_DMA_ERR)
                     synd = mlx5.SYNDROME_REMOTE_ACCESS_ERR if rdev else \
                         mlx5.SYNDROME_LOCAL_PROT_ERR
-                if opcode == mlx5.OPCODE_RDMA_WRITE_IMM:
+                if opcode == mlx5.OPCODE_RDMA_WRITE_IMM and moved:   # data that did not land: no CQE
                     rcq = P[pqe + Q_RCQ]
                     cnt = P[pqe + Q_RQ_COUNTER]
                     P[pqe + Q_RQ_COUNTER] = cnt + 1
                     if not _cq_push(pb, rcq, mlx5.CQE_RESP_WR_IMM, pq, cnt & 0xFFFF, total, imm,
                                     0, 0, scratch):
-                        P[pqe + Q_STATE] = QPS_ERR
+                        P[pqe + Q_STATE] = QPS_ERR         # the responder's CQ overran
+                        if P[pqe + Q_ERR_SYND] == 0:
+                            P[pqe + Q_ERR_SYND] = -1
         # ---- completion ----------------------------------------------------------------------
         if synd != 0:
             T[qe + Q_STATE] = QPS_ERR
