@@ -452,6 +452,34 @@ def test_a_responder_whose_cq_overruns_goes_to_error_with_the_overrun_syndrome(n
     assert p.b.qp_error_syndrome(p.bqp) == -1
 
 
+def test_dereg_mr_returns_only_once_no_wqe_moves_bytes_of_the_region(nics):
+    """A 256 MiB WRITE into a registered region, deregistered as soon as its first bytes land:
+    dereg_mr returns only after the copy has ended (as an HCA's deregistration: the caller may
+    free the memory then), so nothing of the region changes after it returned; a WRITE after it
+    completes with the remote access error."""
+    a, b = nics
+    acq, bcq = a.create_cq(16), b.create_cq(16)
+    aqp, bqp = a.create_qp(acq), b.create_qp(bcq)
+    a.connect(aqp, bqp.info())
+    b.connect(bqp, aqp.info())
+    n = 256 << 20                     # long enough to deregister in the middle of its copy
+    src, dst = np.full(n, 7, np.uint8), np.zeros(n, np.uint8)
+    lmr, rmr = a.reg_mr(src), b.reg_mr(dst)
+    sq, cq = SendQueue(aqp), CompletionQueue(acq)
+    sq.post_write(src.ctypes.data, lmr.lkey, dst.ctypes.data, rmr.rkey, n, signaled=True)
+    deadline = time.monotonic() + 10
+    while dst[0] == 0 and time.monotonic() < deadline:
+        pass
+    b.dereg_mr(rmr)
+    written = int(np.count_nonzero(dst))
+    _ok(cq.wait(1))
+    assert int(np.count_nonzero(dst)) == written, "bytes landed after dereg_mr returned"
+    sq.post_write(src.ctypes.data, lmr.lkey, dst.ctypes.data, rmr.rkey, 8, signaled=True)
+    c = cq.wait(1)[0]
+    assert (c.opcode, c.syndrome) == (mlx5.CQE_REQ_ERR, mlx5.SYNDROME_REMOTE_ACCESS_ERR)
+    a.dereg_mr(lmr)
+
+
 # --- dead peers -----------------------------------------------------------------------------------
 def test_dead_peer_read_times_out_with_retry_exceeded_and_fence_holds():
     with SoftNic(retry_timeout_s=0.3) as a, SoftNic() as b:

@@ -66,7 +66,8 @@ from gpunet.errors import ClosedError, ConfigError, GpunetError
 from gpunet.host import progress
 from gpunet.host.nic import Access, Nic, mr_region
 from gpunet.resource import Resource
-from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, address_of, atomic_cas_u64, bswap64, c_kill0,
+from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, address_of, atomic_cas_u64,
+                                atomic_fetch_add_u64, bswap64, c_kill0,
                                 c_memmove, c_sched_yield, clock_ns, i64_at, idle_pause,
                                 engine_thread_start, load_acquire_u32, load_acquire_u64,
                                 store_release_u32, store_release_u64, u8_at)
@@ -97,7 +98,8 @@ H_NAME_BYTE = 1024                   # arena name, NUL-terminated, 256 bytes at 
 MAX_MR = 4096                        # index 0 unused so that no key is 0
 MR_WORDS = 16
 M_KEY, M_PD, M_ADDR, M_LEN, M_ACCESS, M_KIND, M_LIVE_OFF, M_HBM_OFF, M_FETCH_OFF, M_VARIANT, \
-    M_DMA = range(11)                # M_DMA: device memory, moved only through the copy engine
+    M_DMA, M_BUSY = range(12)        # M_DMA: device memory, moved only through the copy engine;
+# M_BUSY: executors moving bytes of the region now, as the responder (dereg_mr waits for 0)
 
 MAX_QP = 1024                        # qpn = table index; 0 unused
 QP_WORDS = 32
@@ -459,6 +461,7 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
             done += 1
             continue
         total = np.int64(0)
+        busy_at = np.int64(0)                          # the responder MR's M_BUSY word, held
         ldev = False                                   # a local segment is device memory
         rdev = False                                   # the remote range is device memory
         nseg = 0
@@ -550,6 +553,15 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
             rme = _mr_lookup(P, rkey, P[pqe + Q_PD], raddr, rlen, rneed)
             rna = -1
             if rme >= 0:
+                # held while the bytes move; the key read again after the hold is taken, so a
+                # dereg_mr that cleared it meanwhile (and then waits for the holds to end) wins
+                busy_at = pb + 8 * (rme + M_BUSY)
+                atomic_fetch_add_u64(busy_at, 1)
+                if np.int64(load_acquire_u64(pb + 8 * (rme + M_KEY))) != rkey:
+                    atomic_fetch_add_u64(busy_at, np.uint64(0xFFFFFFFFFFFFFFFF))
+                    busy_at = 0
+                    rme = -1
+            if rme >= 0:
                 if P[rme + M_DMA] != 0:
                     # the peer's device memory: its own address in its process, else where this
                     # process mapped it (add_peer_memory); bytes move through the copy engine
@@ -620,6 +632,9 @@ def _exec_qp(base, T, q, peer_bases, now, budget, scratch, segs):
                         P[pqe + Q_STATE] = QPS_ERR         # the responder's CQ overran
                         if P[pqe + Q_ERR_SYND] == 0:
                             P[pqe + Q_ERR_SYND] = -1
+        if busy_at != 0:
+            atomic_fetch_add_u64(busy_at, np.uint64(0xFFFFFFFFFFFFFFFF))   # the bytes moved
+            busy_at = 0
         # ---- completion ----------------------------------------------------------------------
         if synd != 0:
             T[qe + Q_STATE] = QPS_ERR
@@ -1232,13 +1247,28 @@ class SoftNic(Nic):
         T[e], T[e + 1] = int(remote_addr), int(nbytes)
         T[e + 2] = int(local_addr)
 
-    def dereg_mr(self, mr):
+    def dereg_mr(self, mr, timeout_s=10.0):
+        """Invalidate ``mr``'s keys; return once no WQE moves bytes of it any more (as an HCA's
+        deregistration: the caller may free the memory then). A WQE that reaches it later
+        completes with a protection error. Local segments are this NIC's: its executor lock is
+        taken once, so a pass that checked the lkey before has ended; a WQE of any NIC that
+        writes or reads it as the responder holds its M_BUSY word while the bytes move."""
         self._check_open()
         with self._lock:
+            T = self._arena.T
             me = MR_BASE + mr.index * MR_WORDS
-            if int(self._arena.T[me + M_KEY]) == mr.lkey:
-                self._arena.T[me + M_KEY] = 0
-                self._mr_free.append(mr.index)
+            if int(T[me + M_KEY]) != mr.lkey:
+                return
+            T[me + M_KEY] = 0
+            base = self._arena.base
+            deadline = time.monotonic() + timeout_s
+            while int(T[me + M_BUSY]) != 0 or not _exec_trylock(base):
+                if time.monotonic() > deadline:
+                    raise GpunetError("dereg_mr: region 0x%x of %s still in use by a WQE after %g s"
+                                      % (mr.addr, self.arena_name, timeout_s))
+                time.sleep(20e-6)
+            _exec_unlock(base)
+            self._mr_free.append(mr.index)
 
     def evict(self, mr, offset=0, length=None):
         """An L2 eviction event for the 128-byte lines covering [offset, offset+length) of ``mr``.
