@@ -29,6 +29,7 @@ from gpunet._launch import to_host
 from gpunet.ep import Buffer, EPTimeout
 from gpunet.ep import _layout as lay
 from gpunet.ep import reference as ref
+from gpunet.errors import GpunetError
 
 
 def e4m3_cases():
@@ -69,6 +70,28 @@ def init(state, transport, num_rdma_bytes, timeout_s=20.0, shrink=False, warp_si
     return make_buffer(state, transport, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
                        enable_shrink=shrink, timeout_s=timeout_s, warp_size=warp_size,
                        num_blocks=num_blocks, block_threads=block_threads)
+
+
+def clean_failing_before_launch(state, spec, failing_rank):
+    """clean_low_latency_buffer on every rank, whose launch raises on ``failing_rank`` (as a
+    launch that failed), then low_latency_clean_mask_buffer on every rank (vLLM's recovery), then
+    an LL round. Returns (what the first clean raised or None, the ranks masked after the
+    recovery, the round's output)."""
+    buf = state["ep_buf"]
+    raised = None
+    if buf.rank == failing_rank:
+        def no_launch(*a, **kw):
+            raise GpunetError("injected: the clean's launch failed")
+        buf._launch = no_launch
+    try:
+        buf.clean_low_latency_buffer(spec["t_max"], spec["hidden"], spec["num_experts"])
+    except Exception as e:  # noqa: BLE001 - the test checks the type
+        raised = type(e).__name__
+    finally:
+        buf.__dict__.pop("_launch", None)
+    buf.low_latency_clean_mask_buffer()
+    masked = buf.masked_ranks()
+    return raised, masked, round_(state, spec)
 
 
 def buffer_variants(state, variants, num_rdma_bytes):

@@ -561,6 +561,10 @@ def test_timeout_is_settable_at_run_time_and_destroyed_buffers_refuse_calls():
         b.destroy()
     with pytest.raises(ClosedError):
         b.low_latency_dispatch(x, tk, 4, 2)
+    with pytest.raises(ClosedError):
+        b.masked_ranks()                # its mask words are freed memory now
+    with pytest.raises(ClosedError):
+        b.timeout_s = 1.0
 
 
 # ---- 2 ranks, ibgda, warps of 32 ----------------------------------------------------------------
@@ -928,6 +932,24 @@ def _fault_step(r, m, step, seed):
         _assert_round(out, fault)
         assert [o["masked"] for o in out] == [[1], []], [o["masked"] for o in out]
         m[0] = {1}
+
+
+def test_a_clean_that_fails_before_its_launch_on_one_rank_keeps_the_cleans_in_step():
+    """2 ranks over p2p, enable_shrink: rank 1's clean_low_latency_buffer raises before its
+    launch (a launch that failed); rank 0's clean masks it. Then vLLM's recovery,
+    low_latency_clean_mask_buffer on every rank: nobody is masked after it and an LL round is
+    exact. Rank 1's clean count moved on with the others' (Buffer._skip_clean); one behind, its
+    later cleans' first barrier passed on an old value and rank 0 masked it again in each."""
+    r = _pool(2, "p2p", 32, shrink=True, timeout_s=3.0)
+    try:
+        spec = _spec(2, seed=88)
+        outs = r.run("ep_jobs:clean_failing_before_launch", spec, 1)
+        (raised0, masked0, round0), (raised1, masked1, round1) = outs
+        assert raised0 is None and raised1 == "GpunetError", outs
+        assert masked0 == [] and masked1 == [], outs
+        _assert_round([round0, round1], spec)
+    finally:
+        _close(r)
 
 
 @settings(max_examples=FAULT_EXAMPLES, deadline=None, phases=[Phase.explicit, Phase.generate])

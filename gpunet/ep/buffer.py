@@ -649,6 +649,8 @@ class Buffer:
         if self._ht_lib is None:
             self._ht_lib = dep.load_ep_ht("cuda" if self._gpu else "host", kinds=self._build_kinds)
         if P.base.prof and self._prof_ref.numel() < grid * dep.STAMPS:
+            if P.base.flags & dep.F_HT_BUMP:
+                self._ht_skip_op()      # not launched: neither was the epoch bump it carries
             raise ConfigError("%s: the profile stamps tensor holds %d blocks, this launch has %d"
                               % (what, self._prof_ref.numel() // dep.STAMPS, grid))
         stream = self._stream() if self._gpu else None
@@ -1073,6 +1075,7 @@ class Buffer:
         """Set the bound of every device wait on a peer from the next call on (DeepEP fixes 100 s
         at build time). A peer silent for this long is masked (enable_shrink) or named in an
         EPTimeout."""
+        self._alive()
         _check_timeout(seconds)
         self._timeout_s = float(seconds)
         self._write_ctxs()
@@ -1167,6 +1170,7 @@ class Buffer:
 
     def masked_ranks(self):
         """(gpunet) The ranks masked now, as a sorted list."""
+        self._alive()                   # after destroy() the mask words are freed memory
         self._ctl_refresh()
         return [p for p in range(self.group_size) if self._mask_np[p]]
 
@@ -1459,8 +1463,12 @@ class Buffer:
         scratch, after a failed call, or after unmasking a rank. Every live rank must call it.
         Bounded: a silent rank is masked or raises."""
         self._alive()
-        layout = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts,
-                              "clean_low_latency_buffer")
+        try:
+            layout = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                  "clean_low_latency_buffer")
+        except BaseException:
+            self._skip_clean()
+            raise
         self._resync("clean_low_latency_buffer", layout)
 
     def _resync(self, what, layout):
@@ -1469,11 +1477,25 @@ class Buffer:
         and the next LL call on the first of the two LL buffers, on every rank alike (a rank that
         made one LL call more than the others, e.g. one alone while it had them masked, would
         otherwise wait for signals on the other buffer than its peers use)."""
-        self._reset_workspace()
-        P = self._params(dep.OP_CLEAN, 0, 0, 0, layout, 0, 1)
-        self._launch(P, what, grid=1)
+        try:
+            self._reset_workspace()
+            P = self._params(dep.OP_CLEAN, 0, 0, 0, layout, 0, 1)
+            self._launch(P, what, grid=1)
+        except BaseException:
+            self._skip_clean()
+            raise
         self._ll_idx = 0
         self._check(what, "clean", mirrored=True)
+
+    def _skip_clean(self):
+        """This rank's clean ends before its launch (the host raised: an allocation, an argument
+        only this rank rejected, a launch that failed). Cleans are collective and the kernel counts
+        them (ll.cuh clean_epoch: the barrier values 2e - 1 and 2e of the e-th): the other ranks
+        finish theirs without this rank (they mask it, or raise), so its count moves on too, on
+        the stream. Left one behind, every later clean's first barrier passed at once on an old
+        value, and the others masked it again in each one: vLLM's recovery
+        (low_latency_clean_mask_buffer on every rank) never brought it back."""
+        self._expected[8 * self.group_size + 8].add_(1)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None,
