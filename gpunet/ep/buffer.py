@@ -909,7 +909,16 @@ class Buffer:
         flag[0] = 0
         P.host_info = mem.ptr
         self._ht_launch(P, 1, block, what + " (notify)")
-        extra = meanwhile() if meanwhile is not None else None
+        try:
+            extra = meanwhile() if meanwhile is not None else None
+        except BaseException:
+            # the notify still runs and will set the mailbox's flag and words: a retried call
+            # would clear the flag first and then read this one's counts (or reallocate the
+            # mailbox under it), so it ends before the error goes up (GPUs; the HOST arm's
+            # launch has ended already)
+            if self._gpu:
+                torch.cuda.current_stream(self._cuda_index).synchronize()
+            raise
         if not self._gpu:
             return arr[1:1 + n].copy(), extra   # the HOST arm's launch has finished
         if self._ll_world_flags() & dep.F_ALL_MAPPED:
