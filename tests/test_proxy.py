@@ -5,6 +5,7 @@ and, where g++ is available, real device code (gpunet/device/testing/kernels/pro
 warps of 32 and 64). Commands go through ``ProxyEngine`` into soft-NIC QPs between two soft NICs
 (``a``: ours, ``b``: the peers'), and the tests check what arrives in the peers' memory.
 """
+import ctypes
 import sys
 import threading
 import time
@@ -655,20 +656,23 @@ def test_recovery_cycles_reuse_the_landing_slots():
         ctx.close()
 
 
+def _roundtrip_setup(kernels, depth):
+    """kernels/proxy.cu's one-thread ``proxy_roundtrip`` bound, a CPU-memory channel of ``depth``
+    with its descriptor, a heap, the output words and a zeroed Status."""
+    f = kernels.proxy_roundtrip
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
+                  ctypes.c_uint32, ctypes.c_void_p]
+    ch = P.ProxyChannel(depth)
+    return (f, ch, np.zeros(1 << 16, np.uint8), _descs([ch]), np.zeros(4, np.uint64),
+            np.zeros(128, np.uint8))
+
+
 def test_host_arm_push_after_a_failure_fills_its_slots_with_nops(kernels):
     """A failure already recorded in the Status when a device thread pushes (proxy_push reads the
     Status with its reservation in flight): the push returns false, the reserved slots hold NOPs
     (valid, op NOP), which a drain-only proxy completes, so the channel stays whole: a push after
     the Status is cleared goes through and completes."""
-    import ctypes
-    f = kernels.proxy_roundtrip
-    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
-                  ctypes.c_uint32, ctypes.c_void_p]
-    ch = P.ProxyChannel(16)
-    heap = np.zeros(1 << 16, np.uint8)
-    desc = _descs([ch])
-    out = np.zeros(4, np.uint64)
-    status = np.zeros(128, np.uint8)
+    f, ch, heap, desc, out, status = _roundtrip_setup(kernels, 16)
     status.view(np.uint64)[0] = STATUS_TIMEOUT               # as a kernel records it (code)
     with P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], drain_only=True) as eng:
         assert f(ctypes.addressof(desc), status.ctypes.data, int(5e9), 1, 64, out.ctypes.data) == 0
@@ -689,15 +693,7 @@ def test_host_arm_push_that_gives_up_on_a_full_fifo_leaves_a_hole_the_host_fills
     recovery calls, no kernel running) writes a NOP there once the slot is free; the channel then
     drains to its head and a push after the Status is cleared goes through. Without the fill the
     channel would be lost for good (proxy.cuh "A push that gives up")."""
-    import ctypes
-    f = kernels.proxy_roundtrip
-    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
-                  ctypes.c_uint32, ctypes.c_void_p]
-    ch = P.ProxyChannel(4)
-    heap = np.zeros(1 << 16, np.uint8)
-    desc = _descs([ch])
-    out = np.zeros(4, np.uint64)
-    status = np.zeros(128, np.uint8)
+    f, ch, heap, desc, out, status = _roundtrip_setup(kernels, 4)
     ch.push([P.encode(P.OP_NOP, 0, 0, 0, 0)] * 4)          # no proxy yet: full
     assert ch.head == 4 and ch.tail == 0
     status.view(np.uint64)[0] = STATUS_TIMEOUT               # a failure recorded elsewhere
