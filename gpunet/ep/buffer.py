@@ -649,16 +649,17 @@ class Buffer:
         if self._ht_lib is None:
             self._ht_lib = dep.load_ep_ht("cuda" if self._gpu else "host", kinds=self._build_kinds)
         if P.base.prof and self._prof_ref.numel() < grid * dep.STAMPS:
-            if P.base.flags & dep.F_HT_BUMP:
-                self._ht_skip_op()      # not launched: neither was the epoch bump it carries
-            raise ConfigError("%s: the profile stamps tensor holds %d blocks, this launch has %d"
+            err = ConfigError("%s: the profile stamps tensor holds %d blocks, this launch has %d"
                               % (what, self._prof_ref.numel() // dep.STAMPS, grid))
-        stream = self._stream() if self._gpu else None
-        rc = self._ht_lib.gpunet_ep_ht_launch(ctypes.addressof(P), grid, block, self._ws, stream, 0)
-        if rc != 0:
-            if P.base.flags & dep.F_HT_BUMP:
-                self._ht_skip_op()      # not launched: neither was the epoch bump it carries
-            raise GpunetError("%s: EP kernel launch failed (error %d)" % (what, rc))
+        else:
+            stream = self._stream() if self._gpu else None
+            rc = self._ht_lib.gpunet_ep_ht_launch(ctypes.addressof(P), grid, block, self._ws, stream, 0)
+            if rc == 0:
+                return
+            err = GpunetError("%s: EP kernel launch failed (error %d)" % (what, rc))
+        if P.base.flags & dep.F_HT_BUMP:
+            self._ht_skip_op()          # not launched: neither was the epoch bump it carries
+        raise err
 
     @staticmethod
     def _wait_previous(previous_event):
@@ -1151,9 +1152,8 @@ class Buffer:
         if self.low_latency_mode and self._ll is not None:
             # the clean reads no LL buffer area (ll.cuh clean: signal words, counts, sync words),
             # so any shape's layout serves; a cached one when there is one
-            layout = next(iter(self._layouts.values()), None) or \
-                lay.LlLayout(1, dep.GROUP, self.group_size, self.group_size)
-            self._resync(what, layout)
+            self._resync(what, lambda: next(iter(self._layouts.values()), None) or
+                         lay.LlLayout(1, dep.GROUP, self.group_size, self.group_size))
 
     def _forget_failure(self, r):
         self._failed_t[r] = 0
@@ -1472,21 +1472,19 @@ class Buffer:
         scratch, after a failed call, or after unmasking a rank. Every live rank must call it.
         Bounded: a silent rank is masked or raises."""
         self._alive()
-        try:
-            layout = self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts,
-                                  "clean_low_latency_buffer")
-        except BaseException:
-            self._skip_clean()
-            raise
-        self._resync("clean_low_latency_buffer", layout)
+        self._resync("clean_low_latency_buffer",
+                     lambda: self._layout(num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                          "clean_low_latency_buffer"))
 
-    def _resync(self, what, layout):
+    def _resync(self, what, layout_of):
         """The LL clean (ll.cuh OP_CLEAN), collective over the live ranks: a barrier, every signal
         count this rank expects set to what has arrived, a barrier; the kernels' scratch reset;
         and the next LL call on the first of the two LL buffers, on every rank alike (a rank that
         made one LL call more than the others, e.g. one alone while it had them masked, would
-        otherwise wait for signals on the other buffer than its peers use)."""
+        otherwise wait for signals on the other buffer than its peers use). ``layout_of()``
+        gives the LlLayout (inside the clean: a rank that rejects its arguments skips it too)."""
         try:
+            layout = layout_of()
             self._reset_workspace()
             P = self._params(dep.OP_CLEAN, 0, 0, 0, layout, 0, 1)
             self._launch(P, what, grid=1)
