@@ -16,7 +16,7 @@ from numba import njit
 
 import gpunet
 from gpunet import mlx5
-from gpunet.host import wq
+from gpunet.host import softnic, wq
 from gpunet.host.softnic import Access, SoftNic, remove_stale_arenas
 from gpunet.host.wq import CompletionQueue, SendQueue
 
@@ -697,6 +697,58 @@ def test_reset_qp_raises_when_the_engine_cannot_drain():
         with pytest.raises(gpunet.GpunetError, match="did not finish the WQEs rung"):
             a.reset_qp(p.aqp, timeout_s=0.3)
         assert time.monotonic() - t0 < 5
+
+
+class _Injected(Exception):
+    """What the trace hook below raises: stands for an asynchronous exception (a KeyboardInterrupt,
+    a signal handler's timeout) landing on a bytecode boundary."""
+
+
+@pytest.mark.parametrize("op", ["reset_qp", "dereg_mr"])
+def test_reset_qp_and_dereg_mr_never_hold_the_executor_lock_where_an_exception_can_land(op):
+    """reset_qp and dereg_mr take the executor lock (H_EXEC) to wait out every engine pass in
+    flight. A sys.settrace hook checks the lock at every Python line and return of softnic.py on
+    the calling thread while ``op`` runs (the NIC marked down, so neither its engine thread nor a
+    progress hook takes the lock) and raises _Injected at the first one where it is held: an
+    exception there would leave it held, and the NIC's executor wedged for good. The invariant: the
+    lock is never held where Python code runs, so nothing is injected, ``op`` completes, the lock
+    is free, and once up again the NIC executes a write and resets the QP again."""
+    with SoftNic(retry_timeout_s=0.3) as a, SoftNic(retry_timeout_s=0.3) as b:
+        p = Pair(a, b)
+        T = a._arena.T
+        a.mark_down()
+        checked = []
+
+        def on_event(frame, event, arg):
+            if event in ("line", "return"):
+                checked.append(event)
+                if int(T[softnic.H_EXEC]) != 0:
+                    raise _Injected("executor lock held at %s:%d (%s)"
+                                    % (frame.f_code.co_name, frame.f_lineno, event))
+            return on_event
+
+        def on_call(frame, event, arg):
+            return on_event if frame.f_code.co_filename == softnic.__file__ else None
+
+        sys.settrace(on_call)
+        try:
+            if op == "reset_qp":
+                a.reset_qp(p.aqp)
+            else:
+                a.dereg_mr(a.reg_mr(p.lbuf[:MR_OFF]))
+        except _Injected as e:
+            injected = str(e)
+        else:
+            injected = None
+        finally:
+            sys.settrace(None)
+        assert len(checked) > 5, "the trace hook saw no line of %s" % op
+        assert int(T[softnic.H_EXEC]) == 0 and injected is None, injected
+        T[softnic.H_DOWN] = 0                        # up again (mark_down has no undo)
+        p.sq.post_write(p.l(), p.lmr.lkey, p.r(), p.rmr.rkey, 64, signaled=True)
+        _ok(p.cq.wait(1, timeout=2.0))
+        a.reset_qp(p.aqp, timeout_s=2.0)
+        assert a.qp_state(p.aqp) == "RTS"
 
 
 # --- stale arenas -----------------------------------------------------------------------------------

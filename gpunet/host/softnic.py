@@ -705,14 +705,17 @@ def engine_run(base, peer_bases, scratch, segs, max_iters):
 
 
 @njit(cache=True, nogil=True)
-def _exec_trylock(base):
-    """Take the executor lock (H_EXEC) if it is free; True when taken."""
-    return atomic_cas_u64(base + H_EXEC * 8, 0, 1) == 0
-
-
-@njit(cache=True, nogil=True)
-def _exec_unlock(base):
+def _exec_barrier(base):
+    """Take the executor lock (H_EXEC) if it is free and release it at once; True when done: every
+    engine pass that began before the call has ended. Take and release are one compiled call
+    because a try/finally cannot close the gap: an asynchronous exception (a KeyboardInterrupt, a
+    signal handler's timeout) lands on the bytecode boundary right after a take that returned to
+    Python, before any try, and would leave the lock held and this NIC's executor wedged for good
+    (tests/test_softnic.py checks the lock at every Python line of reset_qp and dereg_mr)."""
+    if atomic_cas_u64(base + H_EXEC * 8, 0, 1) != 0:
+        return False
     store_release_u64(base + H_EXEC * 8, 0)
+    return True
 
 
 # The progress hook's argument: int64 words [arena base, peer_bases, scratch, segs] (addresses).
@@ -1262,12 +1265,11 @@ class SoftNic(Nic):
             T[me + M_KEY] = 0
             base = self._arena.base
             deadline = time.monotonic() + timeout_s
-            while int(T[me + M_BUSY]) != 0 or not _exec_trylock(base):
+            while int(T[me + M_BUSY]) != 0 or not _exec_barrier(base):
                 if time.monotonic() > deadline:
                     raise GpunetError("dereg_mr: region 0x%x of %s still in use by a WQE after %g s"
                                       % (mr.addr, self.arena_name, timeout_s))
                 time.sleep(20e-6)
-            _exec_unlock(base)
             self._mr_free.append(mr.index)
 
     def evict(self, mr, offset=0, length=None):
@@ -1452,9 +1454,8 @@ class SoftNic(Nic):
             it = int(T[H_ITERS])
             wait(lambda: int(T[H_ITERS]) >= it + 2, "the engine did not complete a pass")
             # a pass of a progress hook (a waiting caller's thread) may be in flight too: once
-            # the executor lock is ours, every pass that began before the RESET store has ended
-            wait(lambda: _exec_trylock(base), "the executor lock was not released")
-            _exec_unlock(base)
+            # the executor lock has been ours, every pass that began before the RESET store has ended
+            wait(lambda: _exec_barrier(base), "the executor lock was not released")
             if int(T[qe + Q_STATE]) == QPS_RESET:
                 break
         else:
