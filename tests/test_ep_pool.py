@@ -347,14 +347,21 @@ def test_region_add_refuses_more_than_64_regions(lib):
             lib.gp_region_remove(rid)
 
 
-def test_selection_is_thread_local_and_drives_the_torch_entry_points(lib, fake_region):
-    """gp_torch_alloc allocates in this thread's selected region only: a selection made in another
-    thread does not apply here; gp_torch_free returns the block by address from any thread."""
+def _torch_entry_points(lib):
+    """gp_torch_alloc(size, device, stream) and gp_torch_free(ptr, size, device, stream), bound with
+    the types torch's CUDAPluggableAllocator calls them with."""
     alloc = lib.gp_torch_alloc
     alloc.argtypes, alloc.restype = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
     free = lib.gp_torch_free
     free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     free.restype = None
+    return alloc, free
+
+
+def test_selection_is_thread_local_and_drives_the_torch_entry_points(lib, fake_region):
+    """gp_torch_alloc allocates in this thread's selected region only: a selection made in another
+    thread does not apply here; gp_torch_free returns the block by address from any thread."""
+    alloc, free = _torch_entry_points(lib)
     rid = fake_region
     lib.gp_select(-1)
     assert alloc(PAGE, 0, None) is None
@@ -382,3 +389,44 @@ def test_selection_is_thread_local_and_drives_the_torch_entry_points(lib, fake_r
     th.join()
     free(here, PAGE, 0, None)
     assert lib.gp_region_used(rid) == 0
+
+
+def test_torch_free_frees_only_with_the_size_device_and_stream_of_the_allocation(lib, fake_region,
+                                                                                 capfd):
+    """torch's CUDAPluggableAllocator hands gp_torch_free back the (size, device, stream) it gave
+    gp_torch_alloc for that pointer (c10 raw_delete keeps them per pointer). A free that disagrees
+    in any of them, or whose pointer starts no block (in no region, inside a block, freed twice),
+    or that names a block gp_alloc_in handed out (the CPU path, no device) frees nothing: the block
+    stays taken, so no later allocation gets bytes a live tensor may still use; gp_bad_frees counts
+    it and one stderr line names it. The matching free returns the block, silently."""
+    alloc, free = _torch_entry_points(lib)
+    rid, stream = fake_region, 0x5000
+    lib.gp_select(rid)
+    try:
+        blk = alloc(2 * PAGE, 0, stream)
+    finally:
+        lib.gp_select(-1)
+    cpu = lib.gp_alloc_in(rid, PAGE)
+    assert (blk, cpu) == (FAKE_BASE, FAKE_BASE + 2 * PAGE)
+    bad = lib.gp_bad_frees()
+    capfd.readouterr()
+    wrong = [(blk, 2 * PAGE - 1, 0, stream),      # same pages, not the size asked for
+             (blk, 4 * PAGE, 0, stream),
+             (blk, 2 * PAGE, 1, stream),
+             (blk, 2 * PAGE, 0, stream + 1),
+             (cpu, PAGE, 0, None),
+             (blk + PAGE, PAGE, 0, stream),
+             (12345, PAGE, 0, stream)]
+    for args in wrong:
+        free(*args)
+    assert lib.gp_region_used(rid) == 3 * PAGE
+    assert lib.gp_bad_frees() == bad + len(wrong)
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == len(wrong) and all("gp_torch_free" in ln for ln in lines), lines
+    assert lib.gp_alloc_in(rid, PAGE) == FAKE_BASE + 3 * PAGE     # blk's pages were not handed out
+    free(blk, 2 * PAGE, 0, stream)
+    assert lib.gp_region_used(rid) == 2 * PAGE and lib.gp_bad_frees() == bad + len(wrong)
+    assert capfd.readouterr().err == ""
+    free(blk, 2 * PAGE, 0, stream)                                # twice
+    assert lib.gp_bad_frees() == bad + len(wrong) + 1
+    assert "gp_torch_free" in capfd.readouterr().err

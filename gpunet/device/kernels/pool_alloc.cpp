@@ -17,8 +17,10 @@
 // so a list of a handful of free ranges is walked, and lower addresses are reused first, which keeps
 // the region's tail in one piece for the next big request.
 
+#include <cinttypes>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <iterator>
 #include <map>
 #include <mutex>
@@ -34,12 +36,23 @@ constexpr uint64_t kPage = 4096;
 // 64 leaves room for tests that open many pools.
 constexpr int kMaxRegions = 64;
 
+// An allocated block and what its allocation was asked with. torch's CUDAPluggableAllocator hands
+// gp_torch_free back exactly the (size, device, stream) it gave gp_torch_alloc for the pointer (c10
+// raw_delete keeps them per pointer), so a free that disagrees is not this block's: freeing it anyway
+// would let the next allocation hand out bytes a live tensor still uses.
+struct Block {
+    uint64_t len;                          // bytes taken: size rounded up to kPage
+    uint64_t size;                         // bytes asked for
+    int device;                            // torch's device index; -1: gp_alloc_in's (the CPU path)
+    void* stream;                          // torch's stream; nullptr for gp_alloc_in's
+};
+
 struct Region {
     int id = -1;                           // -1: slot unused
     uint64_t lo = 0, hi = 0;               // usable [lo, hi): the page-aligned part of [base, base+size)
     uint64_t used = 0;                     // bytes in allocated blocks
     std::map<uint64_t, uint64_t> free_;    // start -> length, address order, never adjacent
-    std::map<uint64_t, uint64_t> taken;    // start -> length of allocated blocks
+    std::map<uint64_t, Block> taken;       // start -> allocated block
 };
 
 std::mutex g_mu;                           // guards everything below
@@ -68,7 +81,7 @@ Region* find_addr(uint64_t addr) {
     return nullptr;
 }
 
-uint64_t alloc_locked(Region& r, uint64_t size) {
+uint64_t alloc_locked(Region& r, uint64_t size, int device, void* stream) {
     if (size == 0 || size > UINT64_MAX - (kPage - 1)) return 0;
     const uint64_t len = (size + kPage - 1) & ~(kPage - 1);
     for (auto it = r.free_.begin(); it != r.free_.end(); ++it) {
@@ -76,18 +89,16 @@ uint64_t alloc_locked(Region& r, uint64_t size) {
         const uint64_t at = it->first, rest = it->second - len;
         r.free_.erase(it);
         if (rest) r.free_.emplace(at + len, rest);
-        r.taken.emplace(at, len);
+        r.taken.emplace(at, Block{len, size, device, stream});
         r.used += len;
         return at;
     }
     return 0;
 }
 
-// Returns false if addr is not the start of an allocated block of r.
-bool free_locked(Region& r, uint64_t addr) {
-    auto t = r.taken.find(addr);
-    if (t == r.taken.end()) return false;
-    uint64_t at = addr, len = t->second;
+// Return block t of r to its free list, merged with its free neighbours.
+void release_locked(Region& r, std::map<uint64_t, Block>::iterator t) {
+    uint64_t at = t->first, len = t->second.len;
     r.taken.erase(t);
     r.used -= len;
     auto next = r.free_.lower_bound(at);
@@ -99,10 +110,17 @@ bool free_locked(Region& r, uint64_t addr) {
         auto prev = std::prev(next);
         if (prev->first + prev->second == at) {
             prev->second += len;
-            return true;
+            return;
         }
     }
     r.free_.emplace(at, len);
+}
+
+// Returns false if addr is not the start of an allocated block of r.
+bool free_locked(Region& r, uint64_t addr) {
+    auto t = r.taken.find(addr);
+    if (t == r.taken.end()) return false;
+    release_locked(r, t);
     return true;
 }
 
@@ -165,7 +183,7 @@ void gp_select(int id) { tl_selected = id; }
 uint64_t gp_alloc_in(int id, uint64_t size) {
     std::lock_guard<std::mutex> g(g_mu);
     Region* r = find_id(id);
-    return r ? alloc_locked(*r, size) : 0;
+    return r ? alloc_locked(*r, size, -1, nullptr) : 0;
 }
 
 // Free the block starting at `addr`, in whichever region holds it. An address that starts no
@@ -194,22 +212,46 @@ uint64_t gp_bad_frees() {
 
 // torch.cuda.memory.CUDAPluggableAllocator's allocation entry point (c10 calls it with the size of a
 // whole caching-allocator segment): a block in this thread's selected region, or nullptr when no region
-// is selected or none has room, which torch reports as torch.OutOfMemoryError.
+// is selected or none has room, which torch reports as torch.OutOfMemoryError. The block keeps size,
+// device and stream for gp_torch_free to check.
 void* gp_torch_alloc(ssize_t size, int device, void* stream) {
-    (void)device;
-    (void)stream;
     const int id = tl_selected;
     if (id < 0 || size <= 0) return nullptr;
-    return reinterpret_cast<void*>(gp_alloc_in(id, static_cast<uint64_t>(size)));
+    std::lock_guard<std::mutex> g(g_mu);
+    Region* r = find_id(id);
+    return r ? reinterpret_cast<void*>(alloc_locked(*r, static_cast<uint64_t>(size), device, stream))
+             : nullptr;
 }
 
-// CUDAPluggableAllocator's free entry point. Addressed by pointer alone: torch may free a segment from
-// any thread (empty_cache, pool destruction), where no region is selected.
+// CUDAPluggableAllocator's free entry point. Found by pointer (torch may free a segment from any thread,
+// empty_cache or pool destruction, where no region is selected), and freed only if the pointer starts a
+// block that gp_torch_alloc handed out with this very size, device and stream. Anything else (a foreign
+// pointer, a second free, a stale free landing on a new region over the same addresses with another
+// size, a CPU block) means torch and this pool disagree: the block stays taken (leaked, never handed
+// out twice), gp_bad_frees counts it and stderr says so, since torch has no way to hear of it.
 void gp_torch_free(void* ptr, ssize_t size, int device, void* stream) {
-    (void)size;
-    (void)device;
-    (void)stream;
-    if (ptr) gp_free_at(reinterpret_cast<uint64_t>(ptr));
+    if (!ptr) return;
+    const uint64_t addr = reinterpret_cast<uint64_t>(ptr);
+    std::lock_guard<std::mutex> g(g_mu);
+    Region* r = find_addr(addr);
+    auto t = r ? r->taken.find(addr) : std::map<uint64_t, Block>::iterator();
+    if (r && t != r->taken.end()) {
+        const Block& b = t->second;
+        if (b.size == static_cast<uint64_t>(size) && b.device == device && b.stream == stream) {
+            release_locked(*r, t);
+            return;
+        }
+        std::fprintf(stderr, "gpunet pool_alloc: gp_torch_free(0x%" PRIx64 ", size %zd, device %d, "
+                     "stream %p) refused: the block there was allocated with size %" PRIu64
+                     ", device %d, stream %p; it stays allocated\n",
+                     addr, size, device, stream, b.size, b.device, b.stream);
+    } else {
+        std::fprintf(stderr, "gpunet pool_alloc: gp_torch_free(0x%" PRIx64 ", size %zd, device %d, "
+                     "stream %p) refused: %s\n", addr, size, device, stream,
+                     r ? "no allocated block starts there (freed twice?)"
+                       : "the pointer is in no region of this pool");
+    }
+    ++g_bad_frees;
 }
 
 }  // extern "C"
