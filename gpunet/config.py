@@ -77,6 +77,9 @@ KNOBS = (
          "tests: the doorbell turn left with a plain store, not the CAS (must be caught)"),
     Knob("GPUNET_TEST_NO_LAP_CHECK", "define", "flag", None, (),
          "tests: a late owner's leave takes a later lap's tag or marker (qp.cuh \"The late leave\"; must be caught)"),
+    Knob("GPUNET_TEST_HT_NOTIFY_STALL_NS", "define", "int", None, (),
+         "tests: the HT notify's block 0 stalls this long between reading the peers' headers and "
+         "reading them again (ht.cuh ht_rhdr: a slow third source's window)"),
     Knob("GPUNET_POST_STAMP", "define", "str", None, (),
          "qp.cuh's phase-stamp hook (k): nothing unless an includer defines it (post_rate.cu)"),
     Knob("GPUNET_BENCH_PHASES", "define", "flag", None, (),

@@ -19,7 +19,7 @@
 #      then (here): python3 bench/ep_profile_ab.py new='.../prof_new*.json' old='.../prof_old*.json'
 set -euo pipefail
 cd "$(dirname "$0")/.."
-AB=_ab
+AB=${AB_DIR:-_ab}   # AB_DIR: another directory, for a second A/B in the same call
 case "${1:-}" in
   prepare)
     old=${2:?usage: ab.sh prepare OLD [NEW]}

@@ -458,3 +458,43 @@ def too_small(state, hidden):
     except Exception as e:  # noqa: BLE001 - the test checks the type and text
         return "%s: %s" % (type(e).__name__, e)
     return None
+
+
+def header_overtaken(state, spec, stall_ns):
+    """Two dispatches; this rank's notify (rank 0's only) stalls ``stall_ns`` between reading the
+    peers' headers and reading them again (GPUNET_TEST_HT_NOTIFY_STALL_NS: the window a slow third
+    source opens). In the first, every rank routes its tokens to its own experts only, so rank 1
+    finishes it without rank 0's rows and starts the second, whose header (rank 1's tokens all to
+    rank 0) reaches rank 0 during that stall. Returns (raised, masked ranks, bad) of both calls;
+    every result is checked against the reference."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    if rank == 0:
+        from gpunet.device import ep as dep
+        buf._ht_lib = dep.load_ep_ht("host", defines={"GPUNET_TEST_HT_NOTIFY_STALL_NS": stall_ns},
+                                     kinds=buf._build_kinds)
+    inputs = _inputs(spec, world)
+    el, k = spec["num_experts"] // world, spec["topk"]
+    out = []
+    for step in (0, 1):
+        for j, d in enumerate(inputs):   # rank j's tokens to rank `to`'s experts, K distinct ones
+            to = 0 if (step, j) == (1, 1) else j
+            t = torch.arange(d["topk_idx"].shape[0]).unsqueeze(1) + torch.arange(k)
+            d["topk_idx"] = (to * el + t % el).to(d["topk_idx"].dtype)
+        mine, bad, raised = inputs[rank], [], None
+        try:
+            ntr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(mine["topk_idx"], spec["num_experts"])
+            rx, rtk, rw, counts, _, _ = buf.dispatch(
+                _x(spec, mine), num_tokens_per_rank=ntr, is_token_in_rank=in_rank,
+                num_tokens_per_expert=ntpe, topk_idx=mine["topk_idx"],
+                topk_weights=mine["topk_weights"], config=Config(*spec["config"]))
+            r_ = _dispatch_ref(spec, inputs, rank, ())
+            if counts != r_["counts"]:
+                bad.append("counts %r != reference %r" % (counts, r_["counts"]))
+            if not (_same(rx, r_["recv_x"]) and torch.equal(rtk, r_["recv_topk_idx"])
+                    and torch.equal(rw, r_["recv_topk_weights"])):
+                bad.append("received rows differ from the reference")
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            raised = "%s: %s" % (type(e).__name__, str(e)[:300])
+        out.append((raised, out_masked(buf), bad))
+    return out

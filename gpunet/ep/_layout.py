@@ -147,7 +147,8 @@ def ctl_layout(num_ranks):
 # call uses another Config or shape (a word left from an earlier call is epoch-stamped, ht.cuh):
 #   sig    u64 tail[2 kinds][64 channels][R], head[2][64][R], hdr[R], hb[R] (heartbeats),
 #          desc[R] (receive descriptors' signals)
-#   shdr   R headers of HT_HDR_STRIDE bytes (send staging), rhdr R headers (one per source)
+#   shdr   R headers of HT_HDR_STRIDE bytes (send staging), rhdr 2 x R headers (one per source and
+#          epoch parity: ht.cuh ht_rhdr)
 #   rdesc  R receive descriptors of HT_RD_WORDS u64 (ht.cuh "the receive pool"), one per destination
 #   then the rest in two halves, dispatch then combine, each: a send (staging) ring and a receive
 #   ring of [nc][R][ring] messages (msg_stride of bf16 rows: the larger kind).
@@ -160,7 +161,7 @@ def ht_sig_bytes(num_ranks):
 
 
 def ht_fixed_bytes(num_ranks):
-    return align(ht_sig_bytes(num_ranks), 4096) + 2 * num_ranks * HT_HDR_STRIDE + \
+    return align(ht_sig_bytes(num_ranks), 4096) + 3 * num_ranks * HT_HDR_STRIDE + \
         align(num_ranks * dep.HT_RD_WORDS * 8, 4096)
 
 
@@ -191,7 +192,7 @@ class HtLayout:
         self.sig = 0
         self.shdr = align(ht_sig_bytes(r), 4096)
         self.rhdr = self.shdr + r * HT_HDR_STRIDE
-        self.rdesc = self.rhdr + r * HT_HDR_STRIDE
+        self.rdesc = self.rhdr + 2 * r * HT_HDR_STRIDE
         start = ht_fixed_bytes(r)
         half = (region_bytes - start) // 2 // ALIGN * ALIGN
         per = ht_area_bytes(hidden, r, nchannels, ring) // 2

@@ -192,7 +192,7 @@ struct HtParams {
                          // this rank's last heartbeat
   uint64_t send_ring;    // heap: [nc][R][ring] messages of msg_stride bytes (this op's kind)
   uint64_t recv_ring;    // heap: [nc][R][ring]
-  uint64_t shdr, rhdr;   // heap: [R] headers of hdr_stride bytes (dispatch)
+  uint64_t shdr, rhdr;   // heap: shdr [R], rhdr [2 epoch parities][R] headers of hdr_stride bytes
   uint64_t x;            // dispatch: bf16 [T, H] or fp8 [T, H]; combine: bf16 [N_recv, H]
   uint64_t x_scales;     // dispatch fp8: float [T, H/128]
   uint64_t topk_idx;     // dispatch: int64 [T, K] (or 0)
@@ -258,6 +258,15 @@ GPUNET_DEVICE int32_t* notify_scratch(const HtParams& P) {
   return ptr<int32_t>(P.ws + uint64_t(2) * P.nchannels * P.base.nranks * WS_WORDS * 8);
 }
 GPUNET_DEVICE uint64_t chan_begin(uint64_t T, uint32_t nc, uint32_t c) { return T * c / nc; }
+// Source j's header for op `epoch` in this rank's heap: one slot per epoch PARITY. The notify
+// re-reads the headers after its barrier (prefixes, expert counts), which waits for the slowest
+// source; a source that exchanges no rows with this rank meanwhile finishes this op and starts
+// the next one's notify, whose header then lands in the OTHER slot. It cannot write this slot
+// again before this rank's next header reached it (its next notify waits for that), i.e. before
+// this rank finished this op; a source that masked this rank sends it no header at all.
+GPUNET_DEVICE uint64_t ht_rhdr(const HtParams& P, uint32_t j, uint64_t epoch) {
+  return P.rhdr + ((epoch & 1) * P.base.nranks + j) * uint64_t(P.base.hdr_stride);
+}
 GPUNET_DEVICE uint64_t slot_addr(const HtParams& P, uint64_t ring, uint32_t c, uint32_t p, uint64_t i) {
   return ring + ((uint64_t(c) * P.base.nranks + p) * P.ring + i % P.ring) * P.base.msg_stride;
 }
@@ -413,8 +422,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
   // thread, not nc + E_loc dependent pairs in one thread), then its head by thread d
   const uint32_t hdr_words = kHtHdrHead + nc + EL;
   auto hdr_of = [&](uint32_t d) {
-    return ptr<int32_t>(d == B.rank ? P.rhdr + uint64_t(B.rank) * B.hdr_stride
-                                    : P.shdr + uint64_t(d) * B.hdr_stride);
+    return ptr<int32_t>(d == B.rank ? ht_rhdr(P, B.rank, epoch) : P.shdr + uint64_t(d) * B.hdr_stride);
   };
   for (uint32_t i = g.tid; i < R * (nc + EL); i += g.bdim) {
     const uint32_t d = i / (nc + EL), w = i % (nc + EL);
@@ -440,7 +448,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     h[7] = 0;
     if (self) continue;
     const DevCtx& cx = peer_ctx(B, d);
-    const uint64_t rh = P.rhdr + uint64_t(B.rank) * B.hdr_stride;
+    const uint64_t rh = ht_rhdr(P, B.rank, epoch);
     if (!(fence(cx) && put_signal_nbi(cx, ptr<void>(rh), h, uint64_t(hdr_words) * 4,
                                        ht_hdr_sig(P, B.rank), (epoch << 32) | 1, int(d), SIGNAL_SET)))
       peer_fail(B, d);
@@ -465,7 +473,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
       ok = wait_peer(B, j, ht_hdr_sig(P, j), (epoch << 32) | 1, api::waiter(peer_ctx(B, j)), ht_beat(P));
       if (!ok) peer_fail(B, j);
     }
-    const int32_t* h = ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride);
+    const int32_t* h = ptr<const int32_t>(ht_rhdr(P, j, epoch));
     if (ok && (h[0] != kHtMagic || uint32_t(h[1]) != B.hidden || uint32_t(h[2]) != nc ||
                uint32_t(h[3]) != B.msg_stride || uint32_t(h[4]) != B.num_experts)) {
       ep_fail(B, EP_ERR_MISMATCH, EP_SITE_HT_HEADER, j, (uint64_t(nc) << 32) | B.hidden,
@@ -487,11 +495,19 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     notify_scratch(P)[j] = ok ? 1 : 0;
   }
   arch::syncthreads();
+#if defined(GPUNET_TEST_HT_NOTIFY_STALL_NS)
+  // (tests/test_ep_ht.py) a stall where the barrier above waits for a slow source: the headers
+  // are read again below, after it (ht_rhdr)
+  if (g.tid == 0)
+    for (const uint64_t t0 = arch::now_ns(); arch::now_ns() - t0 < uint64_t(GPUNET_TEST_HT_NOTIFY_STALL_NS);)
+      arch::spin_pause();
+  arch::syncthreads();
+#endif
   if (g.tid == 0) {
     int64_t run = 0;
     for (uint32_t j = 0; j < R; ++j) {
       const bool ok = notify_scratch(P)[j] != 0;
-      const int32_t* h = ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride);
+      const int32_t* h = ptr<const int32_t>(ht_rhdr(P, j, epoch));
       set_info(j, int32_t(run));
       // batched: the stores to pre may alias the header loads (one latency per channel otherwise)
       batched(nc, [&](uint32_t c) { return ok ? h[kHtHdrHead + c] : 0; },
@@ -509,7 +525,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     int64_t n = 0;
     for (uint32_t j = 0; j < R; ++j)
       if (notify_scratch(P)[j])
-        n += ptr<const int32_t>(P.rhdr + uint64_t(j) * B.hdr_stride)[kHtHdrHead + nc + le];
+        n += ptr<const int32_t>(ht_rhdr(P, j, epoch))[kHtHdrHead + nc + le];
     const int64_t a = P.alignment ? int64_t(P.alignment) : 1;
     set_info(R + 1 + le, int32_t((n + a - 1) / a * a));
   }
