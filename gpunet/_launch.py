@@ -5,7 +5,8 @@ copy, see bulk_geometry), and (CUDA) the ring of OpDesc slots for launches in fl
 - CPU platform: the HOST arm runs the kernel synchronously on the calling thread; the Status
   block is read right after it.
 - CUDA: the kernel is enqueued on ``torch.cuda.current_stream()``; its OpDescs live in a ring in
-  NIC-registered (host-mapped) memory until the next stream synchronization frees every slot.
+  NIC-registered (host-mapped) memory until the next wait for every stream launched on frees
+  every slot.
 
 The Status block has one rule on both: a failure a kernel recorded is reported once and then
 cleared, by the next synchronizing call (:meth:`Launcher.run` with ``blocking``, :meth:`sync`)
@@ -107,8 +108,8 @@ class Launcher(Resource):
     ``gpu``: launch on CUDA (else the HOST arm); ``warp_size``: the launches' warp size. ``dev``
     (the Context's device context, gpunet/device/descriptors.py DeviceContext) is set once it exists.
 
-    A Resource: on CUDA ``close()`` first waits for the current stream, because no kernel may
-    still run on descriptors its Context is about to free (the Context closes it first).
+    A Resource: on CUDA ``close()`` first waits for every stream it launched on, because no
+    kernel may still run on descriptors its Context is about to free (the Context closes it first).
     """
 
     def __init__(self, nic, gpu, warp_size):
@@ -135,7 +136,8 @@ class Launcher(Resource):
             f = self.lib.gpunet_ops_launch_stream
             f.argtypes, f.restype = [u32, u32, u32, vp, vp, u32, vp, u32], ctypes.c_int
             self._ring = nic.alloc(OPS_RING * ctypes.sizeof(abi.OpDesc), 4096)
-            self._top = 0            # next free OpDesc slot; reset after each stream sync
+            self._top = 0            # next free OpDesc slot; reset after each wait (_wait_launched)
+            self._streams = set()    # the streams launched on since the last wait (raw handles)
 
     def bulk(self, kind, nbytes):
         """The bulk put geometry (bulk_geometry) for a put of ``nbytes`` to a peer reached by
@@ -187,6 +189,12 @@ class Launcher(Resource):
             err = self.sync(what)    # every slot in flight: wait for them (and report)
             if err is not None:
                 return ops, err, False
+        stream = self.stream()
+        if len(self._streams) > 1 and any(o.kind == abi.OP_QUIET for o in ops):
+            # a quiet covers the posts made before it runs: a put launched on another stream
+            # may not have run yet (tests/test_api_cuda.py test_quiet_waits_for_a_put_on_another_stream)
+            torch.cuda.synchronize(self._device)
+            self._streams = {stream}
         addr = self._ring.ctypes.data + self._top * ctypes.sizeof(abi.OpDesc)
         self._top += n
         dops = (abi.OpDesc * n).from_address(addr)
@@ -194,11 +202,10 @@ class Launcher(Resource):
         if bulk is not None:
             grid, block, chunk = bulk
             rc = self.lib.gpunet_put_bulk_launch(grid, block, self.warp_size, 0, 0, 0, 0,
-                                                 self.dev.addr, addr, n, chunk,
-                                                 self.stream() or None, 0)
+                                                 self.dev.addr, addr, n, chunk, stream or None, 0)
         else:
             rc = self.lib.gpunet_ops_launch_stream(1, 1, self.warp_size, self.dev.addr, addr, n,
-                                                   self.stream() or None, 0)
+                                                   stream or None, 0)
         if rc != 0:
             raise GpunetError("%s: CUDA kernel launch failed (cudaError %d)" % (what, rc))
         if blocking:
@@ -227,15 +234,32 @@ class Launcher(Resource):
 
     def stream(self):
         """The stream launches go on: torch's current CUDA stream handle (0 on the CPU), read
-        per call (the caller may switch streams between puts) through current_stream_handle."""
-        return current_stream_handle(self._device) if self._gpu else 0
+        per call (the caller may switch streams between puts) through current_stream_handle,
+        and remembered until the next wait (_wait_launched)."""
+        if not self._gpu:
+            return 0
+        h = current_stream_handle(self._device)
+        self._streams.add(h)
+        return h
+
+    def _wait_launched(self):
+        """CUDA: wait until every kernel launched since the last wait is done, then free the
+        ring's slots. The current stream when it is the only one launched on, else the whole
+        device: a kernel queued on another stream still reads its OpDescs from the ring when it
+        runs (a slot reused now would give it another call's), and its puts are what a quiet
+        promises complete."""
+        if self._streams <= {current_stream_handle(self._device)}:
+            torch.cuda.current_stream(self._device).synchronize()
+        else:
+            torch.cuda.synchronize(self._device)
+        self._streams.clear()
+        self._top = 0
 
     def sync(self, what):
-        """Wait until every kernel launched so far is done (CUDA: the current stream), then take
+        """Wait until every kernel launched so far is done (CUDA: _wait_launched), then take
         the failure they recorded: returned (and cleared), or None."""
         if self._gpu:
-            torch.cuda.current_stream().synchronize()
-            self._top = 0
+            self._wait_launched()
         st = self.dev.read_status()
         if not st.code:
             return None
@@ -251,4 +275,4 @@ class Launcher(Resource):
 
     def _release(self):
         if self._gpu:
-            torch.cuda.current_stream().synchronize()
+            self._wait_launched()

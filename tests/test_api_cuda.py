@@ -174,3 +174,27 @@ def test_ranks_share_the_gpu(transport, world):
     assert sorted(r[2] for r in res) == list(range(world))
     assert res[0][3] == world
     assert all(set(r[4].values()) == {transport} for r in res)
+
+
+def test_quiet_waits_for_a_put_on_another_stream(ctx):
+    """A put queued on a side stream behind a 50 ms sleep kernel, then a quiet and a second put
+    from the default stream: the quiet returns with the first put done (it waits for every stream
+    launched on, not the current one alone) and the second put's OpDesc does not overwrite the
+    first's ring slot before the first kernel read it. Invariant: both destinations hold their
+    sources after the quiet."""
+    a, b = ctx.alloc((4096,), torch.uint8), ctx.alloc((4096,), torch.uint8)
+    da, db = ctx.alloc((4096,), torch.uint8), ctx.alloc((4096,), torch.uint8)
+    a.fill_(7)
+    b.fill_(9)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)           # ~50 ms of GPU clock cycles before the put
+        ctx.put(ctx.remote(0, da), a)
+    ctx.quiet()
+    assert int((da == 7).sum()) == 4096, "quiet returned before the side stream's put"
+    ctx.put(ctx.remote(0, db), b)
+    ctx.quiet()
+    assert int((db == 9).sum()) == 4096 and int((da == 7).sum()) == 4096
+    for t in (db, da, b, a):
+        ctx.free(t)

@@ -258,3 +258,50 @@ def test_a_marked_down_nic_is_not_run_by_its_waiting_caller():
         assert c.nic.stats()["wqes"] == wqes and not y.any()
     finally:
         c.close()
+
+
+class _FakeStatus:
+    code = 0
+
+
+class _FakeDev:
+    def read_status(self):
+        return _FakeStatus()
+
+
+def test_the_cuda_launcher_waits_for_every_stream_it_launched_on(monkeypatch):
+    """The CUDA Launcher's stream bookkeeping, with torch.cuda's calls recorded instead of made
+    (no GPU here; tests/test_api_cuda.py test_quiet_waits_for_a_put_on_another_stream runs it
+    on one). Launches on one stream: a sync waits for that stream only. Launches on two: a sync
+    waits for the whole device (a kernel on the other stream still reads its ring slots), and a
+    quiet launched on one of them first waits for the device too. Every wait frees the ring."""
+    calls, cur = [], [11]
+    monkeypatch.setattr(_launch, "current_stream_handle", lambda device=None: cur[0])
+
+    class Stream:
+        def synchronize(self):
+            calls.append(("stream", cur[0]))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("device",)))
+    lau = _launch.Launcher.__new__(_launch.Launcher)
+    lau._gpu, lau._device, lau.dev, lau._top, lau._streams = True, 0, _FakeDev(), 7, set()
+    lau.stream()
+    lau.stream()
+    assert lau.sync("one stream") is None and calls == [("stream", 11)] and lau._top == 0
+    cur[0] = 22
+    lau.stream()                  # a side stream
+    cur[0] = 11
+    lau.stream()
+    lau._top = 3
+    lau.sync("two streams")
+    assert calls[1:] == [("device",)] and lau._top == 0 and lau._streams == set()
+    launched = []
+    lau.lib = type("Lib", (), {"gpunet_ops_launch_stream": lambda *a: launched.append(a) or 0})()
+    ring = (abi.OpDesc * 4)()     # kept alive: the launch copies the OpDescs into it
+    lau._ring = type("Ring", (), {"ctypes": type("C", (), {"data": ctypes.addressof(ring)})()})()
+    lau.dev.addr, lau.warp_size = 0, 32
+    cur[0] = 22
+    lau.stream()                  # a put on the side stream, then a quiet from stream 11
+    cur[0] = 11
+    lau._run_gpu(_launch.op_list(dict(kind=abi.OP_QUIET)), "quiet", blocking=False)
+    assert calls[2:] == [("device",)] and len(launched) == 1 and lau._streams == {11}
