@@ -292,6 +292,37 @@ def test_closing_a_second_context_falls_back_to_the_first():
             c.close()
 
 
+def test_contexts_sharing_the_group_gpunet_started_keep_it_until_the_last_closes(monkeypatch):
+    """Under torchrun (a one-rank torchrun environment, gloo) the first gpunet.init() starts the
+    default process group and the second finds it started: closing the first must leave the group
+    to the second (only the first used to own it, and destroyed it under the second's alloc); the
+    last to close destroys it."""
+    import torch.distributed as dist
+
+    from gpunet.host.bootstrap import free_port
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is initialised in this test process: gpunet would not start it")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    a = gpunet.init(heap_bytes=1 << 20)
+    try:
+        b = gpunet.init(heap_bytes=1 << 20)
+        try:
+            a.close()
+            x = b.alloc((8,), torch.int64)
+            b.free(x)
+        finally:
+            b.close()
+        assert not dist.is_initialized()
+    finally:
+        a.close()
+        if dist.is_initialized():                 # the old code's leftovers: not another test's
+            dist.destroy_process_group()
+
+
 # --- a protection error, then recovery ------------------------------------------------------------------
 def _bad_put_raises_and_resets(ctx, src):
     """A put injected past rank 0's heap, then quiet: a CompletionError with the remote access

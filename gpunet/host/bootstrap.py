@@ -27,6 +27,15 @@ _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 # small; a rank that has not arrived in this time has died or is stuck in a different call.
 DEFAULT_TIMEOUT_S = 300
 
+# The default process group that from_env started (None when it started none, or it is gone) and
+# how many open Bootstraps hold it. Every Bootstrap from_env makes while that group is the default
+# one holds it, not only the one that started it: two gpunet.init() in one torchrun process share
+# the group, and closing the first destroyed it under the second. The last holder to close
+# destroys it.
+# tests/test_api_adversarial.py::test_contexts_sharing_the_group_gpunet_started_keep_it_until_the_last_closes
+_own_group = None
+_own_group_holders = 0
+
 
 def free_port():
     """A TCP port on 127.0.0.1 free right now: the rendezvous port of a one-machine process group
@@ -75,7 +84,8 @@ class Bootstrap(Resource):
 
     Attributes: ``rank`` (this process's rank in ``group``), ``world_size`` (ranks in ``group``).
     A gpunet.resource.Resource (a context manager; ``close()`` is idempotent): closing destroys
-    the process group only if ``from_env`` created it.
+    the process group only if ``from_env`` created it and no other Bootstrap from ``from_env``
+    still holds it.
     """
 
     def __init__(self, group=None, _owns_group=False):
@@ -99,17 +109,22 @@ class Bootstrap(Resource):
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)
         self._owns_group = _owns_group
+        if _owns_group:              # last: a constructor that raised is never closed
+            global _own_group, _own_group_holders
+            _own_group = dist.group.WORLD
+            _own_group_holders += 1
 
     @classmethod
     def from_env(cls, backend=None, timeout_s=DEFAULT_TIMEOUT_S):
         """A Bootstrap for this process, initialising torch.distributed if needed.
 
-        - torch.distributed already initialised: the default group (as ``Bootstrap()``).
+        - torch.distributed already initialised: the default group (as ``Bootstrap()``); when
+          an earlier ``from_env`` started it, this one holds it too.
         - torchrun variables set (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE): initialise with
           ``init_method="env://"`` and ``backend`` (default gloo on the CPU, nccl when torch sees
           a GPU; on MACA torch's "nccl" is its own collective library — *unverified*). On a GPU,
           sets the current device to LOCAL_RANK first (nccl's object collectives use the current
-          device). ``close()`` then destroys the group.
+          device). The group is destroyed when the last Bootstrap holding it closes.
         - none of them set: a single-process bootstrap (rank 0, world_size 1) that does not touch
           torch.distributed at all: allgather_obj returns ``[obj]``, alltoall_obj a copy of its
           list, barrier returns at once.
@@ -118,7 +133,7 @@ class Bootstrap(Resource):
         import torch
         import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():
-            return cls()
+            return cls(_owns_group=_own_group is not None and dist.group.WORLD is _own_group)
         present = [v for v in _ENV_VARS if os.environ.get(v)]
         if not present:
             return LocalBootstrap()
@@ -254,9 +269,16 @@ class Bootstrap(Resource):
                               f"{type(e).__name__}: {e}") from e
 
     def _release(self):
-        """Destroy the process group if ``from_env`` created it."""
-        if self._owns_group and self._dist.is_initialized():
-            self._dist.destroy_process_group()
+        """Destroy the process group if ``from_env`` created it and this is its last holder."""
+        global _own_group, _own_group_holders
+        if not self._owns_group:
+            return
+        _own_group_holders -= 1
+        if _own_group_holders == 0:
+            # the application may have destroyed it and started its own since: not ours to end
+            if self._dist.is_initialized() and self._dist.group.WORLD is _own_group:
+                self._dist.destroy_process_group()
+            _own_group = None
 
     def __repr__(self):
         return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
