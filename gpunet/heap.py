@@ -136,7 +136,7 @@ class SymmetricHeap:
     def locate(self, tensor, what):
         """(allocation, heap offset of the first byte) of a view of a live allocation of this
         heap; ConfigError for anything else (wrong type or device, another heap's or a freed
-        allocation, memory outside the heap)."""
+        allocation, memory outside the heap, a lazy conjugate or negative view)."""
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError("%s: expected a torch.Tensor, got %s" % (what, type(tensor).__name__))
         # is_cuda / is_cpu: a tenth of tensor.device's cost (bench/cpu_put.py's hot path)
@@ -156,6 +156,14 @@ class SymmetricHeap:
             raise ConfigError("%s: the tensor is %s; allocate it with ctx.alloc()" % (
                 what, "in a freed allocation of the symmetric heap" if inside else
                 "outside the symmetric heap (or in another Context's heap)"))
+        if tensor.is_conj() or tensor.is_neg():
+            # torch's lazy views keep the original bytes plus a flag that only torch's own ops
+            # apply; the NIC moves bytes, so a put sent the values unconjugated (un-negated)
+            kind, fix = (("conjugate", "resolve_conj") if tensor.is_conj()
+                         else ("negative", "resolve_neg"))
+            raise ConfigError("%s: the tensor is a lazy %s view, whose bytes are the values before "
+                              "the flag torch applies; the NIC moves the bytes. Pass a plain heap "
+                              "tensor (e.g. copy t.%s() into one)" % (what, kind, fix))
         return a, a.off + tensor.storage_offset() * tensor.element_size()
 
     def offset_of(self, tensor, what):

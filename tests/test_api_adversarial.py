@@ -267,6 +267,33 @@ def test_argument_types_are_checked_at_the_api_boundary(ctx):
     ctx.free(x)
 
 
+def test_conjugate_and_negative_views_are_refused_before_anything_moves(ctx):
+    """torch's lazy views (``x.conj()`` of a complex tensor, ``torch._neg_view``) keep the
+    original bytes plus a flag, and the NIC moves bytes: put used to send the un-conjugated values.
+    put, get and remote of such a view raise ConfigError naming .resolve_conj() / .resolve_neg(),
+    and neither heap tensor changes."""
+    z = ctx.alloc((4,), torch.complex64)
+    w = ctx.alloc((4,), torch.complex64)
+    f = ctx.alloc((4,), torch.float32)
+    g = ctx.alloc((4,), torch.float32)
+    z.copy_(torch.tensor([1 + 2j] * 4))
+    f.fill_(3.0)
+    for view, words in [(z.conj(), r"\.resolve_conj\(\)"), (torch._neg_view(f), r"\.resolve_neg\(\)")]:
+        dst = w if view.is_complex() else g
+        before = (w.clone(), g.clone())
+        with pytest.raises(ConfigError, match=words):
+            gpunet.put(ctx.remote(0, dst), view)
+        with pytest.raises(ConfigError, match=words):
+            gpunet.get(view, ctx.remote(0, dst))
+        with pytest.raises(ConfigError, match=words):
+            ctx.remote(0, view)
+        gpunet.quiet()
+        assert torch.equal(w, before[0]) and torch.equal(g, before[1])
+        assert torch.equal(z, torch.tensor([1 + 2j] * 4)) and bool((f == 3.0).all())
+    for t in (z, w, f, g):
+        ctx.free(t)
+
+
 # --- the current Context ------------------------------------------------------------------------------
 def test_closing_a_second_context_falls_back_to_the_first():
     """gpunet.barrier() & co. use the newest open Context: closing a later one makes the earlier
