@@ -821,9 +821,12 @@ class Context(Resource):
 
 
 def read_signal(tensor_or_array, index=0, endianness=None):
-    """The value (unsigned 64-bit) of the 8-byte signal word at element ``index`` (of 8 bytes)
-    of a heap tensor or array, read in the NICs' atomic order: ``endianness`` "host" | "big", by
-    default the ``atomic_endianness`` of the newest open Context (:func:`current`).
+    """The value (unsigned 64-bit) of the 8-byte signal word ``index`` of a contiguous heap
+    tensor or array, flattened (the word ``wait_until(t, ..., index=index)`` waits on: element
+    ``index`` of an int64 tensor of any shape), read in the NICs' atomic order: ``endianness``
+    "host" | "big", by default the ``atomic_endianness`` of the newest open Context
+    (:func:`current`). ConfigError unless 0 <= index < the number of 8-byte words, or when the
+    tensor is not contiguous.
 
     Signal words are native-endian by default, so ``sig[index]`` of an int64 tensor is the same
     number (two's complement); this reader is what the big-endian mode (a NIC whose atomics run
@@ -833,8 +836,23 @@ def read_signal(tensor_or_array, index=0, endianness=None):
         endianness = current().atomic_endianness
     if endianness not in ("host", "big"):
         raise ConfigError("read_signal: endianness must be 'host' or 'big', not %r" % (endianness,))
+    if type(index) is not int:
+        index = _index(index, "read_signal: index")
     a = tensor_or_array
     if isinstance(a, torch.Tensor):
+        # checked before the copy: a CUDA view's .cpu() may come back contiguous, a CPU one not
+        contiguous = a.is_contiguous()
+    else:
+        a = np.asarray(a)
+        contiguous = a.flags.c_contiguous
+    if not contiguous:
+        raise ConfigError("read_signal: tensor is not contiguous; call .contiguous() on a heap "
+                          "tensor view, or read the heap tensor itself")
+    words = a.nbytes // 8
+    if not 0 <= index < words:
+        raise ConfigError("read_signal: index %d out of range: the tensor holds %d 8-byte words"
+                          % (index, words))
+    if isinstance(a, torch.Tensor):
         a = _launch.to_host(a.detach())  # CUDA: a stream-ordered copy
-    b = bytes(np.asarray(a).view(np.uint8)[8 * index:8 * index + 8])
+    b = bytes(np.asarray(a).reshape(-1).view(np.uint8)[8 * index:8 * index + 8])
     return int.from_bytes(b, "big" if endianness == "big" else sys.byteorder)

@@ -267,6 +267,29 @@ def test_argument_types_are_checked_at_the_api_boundary(ctx):
     ctx.free(x)
 
 
+def test_read_signal_reads_the_flattened_word_and_checks_index_and_layout(ctx):
+    """read_signal(t, i) is word i of the flattened tensor, the word wait_until(t, ..., index=i)
+    waits on: of a 2-D int64 tensor it used to read a whole row block as one huge integer at
+    index 0, and 0 past the end or at a negative index. An index outside [0, numel of 8-byte
+    words) or a non-contiguous tensor (as wait_until) raises ConfigError; so does a numpy array's."""
+    s = ctx.alloc((2, 4), torch.int64)
+    s.copy_(torch.arange(1, 9).reshape(2, 4))
+    assert [gpunet.read_signal(s, i) for i in range(8)] == list(range(1, 9))
+    assert gpunet.read_signal(s.numpy(), np.int64(5)) == 6
+    ctx.wait_until(s, 6, "eq", index=5)
+    for bad, words in [(lambda: gpunet.read_signal(s, 8), "out of range"),
+                       (lambda: gpunet.read_signal(s, -1), "out of range"),
+                       (lambda: gpunet.read_signal(s.numpy(), 8), "out of range"),
+                       (lambda: gpunet.read_signal(s[:, 0], 0), "not contiguous"),
+                       (lambda: gpunet.read_signal(s.numpy()[:, 0], 0), "not contiguous"),
+                       (lambda: gpunet.read_signal(s, 1.0), "integer")]:
+        with pytest.raises(ConfigError, match=words):
+            bad()
+    with pytest.raises(ConfigError, match="not contiguous"):
+        ctx.wait_until(s[:, 0], 0)
+    ctx.free(s)
+
+
 def test_conjugate_and_negative_views_are_refused_before_anything_moves(ctx):
     """torch's lazy views (``x.conj()`` of a complex tensor, ``torch._neg_view``) keep the
     original bytes plus a flag, and the NIC moves bytes: put used to send the un-conjugated values.
