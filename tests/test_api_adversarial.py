@@ -92,6 +92,24 @@ def test_shape_overflowing_int64_raises_and_leaks_nothing(ctx):
     ctx.free(whole)
 
 
+def test_an_alloc_whose_exchange_fails_gives_its_range_back(ctx, monkeypatch):
+    """alloc takes and zeroes its range before the one exchange; when the exchange itself raises
+    (a rank died, the group timed out) no rank agreed to keep it, so the range goes back: it used to
+    stay taken on this rank, and every later alloc landed at another offset than on the others."""
+    before = _heap_state(ctx)
+
+    def exchange_fails(payload):
+        raise gpunet.GpunetError("bootstrap exchange over torch.distributed failed (injected)")
+
+    monkeypatch.setattr(ctx._boot, "_exchange", exchange_fails)
+    with pytest.raises(gpunet.GpunetError, match="injected"):
+        ctx.alloc((64,), torch.int64)
+    assert _heap_state(ctx) == before
+    monkeypatch.undo()
+    whole = ctx.alloc((ctx.heap_bytes - RESERVED_BYTES,), torch.uint8)   # nothing leaked
+    ctx.free(whole)
+
+
 # --- the allocator against a model ------------------------------------------------------------------
 HEAP_SLOTS = 64                                     # the model heap: 64 ALIGN-sized units
 

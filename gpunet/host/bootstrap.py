@@ -188,7 +188,8 @@ class Bootstrap(Resource):
         raised on any rank, every rank raises promptly instead of waiting in a later call: the
         failing rank its own exception after the exchange (a GpunetError wrapping it if it was
         not one), every other rank the same gpunet error class naming the failing rank(s) and why; ``undo(result)`` first takes back what a
-        successful ``fn`` did on those other ranks. ``what`` names the step in messages.
+        successful ``fn`` did on those other ranks, and what it did here when the exchange itself
+        raises (its error then propagates). ``what`` names the step in messages.
         Collective: every rank of the group calls it, in the same order as other collectives.
         tests/test_api_adversarial.py::test_a_collective_that_fails_on_one_rank_raises_on_every_rank.
         """
@@ -201,7 +202,15 @@ class Bootstrap(Resource):
             err = e
             kind = type(e).__name__ if isinstance(e, GpunetError) else "GpunetError"
             payload = _Bad(f"{type(e).__name__}: {e}" if kind == "GpunetError" else str(e), kind)
-        out = self._exchange(payload)
+        try:
+            out = self._exchange(payload)
+        except BaseException:
+            # this rank never learned that every rank succeeded, so it keeps nothing of fn: a
+            # range alloc kept here alone would put every later alloc at another offset than the
+            # peers'. tests/test_api_adversarial.py::test_an_alloc_whose_exchange_fails_gives_its_range_back
+            if err is None and undo is not None:
+                undo(res)
+            raise
         if isinstance(err, GpunetError):
             raise err
         if err is not None:
