@@ -233,8 +233,8 @@ class Context(Resource):
             self._setup(group, dict(transport=transport, nic=nic, heap_bytes=heap_bytes,
                                     timeout_s=timeout_s, warp_size=warp_size,
                                     proxy_threads=proxy_threads), unknown)
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self._close_noting(e)       # the failure of the set-up is the one to see
             raise
 
     # --- set-up -----------------------------------------------------------------------------

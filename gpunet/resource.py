@@ -69,13 +69,18 @@ class Resource:
     def __exit__(self, exc_type, exc, tb):
         if exc is None:
             self.close()
-            return False
+        else:
+            self._close_noting(exc)
+        return False
+
+    def _close_noting(self, exc):
+        """``close()`` while ``exc`` propagates (a ``with`` block's or a failed constructor's
+        failure): a CloseError is added to ``exc`` as a note instead of replacing it."""
         try:
             self.close()
         except CloseError as e:
             # the block's failure is the one to see; what close could not release is noted on it
             exc.add_note("while handling it, %s" % e)
-        return False
 
 
 def _name_of(child):

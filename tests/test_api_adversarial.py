@@ -285,6 +285,30 @@ def test_argument_types_are_checked_at_the_api_boundary(ctx):
     ctx.free(x)
 
 
+def test_a_failed_init_whose_cleanup_also_fails_raises_the_init_failure_with_a_note(monkeypatch):
+    """An init that fails (its connecting step raises ConfigError, injected) closes what it made;
+    when that close fails too (the bootstrap's release raises, injected), the ConfigError is what
+    propagates, with the CloseError as a note (the CloseError used to replace it), and the close
+    still released the rest: no arena of this process is left behind."""
+    from gpunet.host.bootstrap import Bootstrap
+
+    arenas = _my_arenas()
+
+    def connect_fails(self, everyone):
+        raise ConfigError("connecting failed (injected)")
+
+    def release_fails(self):
+        raise RuntimeError("bootstrap release failed (injected)")
+
+    monkeypatch.setattr(gctx.Context, "_setup_connect", connect_fails)
+    monkeypatch.setattr(Bootstrap, "_release", release_fails)
+    with pytest.raises(ConfigError, match=r"connecting failed \(injected\)") as ei:
+        gpunet.init(heap_bytes=1 << 20)
+    notes = getattr(ei.value, "__notes__", [])
+    assert any("bootstrap release failed (injected)" in n for n in notes), notes
+    assert _my_arenas() == arenas
+
+
 def test_read_signal_reads_the_flattened_word_and_checks_index_and_layout(ctx):
     """read_signal(t, i) is word i of the flattened tensor, the word wait_until(t, ..., index=i)
     waits on: of a 2-D int64 tensor it used to read a whole row block as one huge integer at
