@@ -699,6 +699,31 @@ def test_reset_qp_raises_when_the_engine_cannot_drain():
         assert time.monotonic() - t0 < 5
 
 
+def test_reset_qp_that_failed_after_parking_the_qp_in_reset_can_be_retried(nics, monkeypatch):
+    """reset_qp parks the QP in RESET before it waits out the engine's passes; when it gives up
+    there (injected: the executor lock never seems free), the QP stays in RESET. A second reset_qp
+    is the retry: it used to refuse any state but RTS or ERR, so the QP could never be reset again.
+    Now it completes, the QP is RTS at WQE counter 0, and a write lands and completes."""
+    a, b = nics
+    p = Pair(a, b)
+    p.lbuf[MR_OFF:MR_OFF + 64] = 9
+    p.sq.post_write(p.l(), p.lmr.lkey, p.r(), p.rmr.rkey ^ 0x100, 8, signaled=True)
+    assert [c.syndrome for c in p.cq.wait(1)] == [mlx5.SYNDROME_REMOTE_ACCESS_ERR]
+    with monkeypatch.context() as m:
+        m.setattr(softnic, "_exec_barrier", lambda base: False)
+        with pytest.raises(gpunet.GpunetError, match="executor lock was not released"):
+            a.reset_qp(p.aqp, timeout_s=0.3)
+    assert a.qp_state(p.aqp) == "RESET"
+    ci = a.reset_qp(p.aqp, timeout_s=5.0)
+    assert ci == p.cq.ci
+    assert a.qp_state(p.aqp) == "RTS" and a.qp_sq_ci(p.aqp) == 0
+    assert a.qp_error_syndrome(p.aqp) == 0
+    sq = SendQueue(p.aqp, cq=p.cq)                # a fresh producer: counter 0 again
+    sq.post_write(p.l(), p.lmr.lkey, p.r(), p.rmr.rkey, 64, signaled=True)
+    assert _ok(p.cq.wait(1))[0].wqe_counter == 0
+    assert (p.rbuf[MR_OFF:MR_OFF + 64] == 9).all() and p.guards_intact()
+
+
 class _Injected(Exception):
     """What the trace hook below raises: stands for an asynchronous exception (a KeyboardInterrupt,
     a signal handler's timeout) landing on a bytecode boundary."""

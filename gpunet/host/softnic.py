@@ -1424,16 +1424,20 @@ class SoftNic(Nic):
         The CQs are not touched. Returns the send CQ's producer index (CQEs written so far): a
         consumer that owns that CQ alone skips to it, since every CQE before it is of the old life
         (gpunet/device/descriptors.py QpDescriptor.reset). Raises GpunetError if the engine does not drain or
-        pass within ``timeout_s`` (a NIC marked down never does).
-        tests/test_softnic.py::test_reset_qp_after_a_protection_error_returns_to_rts_and_works.
+        pass within ``timeout_s`` (a NIC marked down never does). A reset_qp that raised in
+        step 2 leaves the QP in RESET; calling reset_qp again is the retry (it starts at step 2).
+        tests/test_softnic.py::test_reset_qp_after_a_protection_error_returns_to_rts_and_works,
+        ::test_reset_qp_that_failed_after_parking_the_qp_in_reset_can_be_retried.
         """
         self._check_open()
         if not isinstance(qp, QP) or qp.nic is not self:
             raise ConfigError("reset_qp needs a QP of this NIC")
         T = self._arena.T
         qe = QP_BASE + qp.qpn * QP_WORDS
-        if int(T[qe + Q_STATE]) not in (QPS_RTS, QPS_ERR):
-            raise ConfigError("reset_qp: QP %d is %s, not RTS or ERR" % (qp.qpn, self.qp_state(qp)))
+        state = int(T[qe + Q_STATE])
+        if state not in (QPS_RTS, QPS_ERR, QPS_RESET):
+            raise ConfigError("reset_qp: QP %d is %s, not RTS or ERR (or RESET: the retry of a "
+                              "reset_qp that failed)" % (qp.qpn, self.qp_state(qp)))
         db = self._arena.u8[int(T[qe + Q_DB_OFF]):int(T[qe + Q_DB_OFF]) + 8].view(np.int64)
         deadline = time.monotonic() + timeout_s
 
@@ -1445,9 +1449,13 @@ class SoftNic(Nic):
                                       % (qp.qpn, self.arena_name, what, timeout_s))
                 time.sleep(50e-6)
 
-        wait(lambda: int(db[0]) == int(T[qe + Q_LAST_DB])
-             and int(T[qe + Q_SQ_CI]) == int(T[qe + Q_TARGET]),
-             "the engine did not finish the WQEs rung before the reset")
+        if state != QPS_RESET:
+            # in RESET (only an earlier reset_qp parks a QP there) the engine executes nothing:
+            # that call drained what was rung before it, and a doorbell rung since is dropped
+            # with the rest, as a NIC ignores what is posted to a QP in RESET
+            wait(lambda: int(db[0]) == int(T[qe + Q_LAST_DB])
+                 and int(T[qe + Q_SQ_CI]) == int(T[qe + Q_TARGET]),
+                 "the engine did not finish the WQEs rung before the reset")
         base = self._arena.base
         for _ in range(3):               # an engine pass in flight may still store ERR over RESET
             T[qe + Q_STATE] = QPS_RESET
