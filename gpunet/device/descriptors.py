@@ -90,8 +90,8 @@ class NicMapping(Resource):
                 dptr = plat.host_register(base, nbytes)
                 self._adopt(_unregister(plat, base), "GPU registration of 0x%x" % base)
                 self.ranges.append((int(base), int(nbytes), int(dptr)))
-        except BaseException:
-            self.close()             # what was registered before the failure
+        except BaseException as e:
+            self._close_noting(e)    # what was registered before the failure
             raise
         self._starts = [r[0] for r in self.ranges]
 

@@ -770,8 +770,8 @@ class ProxyChannel(Resource):
                 fifo = self._adopt(platform.alloc("host", depth * CMD_BYTES), "FIFO")
                 hctrl = self._adopt(platform.alloc("host", HOST_CTRL_BYTES), "HostCtrl")
                 dctrl = self._adopt(platform.alloc("device", DEV_CTRL_BYTES), "DevCtrl")
-            except BaseException:
-                self.close()
+            except BaseException as e:
+                self._close_noting(e)
                 raise
             zeros = np.zeros(DEV_CTRL_BYTES, dtype=np.uint8)
             platform.memcpy(dctrl.ptr, zeros.ctypes.data, DEV_CTRL_BYTES)

@@ -1010,8 +1010,8 @@ class SoftNic(Nic):
                                             daemon=True)
             self._thread.start()
             _open_nics.add(self)
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self._close_noting(e)
             raise
 
     @property
