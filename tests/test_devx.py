@@ -330,7 +330,15 @@ def test_reset_qp_moves_to_error_resets_and_reconnects_returning_the_cq_producer
         assert (qa.dbrec == 0).all() and a.qp_state(qa) == "RTS"
         r2i = fa.sent(prm.MLX5_CMD_OP_INIT2RTR_QP)[-1]
         assert qpc(r2i, "init2rtr_qp_in", "remote_qpn") == qb.qpn
+        # a reset that failed part-way (here: after RST2INIT) is retried from where it stopped
         fa.qp_state[qa.qpn] = prm.MLX5_QPC_STATE_INIT
+        n0 = len(fa.commands)
+        assert a.reset_qp(qa, timeout_s=5.0) == 3
+        ops = [op for _, op, _ in fa.commands[n0:] if op != prm.MLX5_CMD_OP_QUERY_QP]
+        assert ops == [prm.MLX5_CMD_OP_2RST_QP, prm.MLX5_CMD_OP_RST2INIT_QP,
+                       prm.MLX5_CMD_OP_INIT2RTR_QP, prm.MLX5_CMD_OP_RTR2RTS_QP]
+        assert a.qp_state(qa) == "RTS"
+        fa.qp_state[qa.qpn] = prm.MLX5_QPC_STATE_SQD
         with pytest.raises(ConfigError, match="not RTS or ERR"):
             a.reset_qp(qa)
 

@@ -958,19 +958,24 @@ class DevxNic(Nic):
         the send CQ has stayed unchanged for FLUSH_QUIET_S (bounded by ``timeout_s``), 2RST, the
         doorbell record cleared (the send queue restarts at WQE counter 0, as after CREATE_QP),
         then the three moves again. Returns the send CQ's producer index (gpunet/device/descriptors.py
-        QpDescriptor.reset skips to it)."""
+        QpDescriptor.reset skips to it).
+
+        A reset that failed part-way (a move refused, the flush timed out) leaves the QP in RESET,
+        INIT or RTR: calling it again retries from there (nothing executes from the send queue
+        in those states: no flush to wait for)."""
         self._check_open()
         if not isinstance(qp, DevxQP) or qp.nic is not self:
             raise ConfigError("reset_qp needs a QP of this NIC")
         st = self.qp_state(qp)
-        if st not in ("RTS", "ERR"):
-            raise ConfigError("reset_qp: QP %d is %s, not RTS or ERR" % (qp.qpn, st))
+        if st not in ("RTS", "ERR", "RESET", "INIT", "RTR"):
+            raise ConfigError("reset_qp: QP %d is %s, not RTS or ERR (nor part-way through a "
+                              "reset)" % (qp.qpn, st))
         if st == "RTS":
             self._modify(qp.obj, prm.cmd_modify_qp("2ERR", qp.qpn), prm.MLX5_CMD_OP_2ERR_QP,
                          "2ERR_QP(%d)" % qp.qpn)
         deadline = time.monotonic() + float(timeout_s)
         pi, since = self._cq_pi(qp.send_cq), time.monotonic()
-        while time.monotonic() - since < FLUSH_QUIET_S:
+        while st in ("RTS", "ERR") and time.monotonic() - since < FLUSH_QUIET_S:
             if time.monotonic() > deadline:
                 raise GpunetError("reset_qp: QP %d of %s: the send CQ kept changing for %.1f s "
                                   "after the QP went to error" % (qp.qpn, self.device, timeout_s))
