@@ -460,12 +460,14 @@ def too_small(state, hidden):
     return None
 
 
-def header_overtaken(state, spec, stall_ns):
+def header_overtaken(state, spec, stall_ns, between=()):
     """Two dispatches; this rank's notify (rank 0's only) stalls ``stall_ns`` between reading the
     peers' headers and reading them again (GPUNET_TEST_HT_NOTIFY_STALL_NS: the window a slow third
     source opens). In the first, every rank routes its tokens to its own experts only, so rank 1
     finishes it without rank 0's rows and starts the second, whose header (rank 1's tokens all to
-    rank 0) reaches rank 0 during that stall. Returns (raised, masked ranks, bad) of both calls;
+    rank 0) reaches rank 0 during that stall. ``between``: the calls each rank makes between the
+    two ("combine": of the first dispatch's rows; "cached": a dispatch with its handle), which
+    move the HT epoch but run no notify. Returns (raised, masked ranks, bad) of both dispatches;
     every result is checked against the reference."""
     buf = state["ep_buf"]
     world, rank = buf.group_size, buf.rank
@@ -484,7 +486,7 @@ def header_overtaken(state, spec, stall_ns):
         mine, bad, raised = inputs[rank], [], None
         try:
             ntr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(mine["topk_idx"], spec["num_experts"])
-            rx, rtk, rw, counts, _, _ = buf.dispatch(
+            rx, rtk, rw, counts, handle, _ = buf.dispatch(
                 _x(spec, mine), num_tokens_per_rank=ntr, is_token_in_rank=in_rank,
                 num_tokens_per_expert=ntpe, topk_idx=mine["topk_idx"],
                 topk_weights=mine["topk_weights"], config=Config(*spec["config"]))
@@ -494,6 +496,11 @@ def header_overtaken(state, spec, stall_ns):
             if not (_same(rx, r_["recv_x"]) and torch.equal(rtk, r_["recv_topk_idx"])
                     and torch.equal(rw, r_["recv_topk_weights"])):
                 bad.append("received rows differ from the reference")
+            for call in between if step == 0 else ():
+                if call == "combine":
+                    buf.combine(rx, handle, topk_weights=rw, config=Config(*spec["config"]))
+                else:
+                    buf.dispatch(_x(spec, mine), handle=handle, config=Config(*spec["config"]))
         except Exception as e:  # noqa: BLE001 - the test reports it
             raised = "%s: %s" % (type(e).__name__, str(e)[:300])
         out.append((raised, out_masked(buf), bad))

@@ -625,16 +625,19 @@ def test_a_rank_whose_host_raises_after_the_notify_keeps_its_epoch_in_step():
         _close(r)
 
 
-def test_a_header_of_the_next_dispatch_does_not_overwrite_the_one_being_read():
-    """2 ranks over p2p, enable_shrink, rank 0's notify stalled 1 s between checking the peers'
+@pytest.mark.parametrize("between", [(), ("combine",), ("cached",)])
+def test_a_header_of_the_next_dispatch_does_not_overwrite_the_one_being_read(between):
+    """2 ranks over p2p, enable_shrink, rank 0's notify stalled 3 s between checking the peers'
     headers and reading them again (the window of a wait for a slow third source). Each rank's
-    first dispatch stays on the rank, so rank 1 finishes it without rank 0 and starts the next,
+    first dispatch stays on the rank, so rank 1 finishes it without rank 0 (then, per ``between``,
+    a combine or a cached dispatch: one more HT op, no notify) and starts the next dispatch,
     whose header (rows for rank 0 now) arrives in the window. Invariant: both dispatches on both
     ranks equal the reference and nobody is masked. With one header slot per source rank 0 read
-    the next dispatch's counts for the first (ht.cuh ht_rhdr: a slot per epoch parity)."""
+    the next dispatch's counts for the first and masked rank 1; with a slot per op-epoch parity
+    it did so with ops between (ht.cuh ht_rhdr: a slot per notify parity)."""
     r = _pool(2, "p2p", 32, shrink=True, timeout_s=5.0)
     try:
-        outs = r.run("ep_ht_jobs:header_overtaken", _spec(2, seed=41), 1_000_000_000)
+        outs = r.run("ep_ht_jobs:header_overtaken", _spec(2, seed=41), 3_000_000_000, between)
         for rank, calls in enumerate(outs):
             for step, (raised, masked, bad) in enumerate(calls):
                 assert (raised, masked, bad) == (None, [], []), (rank, step, outs)

@@ -405,7 +405,8 @@ class Buffer:
         # the num_rdma_bytes allocation; and its device-memory workspace (ht.cuh)
         self._nvl = ctx.alloc((self.num_nvl_bytes,), torch.uint8) if self.num_nvl_bytes else None
         self._ht = self._nvl if self._nvl is not None else (None if self.low_latency_mode else self._ll)
-        self._ht_epoch = torch.ones(1, dtype=torch.int64, device=self._device)
+        # (ht.cuh HtParams::epoch: the op counter, then the notifies run: the same on every rank)
+        self._ht_epoch = torch.tensor([1, 0], dtype=torch.int64, device=self._device)
         # (ht.cuh HtParams::self_sig: the self words, then the last heartbeat's time)
         self._ht_self = torch.zeros(4 * dep.HT_MAX_CHANNELS + 1, dtype=torch.int64, device=self._device)
         self._ht_sync = torch.zeros(dep.SYNC_WORDS * dep.SYNC_STRIDE, dtype=torch.int64, device=self._device)
@@ -657,6 +658,8 @@ class Buffer:
             if rc == 0:
                 return
             err = GpunetError("%s: EP kernel launch failed (error %d)" % (what, rc))
+        if P.base.phases & dep.PH_NOTIFY:
+            self._ht_epoch[1:].add_(1)  # not launched: the peers' notifies counted this one
         if P.base.flags & dep.F_HT_BUMP:
             self._ht_skip_op()          # not launched: neither was the epoch bump it carries
         raise err
@@ -888,7 +891,7 @@ class Buffer:
         behind reads every peer word of the next operation as complete (ht.cuh count_of) and
         returns stale rows as received ones. An exception before the notify launch leaves the
         epoch alone (nothing of the operation reached a peer: calling it again resumes it)."""
-        self._ht_epoch.add_(1)
+        self._ht_epoch[:1].add_(1)   # the op counter; the notify counter moved if the notify ran
 
     def _ht_notify(self, P, info, block, n, what, meanwhile=None):
         """Launch the dispatch's notify and return ``(recv_info's n int32 words on the host,

@@ -185,7 +185,8 @@ struct HtParams {
   uint32_t nchannels, ring, chunk, num_recv_max;  // num_recv_max: rows of the receive tensors
   uint32_t alignment, nbias;
   uint64_t peer_timeout_ns;  // how long a silent peer (no header, no tail progress, no credit) is waited for
-  uint64_t epoch;        // u64 device word: the op counter (same on every rank)
+  uint64_t epoch;        // u64 device words: [0] the op counter (same on every rank), [1] the
+                         // notifies run (the same on every rank: ht_rhdr's slot, h[7]'s tag)
   uint64_t sig;          // heap: tail[2 kinds][kHtMaxChannels][R], head[2][kHtMaxChannels][R], hdr[R],
                          // hb[R] (each source's heartbeat, ht_heartbeat)
   uint64_t self_sig;     // device: u64 [2 kinds][2 (tail, head)][kHtMaxChannels], then the time of
@@ -258,14 +259,16 @@ GPUNET_DEVICE int32_t* notify_scratch(const HtParams& P) {
   return ptr<int32_t>(P.ws + uint64_t(2) * P.nchannels * P.base.nranks * WS_WORDS * 8);
 }
 GPUNET_DEVICE uint64_t chan_begin(uint64_t T, uint32_t nc, uint32_t c) { return T * c / nc; }
-// Source j's header for op `epoch` in this rank's heap: one slot per epoch PARITY. The notify
-// re-reads the headers after its barrier (prefixes, expert counts), which waits for the slowest
-// source; a source that exchanges no rows with this rank meanwhile finishes this op and starts
-// the next one's notify, whose header then lands in the OTHER slot. It cannot write this slot
-// again before this rank's next header reached it (its next notify waits for that), i.e. before
-// this rank finished this op; a source that masked this rank sends it no header at all.
-GPUNET_DEVICE uint64_t ht_rhdr(const HtParams& P, uint32_t j, uint64_t epoch) {
-  return P.rhdr + ((epoch & 1) * P.base.nranks + j) * uint64_t(P.base.hdr_stride);
+// Source j's header of this rank's notify number `nt` (HtParams::epoch[1]) in this rank's heap:
+// one slot per notify PARITY. The notify reads the headers again after its barrier (prefixes,
+// expert counts), which waits for the slowest source; a source that exchanges no rows with this
+// rank can meanwhile finish the dispatch, run a combine (and cached dispatches: no notify) and
+// start its next notify, whose header then lands in the OTHER slot. Its notify after that waits
+// for this rank's next header, so it cannot write this slot again before this notify is over; a
+// source that masked this rank sends it no header at all. (A slot per op-epoch parity failed:
+// dispatch, combine, dispatch is two epochs, the same slot; a tag in h[7] says which notify.)
+GPUNET_DEVICE uint64_t ht_rhdr(const HtParams& P, uint32_t j, uint64_t nt) {
+  return P.rhdr + ((nt & 1) * P.base.nranks + j) * uint64_t(P.base.hdr_stride);
 }
 GPUNET_DEVICE uint64_t slot_addr(const HtParams& P, uint64_t ring, uint32_t c, uint32_t p, uint64_t i) {
   return ring + ((uint64_t(c) * P.base.nranks + p) * P.ring + i % P.ring) * P.base.msg_stride;
@@ -373,6 +376,7 @@ GPUNET_DEVICE bool write_count(const HtParams& P, uint32_t kind, uint32_t head, 
 GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels, EL = B.e_loc;
+  const uint64_t nt = arch::atomic_load(ptr<const uint64_t>(P.epoch) + 1);  // notifies run before
   const uint64_t T = B.num_tokens;
   const uint8_t* in_rank = ptr<const uint8_t>(P.in_rank);
   int32_t* send_pos = ptr<int32_t>(P.send_pos);
@@ -416,13 +420,20 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
       for (uint32_t q = 0; q < kPosDests; ++q)  // (a fixed trip count keeps run[] in registers)
         if (q < nd) send_cnt[uint64_t(c) * R + d0 + q] = int32_t(run[q]);
   }
+  // A NIC peer's (or the proxy's) read of the previous header's staging, shdr[d], may still be
+  // pending: nothing else of HT quiets a peer it sent no rows to (ht_send quiets only after rows),
+  // and the rewrite below would go out under the old signal. Mapped peers took it by stores.
+  for (uint32_t d = g.tid; d < R; d += g.bdim)
+    if (d != B.rank && !peer_out(B, d) && gpunet::ptr(peer_ctx(B, d), ptr<void>(P.shdr), int(d)) == nullptr &&
+        !quiet_pe(peer_ctx(B, d), int(d)))
+      peer_fail(B, d);
   arch::syncthreads();
   stamp(B, g, HT_ST_NOTIFY_POS);
   // one header per destination: its count words filled by the whole block (one load and store a
   // thread, not nc + E_loc dependent pairs in one thread), then its head by thread d
   const uint32_t hdr_words = kHtHdrHead + nc + EL;
   auto hdr_of = [&](uint32_t d) {
-    return ptr<int32_t>(d == B.rank ? ht_rhdr(P, B.rank, epoch) : P.shdr + uint64_t(d) * B.hdr_stride);
+    return ptr<int32_t>(d == B.rank ? ht_rhdr(P, B.rank, nt) : P.shdr + uint64_t(d) * B.hdr_stride);
   };
   for (uint32_t i = g.tid; i < R * (nc + EL); i += g.bdim) {
     const uint32_t d = i / (nc + EL), w = i % (nc + EL);
@@ -445,10 +456,10 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     h[4] = int32_t(B.num_experts);
     h[5] = int32_t(total);
     h[6] = int32_t(B.topk);
-    h[7] = 0;
+    h[7] = int32_t(uint32_t(nt));  // the tag the receiver checks (ht_rhdr)
     if (self) continue;
     const DevCtx& cx = peer_ctx(B, d);
-    const uint64_t rh = ht_rhdr(P, B.rank, epoch);
+    const uint64_t rh = ht_rhdr(P, B.rank, nt);
     if (!(fence(cx) && put_signal_nbi(cx, ptr<void>(rh), h, uint64_t(hdr_words) * 4,
                                        ht_hdr_sig(P, B.rank), (epoch << 32) | 1, int(d), SIGNAL_SET)))
       peer_fail(B, d);
@@ -473,11 +484,15 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
       ok = wait_peer(B, j, ht_hdr_sig(P, j), (epoch << 32) | 1, api::waiter(peer_ctx(B, j)), ht_beat(P));
       if (!ok) peer_fail(B, j);
     }
-    const int32_t* h = ptr<const int32_t>(ht_rhdr(P, j, epoch));
+    const int32_t* h = ptr<const int32_t>(ht_rhdr(P, j, nt));
     if (ok && (h[0] != kHtMagic || uint32_t(h[1]) != B.hidden || uint32_t(h[2]) != nc ||
                uint32_t(h[3]) != B.msg_stride || uint32_t(h[4]) != B.num_experts)) {
       ep_fail(B, EP_ERR_MISMATCH, EP_SITE_HT_HEADER, j, (uint64_t(nc) << 32) | B.hidden,
               (uint64_t(uint32_t(h[2])) << 32) | uint32_t(h[1]), 0);
+      ok = false;
+    }
+    if (ok && uint32_t(h[7]) != uint32_t(nt)) {  // another notify's header: the ranks are out of step
+      ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_HEADER, j, uint32_t(nt), uint32_t(h[7]), 0);
       ok = false;
     }
     int64_t sum = 0;
@@ -507,7 +522,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     int64_t run = 0;
     for (uint32_t j = 0; j < R; ++j) {
       const bool ok = notify_scratch(P)[j] != 0;
-      const int32_t* h = ptr<const int32_t>(ht_rhdr(P, j, epoch));
+      const int32_t* h = ptr<const int32_t>(ht_rhdr(P, j, nt));
       set_info(j, int32_t(run));
       // batched: the stores to pre may alias the header loads (one latency per channel otherwise)
       batched(nc, [&](uint32_t c) { return ok ? h[kHtHdrHead + c] : 0; },
@@ -525,7 +540,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     int64_t n = 0;
     for (uint32_t j = 0; j < R; ++j)
       if (notify_scratch(P)[j])
-        n += ptr<const int32_t>(ht_rhdr(P, j, epoch))[kHtHdrHead + nc + le];
+        n += ptr<const int32_t>(ht_rhdr(P, j, nt))[kHtHdrHead + nc + le];
     const int64_t a = P.alignment ? int64_t(P.alignment) : 1;
     set_info(R + 1 + le, int32_t((n + a - 1) / a * a));
   }
@@ -534,6 +549,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     arch::fence_sys();
     arch::store_release_sys(ptr<uint32_t>(P.host_info), 1u);
   }
+  if (g.tid == 0) arch::atomic_store(ptr<uint64_t>(P.epoch) + 1, nt + 1);  // every read above is done
   stamp(B, g, HT_ST_NOTIFY_END);
 }
 
