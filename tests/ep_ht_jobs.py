@@ -505,3 +505,19 @@ def header_overtaken(state, spec, stall_ns, between=()):
             raised = "%s: %s" % (type(e).__name__, str(e)[:300])
         out.append((raised, out_masked(buf), bad))
     return out
+
+
+def dispatch_with_config(state, spec, configs):
+    """One dispatch of the spec's inputs with Config ``configs[rank]`` (ranks may differ).
+    Returns the exception's type and text, or None."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    mine = _inputs(spec, world)[rank]
+    ntr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(mine["topk_idx"], spec["num_experts"])
+    try:
+        buf.dispatch(_x(spec, mine), num_tokens_per_rank=ntr, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=ntpe, topk_idx=mine["topk_idx"],
+                     topk_weights=mine["topk_weights"], config=Config(*configs[rank]))
+    except Exception as e:  # noqa: BLE001 - the test checks the type and text
+        return "%s: %s" % (type(e).__name__, e)
+    return None

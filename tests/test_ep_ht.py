@@ -645,6 +645,20 @@ def test_a_header_of_the_next_dispatch_does_not_overwrite_the_one_being_read(bet
         _close(r)
 
 
+def test_ranks_whose_configs_differ_in_the_ring_raise_instead_of_mixing_rings():
+    """2 ranks over ibgda; rank 1's Config has a 64-token receive ring, rank 0's 48 (the same
+    channels). Invariant: both raise ConfigError naming the disagreement (the header carries the
+    ring since this session: ht.cuh ht_notify's shape word); before, the channel count alone was
+    checked and each rank addressed the other's rings at its own offsets."""
+    r = _pool(2, "ibgda", 32, timeout_s=5.0, num_nvl_bytes=_nbytes(2, (2, 4, 64)))
+    try:
+        outs = r.run("ep_ht_jobs:dispatch_with_config", _spec(2, seed=43), [SMALL, (2, 4, 64)])
+        for o in outs:
+            assert o is not None and o.startswith("ConfigError") and "Config" in o, outs
+    finally:
+        _close(r)
+
+
 def _late_rank_spec():
     """Rank 2 masks rank 0 locally before its dispatch and exits before combine; rank 0 sleeps
     0.3 s before combine; rank 0 masks rank 2 in dispatch (no header from it), rank 1 in

@@ -43,7 +43,7 @@ EP_ERR_NAMES = {
     EP_ERR_LAYOUT: "the combine handle's layout does not fit this buffer (a handle from another "
                    "Buffer or another num_max_dispatch_tokens_per_rank?)",
     EP_ERR_MISMATCH: "a peer's call disagrees on hidden / num_experts / num_max_dispatch_tokens_per_rank "
-                     "/ use_fp8 (every rank must pass the same values)",
+                     "/ use_fp8 / the high-throughput Config (every rank must pass the same values)",
 }
 EP_SITE_NAMES = {1: "block 0's quiet of the peers (the send staging's flag)", 2: "the receive controller's flag",
                  3: "the combine slot-table barrier", 4: "a received message", 5: "a peer's header",

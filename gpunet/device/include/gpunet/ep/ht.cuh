@@ -79,7 +79,8 @@ namespace ep {
 constexpr uint32_t kHtMaxChannels = 64;    // signal words are laid out for this many channels
 constexpr uint32_t kHtMaxChunk = 64;       // messages per send step (Config's send chunk, checked)
 constexpr uint32_t kHtMetaBytes = 16 + 8 * kMaxTopk;  // t, K, 0, 0; K local ids; K weights
-constexpr uint32_t kHtHdrHead = 8;         // magic, hidden, nc, msg_stride, experts, total, K, 0
+constexpr uint32_t kHtHdrHead = 8;         // magic, hidden, nc | ring << 8, msg_stride, experts, total, K,
+                                           // notify tag (ht_rhdr)
 constexpr int32_t kHtMagic = 0x48544550;   // "PETH": a header of this mode
 enum : uint32_t { OP_HT_DISPATCH = 3, OP_HT_COMBINE = 4 };
 enum : uint32_t { PH_NOTIFY = 1, PH_DATA = 2 };
@@ -377,6 +378,9 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels, EL = B.e_loc;
   const uint64_t nt = arch::atomic_load(ptr<const uint64_t>(P.epoch) + 1);  // notifies run before
+  // the ring size in the header too: ranks whose Configs differ in it address each other's rings
+  // at other offsets (the layout's receive half starts after the send rings)
+  const uint32_t shape = nc | (P.ring << 8);
   const uint64_t T = B.num_tokens;
   const uint8_t* in_rank = ptr<const uint8_t>(P.in_rank);
   int32_t* send_pos = ptr<int32_t>(P.send_pos);
@@ -451,7 +455,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
             [&](uint32_t, int64_t v) { total += v; });
     h[0] = kHtMagic;
     h[1] = int32_t(B.hidden);
-    h[2] = int32_t(nc);
+    h[2] = int32_t(shape);
     h[3] = int32_t(B.msg_stride);
     h[4] = int32_t(B.num_experts);
     h[5] = int32_t(total);
@@ -485,9 +489,9 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
       if (!ok) peer_fail(B, j);
     }
     const int32_t* h = ptr<const int32_t>(ht_rhdr(P, j, nt));
-    if (ok && (h[0] != kHtMagic || uint32_t(h[1]) != B.hidden || uint32_t(h[2]) != nc ||
+    if (ok && (h[0] != kHtMagic || uint32_t(h[1]) != B.hidden || uint32_t(h[2]) != shape ||
                uint32_t(h[3]) != B.msg_stride || uint32_t(h[4]) != B.num_experts)) {
-      ep_fail(B, EP_ERR_MISMATCH, EP_SITE_HT_HEADER, j, (uint64_t(nc) << 32) | B.hidden,
+      ep_fail(B, EP_ERR_MISMATCH, EP_SITE_HT_HEADER, j, (uint64_t(shape) << 32) | B.hidden,
               (uint64_t(uint32_t(h[2])) << 32) | uint32_t(h[1]), 0);
       ok = false;
     }
