@@ -620,6 +620,64 @@ def two_in_flight(state, spec_a, spec_b):
     return res
 
 
+def ll_order(state, specs, order, slow=(None, 0.0)):
+    """LL calls in ``order`` on every rank, batch i on ``specs[i]`` (its own seed), every call
+    with return_recv_hook=True: "d<i>" sends batch i's dispatch, "dh<i>" calls its hook (then the
+    dispatch is checked against the reference), "c<i>" sends its combine of what that dispatch
+    received, "ch<i>" calls the combine's hook; "slow" sleeps ``slow[1]`` s on rank ``slow[0]``.
+    The first call that raises ends the order. Returns {"raised": None or (step, exception type,
+    message), "launches": the kernel launches the step that raised made, "dispatch": {i: batch
+    i's dispatch findings}, "calc_diff": {i: batch i's combine calc_diff}}."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    launches = []
+    real = buf._launch
+
+    def counted(P, what, grid=None):
+        launches.append(what)
+        return real(P, what, grid)
+
+    buf._launch = counted
+    out = {"raised": None, "launches": [], "dispatch": {}, "calc_diff": {}}
+    batches = {}
+    try:
+        for step in order:
+            if step == "slow":
+                if rank == slow[0]:
+                    time.sleep(slow[1])
+                continue
+            kind = step.rstrip("0123456789")
+            i = int(step[len(kind):])
+            del launches[:]
+            try:
+                if kind == "d":
+                    spec = dict(specs[i], hook=True)
+                    inputs = _inputs(spec, world)
+                    batches[i] = {"spec": spec, "inputs": inputs,
+                                  "d": _dispatch(buf, spec, inputs[rank], False)}
+                    continue
+                b = batches[i]
+                spec, inputs = b["spec"], b["inputs"]
+                if kind == "dh":
+                    b["d"][3]()
+                    out["dispatch"][i] = _check_dispatch(spec, world, rank, inputs,
+                                                         _cpu(b["d"][:3]), ())
+                elif kind == "c":
+                    b["c"] = _combine(buf, spec, inputs[rank], b["d"][0], b["d"][2], False)
+                else:
+                    b["c"][1]()
+                    got = _cpu(b["c"][0])
+                    want = _ref_combine(spec, inputs, world, rank, (), ())
+                    out["calc_diff"][i] = ref.calc_diff(got, want) if got.numel() else 0.0
+            except Exception as e:  # noqa: BLE001 - the test checks the type and message
+                out["raised"] = (step, type(e).__name__, str(e))
+                out["launches"] = list(launches)
+                break
+    finally:
+        buf.__dict__.pop("_launch", None)
+    return out
+
+
 def mask(state, op, r=None):
     """The mask API on this rank: op "update" (r, mask), "query", "clean"."""
     buf = state["ep_buf"]

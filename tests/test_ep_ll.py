@@ -1,11 +1,13 @@
 """gpunet.ep low-latency dispatch / combine across rank processes (HOST arm, soft NIC), checked
 DeepEP's way (EP-ANCHORS.md §B) against gpunet.ep.reference: exact packed rows, counts against the
 gathered routing, layout ranges, self-describing rows, combine within calc_diff bounds, the mode
-matrix, same-seed reruns, two LL calls in flight, generated shapes and routings, tokens sent once
-per destination rank (not once per expert), killed ranks (masked, or raised; a survivor late
-from waiting out the dead one, in one round and followed at once by the next), and vLLM's
-fault-tolerance clean (the RDMA buffer zeroed, the mask cleaned) after a transient fault and after
-generated sequences of faults (one-sided masks, lone dispatches, cleans, late ranks).
+matrix, same-seed reruns, two LL calls in flight, the LL order rule (a send into an area a slower
+peer may still read is refused on every rank; two-batch orders with hooks pass), generated shapes
+and routings, tokens sent once per destination rank (not once per expert), killed ranks (masked,
+or raised; a survivor late from waiting out the dead one, in one round and followed at once by
+the next), and vLLM's fault-tolerance clean (the RDMA buffer zeroed, the mask cleaned) after a
+transient fault and after generated sequences of faults (one-sided masks, lone dispatches,
+cleans, late ranks).
 
 Each world (ranks x transport x warp size) is one pool of rank processes (tests/mp_ranks.py) that
 runs "ep_jobs:*" jobs (tests/ep_jobs.py); every rank regenerates every rank's inputs from the seed
@@ -16,6 +18,7 @@ enable_shrink over ibgda and over p2p (vLLM's clean), and 3-rank worlds that los
 proxy, mixed, p2p).
 """
 import itertools
+import re
 import shutil
 import sys
 import types
@@ -368,6 +371,167 @@ def test_the_hook_is_none_without_return_recv_hook_as_deepeps(solo):
         else:
             assert chook is None, chook
         assert ref.calc_diff(out, want_c) < BF16_BOUND
+
+
+class _NoKernels:
+    """A Buffer's kernel library whose LL launches run nothing and answer ``rc`` (0: launched;
+    else a failed launch), counted in ``launches`` (bench/ep_host.py's stand-in): the host side
+    of each call alone, for the LL order rule, which the host enforces before any launch."""
+
+    def __init__(self, lib):
+        self._lib, self.rc, self.launches = lib, 0, 0
+
+    def gpunet_ep_ll_launch(self, *args):
+        self.launches += 1
+        return self.rc
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+
+@pytest.fixture
+def solo_host(solo):
+    """``solo`` with _NoKernels for its library, its LL state cleaned first (LL buffer 0, no area
+    in use); afterwards the real library and a real clean. Yields (buffer, calls) where calls has
+    d(hook) -> the dispatch's hook (None inline) and c(hook) -> the combine's."""
+    real, stub = solo._lib, _NoKernels(solo._lib)
+    solo._lib = stub
+    inp = ref.make_rank_inputs(1, 8, 256, 3, 4, seed=7)[0]
+    handle = []
+
+    def d(hook=False):
+        out = solo.low_latency_dispatch(inp["x"], inp["topk_idx"], 8, 4, use_fp8=False,
+                                        return_recv_hook=hook)
+        handle[:] = [out[0], out[2]]
+        return out[4]
+
+    def c(hook=False):
+        return solo.low_latency_combine(handle[0], inp["topk_idx"], inp["topk_weights"], handle[1],
+                                        return_recv_hook=hook)[2]
+
+    try:
+        solo.clean_low_latency_buffer(8, 256, 4)
+        yield solo, types.SimpleNamespace(d=d, c=c, stub=stub)
+    finally:
+        solo._lib = real
+        solo.__dict__.pop("_check", None)
+        solo.clean_low_latency_buffer(8, 256, 4)
+
+
+def _refused(b, calls, fn, words):
+    """``fn()`` raises the LL order rule's ConfigError naming ``words``, launching nothing and
+    leaving the LL buffer in use as it was."""
+    n, idx = calls.stub.launches, b._ll_idx
+    with pytest.raises(ConfigError, match=words):
+        fn()
+    assert (calls.stub.launches, b._ll_idx) == (n, idx)
+
+
+def test_the_ll_order_rule_refuses_only_sends_a_peer_may_still_be_reading_for(solo_host):
+    """The host's LL order rule (Buffer._ll_area_check), both kinds, kernels stubbed out: a send
+    into an area (kind, LL buffer) is refused with nothing launched while the call that used it
+    last has not been received here ("has not run"), or has been but no call sent after that
+    receive has been received ("no LL call sent after"); the plain order, hooks right after their
+    sends, DeepEP's two-batch overlap and vLLM's dual-batch order (two layers each) pass; a
+    refused call changes nothing, and clean_low_latency_buffer lets the next call through."""
+    b, k = solo_host
+    for _ in range(3):                                   # inline, then hooks at once
+        k.d()
+        k.c()
+    for _ in range(3):
+        k.d(True)()
+        k.c(True)()
+    for order in ("tbo", "dbo"):
+        for _ in range(2):
+            h0, h1 = k.d(True), k.d(True)
+            h0()
+            if order == "tbo":
+                h1()
+                ch0, ch1 = k.c(True), k.c(True)
+            else:
+                ch0 = k.c(True)
+                h1()
+                ch1 = k.c(True)
+            ch0()
+            ch1()
+    # dispatch A, B, hooks A, B, dispatch C (the audit's order), for each kind
+    h0, h1 = k.d(True), k.d(True)
+    h0()
+    h1()
+    _refused(b, k, k.d, r"low_latency_dispatch \(LL send #\d+ of this Buffer, LL buffer 0\).*"
+             r"dispatch area of LL buffer 0.*no LL call sent after.*two-batch overlap")
+    ch0 = k.c(True)                                      # combine area 0: received long ago
+    ch1 = k.c(True)
+    ch0()
+    ch1()
+    _refused(b, k, k.c, r"combine area of LL buffer 0.*low_latency_combine \(LL send")
+    b.clean_low_latency_buffer(8, 256, 4)
+    # a hook not called yet, then a hook called before the next-but-one send with nothing
+    # received in between
+    h0 = k.d(True)
+    k.d()
+    _refused(b, k, k.d, "has not run on this rank")
+    h0()
+    _refused(b, k, k.d, "no LL call sent after")
+    k.c()                                                # combine area 0: sent after h0
+    k.d()                                                # buffer 1: its last call was inline
+    k.c()
+    k.d()                                                # buffer 0 again: allowed now
+    b.clean_low_latency_buffer(8, 256, 4)
+    k.d(True)()
+
+
+def test_a_failed_ll_call_leaves_the_order_rule_refusing_nothing_legitimate(solo_host):
+    """After each failure the calls that follow, the plain order, are not refused: a send whose
+    launch failed (inline or with a hook) never used its area; a hook whose launch failed, a hook
+    whose failure check raised and a send whose check raised after its launch (no hook to
+    receive with) ended their calls. A hook from before clean_low_latency_buffer records nothing
+    when called after it (the area's new call is still unreceived)."""
+    from gpunet.errors import GpunetError
+    b, k = solo_host
+    real_check = b._check
+
+    def check_raising_once(*a, **kw):
+        b.__dict__.pop("_check")
+        raise GpunetError("injected: the failure check raised")
+
+    for hook in (False, True):                           # the send's launch fails
+        k.stub.rc = 1
+        with pytest.raises(GpunetError, match="launch failed"):
+            k.d(hook)
+        k.stub.rc = 0
+        k.d()
+        k.d()
+        k.c()
+    h = k.d(True)                                        # the hook's launch fails
+    k.stub.rc = 1
+    with pytest.raises(GpunetError, match="launch failed"):
+        h()
+    k.stub.rc = 0
+    with pytest.raises(ConfigError, match="already"):
+        h()
+    k.d()
+    k.d()
+    h = k.d(True)                                        # the hook's check raises
+    b._check = check_raising_once
+    with pytest.raises(GpunetError, match="injected"):
+        h()
+    k.c()
+    k.d()
+    b._check = check_raising_once                        # the send's check raises
+    with pytest.raises(GpunetError, match="injected"):
+        k.d(True)
+    k.c()
+    k.d()
+    k.c()
+    assert b._check == real_check
+    old = k.d(True)                                      # a hook from before a clean
+    b.clean_low_latency_buffer(8, 256, 4)
+    new = k.d(True)
+    k.d()
+    old()
+    _refused(b, k, k.d, "has not run on this rank")
+    new()
 
 
 def test_the_dispatch_header_carries_each_experts_token_bitmap_and_the_send_bitmaps_end_zero():
@@ -1062,6 +1226,58 @@ def test_p2p_rows_cut_over_several_warps_when_tokens_are_few(p2p_world):
     for seed in (91, 92):
         spec = _spec(p2p_world.world, seed=seed, t_max=2, vary_tokens=True, tagged=True)
         _assert_round(p2p_world.run("ep_jobs:round_", spec), spec)
+
+
+# The LL order rule (Buffer._ll_area_check): a send may reuse an LL buffer's area only once the
+# call that used it last has been received here AND a call sent after that receive has been
+# received too (then every peer has sent it, so every peer had finished its own receive first).
+LL_TWO_AHEAD = ["d0", "d1", "slow", "dh0", "dh1", "d2", "dh2"]
+# DeepEP's two-batch overlap, two layers; and vLLM's dual-batch order (each batch's combine sent
+# as soon as its dispatch was received), two layers: both keep the rule.
+LL_SAFE_ORDERS = {
+    "two-batch-overlap": ["d0", "d1", "dh0", "dh1", "c0", "c1", "ch0", "ch1",
+                          "d2", "d3", "dh2", "dh3", "c2", "c3", "ch2", "ch3"],
+    "dual-batch": ["d0", "d1", "dh0", "c0", "dh1", "c1", "ch0", "ch1",
+                   "d2", "d3", "dh2", "c2", "dh3", "c3", "ch2", "ch3"],
+}
+
+
+def test_an_ll_send_into_an_area_a_slower_peer_may_still_read_is_refused_on_every_rank(p2p2):
+    """Dispatch A (LL buffer 0) and B (buffer 1) sent with hooks, both hooks, then dispatch C
+    (buffer 0 again), rank 1 sleeping before its hooks. Rank 0's hook B passes as soon as rank 1
+    has SENT B, so rank 0's C would land in rank 1's buffer-0 dispatch area before rank 1's hook A
+    read it: before the fix rank 1's A got C's counts and rows and its hook C waited out the
+    timeout. Now every rank refuses C with a ConfigError naming A and the safe orders, with no
+    kernel launched; A and B equal the reference; after clean_low_latency_buffer on every rank a
+    round with hooks equals the reference again."""
+    specs = [_spec(2, seed=s) for s in (161, 162, 163)]
+    outs = p2p2.run("ep_jobs:ll_order", specs, LL_TWO_AHEAD, (1, 1.5), timeout=180)
+    for rank, o in enumerate(outs):
+        assert o["raised"] is not None and o["raised"][:2] == ("d2", "ConfigError"), (rank, o)
+        assert o["launches"] == [], (rank, o["launches"])
+        msg = o["raised"][2]
+        m = re.search(r"^low_latency_dispatch \(LL send #(\d+) of this Buffer, LL buffer (\d)\).* "
+                      r"dispatch area of LL buffer \2, which low_latency_dispatch \(LL send #(\d+)\) "
+                      r".*no LL call sent after.*two-batch overlap.*clean_low_latency_buffer", msg)
+        assert m and int(m[1]) == int(m[3]) + 2, (rank, msg)        # C, and A two sends before
+        assert o["dispatch"] == {0: [], 1: []}, (rank, o["dispatch"])
+    assert p2p2.run("ep_jobs:clean", specs[0]) == [[], []]
+    spec = _spec(2, seed=164, hook=True, tagged=True)
+    _assert_round(p2p2.run("ep_jobs:round_", spec), spec)
+
+
+@pytest.mark.parametrize("order", sorted(LL_SAFE_ORDERS))
+def test_two_batch_overlap_orders_with_hooks_are_exact(p2p2, order):
+    """Two batches in flight through two layers, every call with a receive hook, in DeepEP's
+    two-batch-overlap order and in vLLM's dual-batch order (LL_SAFE_ORDERS): nothing is
+    refused, every dispatch equals the reference and every combine is within the bound."""
+    specs = [_spec(2, seed=170 + i, use_fp8=i % 2 == 1, vary_tokens=True) for i in range(4)]
+    for rank, o in enumerate(p2p2.run("ep_jobs:ll_order", specs, LL_SAFE_ORDERS[order])):
+        assert o["raised"] is None, (rank, o["raised"])
+        assert o["dispatch"] == {i: [] for i in range(4)}, (rank, o["dispatch"])
+        for i in range(4):
+            bound = FP8_BOUND if i % 2 else BF16_BOUND
+            assert o["calc_diff"][i] < bound, (rank, i, o["calc_diff"])
 
 
 FP8_WIDE = 17 * 128  # 34 half groups: more than a warp of 32 has lanes, so a part loops

@@ -401,6 +401,12 @@ class Buffer:
         self._ctxs_buf = None
         self.set_timeout(timeout_s)
         self._ll_idx = 0
+        # the LL order rule's bookkeeping (_ll_area_check): LL sends launched, per area (kind *
+        # 2 + LL buffer) the record of the send that used it last, and the highest send number
+        # whose receive has completed here
+        self._ll_sent = 0
+        self._ll_areas = [None] * 4
+        self._ll_max_done = -1
         # the high-throughput region (symmetric heap): num_nvl_bytes, or without it in normal mode
         # the num_rdma_bytes allocation; and its device-memory workspace (ht.cuh)
         self._nvl = ctx.alloc((self.num_nvl_bytes,), torch.uint8) if self.num_nvl_bytes else None
@@ -1472,7 +1478,8 @@ class Buffer:
         """Collective over the live (unmasked) ranks: after it, every rank's signal counts equal
         what has arrived, the kernels' scratch is reset and every rank's next LL call uses the
         first LL buffer, so the next LL call starts clean — after the RDMA buffer was used as
-        scratch, after a failed call, or after unmasking a rank. Every live rank must call it.
+        scratch, after a failed call, after unmasking a rank, or after the LL order rule refused
+        a send (_ll_area_check). Every live rank must call it.
         Bounded: a silent rank is masked or raises."""
         self._alive()
         self._resync("clean_low_latency_buffer",
@@ -1495,6 +1502,9 @@ class Buffer:
             self._skip_clean()
             raise
         self._ll_idx = 0
+        # the clean's barriers come after every rank's earlier LL calls (stream order): no rank
+        # reads an area of them any more (a hook from before the clean records nothing)
+        self._ll_areas = [None] * 4
         self._check(what, "clean", mirrored=True)
 
     def _skip_clean(self):
@@ -1524,8 +1534,11 @@ class Buffer:
         this rank's row); ``use_fp8`` (e4m3 + float scale per 128 columns: amax/448), ``round_scale``
         (scales rounded up to powers of two), ``use_ue8m0`` (scales packed as UE8M0, implies
         rounding); ``async_finish`` (return an event); ``return_recv_hook`` (this call only sends;
-        ``hook()`` receives). ``topk_weights``, ``x_global_scale``, ``use_ue8m0_for_sf`` (other
-        DeepEP branches' arguments) are accepted and unused; ``use_nvfp4`` is not implemented.
+        ``hook()`` receives; a send reuses the area of the LL call two calls before it, so it is
+        refused, ConfigError, until that call was received and one LL call sent after that was
+        received too: hooks right after their sends, or DeepEP's two-batch overlap).
+        ``topk_weights``, ``x_global_scale``, ``use_ue8m0_for_sf`` (other DeepEP branches'
+        arguments) are accepted and unused; ``use_nvfp4`` is not implemented.
 
         Returns ``(recv_x, recv_count, handle, event, hook)``: recv_x bf16 [E_loc, R*T_max, H], or
         with use_fp8 ``(fp8 [E_loc, R*T_max, H], scales)`` with scales float32
@@ -1589,6 +1602,7 @@ class Buffer:
         src_info = torch.empty((el, rows), dtype=torch.int32, device=dev)
         layout_range = torch.empty((el, r), dtype=torch.int64, device=dev)
         buf = self._ll_idx
+        self._ll_area_check(what, buf)
         self._ll_idx ^= 1
         P = self._params(dep.OP_DISPATCH, 0, flags, buf, layout, num_tokens, k)
         P.x, P.topk_idx = _addr(x), _addr(topk_idx)
@@ -1598,24 +1612,32 @@ class Buffer:
         P.wait_stats = _addr(stats)
         keep = (x, topk_idx, recv_x, scales, count, src_info, layout_range,
                 cumulative_local_expert_recv_stats, stats)
-        hook = self._run_phases(P, what, "dispatch", return_recv_hook, keep)
+        hook = self._run_phases(P, what, "dispatch", return_recv_hook, keep, buf)
         handle = (src_info, layout_range, t_max, hidden, e)
         out_x = (recv_x, scales) if use_fp8 else recv_x
         event = EventOverlap(EventHandle(), keep if async_finish else None) if async_finish \
             else EventOverlap(None)
         return out_x, count, handle, event, hook
 
-    def _run_phases(self, P, what, phase, return_recv_hook, keep):
+    def _run_phases(self, P, what, phase, return_recv_hook, keep, area):
         """Send now; receive now too (returns None, as DeepEP's hook without return_recv_hook),
-        or in the returned hook (return_recv_hook)."""
+        or in the returned hook (return_recv_hook). ``area``: the LL area the send writes into
+        on the peers (_ll_area_check); a send whose launch raised never used it, a receive that
+        raised (or a send that raised after its launch: no hook to receive with) ended its op."""
         if not return_recv_hook:
             P.phases = dep.PH_SEND | dep.PH_RECV
             self._launch(P, what)
+            self._ll_received(area, self._ll_area_use(what, area))
             self._check(what, phase, mirrored=True)
             return None
         P.phases = dep.PH_SEND
         self._launch(P, what + " (send)")
-        self._check(what, phase, mirrored=True)
+        rec = self._ll_area_use(what, area)
+        try:
+            self._check(what, phase, mirrored=True)
+        except BaseException:
+            self._ll_received(area, rec)
+            raise
         R = dep.LlParams()
         ctypes.memmove(ctypes.addressof(R), ctypes.addressof(P), ctypes.sizeof(P))
         R.phases = dep.PH_RECV
@@ -1628,9 +1650,64 @@ class Buffer:
             self._alive()
             state["done"] = True
             _ = keep
-            self._launch(R, what + " (receive hook)")
-            self._check(what, phase, mirrored=True)
+            try:
+                self._launch(R, what + " (receive hook)")
+                self._check(what, phase, mirrored=True)
+            finally:
+                self._ll_received(area, rec)
         return hook
+
+    # The LL order rule. An LL send writes into the peers' area (kind, LL buffer) that the send
+    # two LL calls before it used too; every rank makes the same calls in the same order, but
+    # with receive hooks a rank may run ahead: after dispatch A (buffer 0), dispatch B (buffer 1),
+    # hook A, hook B, a fast rank's hook B passes once a slow peer has SENT B, which that peer
+    # did before its own hook A, so the fast rank's dispatch C (buffer 0) overwrote A's header and
+    # rows there before the peer read them (its A got C's counts, silently, and its hook C timed
+    # out and masked the live fast rank: the audit's ll_two_ahead, 2 ranks over p2p). The host
+    # cannot see the peers, but it can prove they are done: a send into an area last used by
+    # call p is safe iff p's receive has completed here AND some call q sent AFTER that has
+    # completed its receive here, so every live peer has sent q, after its own receive of p. The
+    # bookkeeping is a few list and int operations per call (bench/ep_host.py). Every rank
+    # refuses the same call, before anything is launched (ConfigError).
+    _LL_KINDS = ("dispatch", "dispatch", "combine", "combine")
+
+    def _ll_area_check(self, what, area):
+        """Refuse (ConfigError) an LL send into ``area`` (kind * 2 + LL buffer) that a peer may
+        still be reading for the call that used it last."""
+        rec = self._ll_areas[area]
+        if rec is not None and (rec[2] is None or self._ll_max_done < rec[2]):
+            raise ConfigError(
+                "%s (LL send #%d of this Buffer, LL buffer %d): refused, nothing launched: it "
+                "would write into the peers' %s area of LL buffer %d, which %s (LL send #%d) may "
+                "still be reading: %s. Every rank refuses this same call. An LL call's area is "
+                "used again two LL calls later: receive each call (its hook) and complete the "
+                "receive of one LL call sent after that before the send that reuses its area; "
+                "e.g. call each hook before the next LL send, or interleave two batches as "
+                "DeepEP's two-batch overlap does (dispatch 0, dispatch 1, hook 0, hook 1, "
+                "combine 0, combine 1, hook 0, hook 1, then the next layer). To go on from "
+                "here, call clean_low_latency_buffer on every rank (a barrier)" % (
+                    what, self._ll_sent + 1, area & 1, self._LL_KINDS[area], area & 1, rec[0],
+                    rec[1] + 1,
+                    "its receive hook has not run on this rank" if rec[2] is None else
+                    "it was received here, but no LL call sent after that receive has been "
+                    "received yet, so a slower peer may not have received it"))
+
+    def _ll_area_use(self, what, area):
+        """The send of ``what`` into ``area`` launched: the area's record [what, send number,
+        the sends launched when its receive completed (None until then)]."""
+        n = self._ll_sent
+        self._ll_sent = n + 1
+        rec = self._ll_areas[area] = [what, n, None]
+        return rec
+
+    def _ll_received(self, area, rec):
+        """The receive of ``rec``'s call completed here, or ended (it raised: its error names the
+        peers that did not deliver, masked with enable_shrink). Not for a call from before a
+        clean (its area's record is no longer ``rec``)."""
+        if self._ll_areas[area] is rec:
+            rec[2] = self._ll_sent
+            if rec[1] > self._ll_max_done:
+                self._ll_max_done = rec[1]
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The next low_latency_combine's send buffer as a bf16 tensor
@@ -1713,12 +1790,13 @@ class Buffer:
             o2 = self._tensor(out, "out", torch.bfloat16, shape=(num_tokens, hidden))
             if o2.data_ptr() != out.data_ptr():
                 raise ConfigError("%s: out must be contiguous and 16-byte aligned (written in place)" % what)
+        self._ll_area_check(what, 2 + buf)
         self._ll_idx ^= 1
         P = self._params(dep.OP_COMBINE, 0, flags, buf, layout, num_tokens, k)
         P.x, P.topk_idx, P.topk_weights = _addr(x), _addr(topk_idx), _addr(topk_weights)
         P.out_x, P.src_info, P.layout_range = _addr(out), _addr(src_info), _addr(layout_range)
         P.wait_stats = _addr(stats)
         keep = (x, topk_idx, topk_weights, src_info, layout_range, out, stats)
-        hook = self._run_phases(P, what, "combine", return_recv_hook, keep)
+        hook = self._run_phases(P, what, "combine", return_recv_hook, keep, 2 + buf)
         event = EventOverlap(EventHandle(), keep) if async_finish else EventOverlap(None)
         return out, event, hook
