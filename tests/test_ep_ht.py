@@ -218,6 +218,22 @@ def test_the_references_on_a_hand_computed_example():
     assert torch.equal(out_m[1], x[0][1]) and bool((out_m[2] == 0).all())
 
 
+def test_a_buffer_the_garbage_collector_frees_frees_its_host_mapped_words_too():
+    """explicitly_destroy=False (DeepEP's default): when the Buffer is collected, its Context AND
+    the host-mapped allocations it made (the mask mirror, the HT notify's mailbox: cudaHostAlloc on
+    GPUs) are freed. Before, the finalizer closed the Context alone."""
+    import gc
+    cfg = Config(2, 4, 48)
+    b = Buffer(None, num_nvl_bytes=cfg.get_nvl_buffer_size_hint(256 * 2, 1), timeout_s=10.0)
+    x = torch.randn(5, 256).to(torch.bfloat16)
+    b.dispatch(x, is_token_in_rank=torch.ones(5, 1, dtype=torch.bool), config=cfg)
+    held = [b._hflags_mem, b._ht_mail[0], b.runtime]
+    assert not any(m.closed for m in held)
+    del b
+    gc.collect()
+    assert all(m.closed for m in held), held
+
+
 def test_one_rank_round_trip_without_topk_and_a_too_small_buffer():
     """A world of one: a dispatch without top-k (is_token_in_rank only) returns no top-k tensors and
     the rows in order; combine of them is the rows again (fan-out 1). A Config whose rings do not

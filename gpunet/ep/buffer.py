@@ -310,13 +310,16 @@ class Buffer:
         self._ctx = ctx
         self.runtime = ctx
         self._closed = False
+        # what this Buffer frees besides the Context (_free): the receive pool and host-mapped
+        # words; the finalizer holds the dict, not the Buffer, and sees what is added later
+        self._owned = {}
         try:
             self._setup(num_blocks, block_threads, float(timeout_s))
         except BaseException:
             self._close()
             raise
         if not explicitly_destroy:
-            self._finalizer = weakref.finalize(self, Buffer._finalize, ctx)
+            self._finalizer = weakref.finalize(self, Buffer._finalize, ctx, self._owned)
 
     @staticmethod
     def _check_args(comm, counts, flags, timeout_s):
@@ -376,7 +379,7 @@ class Buffer:
         # host memory, so _check reads them with no device sync and no copy of a device-memory
         # heap (that copy, a sync per call, was in every p2p figure); every platform uses them,
         # so the CPU tests of failures cover this path
-        self._hflags_mem = ctx.platform.alloc("host", 4 * (1 + r))
+        self._hflags_mem = self._owned["hflags"] = ctx.platform.alloc("host", 4 * (1 + r))
         self._hflags_np = self._hflags_mem.view()[:4 * (1 + r)].view(np.int32)
         self._hflags_mv = memoryview(self._hflags_np)
         self._ht_mail = None        # (allocation, int32 view, memoryview): _ht_notify's mailbox
@@ -423,7 +426,7 @@ class Buffer:
         # the receive pool (recv_pool_bytes): the HT dispatch's receive tensors, which mapped
         # peers store rows into (gpunet/ep/_pool.py; ht.cuh "the receive pool")
         self._pool_mem = ctx.alloc((self.recv_pool_bytes,), torch.uint8) if self.recv_pool_bytes else None
-        self._pool = RecvPool(self._pool_mem) if self._pool_mem is not None else None
+        self._pool = self._owned["pool"] = RecvPool(self._pool_mem) if self._pool_mem is not None else None
         self._pool_warned = False   # _pool_full said it once
         # (fp8, hidden, topk) -> the rows of the last HT dispatch of that kind (_ht_recv_guess)
         self._ht_rows_seen = {}
@@ -459,11 +462,25 @@ class Buffer:
 
     # ---- lifetime ---------------------------------------------------------------------------
     @staticmethod
-    def _finalize(ctx):
+    def _finalize(ctx, owned):
         try:
-            ctx.close()
+            Buffer._free(ctx, owned)
         except Exception:  # noqa: BLE001 - interpreter shutdown: nothing to report to
             pass
+
+    @staticmethod
+    def _free(ctx, owned):
+        """The receive pool (its tensors lie in the Context's heap), the Context, then the
+        host-mapped words (``owned``: "pool", "hflags", "mail"). Also what the garbage collector
+        runs for a Buffer made with explicitly_destroy=False, which closed the Context alone and
+        left the host-mapped allocations (cudaHostAlloc on GPUs) behind."""
+        pool = owned.get("pool")
+        if pool is not None:
+            pool.close()
+        ctx.close()
+        for k in ("hflags", "mail"):
+            if owned.get(k) is not None:
+                owned[k].close()
 
     def _close(self):
         if self._ctx is not None:
@@ -472,14 +489,7 @@ class Buffer:
                 fin.detach()
             ctx, self._ctx = self._ctx, None
             self._closed = True
-            pool = getattr(self, "_pool", None)
-            if pool is not None:
-                pool.close()
-            ctx.close()
-            mail = getattr(self, "_ht_mail", None)
-            for mem in (getattr(self, "_hflags_mem", None), mail[0] if mail else None):
-                if mem is not None:
-                    mem.close()
+            Buffer._free(ctx, getattr(self, "_owned", {}))
 
     def destroy(self):
         """Free every resource (NIC, heap, transports). Requires ``explicitly_destroy=True``
@@ -912,7 +922,7 @@ class Buffer:
         if mail is None or mail[1].size < 1 + n:
             if mail is not None:
                 mail[0].close()
-            mem = self._ctx.platform.alloc("host", 4 * (1 + n))
+            mem = self._owned["mail"] = self._ctx.platform.alloc("host", 4 * (1 + n))
             arr = mem.view()[:4 * (1 + n)].view(np.int32)
             mail = self._ht_mail = (mem, arr, memoryview(arr))
         mem, arr, flag = mail
