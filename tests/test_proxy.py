@@ -340,6 +340,44 @@ def test_full_fifo_times_out_without_proxy_and_poisons():
     assert ch.completed == ch.tail == 8 and ch.head == 9
 
 
+def test_close_names_a_proxy_thread_that_never_stops_instead_of_hanging(monkeypatch):
+    """A proxy thread stuck inside a pass (here: its drain loop replaced by a wait on an Event it
+    is released from only at the end) never sees the stop word: close() gives up after
+    THREAD_JOIN_S, raises a CloseError naming the thread, and keeps the channel bound to the
+    closed engine (a new engine on it is refused while the old thread may still drain it)."""
+    from gpunet.errors import CloseError
+    release = threading.Event()
+    real_run = P.proxy_run
+
+    def stuck_run(*args):
+        if threading.current_thread().name.startswith("gpunet-proxy"):
+            release.wait(60)                 # the test's own bound: it never leaves one running
+        else:
+            real_run(*args)                  # the constructor's warm-up call on this thread
+
+    monkeypatch.setattr(P, "proxy_run", stuck_run)
+    monkeypatch.setattr(P, "THREAD_JOIN_S", 0.3)
+    ch = P.ProxyChannel(8)
+    heap = np.zeros(4096, np.uint8)
+    eng = P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], drain_only=True)
+    stuck = eng.alive_threads()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(CloseError, match=r"proxy thread\(s\) gpunet-proxy-0: TimeoutError: "
+                                             r"still running") as e:
+            eng.close()
+        assert time.monotonic() - t0 < 3
+        assert [what for what, _ in e.value.errors] == ["proxy thread(s) gpunet-proxy-0"]
+        assert eng.closed and ch.engine is eng
+        with pytest.raises(gpunet.ConfigError, match="already belongs to an engine"):
+            P.ProxyEngine(None, [ch], None, (heap.ctypes.data, 1), [(0, 2)], drain_only=True)
+    finally:
+        release.set()
+        for th in stuck:
+            th.join(10)
+    assert not any(th.is_alive() for th in stuck)
+
+
 def test_small_fifo_back_pressure_many_producers(nics, heaps):
     """A depth-4 FIFO under 3 producers x 150 PUTs in reservations of 1..4: producers wait on the
     proxy's tail (cached-tail protocol), no command is lost or overwritten, the data arrives and

@@ -67,7 +67,7 @@ from gpunet.device.abi import (  # noqa: F401
     PROXY_DEV_CTRL_BYTES as DEV_CTRL_BYTES,
     PROXY_DC_HEAD as DC_HEAD, PROXY_DC_CACHED_TAIL as DC_CACHED_TAIL, PROXY_ERR_NONE as ERR_NONE,
     PROXY_ERR_CQE as ERR_CQE, PROXY_ERR_BAD_COMMAND as ERR_BAD_COMMAND)
-from gpunet.errors import ClosedError, ConfigError, GpunetError
+from gpunet.errors import CloseError, ClosedError, ConfigError, GpunetError
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet.host import progress, wq
 from gpunet.host.rawmem import (IDLE_SLEEP_MAX_US, aligned_zeros, atomic_cas_u64,
@@ -101,6 +101,11 @@ DRAIN_BATCH = 256
 # holding the GIL cannot delay it (a return to Python waits for the GIL: up to the 5 ms switch
 # interval).
 SPIN_US = 0
+# How long close() waits for each proxy thread after setting its stop word. A thread polls the
+# word between passes and sleeps at most IDLE_SLEEP_MAX_US (or its NIC's cap, ~1 ms) when idle, so
+# a healthy one is gone within milliseconds; one still running after this is stuck inside a pass
+# (a NIC hook or a wait that never ends), and close() names it instead of hanging on it.
+THREAD_JOIN_S = 5.0
 
 # ---- engine state layout (numba arrays) ------------------------------------------------------
 # per channel, int64
@@ -1169,7 +1174,19 @@ class ProxyEngine(Resource):
         self._stop_word[0] = 1                 # proxy_run polls it with an acquire load
         for th in self._threads:
             if th.is_alive():
-                th.join()
+                th.join(THREAD_JOIN_S)
+        stuck = self.alive_threads()
+        if stuck:
+            # a running thread still reads the channels, posts on the QPs and lands in the scratch
+            # MR: the channels stay bound to this engine (a new engine on them is refused) and the
+            # MR stays registered, rather than let two drainers share a FIFO or the NIC write into
+            # freed memory
+            names = ", ".join(th.name for th in stuck)
+            raise CloseError("proxy thread(s) %s still running" % names, [(
+                "proxy thread(s) %s" % names,
+                GpunetTimeoutError("still running %gs after the stop word was set (stuck in a "
+                                   "pass); its channels stay bound to this closed engine"
+                                   % THREAD_JOIN_S))])
         for c in self.channels:
             c.engine = None
         for q, qpo in self._qp_objs:
