@@ -232,6 +232,9 @@ class Transports(Resource):
         self._gpu = platform.name != "cpu"
         self._proxy_threads = proxy_threads
         self.qpds, self.channels, self.engine = {}, {}, None
+        # set when a recovery closed the proxy engine and could not start a new one: what every
+        # later failure() reports, since the channels then have nobody draining them
+        self._proxy_lost = None
         self.peer_heaps = {}             # p2p peer -> its heap mapped here (Nic.map_peer_heap)
         self.dma_heaps = {}              # NIC peer -> its device heap mapped here for the NIC's
                                          # copy engine (CUDA IPC; Nic.add_peer_memory)
@@ -434,6 +437,8 @@ class Transports(Resource):
         """The failure the proxy recorded (a GpunetError), or None (also without a proxy)."""
         if self.engine is None:
             return None
+        if self._proxy_lost is not None:
+            return GpunetError(self._proxy_lost)
         try:
             self.engine.check()
         except GpunetError as e:
@@ -534,6 +539,8 @@ class Transports(Resource):
     def _recover_proxy(self, timeout_s):
         from gpunet.host.proxy import ProxyEngine, resume_after_reset
 
+        if self._proxy_lost is not None:
+            return [self._proxy_lost]
         chans = list(self.channels.values())
         heads = [self.proxy_head(ch) for ch in chans]
         bad = [(p, row[0]) for p, row in enumerate(self._engine_args[2])
@@ -558,18 +565,29 @@ class Transports(Resource):
                  "failure) were filled with NOPs" % filled] if filled else []
         if not failed:
             return notes
-        self.engine.close()
-        for p, qp in bad:
-            if self._dead_peer(qp, p, notes):
-                continue
-            resume_after_reset(qp, self.nic.reset_qp(qp, timeout_s=timeout_s))
-            notes.append("the proxy's QP to peer %d was reset to RTS (what was queued on it after "
-                         "the failed command was discarded)" % p)
-        for ch in chans:
-            ch.clear_error()
-        # the old engine's landing slots: NIC memory is never freed (ProxyEngine's scratch)
-        self.engine = ProxyEngine(*self._engine_args, threads=self._proxy_threads,
-                                  scratch=self.engine.scratch)
+        # from the old engine's close on, a failure leaves no proxy thread draining the channels:
+        # a later put would sit in its FIFO and a later quiet only time out, so the Transports
+        # remembers it and reports it on every later failure() and recover() instead
+        # (tests/test_api_adversarial.py::test_a_proxy_that_cannot_be_restarted_is_reported_after)
+        try:
+            self.engine.close()
+            for p, qp in bad:
+                if self._dead_peer(qp, p, notes):
+                    continue
+                resume_after_reset(qp, self.nic.reset_qp(qp, timeout_s=timeout_s))
+                notes.append("the proxy's QP to peer %d was reset to RTS (what was queued on it "
+                             "after the failed command was discarded)" % p)
+            for ch in chans:
+                ch.clear_error()
+            # the old engine's landing slots: NIC memory is never freed (ProxyEngine's scratch)
+            self.engine = ProxyEngine(*self._engine_args, threads=self._proxy_threads,
+                                      scratch=self.engine.scratch)
+        except Exception as e:  # noqa: BLE001 - whatever stopped it, the proxy is gone
+            self._proxy_lost = (
+                "the proxy could not be restarted after a failure (%s: %s): nothing drains the "
+                "proxy channels to peers %s any more, so operations to them cannot complete; "
+                "close this Context" % (type(e).__name__, e, sorted(self.channels)))
+            raise GpunetError(self._proxy_lost) from e
         return notes or ["the proxy channel's failure was cleared"]
 
     def proxy_head(self, ch):

@@ -450,6 +450,34 @@ def test_protection_error_is_raised_then_the_context_recovers(ctx):
         ctx.free(t)
 
 
+def test_a_proxy_that_cannot_be_restarted_is_reported_after(monkeypatch):
+    """A recovery closes the failed proxy engine and starts a new one; when the new one cannot be
+    made (here its constructor raises), the failure says the proxy could not be restarted, and
+    so does every later operation and check (a put still waits out its quiet first: nothing
+    drains the FIFO), instead of a bare timeout whose note blamed an undrained channel."""
+    from gpunet.host import proxy
+
+    c = gpunet.init(transport="proxy", heap_bytes=4 << 20, timeout_s=5.0)
+    try:
+        src, dst = c.alloc((64,), torch.uint8), c.alloc((64,), torch.uint8)
+
+        def refuse(*args, **kwargs):
+            raise OSError("no thread for you")
+
+        monkeypatch.setattr(proxy, "ProxyEngine", refuse)
+        with pytest.raises(CompletionError, match="the proxy could not be restarted after a "
+                                                  "failure .OSError: no thread for you."):
+            inject_bad_put(c, 0, src)
+            c.quiet()
+        src[:] = torch.arange(64, dtype=torch.uint8)
+        with pytest.raises(gpunet.GpunetError, match="the proxy could not be restarted"):
+            c.put(c.remote(0, dst), src)
+        with pytest.raises(gpunet.GpunetError, match="the proxy could not be restarted"):
+            c.check()
+    finally:
+        c.close()
+
+
 def test_recovery_fills_a_proxy_slot_that_a_push_reserved_and_left_empty():
     """A device push that gives up while the FIFO is full (a failure seen meanwhile) leaves its
     reserved slot empty, and the proxy stops there (proxy.cuh "A push that gives up"). Made here by
