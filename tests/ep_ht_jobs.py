@@ -423,6 +423,15 @@ def ll_round(state, spec):
     return ep_jobs.round_(state, spec)
 
 
+def _dispatch(buf, spec, mine, config):
+    """get_dispatch_layout, then dispatch of this rank's inputs ``mine`` with ``config`` (a
+    Config's arguments): dispatch's tuple."""
+    ntr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(mine["topk_idx"], spec["num_experts"])
+    return buf.dispatch(_x(spec, mine), num_tokens_per_rank=ntr, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=ntpe, topk_idx=mine["topk_idx"],
+                        topk_weights=mine["topk_weights"], config=Config(*config))
+
+
 def dispatch_failing_after_notify(state, spec, failing_rank):
     """One dispatch (the spec's inputs) whose host step between the notify and the data launch
     raises MemoryError on ``failing_rank`` (the receive tensors' allocation). Returns (the
@@ -430,16 +439,13 @@ def dispatch_failing_after_notify(state, spec, failing_rank):
     buf = state["ep_buf"]
     world, rank = buf.group_size, buf.rank
     mine = _inputs(spec, world)[rank]
-    ntr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(mine["topk_idx"], spec["num_experts"])
     if rank == failing_rank:
         def no_memory(*a, **kw):
             raise MemoryError("injected: the receive tensors' allocation")
         buf._ht_recv_fit = buf._ht_recv_tensors = no_memory
     raised = None
     try:
-        buf.dispatch(_x(spec, mine), num_tokens_per_rank=ntr, is_token_in_rank=in_rank,
-                     num_tokens_per_expert=ntpe, topk_idx=mine["topk_idx"],
-                     topk_weights=mine["topk_weights"], config=Config(*spec["config"]))
+        _dispatch(buf, spec, mine, spec["config"])
     except Exception as e:  # noqa: BLE001 - the test checks the type
         raised = type(e).__name__
     finally:
@@ -485,11 +491,7 @@ def header_overtaken(state, spec, stall_ns, between=()):
             d["topk_idx"] = (to * el + t % el).to(d["topk_idx"].dtype)
         mine, bad, raised = inputs[rank], [], None
         try:
-            ntr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(mine["topk_idx"], spec["num_experts"])
-            rx, rtk, rw, counts, handle, _ = buf.dispatch(
-                _x(spec, mine), num_tokens_per_rank=ntr, is_token_in_rank=in_rank,
-                num_tokens_per_expert=ntpe, topk_idx=mine["topk_idx"],
-                topk_weights=mine["topk_weights"], config=Config(*spec["config"]))
+            rx, rtk, rw, counts, handle, _ = _dispatch(buf, spec, mine, spec["config"])
             r_ = _dispatch_ref(spec, inputs, rank, ())
             if counts != r_["counts"]:
                 bad.append("counts %r != reference %r" % (counts, r_["counts"]))
@@ -513,11 +515,8 @@ def dispatch_with_config(state, spec, configs):
     buf = state["ep_buf"]
     world, rank = buf.group_size, buf.rank
     mine = _inputs(spec, world)[rank]
-    ntr, _, ntpe, in_rank, _ = buf.get_dispatch_layout(mine["topk_idx"], spec["num_experts"])
     try:
-        buf.dispatch(_x(spec, mine), num_tokens_per_rank=ntr, is_token_in_rank=in_rank,
-                     num_tokens_per_expert=ntpe, topk_idx=mine["topk_idx"],
-                     topk_weights=mine["topk_weights"], config=Config(*configs[rank]))
+        _dispatch(buf, spec, mine, configs[rank])
     except Exception as e:  # noqa: BLE001 - the test checks the type and text
         return "%s: %s" % (type(e).__name__, e)
     return None

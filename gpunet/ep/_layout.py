@@ -148,7 +148,7 @@ def ctl_layout(num_ranks):
 #   sig    u64 tail[2 kinds][64 channels][R], head[2][64][R], hdr[R], hb[R] (heartbeats),
 #          desc[R] (receive descriptors' signals)
 #   shdr   R headers of HT_HDR_STRIDE bytes (send staging), rhdr 2 x R headers (one per source and
-#          epoch parity: ht.cuh ht_rhdr)
+#          notify parity: ht.cuh ht_rhdr)
 #   rdesc  R receive descriptors of HT_RD_WORDS u64 (ht.cuh "the receive pool"), one per destination
 #   then the rest in two halves, dispatch then combine, each: a send (staging) ring and a receive
 #   ring of [nc][R][ring] messages (msg_stride of bf16 rows: the larger kind).

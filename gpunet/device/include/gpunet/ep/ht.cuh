@@ -194,7 +194,7 @@ struct HtParams {
                          // this rank's last heartbeat
   uint64_t send_ring;    // heap: [nc][R][ring] messages of msg_stride bytes (this op's kind)
   uint64_t recv_ring;    // heap: [nc][R][ring]
-  uint64_t shdr, rhdr;   // heap: shdr [R], rhdr [2 epoch parities][R] headers of hdr_stride bytes
+  uint64_t shdr, rhdr;   // heap: shdr [R], rhdr [2 notify parities][R] headers of hdr_stride bytes
   uint64_t x;            // dispatch: bf16 [T, H] or fp8 [T, H]; combine: bf16 [N_recv, H]
   uint64_t x_scales;     // dispatch fp8: float [T, H/128]
   uint64_t topk_idx;     // dispatch: int64 [T, K] (or 0)
