@@ -45,6 +45,10 @@ KNOBS = (
          "gpunet.ep's kernels: world (a world whose peers are all p2p runs a build with the p2p "
          "transport only, half the code: devctx.cuh GPUNET_TRANSPORTS) or all (every world runs "
          "the build with every transport: the A/B of bench/ep_profile.py)"),
+    Knob("GPUNET_EP_LL_DIRECT", "env", "choice", "1", ("0", "1"),
+         "gpunet.ep's LL BF16 dispatch with a receive pool and every peer p2p: 1 stores each row "
+         "straight into its packed row on the destination after a count round (ll.cuh \"The "
+         "direct dispatch\"), 0 sends messages the receiver unpacks (the A/B of bench/ep.py)"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),
@@ -80,6 +84,9 @@ KNOBS = (
     Knob("GPUNET_TEST_HT_NOTIFY_STALL_NS", "define", "int", None, (),
          "tests: the HT notify's block 0 stalls this long between reading the peers' headers and "
          "reading them again (ht.cuh ht_rhdr: a slow third source's window)"),
+    Knob("GPUNET_TEST_LL_EXIT_AFTER_COUNTS", "define", "flag", None, (),
+         "tests: the HOST arm's direct LL dispatch exits the process after its count round, before "
+         "any row (ll.cuh direct_counts: the receivers' rows to move down)"),
     Knob("GPUNET_POST_STAMP", "define", "str", None, (),
          "qp.cuh's phase-stamp hook (k): nothing unless an includer defines it (post_rate.cu)"),
     Knob("GPUNET_BENCH_PHASES", "define", "flag", None, (),

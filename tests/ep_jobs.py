@@ -64,12 +64,37 @@ def make_buffer(state, transport, **kwargs):
 
 
 def init(state, transport, num_rdma_bytes, timeout_s=20.0, shrink=False, warp_size=32,
-         num_blocks=None, block_threads=None):
+         num_blocks=None, block_threads=None, recv_pool_bytes=0):
     """Make this rank's Buffer (low-latency mode); ``transport`` as make_buffer's; the grid the
-    Buffer's default unless given."""
+    Buffer's default unless given; ``recv_pool_bytes`` > 0 with every peer p2p makes the BF16
+    dispatch direct (ll.cuh "The direct dispatch")."""
     return make_buffer(state, transport, num_rdma_bytes=num_rdma_bytes, low_latency_mode=True,
                        enable_shrink=shrink, timeout_s=timeout_s, warp_size=warp_size,
-                       num_blocks=num_blocks, block_threads=block_threads)
+                       num_blocks=num_blocks, block_threads=block_threads,
+                       recv_pool_bytes=recv_pool_bytes)
+
+
+def direct_exit_build(state, victim):
+    """Rank ``victim`` loads the LL kernels built with GPUNET_TEST_LL_EXIT_AFTER_COUNTS: its next
+    direct dispatch exits the process after the count round, before any row."""
+    buf = state["ep_buf"]
+    if buf.rank == victim:
+        from gpunet.device import ep as dep
+        buf._lib = dep.load_ep("host", defines={"GPUNET_TEST_LL_EXIT_AFTER_COUNTS": 1},
+                               kinds=buf._build_kinds)
+    return buf.rank
+
+
+def pool_hog(state, ranks, nbytes):
+    """On the ranks in ``ranks``: hold (state["hog"]) a tensor of ``nbytes`` from the Buffer's
+    receive pool, so a dispatch's receive tensors no longer fit there (that rank then takes
+    messages: not a direct destination); ``nbytes`` 0 lets it go. Returns the pool's free bytes."""
+    buf = state["ep_buf"]
+    state.pop("hog", None)
+    if buf.rank in ranks and nbytes:
+        state["hog"] = buf._pool.empty((nbytes,), torch.uint8)
+        assert state["hog"] is not None
+    return buf.recv_pool_bytes - buf._pool.used_bytes()
 
 
 def clean_failing_before_launch(state, spec, failing_rank):
@@ -504,6 +529,9 @@ def round_(state, spec):
     try:
         t0 = time.monotonic()
         recv_d, count_d, handle_d, hook, cum, wstats = _dispatch(buf, spec, mine, stats)
+        pool = getattr(buf, "_pool", None)   # (None in the HT Buffers' rounds)
+        out["in_pool"] = bool(pool is not None and pool.contains(
+            recv_d[0] if spec.get("use_fp8") else recv_d))
         out["bad"] += _hook_findings("dispatch", hook, spec.get("hook", False))
         if hook is not None:
             hook()

@@ -129,15 +129,17 @@ class Ranks:
         return out
 
     def run_losing(self, victim, name, *args, timeout=JOB_TIMEOUT_S):
-        """Run a job in which the last rank, ``victim``, exits (a killed-rank test): the survivors'
-        (status, value) pairs, unchecked; the victim is joined (bounded) and the pool keeps only
-        the survivors' queues. End it with close_losing."""
-        assert victim == len(self.inboxes) - 1, "the victim must be the last rank"
+        """Run a job in which rank ``victim`` (any rank of a full pool) exits (a killed-rank
+        test): the survivors' (status, value) pairs in rank order, unchecked; the victim is joined
+        (bounded) and the pool keeps only the survivors' queues (later runs answer in the
+        survivors' rank order). End it with close_losing."""
+        assert len(self.inboxes) == self.world, "run_losing takes a pool that lost no rank yet"
         for q in self.inboxes:
             q.put((name, args))
-        outs = [self.outboxes[i].get(timeout=timeout) for i in range(victim)]
+        outs = [self.outboxes[i].get(timeout=timeout) for i in range(self.world) if i != victim]
         self.procs[victim].join(timeout=30)
-        self.inboxes, self.outboxes = self.inboxes[:victim], self.outboxes[:victim]
+        keep = lambda xs: [x for i, x in enumerate(xs) if i != victim]  # noqa: E731
+        self.inboxes, self.outboxes = keep(self.inboxes), keep(self.outboxes)
         return outs
 
     def close_losing(self, victim, close_job):
@@ -145,7 +147,7 @@ class Ranks:
         there, and close the pool."""
         if self.procs[victim].is_alive():
             self.procs[victim].kill()
-        self.procs = self.procs[:victim]
+        self.procs = [p for i, p in enumerate(self.procs) if i != victim]
         self.close_with(close_job)
 
     def lose(self, victim):

@@ -46,8 +46,9 @@ FP8_BOUND = 9e-4
 # The generated test's largest shape (the Buffers of its worlds are sized for it).
 GEN_T_MAX, GEN_HIDDEN, GEN_EXPERTS_PER_RANK = 16, 384, 8
 # The generated test runs on these pools (fixtures of this module, started for other tests too):
-# ibgda, all p2p, and a mixed world (p2p and proxy pairs), so every transport is generated over.
-GEN_WORLDS = ("ibgda2", "p2p2", "p2p_proxy4")
+# ibgda, all p2p, a mixed world (p2p and proxy pairs), and all p2p with a receive pool (the direct
+# BF16 dispatch), so every transport and both dispatch paths are generated over.
+GEN_WORLDS = ("ibgda2", "p2p2", "p2p_proxy4", "direct4")
 # Its example budget: what the one ibgda world had (max_examples // 10, at least 3), split over
 # the worlds, at least 2 each (CI: 2 + 2 + 2 against 5 before; each example is a round trip).
 GEN_EXAMPLES = max(2, -(-max(3, settings().max_examples // 10) // len(GEN_WORLDS)))
@@ -60,11 +61,11 @@ def _gen_bytes(world):
 
 
 def _pool(world, transport, warp_size, shrink=False, timeout_s=30.0, num_rdma_bytes=None,
-          num_blocks=None, block_threads=None, env=None):
+          num_blocks=None, block_threads=None, env=None, recv_pool_bytes=0):
     nbytes = num_rdma_bytes or Buffer.get_low_latency_rdma_size_hint(
         BASE["t_max"], BASE["hidden"], world, EXPERTS_PER_RANK * world)
     r = Ranks.start(world, "ep_jobs:init", transport, nbytes, timeout_s, shrink, warp_size,
-                    num_blocks, block_threads, env=env, timeout=180)
+                    num_blocks, block_threads, recv_pool_bytes, env=env, timeout=180)
     r.transport, r.warp_size = transport, warp_size
     return r
 
@@ -850,11 +851,21 @@ def test_generated_shapes_and_routings_match_the_reference(gen_world, data):
     _assert_round(gen_world.run("ep_jobs:round_", spec), spec)
 
 
-def test_a_token_goes_once_to_each_destination_rank_not_once_per_expert(gen_world):
+# The message worlds (the direct dispatch stores a row per (token, expert): only where no link
+# separates the ranks, Buffer._ll_direct_ok).
+MSG_WORLDS = tuple(w for w in GEN_WORLDS if not w.startswith("direct"))
+
+
+@pytest.fixture(scope="module", params=MSG_WORLDS)
+def msg_world(request):
+    return request.getfixturevalue(request.param)
+
+
+def test_a_token_goes_once_to_each_destination_rank_not_once_per_expert(msg_world):
     """DeepEP's rule: a token that selects several experts on one rank is sent to that rank ONCE.
     A routing where every token picks 2..4 experts on one rank, every rank being some token's
     (ep_jobs.rank_repeating_routing, with holes and a token with no expert; 8 tokens a rank), BF16
-    and FP8, on every world of GEN_WORLDS: on each receiver the messages each source's header
+    and FP8, on every world of MSG_WORLDS: on each receiver the messages each source's header
     announced equal the unique (token, destination rank) pairs of the routing counted by plain
     torch (the routing is checked to have more (token, expert) pairs than (token, rank) pairs for
     EVERY (source, destination), so a header counting per expert fails on every rank), and the
@@ -862,12 +873,12 @@ def test_a_token_goes_once_to_each_destination_rank_not_once_per_expert(gen_worl
     tokens it sends here, token t in slot t (ll.cuh dispatch_slot: one slot per token, so a
     second copy of a token has no slot of its own), every other slot untouched. The round's
     usual checks hold too."""
-    world = gen_world.world
+    world = msg_world.world
     for seed, fp8 in ((101, False), (102, True)):
         spec = _spec(world, seed=seed, routing="rank_repeats", wire=True, use_fp8=fp8)
         per_rank, per_expert, tokens = ep_jobs.telling_pairs(
             [d["topk_idx"] for d in ep_jobs._inputs(spec, world)], spec["num_experts"])
-        out = gen_world.run("ep_jobs:round_", spec)
+        out = msg_world.run("ep_jobs:round_", spec)
         _assert_round(out, spec)
         for d, o in enumerate(out):
             w = o["wire"]
@@ -1533,3 +1544,94 @@ def test_a_dead_rank_raises_ep_timeout_without_shrink(transport, stage):
             assert o["raised"]["counts_seen"][VICTIM] is None
     finally:
         _close_survivors(r)
+
+
+# ---- the direct dispatch (ll.cuh "The direct dispatch") -----------------------------------------
+# With a receive pool and every peer p2p, the BF16 dispatch runs a count round and each source
+# stores its rows straight into the destination's packed rows (recv_x and src_info from the
+# destination's pool); a destination whose pool has no room takes messages as before.
+DIRECT_POOL = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def direct2():
+    """2 ranks, all p2p, warps of 64, a receive pool."""
+    r = _pool(2, "p2p", 64, num_rdma_bytes=_gen_bytes(2), recv_pool_bytes=DIRECT_POOL)
+    yield r
+    _close(r)
+
+
+@pytest.fixture(scope="module")
+def direct4():
+    """4 ranks, all p2p, warps of 32, a receive pool (sized for the generated test too)."""
+    r = _pool(4, "p2p", 32, num_rdma_bytes=_gen_bytes(4), recv_pool_bytes=DIRECT_POOL)
+    yield r
+    _close(r)
+
+
+DIRECT_MODES = [dict(), dict(hook=True), dict(zero_copy=True), dict(hook=True, zero_copy=True),
+                dict(use_fp8=True)]
+
+
+@pytest.mark.parametrize("mode", DIRECT_MODES, ids=_mode_id)
+@pytest.mark.parametrize("world_name", ["direct2", "direct4"], ids=["2ranks-warp64", "4ranks-warp32"])
+def test_the_direct_dispatch_stores_rows_in_place_and_matches_the_reference(request, world_name, mode):
+    """All p2p with a receive pool, 2 ranks (warps of 64) and 4 (warps of 32): varying tokens,
+    holes, a hot expert, tagged rows (each names its source and token). BF16 (with and without
+    a hook, zero-copy combine or not): every rank's recv_x lies in its pool (the sources stored
+    the rows there: the direct path ran) and the dispatch equals the reference byte for byte, the
+    combine within DeepEP's bound; FP8 takes the message path (recv_x not in the pool) and is
+    exact too."""
+    w = request.getfixturevalue(world_name)
+    spec = _spec(w.world, seed=301, vary_tokens=True, hot_expert=1, tagged=not mode.get("use_fp8"),
+                 **mode)
+    out = w.run("ep_jobs:round_", spec)
+    _assert_round(out, spec)
+    assert [o["in_pool"] for o in out] == [not mode.get("use_fp8")] * w.world
+
+
+def test_a_destination_without_pool_room_takes_messages_beside_direct_ones(direct4):
+    """4 ranks all p2p with pools; rank 1's pool is held full (ep_jobs.pool_hog), so its receive
+    tensors are ordinary ones: in the same launches the sources store rows in place on ranks 0, 2
+    and 3 and send rank 1 messages. Invariant: recv_x is in the pool exactly on the other ranks,
+    every dispatch equals the reference and every combine is within the bound; once the pool is
+    free again every rank is direct."""
+    free = direct4.run("ep_jobs:pool_hog", [1], DIRECT_POOL - 8192)
+    assert free[1] <= 8192 < free[0]
+    try:
+        for seed in (311, 312):
+            spec = _spec(4, seed=seed, vary_tokens=True, tagged=True, hook=seed == 312)
+            out = direct4.run("ep_jobs:round_", spec)
+            _assert_round(out, spec)
+            assert [o["in_pool"] for o in out] == [True, False, True, True]
+    finally:
+        direct4.run("ep_jobs:pool_hog", [], 0)
+    spec = _spec(4, seed=313, tagged=True)
+    out = direct4.run("ep_jobs:round_", spec)
+    _assert_round(out, spec)
+    assert [o["in_pool"] for o in out] == [True] * 4
+
+
+def test_a_source_dead_after_its_counts_leaves_the_later_rows_moved_into_place():
+    """3 ranks all p2p with pools, enable_shrink, a 3 s bound. Rank 0's kernels are the
+    GPUNET_TEST_LL_EXIT_AFTER_COUNTS build: its direct dispatch exits the process once its count
+    rows went out, before any row. Ranks 1 and 2 counted rank 0's tokens, so their rows sit above
+    their places at every receiver; each receiver masks rank 0 (no signal) and moves those rows
+    down (ll.cuh direct_compact). Invariant: both survivors return, their dispatch equals the
+    reference with rank 0 masked (rows, src_info, layout_range: the moved rows are exact), the
+    combine too, the mask names rank 0, and the next round among the survivors is exact."""
+    r = _pool(3, "p2p", 32, shrink=True, timeout_s=3.0, recv_pool_bytes=DIRECT_POOL)
+    try:
+        assert r.run("ep_jobs:direct_exit_build", 0) == [0, 1, 2]
+        spec = _spec(3, seed=321, tagged=True, vary_tokens=True,
+                     masked_by_rank={0: ((), ()), 1: ((0,), (0,)), 2: ((0,), (0,))})
+        outs = r.run_losing(0, "ep_jobs:round_", spec)
+        for status, o in outs:
+            assert status == "ok", o
+        _assert_round([o for _, o in outs], spec)
+        for _, o in outs:
+            assert o["masked"] == [0] and o["in_pool"], o
+        nxt = _spec(3, seed=322, masked=(0,), tagged=True)
+        _assert_round(r.run("ep_jobs:round_", nxt), nxt)
+    finally:
+        r.close_losing(0, "ep_jobs:close")

@@ -27,7 +27,24 @@ def dispatch_hdr_words(e_loc, t_max):
 OP_DISPATCH, OP_COMBINE, OP_CLEAN = 0, 1, 2
 PH_SEND, PH_RECV = 1, 2
 F_FP8, F_ROUND_SCALE, F_UE8M0, F_ZERO_COPY, F_SHRINK, F_WAIT_STATS_2D = 1, 2, 4, 8, 16, 32
-F_ALL_MAPPED, F_GPU_SCOPE = 1 << 16, 1 << 17
+F_ALL_MAPPED, F_GPU_SCOPE, F_DIRECT, F_DIRECT_RECV = 1 << 16, 1 << 17, 1 << 18, 1 << 19
+CNT_HEAD = 8
+
+
+def direct_area_words(num_ranks, num_experts):
+    """u32 words of one LL buffer's count area (ll.cuh cnt_row / bu_row), after the R dispatch
+    receive headers: [R] count rows of CNT_HEAD + E words, then [R] "begins used" rows of E_loc
+    words, each row rounded up to 16 words."""
+    e_loc = num_experts // num_ranks
+    return num_ranks * ((CNT_HEAD + num_experts + 15) // 16 * 16 + (e_loc + 15) // 16 * 16)
+
+
+def bits_words(t_max, num_ranks, num_experts):
+    """u32 words of the dispatch workspace LlParams::bits: the bitmaps [E + R][W], then the
+    direct dispatch's dpre u64 [E][W], dbeg int32 [E] and dout u64 [R][2] (ll.cuh dpre)."""
+    w = dmask_words(t_max)
+    return ((num_experts + num_ranks) * w + 1) // 2 * 2 + 2 * num_experts * w + \
+        (num_experts + 1) // 2 * 2 + 4 * num_ranks
 SYNC_WORDS, SYNC_STRIDE = 8, 8
 # LlParams::prof: per block, now_ns() at these points (ll.cuh ST_*); bench/ep_profile.py
 ST_NAMES = ("begin", "send_plan", "send_loop", "send_hdr", "recv_ready", "recv_table", "recv_loop",
@@ -50,7 +67,8 @@ EP_SITE_NAMES = {1: "block 0's quiet of the peers (the send staging's flag)", 2:
                  6: "the combine layout check", 7: "this rank's own data (self counter)",
                  8: "a peer's high-throughput header", 9: "the high-throughput notify flag",
                  10: "the num_worst_tokens check", 11: "the dispatch's token bitmaps (every block's)",
-                 12: "a high-throughput bulk (TMA) copy into shared memory"}
+                 12: "a high-throughput bulk (TMA) copy into shared memory",
+                 13: "the direct dispatch (a peer's count row, or a source's row positions)"}
 
 
 class LlParams(ctypes.Structure):

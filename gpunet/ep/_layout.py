@@ -10,7 +10,8 @@ Per LL buffer (two, alternating as DeepEP's), 64-byte aligned areas:
   dispatch  send     t_max messages (the staged rows, one per token)
             shdr     R headers (one per destination)
             recv     R * t_max messages (source j's slot s at j * t_max + s)
-            rhdr     R headers (one per source): counts, slot bitmap, per-expert token bitmaps
+            rhdr     R headers (one per source): counts, slot bitmap, per-expert token bitmaps;
+                     then the direct dispatch's count rows and begins used (ll.cuh cnt_row)
   combine   send     [E_loc, R*t_max, H] bf16: the zero-copy buffer (get_next_low_latency_combine_buffer)
             stags    [E_loc, R*t_max] int32: the token index of each row sent
             shdr     R headers
@@ -96,7 +97,8 @@ class LlLayout:
             "d_send": t * self.msg_bf16,
             "d_shdr": r * self.hdr_stride,
             "d_recv": r * t * self.msg_bf16,
-            "d_rhdr": r * self.hdr_stride,
+            # the receive headers, then the direct dispatch's count area (ll.cuh cnt_row)
+            "d_rhdr": r * self.hdr_stride + 4 * dep.direct_area_words(r, e),
             "c_send": el * r * t * 2 * h,
             "c_stags": el * r * t * 4,
             "c_shdr": r * self.hdr_stride,
@@ -131,8 +133,9 @@ def ctl_layout(num_ranks):
     per-peer state and EP status the host reads without a device sync (on GPUs the heap is
     host-mapped). Returns (dict name -> offset, total bytes)."""
     r = num_ranks
-    # sig: u64 dispatch / combine signals [2][2][R], barrier [R], heartbeats [R] (ll.cuh ll_hb)
-    sizes = [("sig", 8 * 6 * r), ("mask", 4 * r), ("failed", 4 * r), ("got", 4 * r),
+    # sig: u64 dispatch / combine signals [2][2][R], barrier [R], heartbeats [R] (ll.cuh ll_hb),
+    # the direct dispatch's count tags [2][R] (ll.cuh ctag_word)
+    sizes = [("sig", 8 * 8 * r), ("mask", 4 * r), ("failed", 4 * r), ("got", 4 * r),
              ("nrecv", 4 * r), ("status_flag", 4)]
     out, off = {}, 0
     for k, n in sizes:

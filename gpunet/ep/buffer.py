@@ -1226,9 +1226,9 @@ class Buffer:
         e_loc = num_experts // r
         ws = {
             # the dispatch send's bitmaps, zero between launches (ll.cuh expert_bits): per
-            # expert its tokens, then per destination its message slots
-            "bits": torch.zeros((num_experts + r) * dep.dmask_words(t_max), dtype=torch.int32,
-                                device=dev),
+            # expert its tokens, then per destination its message slots; then the direct
+            # dispatch's scratch (ll.cuh dpre, dbeg, dout: written before read each launch)
+            "bits": torch.zeros(dep.bits_words(t_max, r, num_experts), dtype=torch.int32, device=dev),
             "tab": torch.zeros(2 * r * e_loc + r, dtype=torch.int32, device=dev),
             "table": torch.full((t_max * dep.MAX_TOPK,), -1, dtype=torch.int64, device=dev),
         }
@@ -1328,6 +1328,23 @@ class Buffer:
         peers = self._ctx._dev.peers
         kinds = {int(peers[p].kind) for p in range(self._ctx.world_size)}
         return kinds if kinds == {abi.TRANSPORT_P2P} else None
+
+    def _ll_direct_ok(self):
+        """Whether the LL BF16 dispatch runs direct (ll.cuh F_DIRECT): a receive pool
+        (recv_pool_bytes, the same on every rank), every other rank a p2p peer (F_ALL_MAPPED), and
+        no link between them to spare: every rank's heap on this GPU (F_GPU_SCOPE), or the CPU
+        platform (the ranks' arenas in one memory). A direct row goes once per (token, expert),
+        where a message goes once per (token, rank): across GPUs the link would carry ~K / (ranks
+        a token reaches) times the bytes, so those worlds keep messages. GPUNET_EP_LL_DIRECT=0
+        turns it off (the message path, for A/B runs)."""
+        ok = getattr(self, "_direct_ok", None)
+        if ok is None:
+            flags = self._ll_world_flags()
+            ok = self._direct_ok = bool(
+                self._pool is not None and flags & dep.F_ALL_MAPPED
+                and (flags & dep.F_GPU_SCOPE or not self._gpu)
+                and config.get("GPUNET_EP_LL_DIRECT") != "0")
+        return ok
 
     def _ll_world_flags(self):
         """LlParams flags that follow from the peers' transports (fixed for the Context's life):
@@ -1597,7 +1614,20 @@ class Buffer:
                 flags |= dep.F_UE8M0
         rows = r * t_max
         dev = self._device
-        if use_fp8:
+        recv_x = src_info = None
+        if self._ll_direct_ok() and not use_fp8:
+            # the direct dispatch (ll.cuh "The direct dispatch"): every peer mapped and a receive
+            # pool, the same on every rank, so every rank runs the count round; the receive
+            # tensors from the pool (F_DIRECT_RECV: the sources store the rows in place) when it
+            # has room and no graph is being captured, else ordinary ones and messages
+            flags |= dep.F_DIRECT
+            got = self._pool.empty_many([((el, rows, hidden), torch.bfloat16), ((el, rows), torch.int32)])
+            if got is not None:
+                recv_x, src_info = got
+                flags |= dep.F_DIRECT_RECV
+        if recv_x is not None:
+            scales = None
+        elif use_fp8:
             recv_x = torch.empty((el, rows, hidden), dtype=torch.float8_e4m3fn, device=dev)
             # the scales as returned: [E_loc, R*T_max, G] column-major in the last two dims (the
             # kernel writes [E_loc, G, R*T_max] contiguous), made so at once (no transpose per call)
@@ -1609,7 +1639,8 @@ class Buffer:
             recv_x = torch.empty((el, rows, hidden), dtype=torch.bfloat16, device=dev)
             scales = None
         count = torch.empty(el, dtype=torch.int32, device=dev)
-        src_info = torch.empty((el, rows), dtype=torch.int32, device=dev)
+        if src_info is None:
+            src_info = torch.empty((el, rows), dtype=torch.int32, device=dev)
         layout_range = torch.empty((el, r), dtype=torch.int64, device=dev)
         buf = self._ll_idx
         self._ll_area_check(what, buf)

@@ -111,6 +111,9 @@
 #endif
 
 #include <gpunet/gpunet.cuh>
+#if defined(GPUNET_TEST_LL_EXIT_AFTER_COUNTS) && defined(GPUNET_ARCH_HOST)
+#include <unistd.h>
+#endif
 
 namespace gpunet {
 namespace ep {
@@ -139,12 +142,17 @@ enum : uint32_t {
   // (bits 64..512 are ht.cuh's F_HT_*: HtParams::base.flags shares this word)
   F_ALL_MAPPED = 1u << 16,  // every peer but this rank is mapped here (p2p): rows go unstaged
   F_GPU_SCOPE = 1u << 17,   // every peer (this rank too) is p2p on this GPU: see grid_fence
+  F_DIRECT = 1u << 18,      // BF16 dispatch, every peer mapped, a receive pool: the count round
+                            // runs, and rows go straight to each direct destination's packed
+                            // rows ("The direct dispatch" below); the same on every rank
+  F_DIRECT_RECV = 1u << 19, // this rank's recv_x and src_info lie in its heap (the receive pool):
+                            // it is a direct destination this launch
 };
 enum : uint32_t { SIG_DISPATCH = 0, SIG_COMBINE = 1 };
 // grid sync words (each on its own 64-byte line of LlParams::sync), zero between launches
 enum : uint32_t {
   SYNC_SEND_QUIET = 0, SYNC_SEND_BITS = 1, SYNC_SEND_BAD = 2, SYNC_SEND_DONE = 3,
-  SYNC_RECV_READY = 4, SYNC_RECV_TABLE = 5, SYNC_RECV_DONE = 6, SYNC_WORDS = 8,
+  SYNC_RECV_READY = 4, SYNC_RECV_TABLE = 5, SYNC_RECV_DONE = 6, SYNC_SEND_COUNTS = 7, SYNC_WORDS = 8,
 };
 constexpr uint32_t kSyncStride = 8;     // u64 words between two sync words (64 bytes)
 // A combine slot-table entry is (source << 32 | row of its receive area), or kSelfRow | (row of x)
@@ -162,7 +170,8 @@ enum : uint32_t {
 enum : uint32_t {
   EP_SITE_QUIET = 1, EP_SITE_RECV_READY = 2, EP_SITE_TABLE = 3, EP_SITE_MESSAGE = 4,
   EP_SITE_HEADER = 5, EP_SITE_COMBINE_LAYOUT = 6, EP_SITE_SELF = 7,
-  EP_SITE_BITS = 11,  // (8..10: ht.cuh's EP_SITE_HT_*)
+  EP_SITE_BITS = 11,  // (8..10, 12: ht.cuh's EP_SITE_HT_*)
+  EP_SITE_DIRECT = 13,  // the direct dispatch: a count row, or a source's row positions
 };
 
 // One launch's arguments, passed BY VALUE (a CUDA graph captures them). 352 B. gpunet/device/ep.py.
@@ -176,6 +185,7 @@ struct LlParams {
                           // per-peer bound in ctxs, extended by heartbeats up to 3x; see wait_peer)
   // symmetric heap (this rank's addresses; the same offsets on every peer)
   uint64_t sig;           // u64 [2 kinds][2 bufs][R] + barrier [R] + hb [R] (heartbeats)
+                          // + count tags [2 bufs][R] (the direct dispatch: ctag_word)
   uint64_t d_send, d_shdr, d_recv, d_rhdr;                 // buffer `buf`'s dispatch areas
   uint64_t c_send, c_stags, c_shdr, c_recv, c_rtags, c_rhdr;  // and combine areas
   // the caller's tensors (device memory on GPUs)
@@ -1136,6 +1146,7 @@ GPUNET_DEVICE bool dispatch_send_last(const LlParams& P, const Geo& g, const uin
     stamp_after_block(P, g, ST_HDR_SIGNALED);
     announce_self(P, g, SIG_DISPATCH);
     reset_sync(P, g, SYNC_SEND_QUIET, SYNC_SEND_DONE);
+    if (P.flags & F_DIRECT) reset_sync(P, g, SYNC_SEND_COUNTS, SYNC_SEND_COUNTS);
     stamp(P, g, ST_SEND_HDR);
   }
   return true;
@@ -1225,6 +1236,217 @@ GPUNET_DEVICE void fp8_to_destinations(const LlParams& P, const Geo& g, uint32_t
   }
 }
 
+// ---- the direct dispatch (F_DIRECT) ------------------------------------------------------------
+// The message path moves each token once per destination rank and the receiver then expands it
+// into the packed layout: on one GPU the receiver's unpack writes as many bytes as the whole torch
+// gather does, after the rows arrived (docs/EP.md "Where the low-latency time goes"). When every
+// peer is mapped (p2p) and a destination's recv_x / src_info lie in its heap (the receive pool,
+// F_DIRECT_RECV), the source can store each (token, local expert) row straight into its packed
+// row there, if it knows where its rows start: begin_me(e) = sum over sources i < me of
+// count_i(e). So a direct launch adds ONE round before the rows (the count round, block 0):
+//   1. once every block's bits are in, block 0 counts its tokens per expert (and keeps each
+//      bitmap word with the running count before it, dpre: the rows' positions are read there,
+//      since the header fill zeroes the bitmaps while other blocks may still send);
+//   2. it stores its count row (hidden, E, t_max, whether its recv_x is in its heap, where, then
+//      the E counts) into every live peer's count area, row `me`, then SETs the row's tag there
+//      (ctag_word: the control allocation, to the value its dispatch signal will carry);
+//   3. it waits (bounded, heart-beating) for every live peer's row, computes begin_me(e) from the
+//      rows of the sources before it, and stores those begins (the E_loc of each direct
+//      destination) into that destination's "begins used" row `me`;
+//   4. a grid flag; then every warp stores rows: to a direct destination at
+//      out_x[le][begin_me(e) + idx_e(t)] (and t into src_info), to any other the message as before.
+// The headers and signals follow as before (the same counts), and the receiver lays out as before;
+// a direct receiver unpacks nothing. It checks that each source's begins used equal its own:
+// where a source failed after its count row (its rows counted by the later sources, then never
+// signalled) the later sources' rows sit above their places and are moved down (direct_compact);
+// begins below this rank's (a source that left out a peer this rank counted: ranges overlap) fail
+// the launch (EP_ERR_BAD_MESSAGE at EP_SITE_DIRECT) rather than return mixed rows.
+// The count area (the LL buffer's, after the R dispatch receive headers): [R] count rows of
+// cnt_stride_words, then [R] "begins used" rows of bu_stride_words.
+constexpr uint32_t kCntHead = 8;  // hidden, E, t_max, direct, int64 x offset, int64 src_info offset
+GPUNET_HOST_DEVICE uint32_t cnt_stride_words(uint32_t e) { return (kCntHead + e + 15) / 16 * 16; }
+GPUNET_HOST_DEVICE uint32_t bu_stride_words(uint32_t e_loc) { return (e_loc + 15) / 16 * 16; }
+GPUNET_DEVICE int32_t* cnt_row(const LlParams& P, uint32_t j) {
+  return ptr<int32_t>(P.d_rhdr + uint64_t(P.nranks) * P.hdr_stride) + uint64_t(j) * cnt_stride_words(P.num_experts);
+}
+GPUNET_DEVICE int32_t* bu_row(const LlParams& P, uint32_t j) {
+  return cnt_row(P, P.nranks) + uint64_t(j) * bu_stride_words(P.e_loc);
+}
+// The tag of source j's count row of this LL buffer (SET by j; the control allocation, which the
+// user never scribbles on, unlike the RDMA buffer's areas).
+GPUNET_DEVICE uint64_t* ctag_word(const LlParams& P, uint32_t j) {
+  return ptr<uint64_t>(P.sig) + (uint64_t(6 + P.buf) * P.nranks + j);
+}
+// Workspace after the dispatch bitmaps (LlParams::bits; gpunet/device/ep.py direct_ws_words):
+// dpre u64 [E][W] (bitmap word | running count << 32), dbeg int32 [E] (begin_me(e) on e's rank),
+// dout u64 [R][2] (destination d's recv_x and src_info as this rank reaches them; 0: not direct).
+GPUNET_DEVICE uint64_t* dpre(const LlParams& P) {
+  const uint64_t w = uint64_t(P.num_experts + P.nranks) * dmask_words(P.t_max);
+  return reinterpret_cast<uint64_t*>(ptr<uint32_t>(P.bits) + (w + 1) / 2 * 2);
+}
+GPUNET_DEVICE int32_t* dbeg(const LlParams& P) {
+  return reinterpret_cast<int32_t*>(dpre(P) + uint64_t(P.num_experts) * dmask_words(P.t_max));
+}
+GPUNET_DEVICE uint64_t* dout(const LlParams& P) {
+  return reinterpret_cast<uint64_t*>(dbeg(P) + (P.num_experts + 1) / 2 * 2);
+}
+
+// Block 0 of a direct send: steps 1-3 above, then the grid flag. The other blocks wait for it
+// (direct_wait). A peer whose row does not come is failed (masked with F_SHRINK): no rows go
+// to it and its counts are left out of the begins, as its receivers leave it out.
+GPUNET_DEVICE bool direct_counts(const LlParams& P, const Geo& g, uint8_t* out) {
+  const uint32_t E = P.num_experts, R = P.nranks, EL = P.e_loc, W = dmask_words(P.t_max);
+  const uint32_t TW = (P.num_tokens + 31) / 32;
+  if (!block_wait(P, g, SYNC_SEND_BITS, g.nblocks, EP_SITE_BITS)) return false;
+  int32_t* mine = cnt_row(P, P.rank);
+  for (uint32_t e = g.tid; e < E; e += g.bdim) {
+    const uint32_t* row = expert_bits(P, e);
+    uint64_t* pre = dpre(P) + uint64_t(e) * W;
+    uint32_t run = 0;
+    for (uint32_t w = 0; w < TW; ++w) {
+      const uint32_t v = row[w];
+      pre[w] = uint64_t(v) | (uint64_t(run) << 32);
+      run += popc64(v);
+    }
+    mine[kCntHead + e] = int32_t(run);
+  }
+  if (g.tid == 0) {
+    mine[0] = int32_t(P.hidden);
+    mine[1] = int32_t(E);
+    mine[2] = int32_t(P.t_max);
+    mine[3] = (P.flags & F_DIRECT_RECV) ? 1 : 0;
+    int64_t* off = reinterpret_cast<int64_t*>(mine + 4);
+    off[0] = int64_t(P.out_x - P.sig);  // symmetric: the same offsets from P.sig on every rank
+    off[1] = int64_t(P.src_info - P.sig);
+  }
+  arch::syncthreads();
+  // 2. the row to every live peer, a warp each, then its tag
+  const uint32_t nw = kCntHead + E;
+  for (uint32_t d = g.wid; d < R; d += g.nwarps) {
+    if (d == P.rank || out[d]) continue;
+    int32_t* there = ptr<int32_t>(mapped_at(P, d, uint64_t(uintptr_t(mine))));
+    if (!there) {  // (F_DIRECT implies every peer mapped; a wrong flag must not write to 0)
+      if (g.lane == 0) peer_fail_view(P, out, d);
+      continue;
+    }
+    for (uint32_t i = g.lane; i < nw; i += g.ws) there[i] = mine[i];
+    arch::syncwarp();
+    if (g.lane == 0) {
+      grid_fence(P);
+      const DevCtx& cx = peer_ctx(P, d);
+      uint64_t* tag = ctag_word(P, P.rank);
+      const uint64_t v = *sent_word(P, SIG_DISPATCH, P.buf, d) + 1;  // the signal's value to come
+      if (!put_signal_nbi(cx, tag, tag, 0, tag, v, int(d), SIGNAL_SET)) peer_fail_view(P, out, d);
+    }
+  }
+  // 3. every live peer's row (a thread each), then the begins and the destinations
+  for (uint32_t j = g.tid; j < R; j += g.bdim) {
+    if (j == P.rank || out[j]) continue;
+    const uint64_t want = *expected_word(P, SIG_DISPATCH, P.buf, j) + 1;
+    if (!wait_peer(P, j, ctag_word(P, j), want)) {
+      peer_fail_view(P, out, j);
+      continue;
+    }
+    const int32_t* h = cnt_row(P, j);
+    if (uint32_t(h[0]) != P.hidden || uint32_t(h[1]) != E || uint32_t(h[2]) != P.t_max) {
+      ep_fail(P, EP_ERR_MISMATCH, EP_SITE_DIRECT, j, (uint64_t(E) << 32) | P.hidden,
+              (uint64_t(uint32_t(h[1])) << 32) | uint32_t(h[0]), 0);
+      out[j] = 1;  // nothing goes to a rank running another call (the host raises)
+    }
+  }
+  arch::syncthreads();
+  for (uint32_t e = g.tid; e < E; e += g.bdim) {
+    int32_t run = 0;
+    for (uint32_t i = 0; i < P.rank; ++i)
+      if (!out[i]) run += cnt_row(P, i)[kCntHead + e];
+    dbeg(P)[e] = run;
+  }
+  for (uint32_t d = g.tid; d < R; d += g.bdim) {
+    uint64_t xb = 0, sb = 0;
+    if (d == P.rank) {
+      if (P.flags & F_DIRECT_RECV) xb = P.out_x, sb = P.src_info;
+    } else if (!out[d] && cnt_row(P, d)[3]) {
+      const int64_t* off = reinterpret_cast<const int64_t*>(cnt_row(P, d) + 4);
+      xb = mapped_at(P, d, P.sig + uint64_t(off[0]));
+      sb = mapped_at(P, d, P.sig + uint64_t(off[1]));
+      if (!xb || !sb) xb = sb = 0;
+    }
+    dout(P)[2 * d] = xb;
+    dout(P)[2 * d + 1] = sb;
+  }
+  arch::syncthreads();
+  for (uint32_t d = g.wid; d < R; d += g.nwarps) {
+    if (!dout(P)[2 * d]) continue;
+    int32_t* dst = d == P.rank ? bu_row(P, P.rank)
+                               : ptr<int32_t>(mapped_at(P, d, uint64_t(uintptr_t(bu_row(P, P.rank)))));
+    for (uint32_t i = g.lane; i < EL; i += g.ws) dst[i] = dbeg(P)[uint64_t(d) * EL + i];
+  }
+#if defined(GPUNET_TEST_LL_EXIT_AFTER_COUNTS) && defined(GPUNET_ARCH_HOST)
+  // tests: this rank dies with its count rows out and its begins sent, before any row (the
+  // later sources counted it: their rows sit above their places at every receiver)
+  arch::syncthreads();
+  if (g.tid == 0) ::_exit(0);
+  arch::syncthreads();
+#endif
+  block_publish(P, g, SYNC_SEND_COUNTS);
+  return true;
+}
+
+// Lane k of token t's warp: where selection k's row goes on a direct destination (0: nowhere:
+// a hole, a repeat, or a destination that takes messages). Part 0 stores t into src_info there.
+// A position outside the packed rows (a corrupt count row) is recorded and skipped.
+GPUNET_DEVICE uint64_t direct_row(const LlParams& P, const Selection& sel, uint32_t t, uint32_t part) {
+  if (sel.e < 0) return 0;
+  const uint64_t* o = dout(P) + 2 * uint32_t(sel.d);
+  const uint64_t xb = o[0];
+  if (!xb) return 0;
+  const uint64_t rows = uint64_t(P.nranks) * P.t_max;
+  const uint32_t e = uint32_t(sel.e), le = e - uint32_t(sel.d) * P.e_loc;
+  const uint64_t v = dpre(P)[uint64_t(e) * dmask_words(P.t_max) + t / 32];
+  const uint64_t pos = uint64_t(int64_t(dbeg(P)[e])) + uint32_t(v >> 32) + popc64(uint32_t(v) & ((1u << (t % 32)) - 1));
+  if (pos >= rows) {
+    ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_DIRECT, uint32_t(sel.d), rows, pos, 0);
+    return 0;
+  }
+  if (part == 0) ptr<int32_t>(o[1])[uint64_t(le) * rows + pos] = int32_t(t);
+  return xb + (uint64_t(le) * rows + pos) * P.hidden * 2;
+}
+GPUNET_DEVICE bool direct_dest(const LlParams& P, uint32_t d) {
+  return (P.flags & F_DIRECT) && dout(P)[2 * d] != 0;
+}
+
+// A direct receiver's block 0, after its layout (begin [E_loc][R], the counts cnt [R][E_loc] and
+// got[j] as dispatch_recv computed them): a warp per local expert checks each live source's
+// begins used against begin and moves rows that sit above their place (a source before them
+// failed after its count row). Rows move down, sources and rows ascending, so nothing is
+// overwritten before it moved (the ranges were checked not to overlap).
+GPUNET_DEVICE void direct_compact(const LlParams& P, const Geo& g, const int32_t* cnt,
+                                  const int32_t* begin, const int32_t* got) {
+  const uint32_t R = P.nranks, EL = P.e_loc;
+  const uint64_t rows = uint64_t(R) * P.t_max, row_bytes = uint64_t(P.hidden) * 2;
+  for (uint32_t le = g.wid; le < EL; le += g.nwarps) {
+    int64_t end = 0;
+    for (uint32_t j = 0; j < R; ++j) {
+      const int64_t c = got[j] ? cnt[uint64_t(j) * EL + le] : 0;
+      if (c == 0) continue;
+      const int64_t b = begin[uint64_t(le) * R + j], u = bu_row(P, j)[le];
+      if (u < b || u < end || uint64_t(u + c) > rows) {
+        if (g.lane == 0) ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_DIRECT, j, uint64_t(b), uint64_t(u), 0);
+        break;
+      }
+      end = u + c;
+      if (u == b) continue;
+      int32_t* si = ptr<int32_t>(P.src_info) + uint64_t(le) * rows;
+      for (int64_t i = 0; i < c; ++i) {
+        const uint64_t from = uint64_t(le) * rows + uint64_t(u + i), to = uint64_t(le) * rows + uint64_t(b + i);
+        warp_copy(g, P.out_x + to * row_bytes, P.out_x + from * row_bytes, row_bytes);
+        if (g.lane == 0) si[b + i] = si[u + i];
+        arch::syncwarp();
+      }
+    }
+  }
+}
+
 // Dispatch's send. A token's message goes to slot t of this rank's area on each destination
 // (its header's bitmap says which slots hold one), so the rows need no plan, and neither do the
 // experts' positions: the header carries each expert's token bitmap, and the receiver counts the
@@ -1245,6 +1467,12 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   uint8_t* out = load_send_view(P, g);
   if (!send_start(P, g, stage)) return false;
   dispatch_bits(P, g);
+  const bool direct = (P.flags & F_DIRECT) != 0;  // (the host sets it only with !stage, BF16)
+  if (direct) {
+    if (g.bid == 0 ? !direct_counts(P, g, out)
+                   : !block_wait(P, g, SYNC_SEND_COUNTS, 1, EP_SITE_DIRECT))
+      return false;
+  }
   // Unstaged rows (!stage): a token's row is cut in S contiguous parts, a warp each, when there
   // are warps to spare (DeepEP's 128 tokens on 65 blocks of 8 warps: S = 4). Part 0 also sets
   // the bits and writes the meta and the self message. Staged rows keep S = 1: the warp that
@@ -1263,9 +1491,25 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     const uint64_t src = stage ? msg : P.x + uint64_t(t) * H * 2;
     const uint64_t lo = part * part_bytes;
     const uint64_t hi = lo + part_bytes < P.payload_bytes ? lo + part_bytes : P.payload_bytes;
+    if (direct) {  // each (token, local expert) row of a direct destination, read once
+      const uint64_t xdst = direct_row(P, sel, t, part);
+      const uint64_t have = arch::ballot(xdst != 0);
+      uint64_t dst[kMaxTopk];
+      uint32_t nd = 0;
+      for (uint32_t k = 0; k < K; ++k)
+        if ((have >> k) & 1) dst[nd++] = arch::shfl(xdst, k);
+      if (nd == 1) {
+        warp_copy(g, dst[0] + lo, src + lo, hi - lo);
+      } else if (nd > 1) {
+        warp_copy_rounds(g, src + lo, hi - lo, [&](uint64_t off, const V16& v) {
+          for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(dst[q] + lo + off) = v;
+        });
+      }
+    }
     for (uint32_t k = 0; copy && k < K && lo < hi; ++k) {
       if (!((sel.first >> k) & 1)) continue;
       const uint32_t d = uint32_t(arch::shfl(sel.d, k));
+      if (direct && direct_dest(P, d)) continue;
       if (d == P.rank) {  // this rank's own slot (no NIC), unless the receive reads x
         if (!self_direct && !out[d]) warp_copy(g, dispatch_slot(P, t) + lo, src + lo, hi - lo);
         continue;
@@ -1290,7 +1534,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     for (uint32_t k = 0; k < K; ++k) {
       if (!((sel.first >> k) & 1)) continue;
       const uint32_t d = uint32_t(arch::shfl(sel.d, k));
-      if (out[d]) continue;
+      if (out[d] || (direct && direct_dest(P, d))) continue;
       if (d == P.rank) {
         warp_copy(g, dispatch_slot(P, t) + P.payload_bytes, msg + P.payload_bytes, meta_bytes);
         continue;
@@ -1349,8 +1593,11 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
       cnt[i] = nmsg[j] >= 0 ? ptr<const int32_t>(P.d_rhdr + uint64_t(j) * P.hdr_stride)[kHdrHead + i % EL] : 0;
     }
     arch::syncthreads();
+    // (read by the other blocks after block_publish below; a direct receiver unpacks nothing:
+    // its sources stored every row in place)
+    const bool direct = (P.flags & (F_DIRECT | F_DIRECT_RECV)) == (F_DIRECT | F_DIRECT_RECV);
     for (uint32_t j = g.tid; j < R; j += g.bdim)
-      if (nmsg[j] < 0) nmsg[j] = 0;  // (read by the other blocks after block_publish below)
+      if (nmsg[j] < 0 || direct) nmsg[j] = 0;
     int64_t* lr = ptr<int64_t>(P.layout_range);
     int32_t* count = ptr<int32_t>(P.out_count);
     for (uint32_t le = g.tid; le < EL; le += g.bdim) {
@@ -1364,6 +1611,10 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
               });
       count[le] = run;
       if (P.cum_stats) ptr<int32_t>(P.cum_stats)[le] += run;
+    }
+    if (direct) {
+      arch::syncthreads();
+      direct_compact(P, g, cnt, begin, got);
     }
     block_publish(P, g, SYNC_RECV_READY);
   } else if (!block_wait(P, g, SYNC_RECV_READY, 1, EP_SITE_RECV_READY)) {
