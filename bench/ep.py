@@ -205,6 +205,20 @@ def _check_dispatch(out, want, use_fp8):
     return ""
 
 
+def ll_recv_pool_bytes(cfg, world):
+    """The LL Buffer's recv_pool_bytes: cfg["recv_pool_mib"] MiB (0: none, the dispatch sends
+    messages), or (-1) room for 4 BF16 dispatches' recv_x and src_info at the sweep's largest
+    tokens, + 64 MiB: with every peer p2p on this GPU a pool makes the BF16 dispatch direct (ll.cuh
+    "The direct dispatch"); the timing loop holds up to 3 results at once (the checked one, the
+    last call's and the new one) and the smaller sweep points leave torch's cached blocks."""
+    mib = cfg.get("recv_pool_mib", -1)
+    if mib >= 0:
+        return mib << 20
+    e_loc, rows = cfg["experts"] // world, world * max(cfg["sweep"])
+    per_call = e_loc * rows * (2 * cfg["hidden"] + 4)
+    return (4 * per_call + (64 << 20)) // (1 << 20) * (1 << 20)
+
+
 def _rank_bench(rank, world, cfg):
     """One rank: for each tokens-per-rank point, check dispatch/combine against the reference,
     then time dispatch (BF16, FP8) and combine pairs; NCCL rows when one rank per GPU."""
@@ -221,10 +235,12 @@ def _rank_bench(rank, world, cfg):
     t_cap = max(cfg["sweep"])
     hint = Buffer.get_low_latency_rdma_size_hint(t_cap, H, world, E)
     buf, dev, nccl, align, align_how = _rank_start(rank, world, cfg, num_rdma_bytes=hint,
-                                                   low_latency_mode=True, num_qps_per_rank=e_loc)
+                                                   low_latency_mode=True, num_qps_per_rank=e_loc,
+                                                   recv_pool_bytes=ll_recv_pool_bytes(cfg, world))
     scale = _expert_scale(E, dev)
     results = {"rank": rank, "points": [], "align": align_how,
-               "transport": buffer_transport(buf)}
+               "transport": buffer_transport(buf),
+               "bf16_dispatch": "direct" if buf._ll_direct_ok() else "messages"}
     try:
         for T in cfg["sweep"]:
             ins = ref.make_rank_inputs(world, T, H, K, E, cfg["seed"] + T, holes=cfg["holes"])
@@ -517,9 +533,10 @@ def main(argv=None):
                     help="ll: the low-latency rows (this file); ht: the high-throughput rows "
                          "(bench/ep_ht.py: 4096 tokens, a Config sweep, the gather yardstick)")
     ap.add_argument("--recv-pool-mib", type=int, default=-1,
-                    help="ht: the Buffer's receive pool (recv_pool_bytes) in MiB: p2p peers store "
-                         "rows straight into the receive tensors; -1 (default): room for 10 calls' "
-                         "receive tensors, 0: none (the rings)")
+                    help="the Buffer's receive pool (recv_pool_bytes) in MiB: p2p peers store "
+                         "rows straight into the receive tensors (ll: the direct BF16 dispatch, "
+                         "peers on this GPU); -1 (default): room for 4 LL / 10 HT calls' receive "
+                         "tensors, 0: none (ll: messages; ht: the rings)")
     ap.add_argument("--ht-configs",
                     help="ht: the Config sweep as num_sms:chunk:ring:warps,... (default: bench/ep_ht.py "
                          "GPU_CONFIGS / CPU_CONFIGS)")
@@ -547,7 +564,7 @@ def main(argv=None):
     cfg = dict(gpu=args.gpu, hold_s=args.hold_us * 1e-6, sweep=sweep, tokens=args.tokens,
                hidden=args.hidden, topk=args.topk, experts=args.experts, iters=args.iters, warmup=args.warmup, holes=args.holes,
                seed=args.seed, transport=args.transport, timeout_s=args.timeout_s,
-               no_nccl=args.no_nccl)
+               no_nccl=args.no_nccl, recv_pool_mib=args.recv_pool_mib)
     from gpunet.demo import run_ranks
     from gpunet.errors import GpunetError
 
@@ -572,12 +589,14 @@ def main(argv=None):
         rows += r
         gate += g
         runs.append({"ranks": world, "align": per_rank[0]["align"],
-                     "transport": per_rank[0]["transport"], "wall_s": time.monotonic() - t0})
+                     "transport": per_rank[0]["transport"], "wall_s": time.monotonic() - t0,
+                     "bf16_dispatch": per_rank[0]["bf16_dispatch"]})
     m = machine(gpu=args.gpu)
     head = ("gpunet EP low-latency bench, %s, %s; hidden %d, top-%d, %d experts, %d holes/rank, "
-            "%d iters (+%d warm-up); alignment: %s"
+            "%d iters (+%d warm-up); BF16 dispatch: %s; alignment: %s"
             % ("GPU " + m.get("gpu", "?") if args.gpu else "CPU soft NIC + HOST arm", m["date"],
                args.hidden, args.topk, args.experts, args.holes, args.iters, args.warmup,
+               ", ".join(sorted({r.get("bf16_dispatch", "failed") for r in runs})),
                "; ".join("%d ranks: %s" % (r["ranks"], r.get("align", "failed")) for r in runs)))
     print(_table(rows, cfg, head))
     if args.transport != "auto":        # one gate row set per transport: names must not collide
