@@ -772,21 +772,26 @@ TWO_RANK_ROUNDS = (dict(seed=3, t_max=8, hidden=256, topk=4, num_experts=8, hole
                    dict(seed=4, t_max=8, hidden=256, topk=4, num_experts=8, use_fp8=True, hook=True))
 
 
-def two_rank_rounds(transport, env):
-    """Two rank processes (tests/mp_ranks.py) with ``env``: a Buffer over ``transport``, then a
-    tagged BF16 round with -1 holes and an FP8 round with hooks; every rank's dispatch equals
-    gpunet.ep.reference's and combine is within DeepEP's calc_diff bounds. Returns the init info,
-    each rank's with "heap" (heap_paths after the rounds) added."""
+def two_rank_rounds(transport, env, recv_pool_bytes=0):
+    """Two rank processes (tests/mp_ranks.py) with ``env``: a Buffer over ``transport`` (with a
+    receive pool of ``recv_pool_bytes``), then a tagged BF16 round with -1 holes and an FP8 round
+    with hooks; every rank's dispatch equals gpunet.ep.reference's and combine is within DeepEP's
+    calc_diff bounds. Returns the init info, each rank's with "heap" (heap_paths after the rounds)
+    and "in_pool" (per round, whether its recv_x lay in the pool: the direct dispatch) added."""
     from mp_ranks import Ranks
 
     r = Ranks(2, env=env)
     try:
         nbytes = Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8)
-        info = r.run("ep_jobs:init", transport, nbytes, 60.0, False, None, timeout=300)
+        info = r.run("ep_jobs:init", transport, nbytes, 60.0, False, None, None, None,
+                     recv_pool_bytes, timeout=300)
+        for i in info:
+            i["in_pool"] = []
         for spec in TWO_RANK_ROUNDS:
             for rank, o in enumerate(r.run("ep_jobs:round_", spec, timeout=300)):
                 assert o["raised"] is None and o["bad"] == [], (rank, o)
                 assert o["calc_diff"] < (9e-4 if spec.get("use_fp8") else 1e-5), (rank, o["calc_diff"])
+                info[rank]["in_pool"].append(o["in_pool"])
         for i, h in zip(info, r.run("ep_jobs:heap_paths", timeout=60)):
             i["heap"] = h
         r.run("ep_jobs:close", timeout=120)

@@ -208,6 +208,16 @@ def test_two_ranks_ep_dispatch_and_combine_over_p2p_match_the_reference(mps):
 
 
 @needs_gpu
+def test_two_ranks_ep_direct_dispatch_on_one_gpu_matches_the_reference(mps):
+    """The same rounds with a receive pool: both ranks p2p on this GPU, so the BF16 dispatch is
+    direct (ll.cuh "The direct dispatch": a count round, then each row stored straight into its
+    packed row in the peer's pool tensors): its recv_x lies in the pool, the FP8 round's does not
+    (messages); both equal the reference and combine is within DeepEP's bounds."""
+    info = ep_jobs.two_rank_rounds("p2p", dict(mps, GPUNET_PLATFORM="cuda"), recv_pool_bytes=64 << 20)
+    assert all(i["in_pool"] == [True, False] for i in info), [i["in_pool"] for i in info]
+
+
+@needs_gpu
 @pytest.mark.parametrize("transport", ["ibgda", "proxy"])
 def test_two_ranks_ep_over_nic_transports_on_device_heaps(mps, transport):
     """The same EP rounds over a NIC transport with both heaps in device memory
