@@ -2090,6 +2090,11 @@ GPUNET_DEVICE void clean(const LlParams& P, const Geo& g) {
   for (uint32_t i = g.tid; i < 4; i += g.bdim)
     *self_expected(P, i / 2, i % 2) = arch::atomic_load(self_sig(P, i / 2, i % 2));
   for (uint32_t w = g.tid; w < SYNC_WORDS; w += g.bdim) arch::atomic_store(sync_word(P, w), uint64_t(0));
+  // the direct dispatch's count tags: a source whose launch failed after its count rows left a
+  // tag one ahead of its signal, the value its next count row carries too; after the resync
+  // above that stale tag would pass the next wait before the new row is there
+  for (uint32_t i = g.tid; i < 2 * P.nranks; i += g.bdim)
+    arch::atomic_store(ptr<uint64_t>(P.sig) + 6 * uint64_t(P.nranks) + i, uint64_t(0));
   arch::syncthreads();
   barrier_live(P, g, 2 * e);
 }
