@@ -44,7 +44,7 @@ import ep as epbench  # noqa: E402  (bench/ep.py: aligner, checks, yardsticks)
 from machine import machine  # noqa: E402
 
 OPS = ("dispatch bf16", "dispatch fp8", "combine bf16")
-PHASES = ("event", "host", "kernel", "start", "plan", "quiet", "send", "hdr", "fill",
+PHASES = ("event", "host", "kernel", "start", "plan", "quiet", "counts", "send", "hdr", "fill",
           "hdr.f", "hdr.s", "hdr.a", "wait", "recv", "table", "skew", "sig lat")
 GPU_DEFAULTS = dict(ranks="2", tokens=128, hidden=7168, topk=8, experts=288, iters=30, warmup=5)
 CPU_DEFAULTS = dict(ranks="2", tokens=16, hidden=256, topk=4, experts=8, iters=4, warmup=1)
@@ -69,6 +69,8 @@ def _phases(st, names):
         out["plan"] = b0["send_plan"] - b0["begin"]
     if b0.get("quiet"):
         out["quiet"] = b0["quiet"] - b0["begin"]
+    if b0.get("counted") and b0["send_plan"]:
+        out["counts"] = b0["counted"] - b0["send_plan"]
     last, filled = live("send_last") if "send_last" in col else [], \
         live("hdr_filled") if "hdr_filled" in col else []
     plan, loop, hdr = live("send_plan"), live("send_loop"), live("send_hdr")
@@ -182,9 +184,11 @@ def _rank_profile(rank, world, cfg):
         kw["block_threads"] = cfg["threads"]
     buf = Buffer(dist.group.WORLD, 0, Buffer.get_low_latency_rdma_size_hint(T, H, world, E),
                  low_latency_mode=True, num_qps_per_rank=e_loc, explicitly_destroy=True,
-                 transport=cfg["transport"], timeout_s=cfg["timeout_s"], **kw)
+                 transport=cfg["transport"], timeout_s=cfg["timeout_s"],
+                 recv_pool_bytes=epbench.ll_recv_pool_bytes(dict(cfg, sweep=[T]), world), **kw)
     res = {"rank": rank, "transport": buffer_transport(buf), "grid": buf._grid,
-           "block": buf._block, "calls": {}, "fail": []}
+           "block": buf._block, "calls": {}, "fail": [],
+           "bf16_dispatch": "direct" if buf._ll_direct_ok() else "messages"}
     try:
         align, res["align"] = epbench._aligner(gpu, None, buf.runtime)
         ins = ref.make_rank_inputs(world, T, H, K, E, cfg["seed"] + T, holes=cfg["holes"])
@@ -330,6 +334,7 @@ LEGEND = """columns (us, median over calls; device columns from the global timer
   kernel  first block in .. last block out      start  first .. last block in (same rank)
   plan    block 0: begin .. its quiet published  send  plan .. every block's puts posted
   quiet   block 0: begin .. its quiet of the peers done
+  counts  direct BF16 dispatch, block 0: plan .. its count round done (rows wait for it)
   hdr     headers + signals after the last row (hdr.f: the last block's work on the headers
           after it knew it was last; every block fills header rows before it (ll.cuh
           fill_header_row, combine_header_early), so against runs from before that change
@@ -365,6 +370,10 @@ def main(argv=None):
                     help="GPU: hold the stream this long before each timed call (bench/ep.py's "
                          "'(device)' rows): every rank's kernel then starts together, after the "
                          "hosts' launches, so the phases are those of aligned ranks (0: no hold)")
+    ap.add_argument("--recv-pool-mib", type=int, default=-1,
+                    help="the Buffer's receive pool in MiB (bench/ep.py ll_recv_pool_bytes): -1 "
+                         "(default) room for 4 BF16 dispatches (direct where every peer is p2p on "
+                         "this GPU), 0 none (the message path)")
     ap.add_argument("--no-kineto", action="store_true")
     ap.add_argument("--kineto-iters", type=int, default=10)
     ap.add_argument("--json")
@@ -379,7 +388,8 @@ def main(argv=None):
             return 2
     cfg = {k: getattr(args, k) for k in ("gpu", "tokens", "hidden", "topk", "experts", "iters",
                                          "warmup", "holes", "seed", "transport", "blocks",
-                                         "threads", "timeout_s", "no_kineto", "kineto_iters")}
+                                         "threads", "timeout_s", "no_kineto", "kineto_iters",
+                                         "recv_pool_mib")}
     cfg["sweep"] = [args.tokens]
     cfg["hold_s"] = epbench.HOLD_S          # the yardsticks: also timed with the stream held
     cfg["call_hold_s"] = args.hold_us * 1e-6 if args.gpu else 0.0

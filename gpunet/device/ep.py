@@ -48,7 +48,7 @@ def bits_words(t_max, num_ranks, num_experts):
 SYNC_WORDS, SYNC_STRIDE = 8, 8
 # LlParams::prof: per block, now_ns() at these points (ll.cuh ST_*); bench/ep_profile.py
 ST_NAMES = ("begin", "send_plan", "send_loop", "send_hdr", "recv_ready", "recv_table", "recv_loop",
-            "end", "quiet", "send_last", "hdr_filled", "hdr_signaled", "filled")
+            "end", "quiet", "send_last", "hdr_filled", "hdr_signaled", "filled", "counted")
 STAMPS = len(ST_NAMES)
 
 EP_OK, EP_ERR_GRID_WAIT, EP_ERR_BAD_MESSAGE, EP_ERR_LAYOUT, EP_ERR_MISMATCH = range(5)

@@ -242,7 +242,8 @@ enum : uint32_t {
   ST_HDR_FILLED = 10, // the last block: headers written, before the signals
   ST_HDR_SIGNALED = 11,  // the last block: every header's signal posted, before announce / reset
   ST_FILLED = 12,     // dispatch: the block's header rows filled (fill_header_row), before last_block
-  kStamps = 13,
+  ST_COUNTED = 13,    // direct dispatch, block 0: the count round done (direct_counts), before its flag
+  kStamps = 14,
 };
 
 // The first EP-level failure of a launch (first wins). 64 B. gpunet/device/ep.py: EpStatus.
@@ -1388,6 +1389,7 @@ GPUNET_DEVICE bool direct_counts(const LlParams& P, const Geo& g, uint8_t* out) 
   if (g.tid == 0) ::_exit(0);
   arch::syncthreads();
 #endif
+  stamp(P, g, ST_COUNTED);
   block_publish(P, g, SYNC_SEND_COUNTS);
   return true;
 }
