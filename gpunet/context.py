@@ -605,6 +605,7 @@ class Context(Resource):
         module docstring). Returns the OpDesc array the kernel wrote (results valid once
         synchronized)."""
         self._check_open()
+        self._transports.refuse_lost_proxy(ops, what)
         done, err, finished = self._launcher.run(ops, what, blocking, bulk)
         if err is None and finished:
             err = self._transports.failure()

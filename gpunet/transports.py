@@ -48,6 +48,7 @@ import numpy as np
 
 from gpunet import config, mlx5
 from gpunet._floor import Deadline
+from gpunet.device import abi
 from gpunet.device.descriptors import QpDescriptor, proxy_channel_desc
 from gpunet.errors import ConfigError, GpunetError
 from gpunet.resource import Resource
@@ -433,6 +434,19 @@ class Transports(Resource):
                                everyone[p]["rkey"])
 
     # --- after a failure ----------------------------------------------------------------------
+    # ops that reach every peer (quiet, fence, wait_until's peer-agnostic wait is local: not here)
+    _ALL_PEER_OPS = (abi.OP_QUIET, abi.OP_FENCE)
+
+    def refuse_lost_proxy(self, ops, what):
+        """Before a launch: once the proxy could not be restarted (_proxy_lost), raise that failure
+        for ops that would need it (an op to a proxied peer, or a quiet / fence, which waits for
+        every peer), instead of launching them to wait out their bound on a FIFO nothing drains."""
+        if self._proxy_lost is None:
+            return
+        for o in ops:
+            if o.kind in self._ALL_PEER_OPS or int(o.pe) in self.channels:
+                raise GpunetError("%s refused before launch: %s" % (what, self._proxy_lost))
+
     def failure(self):
         """The failure the proxy recorded (a GpunetError), or None (also without a proxy)."""
         if self.engine is None:

@@ -7,6 +7,7 @@ and run jobs from mp_jobs.py.
 """
 import glob
 import os
+import time
 
 import numpy as np
 import pytest
@@ -453,8 +454,10 @@ def test_protection_error_is_raised_then_the_context_recovers(ctx):
 def test_a_proxy_that_cannot_be_restarted_is_reported_after(monkeypatch):
     """A recovery closes the failed proxy engine and starts a new one; when the new one cannot be
     made (here its constructor raises), the failure says the proxy could not be restarted, and
-    so does every later operation and check (a put still waits out its quiet first: nothing
-    drains the FIFO), instead of a bare timeout whose note blamed an undrained channel."""
+    so does every later operation and check, instead of a bare timeout whose note blamed an
+    undrained channel: a put or quiet over the proxy is refused before launch (it would wait out
+    its bound on a FIFO nothing drains: 5 s each before Context._run asked
+    Transports.refuse_lost_proxy)."""
     from gpunet.host import proxy
 
     c = gpunet.init(transport="proxy", heap_bytes=4 << 20, timeout_s=5.0)
@@ -470,8 +473,13 @@ def test_a_proxy_that_cannot_be_restarted_is_reported_after(monkeypatch):
             inject_bad_put(c, 0, src)
             c.quiet()
         src[:] = torch.arange(64, dtype=torch.uint8)
-        with pytest.raises(gpunet.GpunetError, match="the proxy could not be restarted"):
+        t0 = time.monotonic()
+        with pytest.raises(gpunet.GpunetError, match="put refused before launch: the proxy could "
+                                                     "not be restarted"):
             c.put(c.remote(0, dst), src)
+        with pytest.raises(gpunet.GpunetError, match="the proxy could not be restarted"):
+            c.quiet()
+        assert time.monotonic() - t0 < 2.0, "refused up front, not after a 5 s bound"
         with pytest.raises(gpunet.GpunetError, match="the proxy could not be restarted"):
             c.check()
     finally:
