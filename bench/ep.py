@@ -534,7 +534,7 @@ def main(argv=None):
                          "(bench/ep_ht.py: 4096 tokens, a Config sweep, the gather yardstick)")
     ap.add_argument("--recv-pool-mib", type=int, default=-1,
                     help="the Buffer's receive pool (recv_pool_bytes) in MiB: p2p peers store "
-                         "rows straight into the receive tensors (ll: the direct BF16 dispatch, "
+                         "rows straight into the receive tensors (ll: the direct dispatch, "
                          "peers on this GPU); -1 (default): room for 4 LL / 10 HT calls' receive "
                          "tensors, 0: none (ll: messages; ht: the rings)")
     ap.add_argument("--ht-configs",

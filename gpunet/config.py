@@ -46,8 +46,8 @@ KNOBS = (
          "transport only, half the code: devctx.cuh GPUNET_TRANSPORTS) or all (every world runs "
          "the build with every transport: the A/B of bench/ep_profile.py)"),
     Knob("GPUNET_EP_LL_DIRECT", "env", "choice", "1", ("0", "1"),
-         "gpunet.ep's LL BF16 dispatch with a receive pool and every peer p2p: 1 stores each row "
-         "straight into its packed row on the destination after a count round (ll.cuh \"The "
+         "gpunet.ep's LL dispatch with a receive pool and every peer p2p on one GPU: 1 stores each "
+         "row straight into its packed row on the destination after a count round (ll.cuh \"The "
          "direct dispatch\"), 0 sends messages the receiver unpacks (the A/B of bench/ep.py)"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),

@@ -1570,24 +1570,26 @@ def direct4():
 
 
 DIRECT_MODES = [dict(), dict(hook=True), dict(zero_copy=True), dict(hook=True, zero_copy=True),
-                dict(use_fp8=True)]
+                dict(use_fp8=True), dict(use_fp8=True, hook=True, round_scale=True),
+                dict(use_fp8=True, round_scale=True, use_ue8m0=True, zero_copy=True)]
 
 
 @pytest.mark.parametrize("mode", DIRECT_MODES, ids=_mode_id)
 @pytest.mark.parametrize("world_name", ["direct2", "direct4"], ids=["2ranks-warp64", "4ranks-warp32"])
 def test_the_direct_dispatch_stores_rows_in_place_and_matches_the_reference(request, world_name, mode):
     """All p2p with a receive pool, 2 ranks (warps of 64) and 4 (warps of 32): varying tokens,
-    holes, a hot expert, tagged rows (each names its source and token). BF16 (with and without
-    a hook, zero-copy combine or not): every rank's recv_x lies in its pool (the sources stored
-    the rows there: the direct path ran) and the dispatch equals the reference byte for byte, the
-    combine within DeepEP's bound; FP8 takes the message path (recv_x not in the pool) and is
-    exact too."""
+    holes, a hot expert; BF16 with tagged rows (each names its source and token), with and
+    without a hook, zero-copy combine or not; FP8 with float scales, rounded scales and UE8M0
+    (hidden 256: 2 groups, so half of each UE8M0 word is padding the sender must zero). Every
+    rank's recv_x lies in its pool (the sources stored the rows there: the direct path ran), the
+    dispatch equals the reference byte for byte (rows, scales, src_info, layout) and the combine
+    is within DeepEP's bound."""
     w = request.getfixturevalue(world_name)
     spec = _spec(w.world, seed=301, vary_tokens=True, hot_expert=1, tagged=not mode.get("use_fp8"),
                  **mode)
     out = w.run("ep_jobs:round_", spec)
     _assert_round(out, spec)
-    assert [o["in_pool"] for o in out] == [not mode.get("use_fp8")] * w.world
+    assert [o["in_pool"] for o in out] == [True] * w.world
 
 
 def test_a_destination_without_pool_room_takes_messages_beside_direct_ones(direct4):
@@ -1612,18 +1614,20 @@ def test_a_destination_without_pool_room_takes_messages_beside_direct_ones(direc
     assert [o["in_pool"] for o in out] == [True] * 4
 
 
-def test_a_source_dead_after_its_counts_leaves_the_later_rows_moved_into_place():
+@pytest.mark.parametrize("use_fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_source_dead_after_its_counts_leaves_the_later_rows_moved_into_place(use_fp8):
     """3 ranks all p2p with pools, enable_shrink, a 3 s bound. Rank 0's kernels are the
     GPUNET_TEST_LL_EXIT_AFTER_COUNTS build: its direct dispatch exits the process once its count
     rows went out, before any row. Ranks 1 and 2 counted rank 0's tokens, so their rows sit above
     their places at every receiver; each receiver masks rank 0 (no signal) and moves those rows
     down (ll.cuh direct_compact). Invariant: both survivors return, their dispatch equals the
     reference with rank 0 masked (rows, src_info, layout_range: the moved rows are exact), the
-    combine too, the mask names rank 0, and the next round among the survivors is exact."""
+    combine too, the mask names rank 0, and the next round among the survivors is exact. BF16
+    (tagged rows) and FP8 (the scales move with their rows)."""
     r = _pool(3, "p2p", 32, shrink=True, timeout_s=3.0, recv_pool_bytes=DIRECT_POOL)
     try:
         assert r.run("ep_jobs:direct_exit_build", 0) == [0, 1, 2]
-        spec = _spec(3, seed=321, tagged=True, vary_tokens=True,
+        spec = _spec(3, seed=321, tagged=not use_fp8, vary_tokens=True, use_fp8=use_fp8,
                      masked_by_rank={0: ((), ()), 1: ((0,), (0,)), 2: ((0,), (0,))})
         outs = r.run_losing(0, "ep_jobs:round_", spec)
         for status, o in outs:

@@ -209,12 +209,12 @@ def test_two_ranks_ep_dispatch_and_combine_over_p2p_match_the_reference(mps):
 
 @needs_gpu
 def test_two_ranks_ep_direct_dispatch_on_one_gpu_matches_the_reference(mps):
-    """The same rounds with a receive pool: both ranks p2p on this GPU, so the BF16 dispatch is
-    direct (ll.cuh "The direct dispatch": a count round, then each row stored straight into its
-    packed row in the peer's pool tensors): its recv_x lies in the pool, the FP8 round's does not
-    (messages); both equal the reference and combine is within DeepEP's bounds."""
+    """The same rounds with a receive pool: both ranks p2p on this GPU, so the dispatch is direct
+    (ll.cuh "The direct dispatch": a count round, then each row stored straight into its packed
+    row in the peer's pool tensors): the BF16 and the FP8 round's recv_x lie in the pool, both
+    equal the reference and combine is within DeepEP's bounds."""
     info = ep_jobs.two_rank_rounds("p2p", dict(mps, GPUNET_PLATFORM="cuda"), recv_pool_bytes=64 << 20)
-    assert all(i["in_pool"] == [True, False] for i in info), [i["in_pool"] for i in info]
+    assert all(i["in_pool"] == [True, True] for i in info), [i["in_pool"] for i in info]
 
 
 @needs_gpu

@@ -28,7 +28,7 @@ OP_DISPATCH, OP_COMBINE, OP_CLEAN = 0, 1, 2
 PH_SEND, PH_RECV = 1, 2
 F_FP8, F_ROUND_SCALE, F_UE8M0, F_ZERO_COPY, F_SHRINK, F_WAIT_STATS_2D = 1, 2, 4, 8, 16, 32
 F_ALL_MAPPED, F_GPU_SCOPE, F_DIRECT, F_DIRECT_RECV = 1 << 16, 1 << 17, 1 << 18, 1 << 19
-CNT_HEAD = 8
+CNT_HEAD = 16
 
 
 def direct_area_words(num_ranks, num_experts):
@@ -41,10 +41,10 @@ def direct_area_words(num_ranks, num_experts):
 
 def bits_words(t_max, num_ranks, num_experts):
     """u32 words of the dispatch workspace LlParams::bits: the bitmaps [E + R][W], then the
-    direct dispatch's dpre u64 [E][W], dbeg int32 [E] and dout u64 [R][2] (ll.cuh dpre)."""
+    direct dispatch's dpre u64 [E][W], dbeg int32 [E] and dout u64 [R][3] (ll.cuh dpre)."""
     w = dmask_words(t_max)
     return ((num_experts + num_ranks) * w + 1) // 2 * 2 + 2 * num_experts * w + \
-        (num_experts + 1) // 2 * 2 + 4 * num_ranks
+        (num_experts + 1) // 2 * 2 + 6 * num_ranks
 SYNC_WORDS, SYNC_STRIDE = 8, 8
 # LlParams::prof: per block, now_ns() at these points (ll.cuh ST_*); bench/ep_profile.py
 ST_NAMES = ("begin", "send_plan", "send_loop", "send_hdr", "recv_ready", "recv_table", "recv_loop",

@@ -1330,7 +1330,7 @@ class Buffer:
         return kinds if kinds == {abi.TRANSPORT_P2P} else None
 
     def _ll_direct_ok(self):
-        """Whether the LL BF16 dispatch runs direct (ll.cuh F_DIRECT): a receive pool
+        """Whether the LL dispatch runs direct (ll.cuh F_DIRECT): a receive pool
         (recv_pool_bytes, the same on every rank), every other rank a p2p peer (F_ALL_MAPPED), and
         no link between them to spare: every rank's heap on this GPU (F_GPU_SCOPE), or the CPU
         platform (the ranks' arenas in one memory). A direct row goes once per (token, expert),
@@ -1614,27 +1614,31 @@ class Buffer:
                 flags |= dep.F_UE8M0
         rows = r * t_max
         dev = self._device
-        recv_x = src_info = None
-        if self._ll_direct_ok() and not use_fp8:
-            # the direct dispatch (ll.cuh "The direct dispatch"): every peer mapped and a receive
-            # pool, the same on every rank, so every rank runs the count round; the receive
-            # tensors from the pool (F_DIRECT_RECV: the sources store the rows in place) when it
-            # has room and no graph is being captured, else ordinary ones and messages
+        recv_x = src_info = scales = None
+        g = hidden // dep.GROUP
+        g = -(-g // 4) if use_ue8m0 else g      # scale words per row (UE8M0: 4 exponents a word)
+        sc_dtype = torch.int32 if use_ue8m0 else torch.float32
+        if self._ll_direct_ok():
+            # the direct dispatch (ll.cuh "The direct dispatch"): every peer mapped on this GPU and
+            # a receive pool, the same on every rank, so every rank runs the count round; the
+            # receive tensors from the pool (F_DIRECT_RECV: the sources store the rows in place)
+            # when it has room and no graph is being captured, else ordinary ones and messages
             flags |= dep.F_DIRECT
-            got = self._pool.empty_many([((el, rows, hidden), torch.bfloat16), ((el, rows), torch.int32)])
+            got = self._pool.empty_many([
+                ((el, rows, hidden), torch.float8_e4m3fn if use_fp8 else torch.bfloat16),
+                ((el, rows), torch.int32), ((el, g, rows), sc_dtype) if use_fp8 else None])
             if got is not None:
-                recv_x, src_info = got
+                recv_x, src_info, scales = got
+                if scales is not None:
+                    scales = scales.transpose(1, 2)     # [E_loc, R*T_max, G], column-major
                 flags |= dep.F_DIRECT_RECV
         if recv_x is not None:
-            scales = None
+            pass
         elif use_fp8:
             recv_x = torch.empty((el, rows, hidden), dtype=torch.float8_e4m3fn, device=dev)
             # the scales as returned: [E_loc, R*T_max, G] column-major in the last two dims (the
             # kernel writes [E_loc, G, R*T_max] contiguous), made so at once (no transpose per call)
-            g = hidden // dep.GROUP
-            g = -(-g // 4) if use_ue8m0 else g
-            scales = torch.empty_strided((el, rows, g), (g * rows, 1, rows),
-                                         dtype=torch.int32 if use_ue8m0 else torch.float32, device=dev)
+            scales = torch.empty_strided((el, rows, g), (g * rows, 1, rows), dtype=sc_dtype, device=dev)
         else:
             recv_x = torch.empty((el, rows, hidden), dtype=torch.bfloat16, device=dev)
             scales = None

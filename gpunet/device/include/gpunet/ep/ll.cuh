@@ -142,7 +142,7 @@ enum : uint32_t {
   // (bits 64..512 are ht.cuh's F_HT_*: HtParams::base.flags shares this word)
   F_ALL_MAPPED = 1u << 16,  // every peer but this rank is mapped here (p2p): rows go unstaged
   F_GPU_SCOPE = 1u << 17,   // every peer (this rank too) is p2p on this GPU: see grid_fence
-  F_DIRECT = 1u << 18,      // BF16 dispatch, every peer mapped, a receive pool: the count round
+  F_DIRECT = 1u << 18,      // dispatch, every peer mapped on one GPU, a receive pool: the count round
                             // runs, and rows go straight to each direct destination's packed
                             // rows ("The direct dispatch" below); the same on every rank
   F_DIRECT_RECV = 1u << 19, // this rank's recv_x and src_info lie in its heap (the receive pool):
@@ -1185,58 +1185,6 @@ GPUNET_DEVICE bool send_start(const LlParams& P, const Geo& g, bool stage) {
   return true;
 }
 
-// FP8 with every peer mapped (nothing staged): part `part` of S of token t's groups, a lane per
-// half group (64 columns; the group's amax joins the partner lane h ^ 1's by one shuffle), its
-// e4m3 bytes (and, the first half's lane, the group's scale) stored from registers straight into
-// the token's slot on each destination rank. The same numbers as quantise_group (the same amax8,
-// group_scale and e4m3x16; max is exact in any order, so the halves' join changes nothing).
-// Staged, a lane quantised whole groups (two a lane for DeepEP's 7168 columns) and one warp a
-// token then copied the row to each destination: the FP8 send took ~24 us on the H200 against
-// BF16's ~8 (bench/RESULTS.md, fourteenth session).
-constexpr uint32_t kHalf = kGroup / 2;
-GPUNET_DEVICE void fp8_to_destinations(const LlParams& P, const Geo& g, uint32_t t, uint32_t part,
-                                       uint32_t S, const Selection& sel, const uint8_t* out) {
-  const uint32_t H = P.hidden, G = H / kGroup, K = P.topk;
-  // lane k: the slot of selection k's rank when k is the token's first selection on it (0: none)
-  uint64_t slot = 0;
-  if ((sel.first >> g.lane) & 1) {
-    const uint32_t d = uint32_t(sel.d);
-    if (!out[d])
-      slot = d == P.rank ? dispatch_slot(P, t)
-                         : mapped_at(P, d, dispatch_slot(P, t));
-  }
-  const bool round = (P.flags & (F_ROUND_SCALE | F_UE8M0)) != 0;
-  const uint32_t per = (G + S - 1) / S, g0 = part * per;
-  const uint32_t nh = g0 < G ? 2 * ((g0 + per < G ? g0 + per : G) - g0) : 0;
-  for (uint32_t h0 = 0; h0 < nh; h0 += g.ws) {  // warp-uniform: every lane shuffles
-    const uint32_t h = h0 + g.lane;
-    const bool act = h < nh;
-    const uint32_t col = (g0 + h / 2) * kGroup + (h % 2) * kHalf;
-    V16 in[kHalf / 8] = {};
-    float amax = 0.0f;
-    if (act) {
-      const V16* src = ptr<const V16>(P.x + (uint64_t(t) * H + col) * 2);
-#pragma unroll
-      for (uint32_t c = 0; c < kHalf / 8; ++c) in[c] = src[c];
-#pragma unroll
-      for (uint32_t c = 0; c < kHalf / 8; ++c) amax = amax8(in[c], amax);
-    }
-    const float other = arch::shfl(amax, g.lane ^ 1);  // h0 is even: lane ^ 1 holds h ^ 1
-    amax = other > amax ? other : amax;
-    const float s = group_scale(amax, round);
-    V16 o[kHalf / 16];
-#pragma unroll
-    for (uint32_t c = 0; c < kHalf / 16; ++c) o[c] = e4m3x16(in[2 * c], in[2 * c + 1], s);
-    for (uint32_t k = 0; k < K; ++k) {
-      const uint64_t dst = arch::shfl(slot, k);
-      if (!act || dst == 0) continue;
-#pragma unroll
-      for (uint32_t c = 0; c < kHalf / 16; ++c) ptr<V16>(dst + col)[c] = o[c];
-      if (h % 2 == 0) ptr<float>(dst + H)[col / kGroup] = s;
-    }
-  }
-}
-
 // ---- the direct dispatch (F_DIRECT) ------------------------------------------------------------
 // The message path moves each token once per destination rank and the receiver then expands it
 // into the packed layout: on one GPU the receiver's unpack writes as many bytes as the whole torch
@@ -1264,7 +1212,9 @@ GPUNET_DEVICE void fp8_to_destinations(const LlParams& P, const Geo& g, uint32_t
 // the launch (EP_ERR_BAD_MESSAGE at EP_SITE_DIRECT) rather than return mixed rows.
 // The count area (the LL buffer's, after the R dispatch receive headers): [R] count rows of
 // cnt_stride_words, then [R] "begins used" rows of bu_stride_words.
-constexpr uint32_t kCntHead = 8;  // hidden, E, t_max, direct, int64 x offset, int64 src_info offset
+// a count row's head: hidden, E, t_max, direct, then int64 offsets from P.sig of recv_x, src_info
+// and (FP8) the scales; then the E counts
+constexpr uint32_t kCntHead = 16;
 GPUNET_HOST_DEVICE uint32_t cnt_stride_words(uint32_t e) { return (kCntHead + e + 15) / 16 * 16; }
 GPUNET_HOST_DEVICE uint32_t bu_stride_words(uint32_t e_loc) { return (e_loc + 15) / 16 * 16; }
 GPUNET_DEVICE int32_t* cnt_row(const LlParams& P, uint32_t j) {
@@ -1280,7 +1230,8 @@ GPUNET_DEVICE uint64_t* ctag_word(const LlParams& P, uint32_t j) {
 }
 // Workspace after the dispatch bitmaps (LlParams::bits; gpunet/device/ep.py direct_ws_words):
 // dpre u64 [E][W] (bitmap word | running count << 32), dbeg int32 [E] (begin_me(e) on e's rank),
-// dout u64 [R][2] (destination d's recv_x and src_info as this rank reaches them; 0: not direct).
+// dout u64 [R][3] (destination d's recv_x, src_info and FP8 scales as this rank reaches them;
+// 0: not direct).
 GPUNET_DEVICE uint64_t* dpre(const LlParams& P) {
   const uint64_t w = uint64_t(P.num_experts + P.nranks) * dmask_words(P.t_max);
   return reinterpret_cast<uint64_t*>(ptr<uint32_t>(P.bits) + (w + 1) / 2 * 2);
@@ -1319,6 +1270,7 @@ GPUNET_DEVICE bool direct_counts(const LlParams& P, const Geo& g, uint8_t* out) 
     int64_t* off = reinterpret_cast<int64_t*>(mine + 4);
     off[0] = int64_t(P.out_x - P.sig);  // symmetric: the same offsets from P.sig on every rank
     off[1] = int64_t(P.src_info - P.sig);
+    off[2] = (P.flags & F_FP8) ? int64_t(P.out_scales - P.sig) : 0;
   }
   arch::syncthreads();
   // 2. the row to every live peer, a warp each, then its tag
@@ -1362,22 +1314,25 @@ GPUNET_DEVICE bool direct_counts(const LlParams& P, const Geo& g, uint8_t* out) 
       if (!out[i]) run += cnt_row(P, i)[kCntHead + e];
     dbeg(P)[e] = run;
   }
+  const bool fp8 = (P.flags & F_FP8) != 0;
   for (uint32_t d = g.tid; d < R; d += g.bdim) {
-    uint64_t xb = 0, sb = 0;
+    uint64_t xb = 0, sb = 0, cb = 0;
     if (d == P.rank) {
-      if (P.flags & F_DIRECT_RECV) xb = P.out_x, sb = P.src_info;
+      if (P.flags & F_DIRECT_RECV) xb = P.out_x, sb = P.src_info, cb = P.out_scales;
     } else if (!out[d] && cnt_row(P, d)[3]) {
       const int64_t* off = reinterpret_cast<const int64_t*>(cnt_row(P, d) + 4);
       xb = mapped_at(P, d, P.sig + uint64_t(off[0]));
       sb = mapped_at(P, d, P.sig + uint64_t(off[1]));
-      if (!xb || !sb) xb = sb = 0;
+      cb = fp8 ? mapped_at(P, d, P.sig + uint64_t(off[2])) : 0;
     }
-    dout(P)[2 * d] = xb;
-    dout(P)[2 * d + 1] = sb;
+    if (!xb || !sb || (fp8 && !cb)) xb = sb = cb = 0;
+    dout(P)[3 * d] = xb;
+    dout(P)[3 * d + 1] = sb;
+    dout(P)[3 * d + 2] = cb;
   }
   arch::syncthreads();
   for (uint32_t d = g.wid; d < R; d += g.nwarps) {
-    if (!dout(P)[2 * d]) continue;
+    if (!dout(P)[3 * d]) continue;
     int32_t* dst = d == P.rank ? bu_row(P, P.rank)
                                : ptr<int32_t>(mapped_at(P, d, uint64_t(uintptr_t(bu_row(P, P.rank)))));
     for (uint32_t i = g.lane; i < EL; i += g.ws) dst[i] = dbeg(P)[uint64_t(d) * EL + i];
@@ -1394,27 +1349,54 @@ GPUNET_DEVICE bool direct_counts(const LlParams& P, const Geo& g, uint8_t* out) 
   return true;
 }
 
-// Lane k of token t's warp: where selection k's row goes on a direct destination (0: nowhere:
-// a hole, a repeat, or a destination that takes messages). Part 0 stores t into src_info there.
-// A position outside the packed rows (a corrupt count row) is recorded and skipped.
-GPUNET_DEVICE uint64_t direct_row(const LlParams& P, const Selection& sel, uint32_t t, uint32_t part) {
-  if (sel.e < 0) return 0;
-  const uint64_t* o = dout(P) + 2 * uint32_t(sel.d);
+// Lane k of token t's warp: where selection k's row goes on a direct destination (x 0: nowhere:
+// a hole, a repeat, or a destination that takes messages), and with FP8 where its group 0 scale
+// goes (sc: the scales are [E_loc][G][rows] floats, or UE8M0 [E_loc][ceil(G/4)][rows] int32 of
+// four exponent bytes: group q at sc + (q / 4) * rows * 4 + q % 4). Part 0 stores t into
+// src_info there. A position outside the packed rows (a corrupt count row) is recorded, skipped.
+struct DirectDst {
+  uint64_t x = 0, sc = 0;
+};
+GPUNET_DEVICE uint32_t scale_words(const LlParams& P) {
+  const uint32_t G = P.hidden / kGroup;
+  return (P.flags & F_UE8M0) ? (G + 3) / 4 : G;
+}
+GPUNET_DEVICE DirectDst direct_row(const LlParams& P, const Selection& sel, uint32_t t, uint32_t part) {
+  DirectDst r;
+  if (sel.e < 0) return r;
+  const uint64_t* o = dout(P) + 3 * uint32_t(sel.d);
   const uint64_t xb = o[0];
-  if (!xb) return 0;
+  if (!xb) return r;
   const uint64_t rows = uint64_t(P.nranks) * P.t_max;
   const uint32_t e = uint32_t(sel.e), le = e - uint32_t(sel.d) * P.e_loc;
   const uint64_t v = dpre(P)[uint64_t(e) * dmask_words(P.t_max) + t / 32];
   const uint64_t pos = uint64_t(int64_t(dbeg(P)[e])) + uint32_t(v >> 32) + popc64(uint32_t(v) & ((1u << (t % 32)) - 1));
   if (pos >= rows) {
     ep_fail(P, EP_ERR_BAD_MESSAGE, EP_SITE_DIRECT, uint32_t(sel.d), rows, pos, 0);
-    return 0;
+    return r;
   }
   if (part == 0) ptr<int32_t>(o[1])[uint64_t(le) * rows + pos] = int32_t(t);
-  return xb + (uint64_t(le) * rows + pos) * P.hidden * 2;
+  const bool fp8 = (P.flags & F_FP8) != 0;
+  r.x = xb + (uint64_t(le) * rows + pos) * P.hidden * (fp8 ? 1 : 2);
+  if (fp8) r.sc = o[2] + (uint64_t(le) * scale_words(P) * rows + pos) * 4;
+  return r;
 }
 GPUNET_DEVICE bool direct_dest(const LlParams& P, uint32_t d) {
-  return (P.flags & F_DIRECT) && dout(P)[2 * d] != 0;
+  return (P.flags & F_DIRECT) && dout(P)[3 * d] != 0;
+}
+// One group's scale s (FP8) into a direct destination's scales (DirectDst::sc of its row): a
+// float, or UE8M0 its exponent byte (the last group of a word also zeroes the word's unused
+// bytes, as the message path's packing does).
+GPUNET_DEVICE void direct_scale(const LlParams& P, uint64_t sc, uint32_t q, float s) {
+  const uint64_t rows = uint64_t(P.nranks) * P.t_max;
+  if (!(P.flags & F_UE8M0)) {
+    *ptr<float>(sc + uint64_t(q) * rows * 4) = s;
+    return;
+  }
+  uint8_t* w = ptr<uint8_t>(sc + uint64_t(q / 4) * rows * 4);
+  w[q % 4] = uint8_t((f32_bits(s) >> 23) & 0xffu);
+  if (q + 1 == P.hidden / kGroup)
+    for (uint32_t i = q % 4 + 1; i < 4; ++i) w[i] = 0;
 }
 
 // A direct receiver's block 0, after its layout (begin [E_loc][R], the counts cnt [R][E_loc] and
@@ -1424,8 +1406,9 @@ GPUNET_DEVICE bool direct_dest(const LlParams& P, uint32_t d) {
 // overwritten before it moved (the ranges were checked not to overlap).
 GPUNET_DEVICE void direct_compact(const LlParams& P, const Geo& g, const int32_t* cnt,
                                   const int32_t* begin, const int32_t* got) {
-  const uint32_t R = P.nranks, EL = P.e_loc;
-  const uint64_t rows = uint64_t(R) * P.t_max, row_bytes = uint64_t(P.hidden) * 2;
+  const uint32_t R = P.nranks, EL = P.e_loc, SW = scale_words(P);
+  const bool fp8 = (P.flags & F_FP8) != 0;
+  const uint64_t rows = uint64_t(R) * P.t_max, row_bytes = uint64_t(P.hidden) * (fp8 ? 1 : 2);
   for (uint32_t le = g.wid; le < EL; le += g.nwarps) {
     int64_t end = 0;
     for (uint32_t j = 0; j < R; ++j) {
@@ -1443,7 +1426,73 @@ GPUNET_DEVICE void direct_compact(const LlParams& P, const Geo& g, const int32_t
         const uint64_t from = uint64_t(le) * rows + uint64_t(u + i), to = uint64_t(le) * rows + uint64_t(b + i);
         warp_copy(g, P.out_x + to * row_bytes, P.out_x + from * row_bytes, row_bytes);
         if (g.lane == 0) si[b + i] = si[u + i];
+        if (fp8) {  // the row's scale words, column-major: word q of (le, pos) at (le * SW + q) * rows + pos
+          int32_t* sc = ptr<int32_t>(P.out_scales) + uint64_t(le) * SW * rows;
+          for (uint32_t q = g.lane; q < SW; q += g.ws) sc[q * rows + uint64_t(b + i)] = sc[q * rows + uint64_t(u + i)];
+        }
         arch::syncwarp();
+      }
+    }
+  }
+}
+
+// FP8 with every peer mapped (nothing staged): part `part` of S of token t's groups, a lane per
+// half group (64 columns; the group's amax joins the partner lane h ^ 1's by one shuffle), its
+// e4m3 bytes (and, the first half's lane, the group's scale) stored from registers straight into
+// the token's slot on each destination rank. The same numbers as quantise_group (the same amax8,
+// group_scale and e4m3x16; max is exact in any order, so the halves' join changes nothing).
+// Staged, a lane quantised whole groups (two a lane for DeepEP's 7168 columns) and one warp a
+// token then copied the row to each destination: the FP8 send took ~24 us on the H200 against
+// BF16's ~8 (bench/RESULTS.md, fourteenth session).
+constexpr uint32_t kHalf = kGroup / 2;
+GPUNET_DEVICE void fp8_to_destinations(const LlParams& P, const Geo& g, uint32_t t, uint32_t part,
+                                       uint32_t S, const Selection& sel, const uint8_t* out) {
+  const uint32_t H = P.hidden, G = H / kGroup, K = P.topk;
+  // lane k: the slot of selection k's rank when k is the token's first selection on it (0: none)
+  uint64_t slot = 0;
+  if ((sel.first >> g.lane) & 1) {
+    const uint32_t d = uint32_t(sel.d);
+    if (!out[d] && !direct_dest(P, d))
+      slot = d == P.rank ? dispatch_slot(P, t)
+                         : mapped_at(P, d, dispatch_slot(P, t));
+  }
+  // lane k: selection k's packed row on a direct destination (F_DIRECT), else none
+  const DirectDst dd = (P.flags & F_DIRECT) ? direct_row(P, sel, t, part) : DirectDst{};
+  const bool round = (P.flags & (F_ROUND_SCALE | F_UE8M0)) != 0;
+  const uint32_t per = (G + S - 1) / S, g0 = part * per;
+  const uint32_t nh = g0 < G ? 2 * ((g0 + per < G ? g0 + per : G) - g0) : 0;
+  for (uint32_t h0 = 0; h0 < nh; h0 += g.ws) {  // warp-uniform: every lane shuffles
+    const uint32_t h = h0 + g.lane;
+    const bool act = h < nh;
+    const uint32_t col = (g0 + h / 2) * kGroup + (h % 2) * kHalf;
+    V16 in[kHalf / 8] = {};
+    float amax = 0.0f;
+    if (act) {
+      const V16* src = ptr<const V16>(P.x + (uint64_t(t) * H + col) * 2);
+#pragma unroll
+      for (uint32_t c = 0; c < kHalf / 8; ++c) in[c] = src[c];
+#pragma unroll
+      for (uint32_t c = 0; c < kHalf / 8; ++c) amax = amax8(in[c], amax);
+    }
+    const float other = arch::shfl(amax, g.lane ^ 1);  // h0 is even: lane ^ 1 holds h ^ 1
+    amax = other > amax ? other : amax;
+    const float s = group_scale(amax, round);
+    V16 o[kHalf / 16];
+#pragma unroll
+    for (uint32_t c = 0; c < kHalf / 16; ++c) o[c] = e4m3x16(in[2 * c], in[2 * c + 1], s);
+    for (uint32_t k = 0; k < K; ++k) {
+      const uint64_t dst = arch::shfl(slot, k);
+      const uint64_t dx = arch::shfl(dd.x, k), dsc = arch::shfl(dd.sc, k);
+      if (!act) continue;
+      if (dst) {
+#pragma unroll
+        for (uint32_t c = 0; c < kHalf / 16; ++c) ptr<V16>(dst + col)[c] = o[c];
+        if (h % 2 == 0) ptr<float>(dst + H)[col / kGroup] = s;
+      }
+      if (dx) {
+#pragma unroll
+        for (uint32_t c = 0; c < kHalf / 16; ++c) ptr<V16>(dx + col)[c] = o[c];
+        if (h % 2 == 0) direct_scale(P, dsc, col / kGroup, s);
       }
     }
   }
@@ -1469,7 +1518,7 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
   uint8_t* out = load_send_view(P, g);
   if (!send_start(P, g, stage)) return false;
   dispatch_bits(P, g);
-  const bool direct = (P.flags & F_DIRECT) != 0;  // (the host sets it only with !stage, BF16)
+  const bool direct = (P.flags & F_DIRECT) != 0;  // (the host sets it only with !stage)
   if (direct) {
     if (g.bid == 0 ? !direct_counts(P, g, out)
                    : !block_wait(P, g, SYNC_SEND_COUNTS, 1, EP_SITE_DIRECT))
@@ -1493,8 +1542,8 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
     const uint64_t src = stage ? msg : P.x + uint64_t(t) * H * 2;
     const uint64_t lo = part * part_bytes;
     const uint64_t hi = lo + part_bytes < P.payload_bytes ? lo + part_bytes : P.payload_bytes;
-    if (direct) {  // each (token, local expert) row of a direct destination, read once
-      const uint64_t xdst = direct_row(P, sel, t, part);
+    if (direct && copy) {  // BF16: each (token, local expert) row of a direct destination, read once
+      const uint64_t xdst = direct_row(P, sel, t, part).x;
       const uint64_t have = arch::ballot(xdst != 0);
       uint64_t dst[kMaxTopk];
       uint32_t nd = 0;
