@@ -999,7 +999,8 @@ class Buffer:
         self._pool_warned = True
         need = sum(int(np.prod(sd[0])) * sd[1].itemsize for sd in shapes if sd)
         log.warning("gpunet.ep rank %d: the receive pool (recv_pool_bytes=%d, %d in use) had no room for "
-                    "a dispatch's receive tensors (%d bytes): the call used torch memory and the rings%s; "
+                    "a dispatch's receive tensors (%d bytes): the call used torch memory (high "
+                    "throughput: the rings; low latency: messages, not the direct dispatch)%s; "
                     "pass a larger recv_pool_bytes (room for the receive tensors held at once)",
                     self.rank, self.recv_pool_bytes, self._pool.used_bytes(), need,
                     "; the pool is not used again by this Buffer (on CUDA torch keeps its cached blocks "
@@ -1624,16 +1625,18 @@ class Buffer:
             # receive tensors from the pool (F_DIRECT_RECV: the sources store the rows in place)
             # when it has room and no graph is being captured, else ordinary ones and messages
             flags |= dep.F_DIRECT
-            got = self._pool.empty_many([
-                ((el, rows, hidden), torch.float8_e4m3fn if use_fp8 else torch.bfloat16),
-                ((el, rows), torch.int32), ((el, g, rows), sc_dtype) if use_fp8 else None])
+            shapes = [((el, rows, hidden), torch.float8_e4m3fn if use_fp8 else torch.bfloat16),
+                      ((el, rows), torch.int32), ((el, g, rows), sc_dtype) if use_fp8 else None]
+            got = self._pool.empty_many(shapes)
             if got is not None:
                 recv_x, src_info, scales = got
                 if scales is not None:
                     scales = scales.transpose(1, 2)     # [E_loc, R*T_max, G], column-major
                 flags |= dep.F_DIRECT_RECV
+            else:
+                self._pool_full(shapes)
         if recv_x is not None:
-            pass
+            pass                                        # the pool's (above)
         elif use_fp8:
             recv_x = torch.empty((el, rows, hidden), dtype=torch.float8_e4m3fn, device=dev)
             # the scales as returned: [E_loc, R*T_max, G] column-major in the last two dims (the
