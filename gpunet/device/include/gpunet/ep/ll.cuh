@@ -45,6 +45,10 @@
 //            packed_recv_x[e][pos] (fp8: scales column-major, float or packed UE8M0), t to
 //            src_info[e][pos]. The result is the contract's deterministic layout
 //            (gpunet/ep/reference.py ll_dispatch_ref) whatever the arrival order.
+//   DIRECT (F_DIRECT: a receive pool, every peer p2p on this GPU): between 2 and 3 a count round
+//            (block 0) gives each source begin_j(e) on every destination, and step 3 stores each
+//            (token, local expert) row straight into packed_recv_x on a destination whose
+//            tensors lie in its pool; step 6 has nothing to unpack ("The direct dispatch" below).
 
 // Combine (the expert side sends rows back; the token side reduces with its weights)
 //   Rows travel once per (token, selected expert) (DeepEP's choice): the weights live on the token
