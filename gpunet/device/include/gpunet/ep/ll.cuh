@@ -1411,6 +1411,16 @@ GPUNET_DEVICE void direct_scale(const LlParams& P, uint64_t sc, uint32_t q, floa
 GPUNET_DEVICE void direct_compact(const LlParams& P, const Geo& g, const int32_t* cnt,
                                   const int32_t* begin, const int32_t* got) {
   const uint32_t R = P.nranks, EL = P.e_loc, SW = scale_words(P);
+  // Every source's begins are this rank's in a launch where no source failed after its counts:
+  // one round of independent loads over (source, expert) settles it. (The checks and moves below
+  // walk each expert's sources in order, a chain of loads: ~12-15 us on the H100 for DeepEP's
+  // 144 local experts, bench/RESULTS.md thirty-second session, paid only when something moved.)
+  bool moved = false;
+  for (uint32_t i = g.tid; i < R * EL; i += g.bdim) {
+    const uint32_t j = i / EL, le = i % EL;
+    if (got[j] && cnt[i] != 0 && bu_row(P, j)[le] != begin[uint64_t(le) * R + j]) moved = true;
+  }
+  if (!arch::block_any(moved)) return;
   const bool fp8 = (P.flags & F_FP8) != 0;
   const uint64_t rows = uint64_t(R) * P.t_max, row_bytes = uint64_t(P.hidden) * (fp8 ? 1 : 2);
   for (uint32_t le = g.wid; le < EL; le += g.nwarps) {
