@@ -206,14 +206,15 @@ def _check_dispatch(out, want, use_fp8):
 
 
 def ll_recv_pool_bytes(cfg, world):
-    """The LL Buffer's recv_pool_bytes: cfg["recv_pool_mib"] MiB (0: none, the dispatch sends
-    messages), or (-1) room for 4 BF16 dispatches' recv_x and src_info at the sweep's largest
-    tokens, + 64 MiB: with every peer p2p on this GPU a pool makes the BF16 dispatch direct (ll.cuh
-    "The direct dispatch"); the timing loop holds up to 3 results at once (the checked one, the
-    last call's and the new one) and the smaller sweep points leave torch's cached blocks."""
+    """The LL Buffer's recv_pool_bytes: cfg["recv_pool_mib"] MiB, or (-1) with GPUNET_EP_LL_DIRECT=1
+    room for 4 BF16 dispatches' recv_x and src_info at the sweep's largest tokens, + 64 MiB (with
+    every peer p2p on this GPU the dispatch then runs direct, ll.cuh "The direct dispatch"; the
+    timing loop holds up to 3 results at once and the smaller sweep points leave torch's cached
+    blocks), else none (the message path)."""
+    from gpunet import config
     mib = cfg.get("recv_pool_mib", -1)
-    if mib >= 0:
-        return mib << 20
+    if mib >= 0 or config.get("GPUNET_EP_LL_DIRECT") != "1":
+        return max(mib, 0) << 20
     e_loc, rows = cfg["experts"] // world, world * max(cfg["sweep"])
     per_call = e_loc * rows * (2 * cfg["hidden"] + 4)
     return (4 * per_call + (64 << 20)) // (1 << 20) * (1 << 20)
@@ -534,9 +535,10 @@ def main(argv=None):
                          "(bench/ep_ht.py: 4096 tokens, a Config sweep, the gather yardstick)")
     ap.add_argument("--recv-pool-mib", type=int, default=-1,
                     help="the Buffer's receive pool (recv_pool_bytes) in MiB: p2p peers store "
-                         "rows straight into the receive tensors (ll: the direct dispatch, "
-                         "peers on this GPU); -1 (default): room for 4 LL / 10 HT calls' receive "
-                         "tensors, 0: none (ll: messages; ht: the rings)")
+                         "rows straight into the receive tensors (ll: the direct dispatch, with "
+                         "GPUNET_EP_LL_DIRECT=1 and the peers on this GPU); -1 (default): room for "
+                         "10 HT calls' receive tensors, or for 4 LL calls' with "
+                         "GPUNET_EP_LL_DIRECT=1 (else none); 0: none (ll: messages; ht: the rings)")
     ap.add_argument("--ht-configs",
                     help="ht: the Config sweep as num_sms:chunk:ring:warps,... (default: bench/ep_ht.py "
                          "GPU_CONFIGS / CPU_CONFIGS)")

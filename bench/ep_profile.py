@@ -372,8 +372,8 @@ def main(argv=None):
                          "hosts' launches, so the phases are those of aligned ranks (0: no hold)")
     ap.add_argument("--recv-pool-mib", type=int, default=-1,
                     help="the Buffer's receive pool in MiB (bench/ep.py ll_recv_pool_bytes): -1 "
-                         "(default) room for 4 BF16 dispatches (direct where every peer is p2p on "
-                         "this GPU), 0 none (the message path)")
+                         "(default) with GPUNET_EP_LL_DIRECT=1 room for 4 dispatches (direct where "
+                         "every peer is p2p on this GPU), else none (the message path)")
     ap.add_argument("--no-kineto", action="store_true")
     ap.add_argument("--kineto-iters", type=int, default=10)
     ap.add_argument("--json")

@@ -45,10 +45,11 @@ KNOBS = (
          "gpunet.ep's kernels: world (a world whose peers are all p2p runs a build with the p2p "
          "transport only, half the code: devctx.cuh GPUNET_TRANSPORTS) or all (every world runs "
          "the build with every transport: the A/B of bench/ep_profile.py)"),
-    Knob("GPUNET_EP_LL_DIRECT", "env", "choice", "1", ("0", "1"),
+    Knob("GPUNET_EP_LL_DIRECT", "env", "choice", "0", ("0", "1"),
          "gpunet.ep's LL dispatch with a receive pool and every peer p2p on one GPU: 1 stores each "
          "row straight into its packed row on the destination after a count round (ll.cuh \"The "
-         "direct dispatch\"), 0 sends messages the receiver unpacks (the A/B of bench/ep.py)"),
+         "direct dispatch\"; measured slower than the messages on the H100 as first built, "
+         "bench/RESULTS.md thirty-second session), 0 sends messages the receiver unpacks"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),

@@ -1547,16 +1547,17 @@ def test_a_dead_rank_raises_ep_timeout_without_shrink(transport, stage):
 
 
 # ---- the direct dispatch (ll.cuh "The direct dispatch") -----------------------------------------
-# With a receive pool and every peer p2p, the BF16 dispatch runs a count round and each source
+# With GPUNET_EP_LL_DIRECT=1, a receive pool and every peer p2p, the dispatch runs a count round and each source
 # stores its rows straight into the destination's packed rows (recv_x and src_info from the
 # destination's pool); a destination whose pool has no room takes messages as before.
 DIRECT_POOL = 4 << 20
+DIRECT_ENV = {"GPUNET_EP_LL_DIRECT": "1"}     # (off by default: gpunet/config.py)
 
 
 @pytest.fixture(scope="module")
 def direct2():
     """2 ranks, all p2p, warps of 64, a receive pool."""
-    r = _pool(2, "p2p", 64, num_rdma_bytes=_gen_bytes(2), recv_pool_bytes=DIRECT_POOL)
+    r = _pool(2, "p2p", 64, num_rdma_bytes=_gen_bytes(2), recv_pool_bytes=DIRECT_POOL, env=DIRECT_ENV)
     yield r
     _close(r)
 
@@ -1564,7 +1565,7 @@ def direct2():
 @pytest.fixture(scope="module")
 def direct4():
     """4 ranks, all p2p, warps of 32, a receive pool (sized for the generated test too)."""
-    r = _pool(4, "p2p", 32, num_rdma_bytes=_gen_bytes(4), recv_pool_bytes=DIRECT_POOL)
+    r = _pool(4, "p2p", 32, num_rdma_bytes=_gen_bytes(4), recv_pool_bytes=DIRECT_POOL, env=DIRECT_ENV)
     yield r
     _close(r)
 
@@ -1624,7 +1625,7 @@ def test_a_source_dead_after_its_counts_leaves_the_later_rows_moved_into_place(u
     reference with rank 0 masked (rows, src_info, layout_range: the moved rows are exact), the
     combine too, the mask names rank 0, and the next round among the survivors is exact. BF16
     (tagged rows) and FP8 (the scales move with their rows)."""
-    r = _pool(3, "p2p", 32, shrink=True, timeout_s=3.0, recv_pool_bytes=DIRECT_POOL)
+    r = _pool(3, "p2p", 32, shrink=True, timeout_s=3.0, recv_pool_bytes=DIRECT_POOL, env=DIRECT_ENV)
     try:
         assert r.run("ep_jobs:direct_exit_build", 0) == [0, 1, 2]
         spec = _spec(3, seed=321, tagged=not use_fp8, vary_tokens=True, use_fp8=use_fp8,
@@ -1639,3 +1640,17 @@ def test_a_source_dead_after_its_counts_leaves_the_later_rows_moved_into_place(u
         _assert_round(r.run("ep_jobs:round_", nxt), nxt)
     finally:
         r.close_losing(0, "ep_jobs:close")
+
+
+def test_the_direct_dispatch_is_off_without_its_knob():
+    """A receive pool and every peer p2p, but GPUNET_EP_LL_DIRECT unset (its default, 0: as
+    first built the direct dispatch was slower than the messages on the H100): the dispatch
+    sends messages (recv_x from torch, not the pool) and equals the reference."""
+    r = _pool(2, "p2p", 32, recv_pool_bytes=DIRECT_POOL)
+    try:
+        spec = _spec(2, seed=331, tagged=True)
+        out = r.run("ep_jobs:round_", spec)
+        _assert_round(out, spec)
+        assert [o["in_pool"] for o in out] == [False, False]
+    finally:
+        _close(r)

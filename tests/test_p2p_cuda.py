@@ -213,7 +213,8 @@ def test_two_ranks_ep_direct_dispatch_on_one_gpu_matches_the_reference(mps):
     (ll.cuh "The direct dispatch": a count round, then each row stored straight into its packed
     row in the peer's pool tensors): the BF16 and the FP8 round's recv_x lie in the pool, both
     equal the reference and combine is within DeepEP's bounds."""
-    info = ep_jobs.two_rank_rounds("p2p", dict(mps, GPUNET_PLATFORM="cuda"), recv_pool_bytes=64 << 20)
+    info = ep_jobs.two_rank_rounds("p2p", dict(mps, GPUNET_PLATFORM="cuda", GPUNET_EP_LL_DIRECT="1"),
+                                   recv_pool_bytes=64 << 20)
     assert all(i["in_pool"] == [True, True] for i in info), [i["in_pool"] for i in info]
 
 

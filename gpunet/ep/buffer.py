@@ -1336,15 +1336,16 @@ class Buffer:
         no link between them to spare: every rank's heap on this GPU (F_GPU_SCOPE), or the CPU
         platform (the ranks' arenas in one memory). A direct row goes once per (token, expert),
         where a message goes once per (token, rank): across GPUs the link would carry ~K / (ranks
-        a token reaches) times the bytes, so those worlds keep messages. GPUNET_EP_LL_DIRECT=0
-        turns it off (the message path, for A/B runs)."""
+        a token reaches) times the bytes, so those worlds keep messages. Off unless
+        GPUNET_EP_LL_DIRECT=1: as first built it was slower than the messages on the H100
+        (bench/RESULTS.md, thirty-second session)."""
         ok = getattr(self, "_direct_ok", None)
         if ok is None:
             flags = self._ll_world_flags()
             ok = self._direct_ok = bool(
                 self._pool is not None and flags & dep.F_ALL_MAPPED
                 and (flags & dep.F_GPU_SCOPE or not self._gpu)
-                and config.get("GPUNET_EP_LL_DIRECT") != "0")
+                and config.get("GPUNET_EP_LL_DIRECT") == "1")
         return ok
 
     def _ll_world_flags(self):
