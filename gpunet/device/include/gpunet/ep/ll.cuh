@@ -1214,9 +1214,12 @@ GPUNET_DEVICE bool send_start(const LlParams& P, const Geo& g, bool stage) {
 // signalled) the later sources' rows sit above their places and are moved down (direct_compact);
 // begins below this rank's (a source that left out a peer this rank counted: ranges overlap) fail
 // the launch (EP_ERR_BAD_MESSAGE at EP_SITE_DIRECT) rather than return mixed rows.
+// Off unless GPUNET_EP_LL_DIRECT=1 (gpunet/ep/buffer.py _ll_direct_ok): as first built it was ~25%
+// slower than the messages on the H100 (the count round: 9-12 us before any row moves;
+// bench/RESULTS.md, thirty-second session).
 // The count area (the LL buffer's, after the R dispatch receive headers): [R] count rows of
 // cnt_stride_words, then [R] "begins used" rows of bu_stride_words.
-// a count row's head: hidden, E, t_max, direct, then int64 offsets from P.sig of recv_x, src_info
+// A count row's head: hidden, E, t_max, direct, then int64 offsets from P.sig of recv_x, src_info
 // and (FP8) the scales; then the E counts
 constexpr uint32_t kCntHead = 16;
 GPUNET_HOST_DEVICE uint32_t cnt_stride_words(uint32_t e) { return (kCntHead + e + 15) / 16 * 16; }
