@@ -1636,16 +1636,13 @@ class Buffer:
                 flags |= dep.F_DIRECT_RECV
             else:
                 self._pool_full(shapes)
-        if recv_x is not None:
-            pass                                        # the pool's (above)
-        elif use_fp8:
+        if recv_x is None and use_fp8:
             recv_x = torch.empty((el, rows, hidden), dtype=torch.float8_e4m3fn, device=dev)
             # the scales as returned: [E_loc, R*T_max, G] column-major in the last two dims (the
             # kernel writes [E_loc, G, R*T_max] contiguous), made so at once (no transpose per call)
             scales = torch.empty_strided((el, rows, g), (g * rows, 1, rows), dtype=sc_dtype, device=dev)
-        else:
+        elif recv_x is None:
             recv_x = torch.empty((el, rows, hidden), dtype=torch.bfloat16, device=dev)
-            scales = None
         count = torch.empty(el, dtype=torch.int32, device=dev)
         if src_info is None:
             src_info = torch.empty((el, rows), dtype=torch.int32, device=dev)

@@ -424,6 +424,15 @@ GPUNET_DEVICE void warp_copy(const Geo& g, uint64_t dst, uint64_t src, uint64_t 
   warp_copy_rounds(g, src, n, [&](uint64_t off, const V16& v) { *ptr<V16>(dst + off) = v; });
 }
 
+// The same n bytes from src to each of the nd (>= 1) addresses dst[q], read once (kCopyUnroll
+// loads in flight, each 16 bytes stored to every copy): a row to each of its packed rows.
+GPUNET_DEVICE void warp_copy_each(const Geo& g, const uint64_t* dst, uint32_t nd, uint64_t src, uint64_t n) {
+  if (nd == 1) return warp_copy(g, dst[0], src, n);
+  warp_copy_rounds(g, src, n, [&](uint64_t off, const V16& v) {
+    for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(dst[q] + off) = v;
+  });
+}
+
 // One thread's walk over n values (per-expert counts: E_loc is 100s): load(i) for kBatch values
 // at a time, all issued before use(i, value) of any of them. Header and layout walks store as
 // they go, and a store to int32 memory may alias the next load, so a plain loop waits one memory
@@ -1565,14 +1574,8 @@ GPUNET_DEVICE bool dispatch_send(const LlParams& P, const Geo& g) {
       uint64_t dst[kMaxTopk];
       uint32_t nd = 0;
       for (uint32_t k = 0; k < K; ++k)
-        if ((have >> k) & 1) dst[nd++] = arch::shfl(xdst, k);
-      if (nd == 1) {
-        warp_copy(g, dst[0] + lo, src + lo, hi - lo);
-      } else if (nd > 1) {
-        warp_copy_rounds(g, src + lo, hi - lo, [&](uint64_t off, const V16& v) {
-          for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(dst[q] + lo + off) = v;
-        });
-      }
+        if ((have >> k) & 1) dst[nd++] = arch::shfl(xdst, k) + lo;
+      if (nd && lo < hi) warp_copy_each(g, dst, nd, src + lo, hi - lo);
     }
     for (uint32_t k = 0; copy && k < K && lo < hi; ++k) {
       if (!((sel.first >> k) & 1)) continue;
@@ -1749,7 +1752,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     for (uint32_t k = 0; k < kk; ++k) {
       if (!((have >> k) & 1)) continue;
       const uint64_t dk = arch::shfl(my_dst, k);
-      dst[nd++] = dk;
+      dst[nd++] = P.out_x + dk * row_bytes;
       const uint64_t le = dk / rows, pos = dk % rows;
       if (!fp8 || part != 0) continue;
       const float* sc = ptr<const float>(msg + H);
@@ -1770,13 +1773,8 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     const uint64_t hi = lo + part_bytes < row_bytes ? lo + part_bytes : row_bytes;
     if (lo >= hi || nd == 0) continue;
     const uint64_t src = ((j == P.rank && self_direct) ? P.x + m * row_bytes : msg) + lo;
-    if (nd == 1) {
-      warp_copy(g, P.out_x + dst[0] * row_bytes + lo, src, hi - lo);
-    } else {  // as warp_copy (kCopyUnroll loads in flight), each 16 bytes stored to every copy
-      warp_copy_rounds(g, src, hi - lo, [&](uint64_t off, const V16& v) {
-        for (uint32_t q = 0; q < nd; ++q) *ptr<V16>(P.out_x + dst[q] * row_bytes + lo + off) = v;
-      });
-    }
+    for (uint32_t q = 0; q < nd; ++q) dst[q] += lo;
+    warp_copy_each(g, dst, nd, src, hi - lo);
   }
   stamp_after_block(P, g, ST_RECV_LOOP);
   if (last_block(P, g, SYNC_RECV_DONE)) reset_sync(P, g, SYNC_RECV_READY, SYNC_RECV_DONE);
