@@ -315,6 +315,26 @@ def test_config_events_and_static_helpers():
         EventOverlap(None).current_stream_wait()
 
 
+def test_a_tensor_on_another_gpu_is_refused_naming_both_devices():
+    """Buffer._tensor (every tensor argument's check) refuses a CUDA tensor on a GPU other than
+    the Buffer's: its kernels would read another GPU's memory. (A stand-in: this machine has no
+    GPU, so the tensor is a CPU tensor that says it is on cuda:1, and the Buffer a bare object
+    whose kernels run on cuda:0; the one-GPU gate machines cannot make a second device either.)"""
+    class OnGpu1(torch.Tensor):
+        is_cuda = property(lambda self: True)
+        device = property(lambda self: torch.device("cuda", 1))
+
+        def get_device(self):
+            return 1
+
+    t = torch.zeros(4, 128, dtype=torch.bfloat16).as_subclass(OnGpu1)
+    stub = types.SimpleNamespace(_gpu=True, _cuda_index=0, _device=torch.device("cuda", 0))
+    with pytest.raises(ConfigError, match=r"x is on cuda:1; this Buffer's kernels run on cuda:0"):
+        Buffer._tensor(stub, t, "x", torch.bfloat16, ndim=2)
+    stub._cuda_index = 1      # the same check passes it on its own device (the checks after it run)
+    assert Buffer._tensor(stub, t, "x", torch.bfloat16, ndim=2) is t
+
+
 @pytest.fixture(scope="module")
 def solo():
     """A one-rank Buffer in this process (no torch.distributed group: a world of one)."""

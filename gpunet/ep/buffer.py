@@ -349,7 +349,8 @@ class Buffer:
         self.rank, self.group_size = ctx.rank, ctx.world_size
         r = self.group_size
         self._gpu = ctx.platform.name == "cuda"
-        self._device = torch.device("cuda") if self._gpu else torch.device("cpu")
+        # (an indexed device: tensors this Buffer allocates stay on its GPU whatever is current later)
+        self._device = torch.device("cuda", torch.cuda.current_device()) if self._gpu else torch.device("cpu")
         self._build_kinds = self._kernel_kinds()  # the LL and HT kernels' (fixed for the Context)
         self._lib = dep.load_ep("cuda" if self._gpu else "host", kinds=self._build_kinds)
         self._ws = 32 if self._gpu else ctx.warp_size
@@ -1476,6 +1477,11 @@ class Buffer:
             raise ConfigError("%s must be %s, not %s" % (name, dtype, t.dtype))
         if not (t.is_cuda if self._gpu else t.is_cpu):
             raise ConfigError("%s is on %s; this Buffer's tensors are on %s" % (name, t.device, self._device))
+        if self._gpu and t.get_device() != self._cuda_index:
+            # (a kernel of this Buffer's device would read another GPU's memory: a fault, or peer
+            # loads over the link where the GPUs have peer access)
+            raise ConfigError("%s is on cuda:%d; this Buffer's kernels run on cuda:%d (the device "
+                              "current when it was made)" % (name, t.get_device(), self._cuda_index))
         if ndim is not None and t.dim() != ndim:
             raise ConfigError("%s must have %d dimensions, has shape %s" % (name, ndim, tuple(t.shape)))
         if shape is not None and t.shape != shape:
