@@ -520,3 +520,40 @@ def dispatch_with_config(state, spec, configs):
     except Exception as e:  # noqa: BLE001 - the test checks the type and text
         return "%s: %s" % (type(e).__name__, e)
     return None
+
+
+def reject_one_op(state, spec, rejecting_rank, op):
+    """A dispatch of the spec's inputs; then ``op`` ("combine" of its rows, or "cached": a
+    dispatch with its handle), where ``rejecting_rank`` alone passes an x of the wrong shape (a
+    ConfigError before its launch) while the others run it (and mask that rank); then
+    low_latency_clean_mask_buffer (vLLM's recovery: here, an HT-only Buffer, it unmasks
+    locally). Returns op's exception (type and text) or None."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    mine = _inputs(spec, world)[rank]
+    rx, _, _, _, handle, _ = _dispatch(buf, spec, mine, spec["config"])
+    raised = None
+    try:
+        if op == "combine":
+            buf.combine(rx if rank != rejecting_rank else rx[:-1], handle, config=Config(*spec["config"]))
+        else:
+            x = _x(spec, mine)
+            buf.dispatch(x if rank != rejecting_rank else x[:-1], handle=handle, config=Config(*spec["config"]))
+    except Exception as e:  # noqa: BLE001 - the test checks the type and text
+        raised = "%s: %s" % (type(e).__name__, str(e)[:400])
+    buf.low_latency_clean_mask_buffer()
+    return raised
+
+
+def dispatch_checked(state, spec):
+    """A dispatch of the spec's inputs: (its exception's type and text or None, whether recv_x /
+    recv_topk_idx differ from the reference with this rank's masked ranks left out)."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    inputs = _inputs(spec, world)
+    try:
+        rx, rtk, _, _, _, _ = _dispatch(buf, spec, inputs[rank], spec["config"])
+    except Exception as e:  # noqa: BLE001 - the test checks the type and text
+        return "%s: %s" % (type(e).__name__, str(e)[:400]), False
+    want = _dispatch_ref(spec, inputs, rank, tuple(out_masked(buf)))
+    return None, not (_same(rx, want["recv_x"]) and _same(rtk, want["recv_topk_idx"]))

@@ -641,6 +641,32 @@ def test_a_rank_whose_host_raises_after_the_notify_keeps_its_epoch_in_step():
         _close(r)
 
 
+@pytest.mark.parametrize("op", ["cached", "combine"])
+def test_a_rank_left_an_operation_behind_is_told_it_is_out_of_step(op):
+    """2 ranks over p2p, enable_shrink. After a dispatch, rank 1 rejects its x in ``op`` (a
+    cached dispatch or the combine; a ConfigError before its launch: nothing of the operation
+    reached rank 0, so calling it again would resume it); rank 0 runs it and masks rank 1. Both
+    unmask (low_latency_clean_mask_buffer) and dispatch other rows, rank 1 one HT operation
+    behind. Invariant: no rank returns rows that differ from the reference (with the ranks it
+    masked left out); rank 1 raises a GpunetError saying the ranks are out of step (the header's
+    op counter, ht.cuh ht_notify), and rank 0 masks rank 1 again (its header is from the earlier
+    operation, never the one it waits for). Before: after a cached dispatch rank 1 took rank 0's
+    words of that dispatch for this one's and returned its stale ring rows as received; after a
+    combine the two ranks masked each other, with nothing saying why."""
+    r = _pool(2, "p2p", 32, shrink=True, timeout_s=1.0)
+    try:
+        first = r.run("ep_ht_jobs:reject_one_op", _spec(2, seed=61), 1, op)
+        assert first[0] is None and first[1].startswith("ConfigError"), first
+        # (a job apart: every rank starts it after rank 0 has finished op; other rows than the
+        # first dispatch's, so that its stale ring rows would not pass for received ones)
+        outs = r.run("ep_ht_jobs:dispatch_checked", _spec(2, seed=62))
+        assert not any(wrong for _, wrong in outs), outs
+        assert outs[1][0] is not None and "out of step" in outs[1][0], outs
+        assert outs[0] == (None, False), outs
+    finally:
+        _close(r)
+
+
 @pytest.mark.parametrize("between", [(), ("combine",), ("cached",)])
 def test_a_header_of_the_next_dispatch_does_not_overwrite_the_one_being_read(between):
     """2 ranks over p2p, enable_shrink, rank 0's notify stalled 3 s between checking the peers'

@@ -170,7 +170,7 @@ def with_transports(defines, kinds):
 # ---- ht.cuh (the high-throughput mode) ---------------------------------------------------------
 HT_MAX_CHANNELS = 64
 HT_MAX_CHUNK = 64
-HT_HDR_HEAD = 8
+HT_HDR_HEAD = 9
 OP_HT_DISPATCH, OP_HT_COMBINE = 3, 4
 PH_NOTIFY, PH_DATA = 1, 2
 F_HT_TOPK, F_HT_WEIGHTS, F_HT_BUMP, F_HT_WORST, F_HT_DESC, F_HT_DIRECT = 64, 128, 256, 512, 1024, 2048
@@ -183,6 +183,13 @@ HT_ST_NAMES = ("begin", "end", "notify_begin", "notify_sent", "notify_end", "fir
 EP_ERR_WORST = 5
 EP_ERR_NAMES[EP_ERR_WORST] = ("more tokens arrived than num_worst_tokens rows (pass a larger "
                               "num_worst_tokens, or 0 to size recv_x exactly)")
+EP_ERR_OUT_OF_STEP = 6
+EP_ERR_NAMES[EP_ERR_OUT_OF_STEP] = (
+    "this rank and the peer are out of step: they are at different high-throughput operations "
+    "(expected: this rank's count of them, observed: the peer's). A rank whose call raised "
+    "before its launch (a combine or cached dispatch it refused) while its peers ran it is one "
+    "behind for good: every rank must make the same sequence of dispatch / combine calls (a call "
+    "one rank refused must be made again there, with valid arguments, before its next one)")
 
 
 class HtParams(ctypes.Structure):

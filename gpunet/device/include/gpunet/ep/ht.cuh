@@ -79,8 +79,8 @@ namespace ep {
 constexpr uint32_t kHtMaxChannels = 64;    // signal words are laid out for this many channels
 constexpr uint32_t kHtMaxChunk = 64;       // messages per send step (Config's send chunk, checked)
 constexpr uint32_t kHtMetaBytes = 16 + 8 * kMaxTopk;  // t, K, 0, 0; K local ids; K weights
-constexpr uint32_t kHtHdrHead = 8;         // magic, hidden, nc | ring << 8, msg_stride, experts, total, K,
-                                           // notify tag (ht_rhdr)
+constexpr uint32_t kHtHdrHead = 9;         // magic, hidden, nc | ring << 8, msg_stride, experts, total, K,
+                                           // notify tag (ht_rhdr), op counter (HtParams::epoch[0])
 constexpr int32_t kHtMagic = 0x48544550;   // "PETH": a header of this mode
 enum : uint32_t { OP_HT_DISPATCH = 3, OP_HT_COMBINE = 4 };
 enum : uint32_t { PH_NOTIFY = 1, PH_DATA = 2 };
@@ -104,7 +104,7 @@ enum : uint32_t { HT_KIND_DISPATCH = 0, HT_KIND_COMBINE = 1 };
 // grid sync words (HtParams::base.sync)
 enum : uint32_t { HT_SYNC_NOTIFY = 0, HT_SYNC_END = 1 };
 // EpStatus codes and sites of this mode (gpunet/device/ep.py: EP_ERR_WORST, EP_SITE_HT_*)
-enum : uint32_t { EP_ERR_WORST = 5 };
+enum : uint32_t { EP_ERR_WORST = 5, EP_ERR_OUT_OF_STEP = 6 };
 enum : uint32_t { EP_SITE_HT_HEADER = 8, EP_SITE_HT_NOTIFY = 9, EP_SITE_HT_WORST = 10, EP_SITE_HT_BULK = 12 };
 // LlParams::prof (HtParams::base.prof; bench/ep_ht.py --profile): per block, thread 0 stores
 // now_ns() at the points below and, at the block's end, what it summed over its loop (ns and
@@ -461,6 +461,7 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     h[5] = int32_t(total);
     h[6] = int32_t(B.topk);
     h[7] = int32_t(uint32_t(nt));  // the tag the receiver checks (ht_rhdr)
+    h[8] = int32_t(uint32_t(epoch));  // and the op counter (see the check below)
     if (self) continue;
     const DevCtx& cx = peer_ctx(B, d);
     const uint64_t rh = ht_rhdr(P, B.rank, nt);
@@ -497,6 +498,17 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     }
     if (ok && uint32_t(h[7]) != uint32_t(nt)) {  // another notify's header: the ranks are out of step
       ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_HEADER, j, uint32_t(nt), uint32_t(h[7]), 0);
+      ok = false;
+    }
+    // The same notify at another op: a rank whose host refused a call without a notify (a
+    // combine, a cached dispatch) before its launch while its peers ran it. It is an op behind
+    // for good: the wait above takes a later op's header signal (>=), and count_of a later op's
+    // words for complete ones, or (a skipped dispatch) the words the peer left of that op for
+    // this one's (tests/test_ep_ht.py test_a_rank_left_an_operation_behind_is_told_it_is_out_of_step:
+    // stale ring rows returned as received). The peer ahead never gets a header it waits for
+    // from this rank (it masks it or raises), so only the rank behind sees it, here.
+    if (ok && uint32_t(h[8]) != uint32_t(epoch)) {
+      ep_fail(B, EP_ERR_OUT_OF_STEP, EP_SITE_HT_HEADER, j, uint32_t(epoch), uint32_t(h[8]), 0);
       ok = false;
     }
     int64_t sum = 0;
