@@ -701,6 +701,41 @@ def test_ranks_whose_configs_differ_in_the_ring_raise_instead_of_mixing_rings():
         _close(r)
 
 
+@pytest.mark.parametrize("transport", ["p2p", "ibgda"])
+def test_ranks_whose_combine_configs_differ_in_the_ring_raise(transport):
+    """2 ranks; the dispatch with one Config, then the combine with a 48-token receive ring on
+    rank 0 and a 64-token one on rank 1. The combine sends no header: each rank put its rows at
+    the offsets its own ring gives. Invariant: both raise ConfigError naming the Config (each
+    combine row carries the op counter and the sender's ring, checked once per tail read: ht.cuh
+    ht_recv_combine); before, each summed rows read at the wrong offsets and returned them."""
+    r = _pool(2, transport, 32, timeout_s=5.0, num_nvl_bytes=_nbytes(2, (2, 4, 64)))
+    try:
+        outs = r.run("ep_ht_jobs:combine_with_config", _spec(2, seed=47), [SMALL, (2, 4, 64)])
+        for o in outs:
+            assert o is not None and o.startswith("ConfigError") and "Config" in o and \
+                "combine row" in o, outs
+    finally:
+        _close(r)
+
+
+def test_a_late_source_stores_nothing_into_returned_tensors():
+    """2 ranks over p2p with receive pools, enable_shrink: rank 1's host stalls 6 s between its
+    notify and its data launch (timeout_s 1). Rank 0 masks rank 1 and returns its receive
+    tensors (in its pool, where a mapped source stores its rows in place). Invariant: when rank
+    1's late data launch has run, rank 0's returned tensors still equal what it returned (rank 0
+    revokes its descriptor for a source it ends the dispatch without: ht.cuh ht_revoke_descs,
+    ht_desc_current); before, rank 1 took the descriptor and stored its rows into them, which by
+    then may belong to another call (docs/EP.md's HT gap (3))."""
+    r = _pool(2, "p2p-pool", 32, shrink=True, timeout_s=1.0)
+    try:
+        outs = r.run("ep_ht_jobs:dispatch_with_late_data", _spec(2, seed=73), 1, 6.0)
+        assert outs[0] == (None, [1], True), outs
+        # (a job apart: it starts once rank 1's dispatch, and so its data launch, has ended)
+        assert r.run("ep_ht_jobs:returned_unchanged") == [True, None]
+    finally:
+        _close(r)
+
+
 def _late_rank_spec():
     """Rank 2 masks rank 0 locally before its dispatch and exits before combine; rank 0 sleeps
     0.3 s before combine; rank 0 masks rank 2 in dispatch (no header from it), rank 1 in

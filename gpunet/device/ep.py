@@ -68,7 +68,8 @@ EP_SITE_NAMES = {1: "block 0's quiet of the peers (the send staging's flag)", 2:
                  8: "a peer's high-throughput header", 9: "the high-throughput notify flag",
                  10: "the num_worst_tokens check", 11: "the dispatch's token bitmaps (every block's)",
                  12: "a high-throughput bulk (TMA) copy into shared memory",
-                 13: "the direct dispatch (a peer's count row, or a source's row positions)"}
+                 13: "the direct dispatch (a peer's count row, or a source's row positions)",
+                 14: "a high-throughput combine row (expected / observed: ring << 32 | op counter)"}
 
 
 class LlParams(ctypes.Structure):

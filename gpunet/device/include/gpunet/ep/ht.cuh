@@ -78,7 +78,7 @@ namespace ep {
 
 constexpr uint32_t kHtMaxChannels = 64;    // signal words are laid out for this many channels
 constexpr uint32_t kHtMaxChunk = 64;       // messages per send step (Config's send chunk, checked)
-constexpr uint32_t kHtMetaBytes = 16 + 8 * kMaxTopk;  // t, K, 0, 0; K local ids; K weights
+constexpr uint32_t kHtMetaBytes = 16 + 8 * kMaxTopk;  // t, K, op, ring; K local ids; K weights
 constexpr uint32_t kHtHdrHead = 9;         // magic, hidden, nc | ring << 8, msg_stride, experts, total, K,
                                            // notify tag (ht_rhdr), op counter (HtParams::epoch[0])
 constexpr int32_t kHtMagic = 0x48544550;   // "PETH": a header of this mode
@@ -105,7 +105,8 @@ enum : uint32_t { HT_KIND_DISPATCH = 0, HT_KIND_COMBINE = 1 };
 enum : uint32_t { HT_SYNC_NOTIFY = 0, HT_SYNC_END = 1 };
 // EpStatus codes and sites of this mode (gpunet/device/ep.py: EP_ERR_WORST, EP_SITE_HT_*)
 enum : uint32_t { EP_ERR_WORST = 5, EP_ERR_OUT_OF_STEP = 6 };
-enum : uint32_t { EP_SITE_HT_HEADER = 8, EP_SITE_HT_NOTIFY = 9, EP_SITE_HT_WORST = 10, EP_SITE_HT_BULK = 12 };
+enum : uint32_t { EP_SITE_HT_HEADER = 8, EP_SITE_HT_NOTIFY = 9, EP_SITE_HT_WORST = 10, EP_SITE_HT_BULK = 12,
+                  EP_SITE_HT_COMBINE_ROW = 14 };
 // LlParams::prof (HtParams::base.prof; bench/ep_ht.py --profile): per block, thread 0 stores
 // now_ns() at the points below and, at the block's end, what it summed over its loop (ns and
 // counts, thread 0's view: it takes part in every step). 0 = not reached. Slots below ll.cuh's
@@ -805,9 +806,12 @@ GPUNET_DEVICE HtOut ht_own_out(const HtParams& P) {
   return HtOut{P.out_x, P.out_scales, P.out_topk_idx, P.out_weights, P.out_src_idx};
 }
 
-// Stage message `idx` (token or row `src`) for destination d into `msg`.
+// Stage message `idx` (token or row `src`) for destination d into `msg`. Its meta words 2 and 3
+// are the op counter and this rank's ring size: the combine receiver checks them (ht_recv_combine:
+// the combine sends no header, so ranks whose combine Configs differ in the ring would otherwise
+// each read the other's rows at its own offsets).
 GPUNET_DEVICE void ht_stage(const HtParams& P, const Geo& g, const HtBulk& bk, uint64_t msg, uint64_t src,
-                            uint32_t d, bool combine) {
+                            uint32_t d, bool combine, uint64_t epoch) {
   const LlParams& B = P.base;
   const uint32_t H = B.hidden, K = B.topk;
   const bool fp8 = !combine && (B.flags & F_FP8);
@@ -823,8 +827,8 @@ GPUNET_DEVICE void ht_stage(const HtParams& P, const Geo& g, const HtBulk& bk, u
   if (g.lane == 0) {
     meta[0] = int32_t(src);
     meta[1] = int32_t(K);
-    meta[2] = 0;
-    meta[3] = 0;
+    meta[2] = int32_t(uint32_t(epoch));
+    meta[3] = int32_t(P.ring);
   }
   if (g.lane < K) {
     float w = 0.0f;
@@ -885,14 +889,27 @@ GPUNET_DEVICE void ht_send_descs(const HtParams& P, const Geo& g, uint64_t epoch
   }
 }
 
+// A descriptor is this op's while its signal holds (epoch << 32) | 1. A receiver that ends the
+// dispatch with a source failed or masked SETs that source's word to (epoch << 32) | 2 (revoked:
+// ht_revoke_descs, its last block), and its next dispatch SETs a later epoch: either way its
+// receive tensors of this op are the caller's by now. A source whose data launch came after that
+// (its host stalled between its notify and its data launch for longer than the bound: the
+// receiver masked it and returned those tensors) stores nothing into them: it takes the
+// receiver for failed (tests/test_ep_ht.py test_a_late_source_stores_nothing_into_returned_tensors).
+GPUNET_DEVICE bool ht_desc_current(const HtParams& P, uint32_t d, uint64_t epoch) {
+  return arch::atomic_load(ht_desc_sig(P, d)) == ((epoch << 32) | 1);
+}
+
 // The sender's lane 0, once per (channel c, mapped destination d): waits (bounded, direct, with
 // heartbeats: d may still be in its notify) for d's descriptor and, when d's rows go in place,
-// keeps where (WS_ROW: channel c's first row, WS_O*: d's tensors as mapped here). false: d failed.
+// keeps where (WS_ROW: channel c's first row, WS_O*: d's tensors as mapped here). false: d failed
+// (or revoked its descriptor, ht_desc_current).
 GPUNET_DEVICE bool ht_take_desc(const HtParams& P, uint32_t c, uint32_t d, uint64_t epoch) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks;
   *ws_word(P, 0, c, d, WS_OX) = 0;
-  if (!wait_peer(B, d, ht_desc_sig(P, d), (epoch << 32) | 1, api::waiter(peer_ctx(B, d)), ht_beat(P)))
+  if (!wait_peer(B, d, ht_desc_sig(P, d), (epoch << 32) | 1, api::waiter(peer_ctx(B, d)), ht_beat(P)) ||
+      !ht_desc_current(P, d, epoch))
     return false;
   const uint64_t* rd = ptr<const uint64_t>(P.rdesc + uint64_t(d) * RD_WORDS * 8);
   if (!rd[RD_DIRECT]) return true;
@@ -978,6 +995,9 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
         if (!*ws_word(P, 0, c, d, WS_DONE)) {
           if (out[d]) {
             *ws_word(P, 0, c, d, WS_DONE) = 1;
+          } else if (*ws_word(P, 0, c, d, WS_OX) && !ht_desc_current(P, d, epoch)) {
+            peer_fail_view(B, out, d);  // d revoked its tensors meanwhile: no more rows into them
+            *ws_word(P, 0, c, d, WS_DONE) = 1;
           } else {
             const uint64_t total = *ws_word(P, 0, c, d, WS_TOTAL);
             sent = *ws_word(P, 0, c, d, WS_SENT);
@@ -1057,7 +1077,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
         continue;
       }
       const uint64_t m = ht_mapped_slot(P, c, d, idx);
-      ht_stage(P, g, bk, m ? m : slot_addr(P, P.send_ring, c, d, idx), src, d, combine);
+      ht_stage(P, g, bk, m ? m : slot_addr(P, P.send_ring, c, d, idx), src, d, combine, epoch);
     }
     ht_copy_done(g, bk);
     arch::syncthreads();  // every staging store before the puts read them
@@ -1343,6 +1363,19 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
               arch::spin_pause();
             }
             if (ok && tail != 0xffffffffull) {
+              // The row this wait was for names this op and the ring this rank's layout has
+              // (ht_stage). Checked once per tail read, not per row: a sender whose Config has
+              // another ring put every row elsewhere; this row is then another op's or ring's
+              // (tests/test_ep_ht.py test_ranks_whose_combine_configs_differ_in_the_ring_raise).
+              const int32_t* m = ptr<const int32_t>(slot_addr(P, P.recv_ring, c, d, uint64_t(p)) + B.payload_bytes);
+              const uint32_t op = uint32_t(m[2]), ring = uint32_t(m[3]);
+              if (op != uint32_t(epoch) || ring != P.ring) {
+                ep_fail(B, EP_ERR_MISMATCH, EP_SITE_HT_COMBINE_ROW, d, (uint64_t(P.ring) << 32) | uint32_t(epoch),
+                        (uint64_t(ring) << 32) | op, 0);
+                ok = false;
+              }
+            }
+            if (ok && tail != 0xffffffffull) {
               arch::fence_sys();  // release: what this acquire made visible, to the warps reading seen
               arch::atomic_store(seen, uint32_t(tail));
             }
@@ -1458,6 +1491,21 @@ GPUNET_DEVICE void ht_fill_tail(const HtParams& P, const Geo& g) {
   }
 }
 
+// The last block of a dispatch with a receive pool: every mapped source this rank ends the op
+// without (failed or masked) gets its descriptor revoked (ht_desc_current): the receive tensors
+// go back to the caller now, and a late source must not store into them.
+GPUNET_DEVICE void ht_revoke_descs(const HtParams& P, const Geo& g, uint64_t epoch) {
+  const LlParams& B = P.base;
+  for (uint32_t j = g.tid; j < B.nranks; j += g.bdim) {
+    if (j == B.rank || !peer_out(B, j)) continue;
+    // only mapped sources store in place; a store through the mapping, not put_signal_nbi:
+    // the verbs refuse a peer once a wait on it recorded a failure, which is the case here
+    uint64_t* m = static_cast<uint64_t*>(gpunet::ptr(peer_ctx(B, j), ht_desc_sig(P, B.rank), int(j)));
+    if (m) arch::atomic_store(m, (epoch << 32) | 2);
+  }
+  arch::fence_sys();
+}
+
 // ---- the kernel ------------------------------------------------------------------------------------
 
 GPUNET_DEVICE void run_ht(const HtParams& P) {
@@ -1484,6 +1532,7 @@ GPUNET_DEVICE void run_ht(const HtParams& P) {
     stamp(B, g, HT_ST_END);
   }
   if (last_block(B, g, HT_SYNC_END)) {
+    if (B.op == OP_HT_DISPATCH && (B.flags & F_HT_DESC) && (B.phases & PH_DATA)) ht_revoke_descs(P, g, epoch);
     if (g.tid == 0 && (B.flags & F_HT_BUMP)) {
       arch::atomic_store(ptr<uint64_t>(P.epoch), epoch + 1);
       arch::fence_sys();
