@@ -575,7 +575,7 @@ def combine_with_config(state, spec, configs):
 def dispatch_with_late_data(state, spec, late_rank, stall_s):
     """A dispatch of the spec's inputs; on ``late_rank`` the host stalls ``stall_s`` between the
     notify and the data launch (in _ht_recv_fit). The other ranks keep their receive tensors
-    (state["returned"]) and a copy of them as returned (state["as_returned"]). Returns (the
+    (ep_jobs.keep_returned; ep_jobs.returned_unchanged compares them later). Returns (the
     exception's type or None, this rank's masked ranks, whether its recv_x is in the receive
     pool)."""
     buf = state["ep_buf"]
@@ -592,22 +592,11 @@ def dispatch_with_late_data(state, spec, late_rank, stall_s):
     try:
         rx, rtk, rw, _, _, _ = _dispatch(buf, spec, mine, spec["config"])
         if rank != late_rank:
-            state["returned"] = (rx, rtk, rw)
-            state["as_returned"] = tuple(t.clone() for t in (rx, rtk, rw))
+            ep_jobs.keep_returned(state, (rx, rtk, rw))
             in_pool = buf._pool.contains(rx)
     except Exception as e:  # noqa: BLE001 - the test checks the type
         raised = type(e).__name__
     finally:
         buf.__dict__.pop("_ht_recv_fit", None)
     return raised, out_masked(buf), in_pool
-
-
-def returned_unchanged(state):
-    """Whether the receive tensors dispatch_with_late_data kept still equal their copies (None on
-    the late rank)."""
-    if "returned" not in state:
-        return None
-    # (bytes: the holes' recv_x rows are uninitialised pool memory, NaN patterns among them)
-    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for a, b in zip(state.pop("returned"), state.pop("as_returned")))
 

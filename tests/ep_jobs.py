@@ -511,6 +511,36 @@ class Failures:
             time.sleep(self.delay_s)
 
 
+def keep_returned(state, tensors):
+    """Keep a call's returned tensors and a copy of them as returned (returned_unchanged)."""
+    state["returned"] = tuple(tensors)
+    state["as_returned"] = tuple(t.clone() for t in tensors)
+
+
+def returned_unchanged(state):
+    """Whether the tensors keep_returned kept still equal their copies (None where none were
+    kept). Bytes: receive rows of a masked source are uninitialised pool memory, NaN among them."""
+    if "returned" not in state:
+        return None
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(state.pop("returned"), state.pop("as_returned")))
+
+
+def dispatch_with_late_source(state, spec, late_rank, stall_s):
+    """An LL dispatch of the spec's inputs; ``late_rank``'s host stalls ``stall_s`` before its
+    launch. The other ranks keep recv_x and the handle's src_info (keep_returned). Returns (this
+    rank's masked ranks, whether its recv_x lies in its receive pool)."""
+    buf = state["ep_buf"]
+    mine = _inputs(spec, buf.group_size)[buf.rank]
+    if buf.rank == late_rank:
+        time.sleep(stall_s)
+    recv_x, _, handle, _, _, _ = _dispatch(buf, spec, mine, False)
+    in_pool = buf._pool is not None and buf._pool.contains(recv_x)
+    if buf.rank != late_rank:
+        keep_returned(state, (recv_x, handle[0]))
+    return buf.masked_ranks(), in_pool
+
+
 def round_(state, spec):
     """One dispatch + combine round on every rank (see the module docstring for spec). Returns
     {bad: findings, calc_diff, nan, count, hashes, masked, raised: None | EPTimeout fields}."""

@@ -731,7 +731,7 @@ def test_a_late_source_stores_nothing_into_returned_tensors():
         outs = r.run("ep_ht_jobs:dispatch_with_late_data", _spec(2, seed=73), 1, 6.0)
         assert outs[0] == (None, [1], True), outs
         # (a job apart: it starts once rank 1's dispatch, and so its data launch, has ended)
-        assert r.run("ep_ht_jobs:returned_unchanged") == [True, None]
+        assert r.run("ep_jobs:returned_unchanged") == [True, None]
     finally:
         _close(r)
 

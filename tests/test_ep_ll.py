@@ -1662,6 +1662,24 @@ def test_a_source_dead_after_its_counts_leaves_the_later_rows_moved_into_place(u
         r.close_losing(0, "ep_jobs:close")
 
 
+def test_a_late_direct_source_stores_nothing_into_returned_tensors():
+    """2 ranks all p2p with pools, the direct dispatch, enable_shrink, a 1 s bound: rank 1's host
+    stalls 6 s before its dispatch launch. Rank 0 masks rank 1 (no header) and returns recv_x
+    (in its pool, where a direct source stores its rows). Invariant: once rank 1's late launch
+    has run, rank 0's recv_x and src_info still equal what it returned: rank 0 revoked its count
+    tag at rank 1 (ll.cuh direct_revoke), so rank 1's count round fails rank 0 and stores
+    nothing (before, it found rank 0's count row of that op and stored its rows in place)."""
+    r = _pool(2, "p2p", 32, shrink=True, timeout_s=1.0, recv_pool_bytes=DIRECT_POOL, env=DIRECT_ENV)
+    try:
+        spec = _spec(2, seed=341, tagged=True)
+        outs = r.run("ep_jobs:dispatch_with_late_source", spec, 1, 6.0)
+        assert outs[0] == ([1], True), outs
+        # (a job apart: it starts once rank 1's dispatch, and so its late launch, has ended)
+        assert r.run("ep_jobs:returned_unchanged") == [True, None]
+    finally:
+        _close(r)
+
+
 def test_the_direct_dispatch_is_off_without_its_knob():
     """A receive pool and every peer p2p, but GPUNET_EP_LL_DIRECT unset (its default, 0: as
     first built the direct dispatch was slower than the messages on the H100): the dispatch

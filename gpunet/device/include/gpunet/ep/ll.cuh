@@ -1259,6 +1259,23 @@ GPUNET_DEVICE uint64_t* dout(const LlParams& P) {
   return reinterpret_cast<uint64_t*>(dbeg(P) + (P.num_experts + 1) / 2 * 2);
 }
 
+// A direct receiver's block 0, once its layout is done: every mapped source it got nothing from
+// (failed, masked, or not yet launched: a host stalled past the bound) gets its count tag
+// revoked there. The receive tensors go back to the caller now; a late source's count round
+// then finds this rank's tag is not its op's and stores no rows into them
+// (tests/test_ep_ll.py test_a_late_direct_source_stores_nothing_into_returned_tensors). A store
+// through the mapping: the verbs refuse a peer once a wait on it failed. The LL clean zeroes the
+// tags (clean_epoch), so a revoked one does not outlive the resync.
+constexpr uint64_t kRevokedTag = ~uint64_t(0);
+GPUNET_DEVICE void direct_revoke(const LlParams& P, const Geo& g, const int32_t* got) {
+  for (uint32_t j = g.tid; j < P.nranks; j += g.bdim) {
+    if (j == P.rank || got[j]) continue;
+    uint64_t* m = static_cast<uint64_t*>(gpunet::ptr(peer_ctx(P, j), ctag_word(P, P.rank), int(j)));
+    if (m) arch::atomic_store(m, kRevokedTag);
+  }
+  arch::fence_sys();
+}
+
 // Block 0 of a direct send: steps 1-3 above, then the grid flag. The other blocks wait for it
 // (direct_wait). A peer whose row does not come is failed (masked with F_SHRINK): no rows go
 // to it and its counts are left out of the begins, as its receivers leave it out.
@@ -1312,7 +1329,9 @@ GPUNET_DEVICE bool direct_counts(const LlParams& P, const Geo& g, uint8_t* out) 
   for (uint32_t j = g.tid; j < R; j += g.bdim) {
     if (j == P.rank || out[j]) continue;
     const uint64_t want = *expected_word(P, SIG_DISPATCH, P.buf, j) + 1;
-    if (!wait_peer(P, j, ctag_word(P, j), want)) {
+    // exactly this op's tag: kRevokedTag (or a later one) says j ended this op without this rank
+    // and returned the tensors its row names (direct_revoke): nothing goes to it
+    if (!wait_peer(P, j, ctag_word(P, j), want) || arch::atomic_load(ctag_word(P, j)) != want) {
       peer_fail_view(P, out, j);
       continue;
     }
@@ -1686,6 +1705,7 @@ GPUNET_DEVICE bool dispatch_recv(const LlParams& P, const Geo& g) {
     if (direct) {
       arch::syncthreads();
       direct_compact(P, g, cnt, begin, got);
+      direct_revoke(P, g, got);
     }
     block_publish(P, g, SYNC_RECV_READY);
   } else if (!block_wait(P, g, SYNC_RECV_READY, 1, EP_SITE_RECV_READY)) {
