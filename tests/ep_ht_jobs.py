@@ -545,6 +545,16 @@ def reject_one_op(state, spec, rejecting_rank, op):
     return raised
 
 
+def unmask_all(state):
+    """low_latency_clean_mask_buffer (an HT-only Buffer: unmasks locally)."""
+    state["ep_buf"].low_latency_clean_mask_buffer()
+
+
+def masked(state):
+    """This rank's masked ranks."""
+    return out_masked(state["ep_buf"])
+
+
 def dispatch_checked(state, spec):
     """A dispatch of the spec's inputs: (its exception's type and text or None, whether recv_x /
     recv_topk_idx differ from the reference with this rank's masked ranks left out)."""

@@ -652,7 +652,8 @@ def test_a_rank_left_an_operation_behind_is_told_it_is_out_of_step(op):
     op counter, ht.cuh ht_notify), and rank 0 masks rank 1 again (its header is from the earlier
     operation, never the one it waits for). Before: after a cached dispatch rank 1 took rank 0's
     words of that dispatch for this one's and returned its stale ring rows as received; after a
-    combine the two ranks masked each other, with nothing saying why."""
+    combine the two ranks masked each other, with nothing saying why. Then, both unmasked, the
+    next dispatch is exact on both: the error gave rank 1 the peer's op count and it caught up."""
     r = _pool(2, "p2p", 32, shrink=True, timeout_s=1.0)
     try:
         first = r.run("ep_ht_jobs:reject_one_op", _spec(2, seed=61), 1, op)
@@ -663,6 +664,12 @@ def test_a_rank_left_an_operation_behind_is_told_it_is_out_of_step(op):
         assert not any(wrong for _, wrong in outs), outs
         assert outs[1][0] is not None and "out of step" in outs[1][0], outs
         assert outs[0] == (None, False), outs
+        # rank 1 caught up with the op count the error named (Buffer._ht_skip_op): once both
+        # unmask, the next dispatch is exact on both, nobody masked
+        r.run("ep_ht_jobs:unmask_all")
+        outs = r.run("ep_ht_jobs:dispatch_checked", _spec(2, seed=63))
+        assert outs == [(None, False), (None, False)], outs
+        assert r.run("ep_ht_jobs:masked") == [[], []]
     finally:
         _close(r)
 

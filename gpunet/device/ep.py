@@ -189,8 +189,10 @@ EP_ERR_NAMES[EP_ERR_OUT_OF_STEP] = (
     "this rank and the peer are out of step: they are at different high-throughput operations "
     "(expected: this rank's count of them, observed: the peer's). A rank whose call raised "
     "before its launch (a combine or cached dispatch it refused) while its peers ran it is one "
-    "behind for good: every rank must make the same sequence of dispatch / combine calls (a call "
-    "one rank refused must be made again there, with valid arguments, before its next one)")
+    "behind: every rank must make the same sequence of dispatch / combine calls (a call one rank "
+    "refused must be made again there, with valid arguments, before its next one). This rank "
+    "has caught up with the peer's count; once the ranks unmask each other "
+    "(low_latency_clean_mask_buffer on each) the next call is in step")
 
 
 class HtParams(ctypes.Structure):

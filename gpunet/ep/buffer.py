@@ -874,8 +874,8 @@ class Buffer:
                 early = None            # a guess that does not fit is freed before the exact tensors
                 if recv is None:
                     recv = self._ht_recv_tensors(fp8, rows, hidden, k)
-            except BaseException:
-                self._ht_skip_op()
+            except BaseException as e:
+                self._ht_skip_op(getattr(e, "ht_peer_op", None))
                 raise
         recv_x, recv_s, src, recv_topk, recv_w, direct = recv
         if k and self.enable_shrink:
@@ -900,15 +900,23 @@ class Buffer:
         out_x = (recv_x, recv_s) if fp8 else recv_x
         return out_x, recv_topk, recv_w, counts, handle, self._event(async_finish, keep)
 
-    def _ht_skip_op(self):
+    def _ht_skip_op(self, peer_op=None):
         """This rank's HT operation ends without the launch that bumps the epoch (the host raised
         once it had started the notify: an allocation, a failure the notify recorded, a launch
         that failed). The peers finish the operation without this rank (they mask it or raise) and
         bump theirs, so this rank's epoch moves on too, on the stream: a rank left one epoch
         behind reads every peer word of the next operation as complete (ht.cuh count_of) and
         returns stale rows as received ones. An exception before the notify launch leaves the
-        epoch alone (nothing of the operation reached a peer: calling it again resumes it)."""
-        self._ht_epoch[:1].add_(1)   # the op counter; the notify counter moved if the notify ran
+        epoch alone (nothing of the operation reached a peer: calling it again resumes it).
+
+        ``peer_op``: the notify found this rank out of step (EP_ERR_OUT_OF_STEP) with a peer at
+        that op count, ahead of it (it skipped an op without a notify its peers ran): this rank
+        catches up with it, to the count the peer has after this op, so that once the ranks
+        unmask each other (low_latency_clean_mask_buffer) they are in step again."""
+        if peer_op is not None:
+            self._ht_epoch[0] = max(int(self._ht_epoch[0]), int(peer_op)) + 1
+        else:
+            self._ht_epoch[:1].add_(1)   # the op counter; the notify counter moved if the notify ran
 
     def _ht_notify(self, P, info, block, n, what, meanwhile=None):
         """Launch the dispatch's notify and return ``(recv_info's n int32 words on the host,
@@ -1466,7 +1474,10 @@ class Buffer:
             return with_hint(GpunetTimeoutError(text), self._ctx.nic.timeout_hint())
         if code in (dep.EP_ERR_MISMATCH, dep.EP_ERR_LAYOUT):
             return ConfigError(text)
-        return GpunetError(text)
+        err = GpunetError(text)
+        if code == dep.EP_ERR_OUT_OF_STEP:
+            err.ht_peer_op = int(st.observed)   # the peer's HT op count (_ht_skip_op catches up)
+        return err
 
     def _tensor(self, t, name, dtype, shape=None, ndim=None):
         # (per call, several times: the cheap tensor properties only; t.device builds an object
