@@ -641,8 +641,8 @@ def test_a_rank_whose_host_raises_after_the_notify_keeps_its_epoch_in_step():
         _close(r)
 
 
-@pytest.mark.parametrize("op", ["cached", "combine"])
-def test_a_rank_left_an_operation_behind_is_told_it_is_out_of_step(op):
+@pytest.mark.parametrize("op,worst", [("cached", 0), ("combine", 0), ("cached", 96)])
+def test_a_rank_left_an_operation_behind_is_told_it_is_out_of_step(op, worst):
     """2 ranks over p2p, enable_shrink. After a dispatch, rank 1 rejects its x in ``op`` (a
     cached dispatch or the combine; a ConfigError before its launch: nothing of the operation
     reached rank 0, so calling it again would resume it); rank 0 runs it and masks rank 1. Both
@@ -653,14 +653,16 @@ def test_a_rank_left_an_operation_behind_is_told_it_is_out_of_step(op):
     operation, never the one it waits for). Before: after a cached dispatch rank 1 took rank 0's
     words of that dispatch for this one's and returned its stale ring rows as received; after a
     combine the two ranks masked each other, with nothing saying why. Then, both unmasked, the
-    next dispatch is exact on both: the error gave rank 1 the peer's op count and it caught up."""
+    next dispatch is exact on both: the error gave rank 1 the peer's op count and it caught up
+    (``worst``: the out-of-step dispatch has num_worst_tokens, its notify and data in one
+    launch)."""
     r = _pool(2, "p2p", 32, shrink=True, timeout_s=1.0)
     try:
         first = r.run("ep_ht_jobs:reject_one_op", _spec(2, seed=61), 1, op)
         assert first[0] is None and first[1].startswith("ConfigError"), first
         # (a job apart: every rank starts it after rank 0 has finished op; other rows than the
         # first dispatch's, so that its stale ring rows would not pass for received ones)
-        outs = r.run("ep_ht_jobs:dispatch_checked", _spec(2, seed=62))
+        outs = r.run("ep_ht_jobs:dispatch_checked", _spec(2, seed=62), worst)
         assert not any(wrong for _, wrong in outs), outs
         assert outs[1][0] is not None and "out of step" in outs[1][0], outs
         assert outs[0] == (None, False), outs

@@ -891,7 +891,13 @@ class Buffer:
         P.out_x, P.out_scales, P.out_src_idx = _addr(recv_x), _addr(recv_s), _addr(src)
         P.out_topk_idx, P.out_weights = _addr(recv_topk), _addr(recv_w)
         self._ht_launch(P, 2 * nc, block, what)
-        self._check(what, "dispatch", mirrored=True)
+        try:
+            self._check(what, "dispatch", mirrored=True)
+        except GpunetError as e:
+            # num_worst_tokens: the notify ran in this launch, whose last block bumped the count
+            if getattr(e, "ht_peer_op", None) is not None:
+                self._ht_catch_up(e.ht_peer_op)
+            raise
         counts = [] if worst else host[r + 1:].tolist()    # python ints (numpy's tolist)
         handle = (info[:r + 1], chan_prefix, src, in_rank, send_pos, send_cnt,
                   {"nc": nc, "rows": rows, "num_tokens": num_tokens, "hidden": hidden, "topk": k,
@@ -913,10 +919,14 @@ class Buffer:
         that op count, ahead of it (it skipped an op without a notify its peers ran): this rank
         catches up with it, to the count the peer has after this op, so that once the ranks
         unmask each other (low_latency_clean_mask_buffer) they are in step again."""
+        self._ht_epoch[:1].add_(1)   # the op counter; the notify counter moved if the notify ran
         if peer_op is not None:
-            self._ht_epoch[0] = max(int(self._ht_epoch[0]), int(peer_op)) + 1
-        else:
-            self._ht_epoch[:1].add_(1)   # the op counter; the notify counter moved if the notify ran
+            self._ht_catch_up(peer_op)
+
+    def _ht_catch_up(self, peer_op):
+        """This rank's op count after an operation the notify found out of step with a peer at
+        ``peer_op`` (ahead): the peer's count after it."""
+        self._ht_epoch[0] = max(int(self._ht_epoch[0]), int(peer_op) + 1)
 
     def _ht_notify(self, P, info, block, n, what, meanwhile=None):
         """Launch the dispatch's notify and return ``(recv_info's n int32 words on the host,
