@@ -154,6 +154,9 @@ def _rank_bench(rank, world, cfg):
                           "combine bf16": laps(lambda: buf.combine(y, h))}
         if nccl is not None:
             res["nccl"] = _nccl(x, in_rank, world, cfg, align, nccl, timer)
+        # (CUDA: a pool that once had no room is not tried again: the rows after it used torch
+        # memory, the ring path; the table says so next to the pool's size)
+        res["pool_ran_out"] = bool(buf._pool is not None and buf._pool.exhausted)
     finally:
         buf.destroy()
     everyone = [None] * world
@@ -427,7 +430,9 @@ def run(args):
         runs.append({"ranks": world, "align": per[0]["align"], "transport": per[0]["transport"],
                      "profile": profile, "held_fraction": [p.get("held_fraction") for p in per],
                      "buffer_bytes": per[0]["buffer_bytes"], "recv_pool_bytes": per[0]["recv_pool_bytes"],
-                     "recv_in_pool": [p["recv_in_pool"] for p in per], "best": {k: cfg["configs"][v] for k, v in best.items()},
+                     "recv_in_pool": [p["recv_in_pool"] for p in per],
+                     "pool_ran_out": [p.get("pool_ran_out", False) for p in per],
+                     "best": {k: cfg["configs"][v] for k, v in best.items()},
                      "wall_s": time.monotonic() - t0})
     m = machine(gpu=args.gpu)
     head = ("gpunet EP high-throughput bench, %s, %s; %d tokens/rank, hidden %d, top-%d, %d experts, "
@@ -435,9 +440,14 @@ def run(args):
                 "GPU " + m.get("gpu", "?") if args.gpu else "CPU soft NIC + HOST arm", m["date"],
                 cfg["tokens"], cfg["hidden"], cfg["topk"], cfg["experts"], cfg["holes"], cfg["iters"],
                 cfg["warmup"]))
-    pools = sorted({"%d MiB (receive tensors in it on ranks %s)" % (
-        r["recv_pool_bytes"] >> 20, [i for i, v in enumerate(r["recv_in_pool"]) if v]) if r["recv_pool_bytes"]
-        else "none" for r in runs if "recv_pool_bytes" in r})
+    def pool_note(r):
+        if not r["recv_pool_bytes"]:
+            return "none"
+        out = [i for i, v in enumerate(r["pool_ran_out"]) if v]
+        return "%d MiB (receive tensors in it on ranks %s%s)" % (
+            r["recv_pool_bytes"] >> 20, [i for i, v in enumerate(r["recv_in_pool"]) if v],
+            "; it RAN OUT on ranks %s: their later calls used torch memory and the rings" % out if out else "")
+    pools = sorted({pool_note(r) for r in runs if "recv_pool_bytes" in r})
     note = ("bytes/rank as DeepEP's intranode test counts them: received rows x 2H (FP8: x (1+4/128)/2), "
             "combine the same; the rank receiving most; time = median over iterations of the slowest "
             "rank; Config = (num_sms, send chunk, receive ring); receive pool: %s" % ", ".join(pools))

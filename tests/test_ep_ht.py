@@ -831,7 +831,8 @@ def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     """bench/ep.py --mode ht on the CPU (2 ranks, soft NIC, small sizes): it checks the dispatch
     against the reference (a PASS test row), sweeps the Configs given by --ht-configs, and writes
     the JSON with the BF16 / FP8 dispatch, combine and num_worst_tokens dispatch rows (each with
-    its best Config), the torch gather yardstick and the target rows."""
+    its best Config), the torch gather yardstick and the target rows, and whether each rank's
+    receive pool ran out."""
     import json
     import subprocess
     import sys
@@ -856,3 +857,5 @@ def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     assert tests and all(g["result"] == "PASS" for g in tests), tests
     assert sum(g["kind"] == "target" for g in d["gate"]) == 2
     assert all(row["GBps"] > 0 for row in d["rows"])
+    # whether each rank's receive pool ran out (CUDA's stays out of use then): said per run
+    assert all(len(run["pool_ran_out"]) == run["ranks"] for run in d["runs"])
