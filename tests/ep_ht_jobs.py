@@ -542,7 +542,7 @@ def reject_one_op(state, spec, rejecting_rank, op):
             buf.dispatch(x if rank != rejecting_rank else x[:-1], handle=handle, config=Config(*spec["config"]))
     except Exception as e:  # noqa: BLE001 - the test checks the type and text
         raised = "%s: %s" % (type(e).__name__, str(e)[:400])
-    buf.low_latency_clean_mask_buffer()
+    unmask_all(state)
     return raised
 
 

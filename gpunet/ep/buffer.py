@@ -1496,13 +1496,15 @@ class Buffer:
             raise ConfigError("%s must be a torch.Tensor, not %s" % (name, type(t).__name__))
         if t.dtype != dtype:
             raise ConfigError("%s must be %s, not %s" % (name, dtype, t.dtype))
-        if not (t.is_cuda if self._gpu else t.is_cpu):
+        # GPU: one get_device() (-1 for a CPU tensor) says both whether t is a CUDA tensor and
+        # whether it is on this Buffer's GPU; another GPU's memory would fault the kernels, or be
+        # read by peer loads over the link where the GPUs have peer access
+        dev = t.get_device() if self._gpu else -1
+        if not (dev >= 0 if self._gpu else t.is_cpu):
             raise ConfigError("%s is on %s; this Buffer's tensors are on %s" % (name, t.device, self._device))
-        if self._gpu and t.get_device() != self._cuda_index:
-            # (a kernel of this Buffer's device would read another GPU's memory: a fault, or peer
-            # loads over the link where the GPUs have peer access)
+        if self._gpu and dev != self._cuda_index:
             raise ConfigError("%s is on cuda:%d; this Buffer's kernels run on cuda:%d (the device "
-                              "current when it was made)" % (name, t.get_device(), self._cuda_index))
+                              "current when it was made)" % (name, dev, self._cuda_index))
         if ndim is not None and t.dim() != ndim:
             raise ConfigError("%s must have %d dimensions, has shape %s" % (name, ndim, tuple(t.shape)))
         if shape is not None and t.shape != shape:
