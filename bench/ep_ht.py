@@ -99,6 +99,8 @@ def _rank_bench(rank, world, cfg):
             res["fail"].append("combine / fan-out vs x: calc_diff %.3g > %g" % (d, CALC_DIFF_BF16))
         res["recv_rows"] = int(rx.shape[0])
         res["recv_in_pool"] = buf._pool is not None and buf._pool.contains(rx)
+        # the pool's room is for the calls the timing loops hold at once, not for these
+        del rx, rtk, rw, handle, comb
         # --- the Config sweep ---------------------------------------------------------------------
         timer = ll_bench._Timer(gpu)
 
@@ -113,17 +115,23 @@ def _rank_bench(rank, world, cfg):
         # notify and the data phase run as one launch, as under a CUDA graph)
         sweep = {op: [] for op in OPS}
         worst = T * world
-        calls = {}
-        for c, wp in zip(configs, warps):
-            buf._ht_warps = wp
+
+        def calls_at(i):
+            """The timed calls at Config i (its warps set on the Buffer). The combine's input is one
+            dispatch's output, held only while these calls are: each Config's held in the sweep ran
+            the receive pool out (sessions 28-33: 7 Configs x 132 MB), so the later Configs and the
+            "(device)" rows measured the ring path, not the pool's in-place stores."""
+            c = configs[i]
+            buf._ht_warps = warps[i]
             # combine uses the dispatch's channels: a handle made with this Config's num_sms
             y, _, _, _, h, _ = buf.dispatch(x, config=c, **kw)
-            calls[(c, wp)] = {"dispatch bf16": lambda c=c: buf.dispatch(x, config=c, **kw),
-                              "combine bf16": lambda c=c, y=y, h=h: buf.combine(y, h, config=c),
-                              "dispatch fp8": lambda c=c: buf.dispatch(xq, config=c, **kw),
-                              "dispatch bf16 worst":
-                                  lambda c=c: buf.dispatch(x, config=c, num_worst_tokens=worst, **kw)}
-            for op, fn in calls[(c, wp)].items():
+            return {"dispatch bf16": lambda: buf.dispatch(x, config=c, **kw),
+                    "combine bf16": lambda: buf.combine(y, h, config=c),
+                    "dispatch fp8": lambda: buf.dispatch(xq, config=c, **kw),
+                    "dispatch bf16 worst": lambda: buf.dispatch(x, config=c, num_worst_tokens=worst, **kw)}
+
+        for i in range(len(configs)):
+            for op, fn in calls_at(i).items():
                 sweep[op].append(laps(fn))
         res["sweep"] = sweep
         # where the time goes, per op, at the Config fastest for the slowest rank, chosen by
@@ -134,17 +142,14 @@ def _rank_bench(rank, world, cfg):
         res["profile"], res["device"] = {}, {}
         choice = profile_choice(every)
         for op, i in choice.items():
-            buf._ht_warps = warps[i]
-            res["profile"][op] = _profile(buf, calls[(configs[i], warps[i])][op], align, gpu,
-                                          cfg["configs"][i])
+            res["profile"][op] = _profile(buf, calls_at(i)[op], align, gpu, cfg["configs"][i])
         # the "(device)" rows (GPU): the same calls at the same Config with the stream held before
         # each (bench/ep.py HOLD_S): the host's work before the first launch is hidden, its wait
         # for the notify inside the call is not
         if gpu and cfg.get("hold_s", 0) > 0:
             held = ll_bench._Timer(gpu, cfg["hold_s"])
             for op, i in choice.items():
-                buf._ht_warps = warps[i]
-                res["device"][op] = laps(calls[(configs[i], warps[i])][op], held)
+                res["device"][op] = laps(calls_at(i)[op], held)
             res["held_fraction"] = sum(held.held) / max(1, len(held.held))
         buf._ht_warps = None
         # what a caller that passes no Config gets (get_dispatch_config / get_combine_config, the
@@ -327,8 +332,8 @@ def _configs(args):
 def recv_pool_bytes(cfg, world):
     """The Buffer's recv_pool_bytes: cfg["recv_pool_mib"] MiB, or (-1) room for 10 calls' BF16
     receive tensors (rows, src_idx, top-k ids and weights) of world x tokens rows, + 64 MiB: the
-    sweep's calls of several sizes leave torch's cached blocks of each in the pool (with 4 calls'
-    room the pool ran out in the sweep's third Config, H100, twenty-eighth session)."""
+    timing loops hold one dispatch's output (the combine's input) and torch keeps cached blocks of
+    each call's sizes (BF16, FP8, num_worst_tokens) in the pool."""
     mib = cfg.get("recv_pool_mib", -1)
     if mib >= 0:
         return mib << 20

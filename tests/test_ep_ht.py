@@ -859,3 +859,5 @@ def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     assert all(row["GBps"] > 0 for row in d["rows"])
     # whether each rank's receive pool ran out (CUDA's stays out of use then): said per run
     assert all(len(run["pool_ran_out"]) == run["ranks"] for run in d["runs"])
+    # the bench sizes its pool for the calls its loops hold at once: it never runs out
+    assert not any(any(run["pool_ran_out"]) for run in d["runs"]), d["runs"]
