@@ -209,8 +209,8 @@ def ll_recv_pool_bytes(cfg, world):
     """The LL Buffer's recv_pool_bytes: cfg["recv_pool_mib"] MiB, or (-1) with GPUNET_EP_LL_DIRECT=1
     room for 4 BF16 dispatches' recv_x and src_info at the sweep's largest tokens, + 64 MiB (with
     every peer p2p on this GPU the dispatch then runs direct, ll.cuh "The direct dispatch"; the
-    timing loop holds up to 3 results at once and the smaller sweep points leave torch's cached
-    blocks), else none (the message path)."""
+    timing loop holds one result at a time, the smaller sweep points and the FP8 calls leave
+    torch's cached blocks), else none (the message path)."""
     from gpunet import config
     mib = cfg.get("recv_pool_mib", -1)
     if mib >= 0 or config.get("GPUNET_EP_LL_DIRECT") != "1":
@@ -258,9 +258,12 @@ def _rank_bench(rank, world, cfg):
                 bad = _check_dispatch(out, want, use_fp8)
                 if bad:
                     point["fail"].append("dispatch %s: %s" % ("fp8" if use_fp8 else "bf16", bad))
+            # receive tensors are held only while needed: each is a pool call's room (direct)
+            del out
             recv, _, handle, _, _ = buf.low_latency_dispatch(x, tk, T, E, use_fp8=False)
             local_scale = scale[rank * e_loc:(rank + 1) * e_loc].view(-1, 1, 1)
             expert_out = (recv.float() * local_scale).to(torch.bfloat16)
+            del recv
             combined = buf.low_latency_combine(expert_out, tk, w, handle)[0]
             valid = (tk != -1).float()
             wsum = (w.float() * valid * scale[tk.clamp(min=0)]).sum(1, keepdim=True)
@@ -286,6 +289,7 @@ def _rank_bench(rank, world, cfg):
                         align()
                         (_, dt) = timer(lambda: buf.low_latency_combine(expert_out, tk, w, o[2]))
                         c_cpu.append(dt)
+                        o = None        # not alive during the next dispatch (two calls' room)
                     times = timer.resolve([v for pair in zip(d_cpu, c_cpu) for v in pair])
                     dts, cts = times[0::2], times[1::2]
                     laps[name] = dts[cfg["warmup"]:]
@@ -297,6 +301,10 @@ def _rank_bench(rank, world, cfg):
             if nccl is not None:
                 point["nccl"] = _nccl_point(x, tk, world, e_loc, cfg, align, nccl)
             results["points"].append(point)
+        if buf._pool is not None and buf._pool.exhausted:
+            # (CUDA) the Buffer stops using a pool that once had no room: the calls after it ran
+            # the message path, and the table's head says so
+            results["bf16_dispatch"] += " until the receive pool ran out (then messages)"
     finally:
         buf.destroy()
     everyone = [None] * world
