@@ -1373,11 +1373,10 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
                 ep_fail(B, EP_ERR_MISMATCH, EP_SITE_HT_COMBINE_ROW, d, (uint64_t(P.ring) << 32) | uint32_t(epoch),
                         (uint64_t(ring) << 32) | op, 0);
                 ok = false;
+              } else {
+                arch::fence_sys();  // release: what this acquire made visible, to the warps reading seen
+                arch::atomic_store(seen, uint32_t(tail));
               }
-            }
-            if (ok && tail != 0xffffffffull) {
-              arch::fence_sys();  // release: what this acquire made visible, to the warps reading seen
-              arch::atomic_store(seen, uint32_t(tail));
             }
             if (!ok && !out[d]) peer_fail_view(B, out, d);
           } else {
@@ -1496,14 +1495,8 @@ GPUNET_DEVICE void ht_fill_tail(const HtParams& P, const Geo& g) {
 // go back to the caller now, and a late source must not store into them.
 GPUNET_DEVICE void ht_revoke_descs(const HtParams& P, const Geo& g, uint64_t epoch) {
   const LlParams& B = P.base;
-  for (uint32_t j = g.tid; j < B.nranks; j += g.bdim) {
-    if (j == B.rank || !peer_out(B, j)) continue;
-    // only mapped sources store in place; a store through the mapping, not put_signal_nbi:
-    // the verbs refuse a peer once a wait on it recorded a failure, which is the case here
-    uint64_t* m = static_cast<uint64_t*>(gpunet::ptr(peer_ctx(B, j), ht_desc_sig(P, B.rank), int(j)));
-    if (m) arch::atomic_store(m, (epoch << 32) | 2);
-  }
-  arch::fence_sys();
+  store_at_mapped_peers(B, g, ht_desc_sig(P, B.rank), (epoch << 32) | 2,
+                        [&](uint32_t j) { return peer_out(B, j); });
 }
 
 // ---- the kernel ------------------------------------------------------------------------------------

@@ -481,6 +481,19 @@ GPUNET_DEVICE T warp_sum(const Geo& g, T v) {
 GPUNET_DEVICE const DevCtx& peer_ctx(const LlParams& P, uint32_t p) {
   return ptr<const DevCtx>(P.ctxs)[p];
 }
+// Block-collective: v stored into `word` (a symmetric word, this rank's copy) at every other
+// rank j with pick(j) that this rank maps, then a system fence. A store through the mapping, not
+// put_signal_nbi: its callers revoke what a peer may no longer use once a wait on that peer
+// failed, and the verbs refuse such a peer. Unmapped peers are skipped (they never store in place).
+template <class Pick>
+GPUNET_DEVICE void store_at_mapped_peers(const LlParams& P, const Geo& g, uint64_t* word, uint64_t v, Pick pick) {
+  for (uint32_t j = g.tid; j < P.nranks; j += g.bdim) {
+    if (j == P.rank || !pick(j)) continue;
+    uint64_t* m = static_cast<uint64_t*>(gpunet::ptr(peer_ctx(P, j), word, int(j)));
+    if (m) arch::atomic_store(m, v);
+  }
+  arch::fence_sys();
+}
 GPUNET_DEVICE uint64_t* sig_word(const LlParams& P, uint32_t kind, uint32_t b, uint32_t j) {
   return ptr<uint64_t>(P.sig) + (uint64_t(kind * 2 + b) * P.nranks + j);
 }
@@ -1268,12 +1281,7 @@ GPUNET_DEVICE uint64_t* dout(const LlParams& P) {
 // tags (clean_epoch), so a revoked one does not outlive the resync.
 constexpr uint64_t kRevokedTag = ~uint64_t(0);
 GPUNET_DEVICE void direct_revoke(const LlParams& P, const Geo& g, const int32_t* got) {
-  for (uint32_t j = g.tid; j < P.nranks; j += g.bdim) {
-    if (j == P.rank || got[j]) continue;
-    uint64_t* m = static_cast<uint64_t*>(gpunet::ptr(peer_ctx(P, j), ctag_word(P, P.rank), int(j)));
-    if (m) arch::atomic_store(m, kRevokedTag);
-  }
-  arch::fence_sys();
+  store_at_mapped_peers(P, g, ctag_word(P, P.rank), kRevokedTag, [&](uint32_t j) { return got[j] == 0; });
 }
 
 // Block 0 of a direct send: steps 1-3 above, then the grid flag. The other blocks wait for it
