@@ -17,6 +17,7 @@ geometry (``num_blocks``, ``block_threads``, ``warp_size`` for the HOST arm).
 """
 import ctypes
 import logging
+import math
 import weakref
 
 import numpy as np
@@ -193,6 +194,17 @@ def _on_gpu():
 
 def _addr(t):
     return 0 if t is None else t.data_ptr()
+
+
+def _int32_parts(device, *shapes):
+    """Uninitialised int32 tensors of ``shapes`` on ``device`` from one allocation, each starting
+    on a 16-byte boundary (views of one storage: it lives while any of them does)."""
+    sizes = [math.prod(s) for s in shapes]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // 4) * 4)
+    whole = torch.empty(starts[-1], dtype=torch.int32, device=device)
+    return [whole[a:a + n].view(s) for a, n, s in zip(starts, sizes, shapes)]
 
 
 # HOST arm launch geometry: two blocks (the cross-block protocol runs in CI) of two warps each.
@@ -845,10 +857,10 @@ class Buffer:
                               % (e_loc, lay.HT_HDR_STRIDE))
         nc, ring, chunk, block = self._ht_geometry(config)
         layout = self._ht_region(hidden, nc, ring, what)
-        send_pos = torch.empty((num_tokens, r), dtype=torch.int32, device=dev)
-        send_cnt = torch.empty((nc, r), dtype=torch.int32, device=dev)
-        chan_prefix = torch.empty((r, nc + 1), dtype=torch.int32, device=dev)
-        info = torch.empty(r + 1 + e_loc, dtype=torch.int32, device=dev)    # the notify writes it all
+        # the notify writes all four; one allocation (each torch.empty is host time before the
+        # launch), each part 16-byte aligned
+        send_pos, send_cnt, chan_prefix, info = _int32_parts(
+            dev, (num_tokens, r), (nc, r), (r, nc + 1), (r + 1 + e_loc,))
         P = self._ht_params(dep.OP_HT_DISPATCH, dep.PH_NOTIFY, flags, layout, hidden, num_tokens, k,
                             nc, ring, chunk)
         P.base.num_experts, P.base.e_loc = num_experts, e_loc
