@@ -220,9 +220,13 @@ def round_(state, spec):
         # where the receive tensors came from (the receive pool: peers stored rows in place)
         out["in_pool"] = buf._pool is not None and buf._pool.contains(rx[0] if spec.get("fp8") else rx)
         # the rows recv_x's allocation holds (more than its own when a guess made during the
-        # notify fitted: Buffer._ht_recv_guess)
+        # notify fitted: Buffer._ht_recv_guess): the receive tensors are parts of one allocation
+        # (_pool.packed), recv_x first, and the next part (FP8: the scales, else src_idx, the
+        # handle's third) starts after recv_x's rows rounded up to 256 bytes (exact for rows of
+        # 256 bytes or more)
         t_ = rx[0] if spec.get("fp8") else rx
-        out["rows_held"] = t_.untyped_storage().nbytes() // max(1, t_.shape[1] * t_.element_size())
+        nxt = rx[1] if spec.get("fp8") else handle[2]
+        out["rows_held"] = (nxt.data_ptr() - t_.data_ptr()) // max(1, t_.shape[1] * t_.element_size())
         if spec.get("async_finish"):
             if ev.event is None:
                 bad.append("async_finish=True returned no event")

@@ -119,6 +119,29 @@ def test_empty_many_gives_all_the_tensors_or_none(pool):
     assert pool.used_bytes() == used
 
 
+def test_empty_many_parts_share_one_allocation_that_lives_while_any_part_does(pool):
+    """empty_many's tensors are views of one allocation (one allocator call for the HT dispatch's
+    five): each part starts on a 256-byte boundary after the one before, has its shape and dtype,
+    and the bytes go back only when the last part dies."""
+    used = pool.used_bytes()
+    a, none, b, c = pool.empty_many([((100,), torch.int64), None, ((3, 7), torch.float32),
+                                     ((5, 256), torch.float8_e4m3fn)])
+    assert none is None
+    assert (a.shape, a.dtype, b.shape, b.dtype, c.shape, c.dtype) == (
+        (100,), torch.int64, (3, 7), torch.float32, (5, 256), torch.float8_e4m3fn)
+    assert b.data_ptr() - a.data_ptr() == 1024 and c.data_ptr() - b.data_ptr() == 256
+    assert all(t.is_contiguous() for t in (a, b, c))
+    _assert_inside_and_disjoint(pool, [a, b, c])
+    grown = pool.used_bytes()
+    assert grown > used
+    del a, b
+    gc.collect()
+    assert pool.used_bytes() == grown           # c still holds the allocation
+    del c
+    gc.collect()
+    assert pool.used_bytes() == used
+
+
 def test_dropping_a_tensor_returns_its_bytes_but_a_live_view_keeps_them(pool):
     """The block goes back when the last tensor sharing the storage dies, not before: a view
     (``y = t[1:]; del t``) keeps it, and so do dtype / shape views."""

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["RecvPool"]
+__all__ = ["RecvPool", "packed"]
 
 log = logging.getLogger("gpunet.ep")
 
@@ -75,6 +75,34 @@ def _cuda_allocator():
             _torch_allocator = torch.cuda.memory.CUDAPluggableAllocator(
                 lib.gpunet_path, "gp_torch_alloc", "gp_torch_free").allocator()
         return _torch_allocator
+
+
+# Where each part of a packed allocation starts: a multiple of this (any dtype's alignment; the
+# kernels' 16-byte vector accesses; 256 as torch's CUDA allocations).
+_PART_ALIGN = 256
+
+
+class _NoRoom(Exception):
+    """The region had no room for a packed allocation (RecvPool.empty_many on the CPU)."""
+
+
+def packed(specs: Sequence[tuple | None], alloc) -> list:
+    """Uninitialised tensors of ``specs`` (``(shape, dtype)`` or None: None) as views of one
+    ``torch.uint8`` allocation ``alloc(nbytes)``, each part starting on a _PART_ALIGN boundary of
+    it. The views share one storage: it lives while any of them does."""
+    parts, total = [], 0
+    for sd in specs:
+        if sd is None:
+            parts.append(None)
+            continue
+        shape = (sd[0],) if isinstance(sd[0], int) else tuple(sd[0])
+        if any(d < 0 for d in shape):
+            raise ValueError("packed: negative dimension in shape %s" % (shape,))
+        nbytes = math.prod(shape) * sd[1].itemsize
+        parts.append((total, nbytes, shape, sd[1]))
+        total += -(-nbytes // _PART_ALIGN) * _PART_ALIGN
+    whole = alloc(total)
+    return [None if p is None else whole[p[0]:p[0] + p[1]].view(p[3]).view(p[2]) for p in parts]
 
 
 class RecvPool:
@@ -150,9 +178,10 @@ class RecvPool:
 
     def empty_many(self, specs: Sequence[tuple | None]) -> list | None:
         """``empty`` for several tensors at once, all or none: ``specs`` a list of ``(shape,
-        dtype)`` or None; returns the tensors (None where the spec is None), or None when one of
-        them does not fit (those already made go back). On CUDA one pass through torch's pool
-        context for them all (the HT dispatch makes five a call: its host time counts)."""
+        dtype)`` or None; returns the tensors (None where the spec is None), or None when they
+        do not fit. They are views of ONE allocation (``packed``: each part on a 256-byte
+        boundary), so their bytes go back when the last of them dies: one allocation instead of
+        one per tensor (the HT dispatch makes five a call, and its host time counts)."""
         if self._id < 0 or self.exhausted:
             return None
         if self._cuda:
@@ -161,8 +190,7 @@ class RecvPool:
             self._select(self._id)
             try:
                 with torch.cuda.use_mem_pool(self._pool, self._dev_index):
-                    return [torch.empty(sd[0], dtype=sd[1], device=self._device) if sd else None
-                            for sd in specs]
+                    return packed(specs, lambda n: torch.empty(n, dtype=torch.uint8, device=self._device))
             except torch.OutOfMemoryError:
                 # each such try costs a device synchronisation (torch releases its other cached
                 # blocks before it gives up) and torch never gives this pool's cached blocks
@@ -171,13 +199,16 @@ class RecvPool:
                 return None
             finally:
                 self._select(-1)
-        out = []
-        for sd in specs:
-            t = self._empty_host(*sd) if sd else None
-            if sd and t is None:
-                return None
-            out.append(t)
-        return out
+        try:
+            return packed(specs, self._empty_bytes)
+        except _NoRoom:
+            return None
+
+    def _empty_bytes(self, n):
+        t = self._empty_host((n,), torch.uint8)
+        if t is None:
+            raise _NoRoom
+        return t
 
     def _empty_host(self, shape, dtype):
         shape = (shape,) if isinstance(shape, int) else tuple(shape)

@@ -17,7 +17,6 @@ geometry (``num_blocks``, ``block_threads``, ``warp_size`` for the HOST arm).
 """
 import ctypes
 import logging
-import math
 import weakref
 
 import numpy as np
@@ -30,7 +29,7 @@ from gpunet.errors import ClosedError, ConfigError, EPTimeout, GpunetError, with
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet._launch import to_host
 from gpunet.ep import _layout as lay
-from gpunet.ep._pool import RecvPool
+from gpunet.ep._pool import RecvPool, packed
 
 log = logging.getLogger("gpunet.ep")
 
@@ -194,17 +193,6 @@ def _on_gpu():
 
 def _addr(t):
     return 0 if t is None else t.data_ptr()
-
-
-def _int32_parts(device, *shapes):
-    """Uninitialised int32 tensors of ``shapes`` on ``device`` from one allocation, each starting
-    on a 16-byte boundary (views of one storage: it lives while any of them does)."""
-    sizes = [math.prod(s) for s in shapes]
-    starts = [0]
-    for n in sizes:
-        starts.append(starts[-1] + -(-n // 4) * 4)
-    whole = torch.empty(starts[-1], dtype=torch.int32, device=device)
-    return [whole[a:a + n].view(s) for a, n, s in zip(starts, sizes, shapes)]
 
 
 # HOST arm launch geometry: two blocks (the cross-block protocol runs in CI) of two warps each.
@@ -858,9 +846,10 @@ class Buffer:
         nc, ring, chunk, block = self._ht_geometry(config)
         layout = self._ht_region(hidden, nc, ring, what)
         # the notify writes all four; one allocation (each torch.empty is host time before the
-        # launch), each part 16-byte aligned
-        send_pos, send_cnt, chan_prefix, info = _int32_parts(
-            dev, (num_tokens, r), (nc, r), (r, nc + 1), (r + 1 + e_loc,))
+        # launch)
+        send_pos, send_cnt, chan_prefix, info = packed(
+            [((num_tokens, r), torch.int32), ((nc, r), torch.int32), ((r, nc + 1), torch.int32),
+             ((r + 1 + e_loc,), torch.int32)], lambda n: torch.empty(n, dtype=torch.uint8, device=dev))
         P = self._ht_params(dep.OP_HT_DISPATCH, dep.PH_NOTIFY, flags, layout, hidden, num_tokens, k,
                             nc, ring, chunk)
         P.base.num_experts, P.base.e_loc = num_experts, e_loc
@@ -1019,7 +1008,7 @@ class Buffer:
                 return tuple(got) + (dep.F_HT_DIRECT,)
             self._pool_full(shapes)
         dev = self._device
-        return tuple(torch.empty(sd[0], dtype=sd[1], device=dev) if sd else None for sd in shapes) + (0,)
+        return tuple(packed(shapes, lambda n: torch.empty(n, dtype=torch.uint8, device=dev))) + (0,)
 
     def _pool_full(self, shapes):
         """The receive pool had no room (not a graph capture): said once per Buffer, with the
