@@ -77,8 +77,9 @@ def _cuda_allocator():
         return _torch_allocator
 
 
-# Where each part of a packed allocation starts: a multiple of this (any dtype's alignment; the
-# kernels' 16-byte vector accesses; 256 as torch's CUDA allocations).
+# Where each part of a packed allocation starts: a multiple of this, which is a multiple of every
+# dtype's alignment and of the kernels' 16-byte vector accesses (the allocation itself starts on
+# a 4 KiB page in the pool, on torch's 512-byte block boundary outside it).
 _PART_ALIGN = 256
 
 
