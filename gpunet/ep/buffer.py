@@ -756,7 +756,9 @@ class Buffer:
         python list (aligned); handle (opaque: pass it to combine or a cached dispatch). With a
         handle: ``(recv_x, None, None, None, None, event)``. Without num_worst_tokens or a handle
         the receive tensors may be views of the first N rows of an allocation for up to 1/8 more
-        (made while the notify ran, sized from the last such call: _ht_recv_guess)."""
+        (made while the notify ran, sized from the last such call: _ht_recv_guess). The receive
+        tensors (recv_x, its scales, recv_topk_idx, recv_topk_weights and the handle's source
+        indices) are parts of one allocation (_pool.packed): it is freed when the last dies."""
         self._alive()
         what = "dispatch"
         r = self.group_size
