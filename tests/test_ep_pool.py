@@ -142,6 +142,24 @@ def test_empty_many_parts_share_one_allocation_that_lives_while_any_part_does(po
     assert pool.used_bytes() == used
 
 
+def test_packed_parts_with_no_rows_are_empty_tensors_and_negative_dims_are_refused():
+    """_pool.packed (also the torch-memory path of the HT dispatch): a part with 0 elements is an
+    empty tensor of its shape and dtype (a dispatch that receives no rows), the others keep their
+    256-byte starts; a negative dimension is a ValueError, before anything is allocated."""
+    from gpunet.ep._pool import packed
+    asked = []
+
+    def alloc(n):
+        asked.append(n)
+        return torch.empty(n, dtype=torch.uint8)
+
+    x, s, i = packed([((0, 256), torch.bfloat16), ((0, 2), torch.float32), ((3,), torch.int32)], alloc)
+    assert asked == [256] and (x.shape, x.dtype, s.shape, i.shape) == ((0, 256), torch.bfloat16, (0, 2), (3,))
+    with pytest.raises(ValueError, match="negative"):
+        packed([((4,), torch.int32), ((-1, 2), torch.int32)], alloc)
+    assert asked == [256]
+
+
 def test_dropping_a_tensor_returns_its_bytes_but_a_live_view_keeps_them(pool):
     """The block goes back when the last tensor sharing the storage dies, not before: a view
     (``y = t[1:]; del t``) keeps it, and so do dtype / shape views."""
