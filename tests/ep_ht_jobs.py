@@ -486,6 +486,9 @@ def header_overtaken(state, spec, stall_ns, between=()):
         from gpunet.device import ep as dep
         buf._ht_lib = dep.load_ep_ht("host", defines={"GPUNET_TEST_HT_NOTIFY_STALL_NS": stall_ns},
                                      kinds=buf._build_kinds)
+    # the peers start their dispatch once rank 0's build is done: a build on a cold cache takes
+    # longer than the peer bound on a loaded CI machine (rank 1 then masked rank 0 in step 0)
+    dist.barrier()
     inputs = _inputs(spec, world)
     el, k = spec["num_experts"] // world, spec["topk"]
     out = []
@@ -527,16 +530,20 @@ def dispatch_with_config(state, spec, configs):
     return None
 
 
-def reject_one_op(state, spec, rejecting_rank, op):
+def reject_one_op(state, spec, rejecting_rank, op, op_timeout_s=None):
     """A dispatch of the spec's inputs; then ``op`` ("combine" of its rows, or "cached": a
     dispatch with its handle), where ``rejecting_rank`` alone passes an x of the wrong shape (a
     ConfigError before its launch) while the others run it (and mask that rank); then
     low_latency_clean_mask_buffer (vLLM's recovery: here, an HT-only Buffer, it unmasks
-    locally). Returns op's exception (type and text) or None."""
+    locally). ``op_timeout_s``: the other ranks' peer bound for op (the wait that masks the
+    rejecting rank), set after the dispatch, which keeps the Buffer's (a long one lets a rank
+    lag on a loaded machine). Returns op's exception (type and text) or None."""
     buf = state["ep_buf"]
     world, rank = buf.group_size, buf.rank
     mine = _inputs(spec, world)[rank]
     rx, _, _, _, handle, _ = _dispatch(buf, spec, mine, spec["config"])
+    if op_timeout_s is not None and rank != rejecting_rank:
+        buf.set_timeout(op_timeout_s)
     raised = None
     try:
         if op == "combine":

@@ -751,8 +751,12 @@ def mask(state, op, r=None):
 
 
 def set_timeout(state, seconds):
-    """Buffer.set_timeout on this rank (the bound of every wait on a peer, from the next call on)."""
-    state["ep_buf"].set_timeout(seconds)
+    """Buffer.set_timeout on this rank (the bound of every wait on a peer, from the next call on);
+    ``seconds`` a number, or a list of one per rank."""
+    buf = state["ep_buf"]
+    if isinstance(seconds, (list, tuple)):
+        seconds = seconds[buf.rank]
+    buf.set_timeout(seconds)
     return seconds
 
 

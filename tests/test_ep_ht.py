@@ -49,6 +49,8 @@ LL_BYTES = Buffer.get_low_latency_rdma_size_hint(8, 256, 2, 8)
 # The receive pool (Buffer's recv_pool_bytes) of the p2p worlds below: p2p peers store their rows
 # straight into its receive tensors (ht.cuh "the receive pool"); room for several rounds' tensors.
 RECV_POOL = 8 << 20
+# A peer bound for waits that must not run out: a rank can lag by seconds on a loaded CI machine.
+LONG_TIMEOUT_S = 20.0
 
 
 def _nbytes(world, config=TWO_CHANNELS, hidden=HIDDEN_MAX):
@@ -655,13 +657,18 @@ def test_a_rank_left_an_operation_behind_is_told_it_is_out_of_step(op, worst):
     combine the two ranks masked each other, with nothing saying why. Then, both unmasked, the
     next dispatch is exact on both: the error gave rank 1 the peer's op count and it caught up
     (``worst``: the out-of-step dispatch has num_worst_tokens, its notify and data in one
-    launch)."""
-    r = _pool(2, "p2p", 32, shrink=True, timeout_s=1.0)
+    launch).
+
+    Peer bounds: 1 s only for the waits that must run out (rank 0's on rank 1 in op and in the
+    out-of-step dispatch), LONG_TIMEOUT_S for every wait that must not (a rank can lag by seconds
+    on a loaded CI machine; with 1 s everywhere, such a lag masked a rank that was on time)."""
+    r = _pool(2, "p2p", 32, shrink=True, timeout_s=LONG_TIMEOUT_S)
     try:
-        first = r.run("ep_ht_jobs:reject_one_op", _spec(2, seed=61), 1, op)
+        first = r.run("ep_ht_jobs:reject_one_op", _spec(2, seed=61), 1, op, 1.0)
         assert first[0] is None and first[1].startswith("ConfigError"), first
         # (a job apart: every rank starts it after rank 0 has finished op; other rows than the
         # first dispatch's, so that its stale ring rows would not pass for received ones)
+        r.run("ep_jobs:set_timeout", [1.0, LONG_TIMEOUT_S])
         outs = r.run("ep_ht_jobs:dispatch_checked", _spec(2, seed=62), worst)
         assert not any(wrong for _, wrong in outs), outs
         assert outs[1][0] is not None and "out of step" in outs[1][0], outs
@@ -669,6 +676,7 @@ def test_a_rank_left_an_operation_behind_is_told_it_is_out_of_step(op, worst):
         # rank 1 caught up with the op count the error named (Buffer._ht_skip_op): once both
         # unmask, the next dispatch is exact on both, nobody masked
         r.run("ep_ht_jobs:unmask_all")
+        r.run("ep_jobs:set_timeout", LONG_TIMEOUT_S)
         outs = r.run("ep_ht_jobs:dispatch_checked", _spec(2, seed=63))
         assert outs == [(None, False), (None, False)], outs
         assert r.run("ep_ht_jobs:masked") == [[], []]
@@ -686,7 +694,7 @@ def test_a_header_of_the_next_dispatch_does_not_overwrite_the_one_being_read(bet
     ranks equal the reference and nobody is masked. With one header slot per source rank 0 read
     the next dispatch's counts for the first and masked rank 1; with a slot per op-epoch parity
     it did so with ops between (ht.cuh ht_rhdr: a slot per notify parity)."""
-    r = _pool(2, "p2p", 32, shrink=True, timeout_s=5.0)
+    r = _pool(2, "p2p", 32, shrink=True, timeout_s=LONG_TIMEOUT_S)    # no wait may run out here
     try:
         outs = r.run("ep_ht_jobs:header_overtaken", _spec(2, seed=41), 3_000_000_000, between)
         for rank, calls in enumerate(outs):
