@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["RecvPool", "packed"]
+__all__ = ["RecvPool", "packed", "packed_empty"]
 
 log = logging.getLogger("gpunet.ep")
 
@@ -83,14 +83,11 @@ def _cuda_allocator():
 _PART_ALIGN = 256
 
 
-class _NoRoom(Exception):
-    """The region had no room for a packed allocation (RecvPool.empty_many on the CPU)."""
-
-
-def packed(specs: Sequence[tuple | None], alloc) -> list:
+def packed(specs: Sequence[tuple | None], alloc) -> list | None:
     """Uninitialised tensors of ``specs`` (``(shape, dtype)`` or None: None) as views of one
     ``torch.uint8`` allocation ``alloc(nbytes)``, each part starting on a _PART_ALIGN boundary of
-    it. The views share one storage: it lives while any of them does."""
+    it; None when ``alloc`` returns None (no room). The views share one storage: it lives while
+    any of them does."""
     parts, total = [], 0
     for sd in specs:
         if sd is None:
@@ -103,7 +100,14 @@ def packed(specs: Sequence[tuple | None], alloc) -> list:
         parts.append((total, nbytes, shape, sd[1]))
         total += -(-nbytes // _PART_ALIGN) * _PART_ALIGN
     whole = alloc(total)
+    if whole is None:
+        return None
     return [None if p is None else whole[p[0]:p[0] + p[1]].view(p[3]).view(p[2]) for p in parts]
+
+
+def packed_empty(specs: Sequence[tuple | None], device) -> list:
+    """``packed`` in ordinary torch memory on ``device`` (torch.empty's current allocator)."""
+    return packed(specs, lambda n: torch.empty(n, dtype=torch.uint8, device=device))
 
 
 class RecvPool:
@@ -191,7 +195,7 @@ class RecvPool:
             self._select(self._id)
             try:
                 with torch.cuda.use_mem_pool(self._pool, self._dev_index):
-                    return packed(specs, lambda n: torch.empty(n, dtype=torch.uint8, device=self._device))
+                    return packed_empty(specs, self._device)
             except torch.OutOfMemoryError:
                 # each such try costs a device synchronisation (torch releases its other cached
                 # blocks before it gives up) and torch never gives this pool's cached blocks
@@ -200,31 +204,20 @@ class RecvPool:
                 return None
             finally:
                 self._select(-1)
-        try:
-            return packed(specs, self._empty_bytes)
-        except _NoRoom:
-            return None
+        return packed(specs, self._empty_host)
 
-    def _empty_bytes(self, n):
-        t = self._empty_host((n,), torch.uint8)
-        if t is None:
-            raise _NoRoom
-        return t
-
-    def _empty_host(self, shape, dtype):
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        if any(d < 0 for d in shape):
-            raise ValueError("RecvPool.empty: negative dimension in shape %s" % (shape,))
-        nbytes = math.prod(shape) * dtype.itemsize
+    def _empty_host(self, nbytes):
+        """A uint8 tensor of ``nbytes`` over a block of the region (a numpy slice of it whose
+        finaliser frees the block), an ordinary empty one for 0 bytes, or None: no room."""
         if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
+            return torch.empty(0, dtype=torch.uint8)
         addr = self._alloc_in(self._id, nbytes)
         if not addr:
             return None
         off = addr - self._base
         arr = self._np[off:off + nbytes]
         weakref.finalize(arr, self._lib.gp_free_in, self._id, addr).atexit = False
-        return torch.from_numpy(arr).view(dtype).view(shape)
+        return torch.from_numpy(arr)
 
     # -- queries --------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from gpunet.errors import ClosedError, ConfigError, EPTimeout, GpunetError, with
 from gpunet.errors import TimeoutError as GpunetTimeoutError
 from gpunet._launch import to_host
 from gpunet.ep import _layout as lay
-from gpunet.ep._pool import RecvPool, packed
+from gpunet.ep._pool import RecvPool, packed_empty
 
 log = logging.getLogger("gpunet.ep")
 
@@ -849,9 +849,9 @@ class Buffer:
         layout = self._ht_region(hidden, nc, ring, what)
         # the notify writes all four; one allocation (each torch.empty is host time before the
         # launch)
-        send_pos, send_cnt, chan_prefix, info = packed(
+        send_pos, send_cnt, chan_prefix, info = packed_empty(
             [((num_tokens, r), torch.int32), ((nc, r), torch.int32), ((r, nc + 1), torch.int32),
-             ((r + 1 + e_loc,), torch.int32)], lambda n: torch.empty(n, dtype=torch.uint8, device=dev))
+             ((r + 1 + e_loc,), torch.int32)], dev)
         P = self._ht_params(dep.OP_HT_DISPATCH, dep.PH_NOTIFY, flags, layout, hidden, num_tokens, k,
                             nc, ring, chunk)
         P.base.num_experts, P.base.e_loc = num_experts, e_loc
@@ -1009,8 +1009,7 @@ class Buffer:
             if got is not None:
                 return tuple(got) + (dep.F_HT_DIRECT,)
             self._pool_full(shapes)
-        dev = self._device
-        return tuple(packed(shapes, lambda n: torch.empty(n, dtype=torch.uint8, device=dev))) + (0,)
+        return tuple(packed_empty(shapes, self._device)) + (0,)
 
     def _pool_full(self, shapes):
         """The receive pool had no room (not a graph capture): said once per Buffer, with the
