@@ -216,11 +216,13 @@ def round_(state, spec):
             dist.barrier()      # start together: on a loaded CI machine a rank can lag by seconds
         f.before("dispatch")
         t0 = time.monotonic()
+        pre0 = buf._ht_prelaunched
         rx, rtk, rw, counts, handle, ev = buf.dispatch(_dev(_x(spec, mine), dev), **kw)
+        out["prelaunched"] = buf._ht_prelaunched - pre0     # its data phase went behind the notify
         # where the receive tensors came from (the receive pool: peers stored rows in place)
         out["in_pool"] = buf._pool is not None and buf._pool.contains(rx[0] if spec.get("fp8") else rx)
         # the rows recv_x's allocation holds (more than its own when a guess made during the
-        # notify fitted: Buffer._ht_recv_guess): the receive tensors are parts of one allocation
+        # notify fitted: Buffer._ht_recv_guess_rows): the receive tensors are parts of one allocation
         # (_pool.packed), recv_x first, and the next part (FP8: the scales, else src_idx, the
         # handle's third) starts after recv_x's rows rounded up to 256 bytes (exact for rows of
         # 256 bytes or more)

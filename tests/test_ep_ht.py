@@ -506,20 +506,21 @@ def test_a_receive_pool_without_room_falls_back_to_the_ring(p2p2):
     assert [o["in_pool"] for o in outs] == [True, True]
 
 
-def test_receive_tensors_allocated_during_the_notify_are_used_when_the_rows_fit(p2p2):
-    """Dispatches of one kind (BF16, hidden, top-k) back to back with 24, 24, 40, 8 and 8 tokens a
-    rank. From the second on, each call allocated its
-    receive tensors while its notify ran, for 1/8 more rows than the last call of that kind got
-    (Buffer._ht_recv_guess). Invariant: every round exact (the views of a larger allocation
-    included); a call takes views of that allocation iff its rows fit it and fill at least half
-    of it, else an allocation of its own rows (rows_held == rows), in the pool either way."""
-    r = p2p2
-    specs = [_spec(2, seed=40 + i, tokens=t, tagged=True) for i, t in enumerate((24, 24, 40, 8, 8))]
+def _guess_rounds(r, specs):
+    """Run ``specs`` (one kind of dispatch) back to back and check each call against the guess
+    rule: from the second call on, a rank allocated its receive tensors while its notify ran, for
+    1/8 more rows than its last call got (Buffer._ht_recv_guess_rows), and launched its data phase
+    into them behind the notify (ht.cuh run_ht "The prelaunched data phase"). Invariants: every
+    round exact (the views of a larger allocation included); a call takes views of that allocation
+    iff its rows fit it and fill at least half of it, else an allocation of its own rows
+    (rows_held == rows), in the pool either way; the prelaunched data phase ran (the notify's go
+    word) exactly in the calls that fit, else the data phase launched again did. Returns the
+    per-call list of which ranks' guesses fitted."""
     outs = [r.run("ep_ht_jobs:round_", spec) for spec in specs]
     for spec, out in zip(specs, outs):
         _assert_round(out, spec)
-    used_guess = 0
-    for rank in range(2):
+    fitted = [[] for _ in outs]
+    for rank in range(len(outs[0])):
         rows = [o[rank]["n_recv"] for o in outs]
         held = [o[rank]["rows_held"] for o in outs]
         assert held[0] >= rows[0], (rank, rows, held)   # the module's earlier rounds may leave a guess
@@ -527,11 +528,47 @@ def test_receive_tensors_allocated_during_the_notify_are_used_when_the_rows_fit(
             guess = rows[i - 1] + -(-rows[i - 1] // 8)
             fits = guess // 2 <= rows[i] <= guess
             assert held[i] == (guess if fits else rows[i]), (rank, i, rows, held)
-            used_guess += fits
+            assert outs[i][rank]["prelaunched"] == int(fits), (rank, i, rows)
+            if fits:
+                fitted[i].append(rank)
         assert all(o[rank]["in_pool"] for o in outs)
-    # the sequence has both kinds of call on each rank: a guess used (24 after 24, 8 after 8),
-    # a guess too small (40 after 24) and one far too large (8 after 40)
-    assert used_guess >= 4, [[o[k]["n_recv"] for o in outs] for k in range(2)]
+    return fitted, [[o[k]["n_recv"] for o in outs] for k in range(len(outs[0]))]
+
+
+def test_receive_tensors_allocated_during_the_notify_are_used_when_the_rows_fit(p2p2):
+    """Dispatches of one kind (BF16, hidden, top-k) back to back with 24, 24, 40, 8 and 8 tokens a
+    rank, checked by _guess_rounds: the sequence has both kinds of call on each rank, a guess used
+    (24 after 24, 8 after 8), a guess too small (40 after 24) and one far too large (8 after 40)."""
+    specs = [_spec(2, seed=40 + i, tokens=t, tagged=True) for i, t in enumerate((24, 24, 40, 8, 8))]
+    fitted, rows = _guess_rounds(p2p2, specs)
+    assert sum(map(len, fitted)) >= 4 and sum(not f for f in fitted[1:]) >= 2, rows
+
+
+def test_a_prelaunched_data_phase_runs_beside_a_peer_that_launches_it_again(p2p2):
+    """Top-1 routings whose hot expert (on rank 1) takes a growing share: rank 1 then gets more
+    rows than its guess (its prelaunched data phase ends at once and its host launches it again,
+    tens of us later) while rank 0 gets fewer that still fit (its prelaunched one runs and waits
+    for rank 1's descriptors and rows). Checked by _guess_rounds; the sequence has such a call."""
+    specs = [_spec(2, seed=50 + i, topk=1, holes=0, tagged=True, **hot)
+             for i, hot in enumerate(({}, {}, dict(hot_expert=4, hot_fraction=0.3),
+                                      dict(hot_expert=4, hot_fraction=0.3), {}))]
+    fitted, rows = _guess_rounds(p2p2, specs)
+    assert any(len(f) == 1 for f in fitted[1:]), (fitted, rows)
+
+
+def test_without_the_prelaunch_the_data_phase_goes_after_the_counts():
+    """GPUNET_EP_HT_PRELAUNCH=0 (the A/B of bench/ep_ht.py): the guess is still used (views of
+    it when the rows fit) but no data phase is prelaunched, and the rounds are exact."""
+    r = _pool(2, "p2p-pool", 32, env={"GPUNET_EP_HT_PRELAUNCH": "0"})
+    try:
+        specs = [_spec(2, seed=44 + i, tagged=True) for i in range(2)]
+        outs = [r.run("ep_ht_jobs:round_", spec) for spec in specs]
+        for spec, out in zip(specs, outs):
+            _assert_round(out, spec)
+        assert [o["prelaunched"] for out in outs for o in out] == [0] * 4
+        assert [o["rows_held"] >= o["n_recv"] for o in outs[1]] == [True, True]
+    finally:
+        _close(r)
 
 
 def test_a_too_small_buffer_is_refused_on_every_rank(mixed4):

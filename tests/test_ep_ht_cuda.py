@@ -62,7 +62,8 @@ def test_p2p_ranks_store_rows_into_the_receive_pool(cuda_platform):
     tagged with varying tokens, FP8 cached with biases, num_worst_tokens); with rank 1's pool held
     full, rank 1 takes torch memory and the ring while rank 0 still receives in place; every
     round matches the reference on both ranks. A BF16 round repeated takes views of the receive
-    tensors allocated during its notify (the last such call's rows + 1/8)."""
+    tensors allocated during its notify (the last such call's rows + 1/8), into which its data
+    phase was launched before the host read the counts."""
     from mp_ranks import Ranks
     r = Ranks(2, env={"GPUNET_PLATFORM": "cuda"})
     try:
@@ -82,13 +83,15 @@ def test_p2p_ranks_store_rows_into_the_receive_pool(cuda_platform):
                 assert [o["in_pool"] for o in outs] == [True, not held], (mode, held)
             if not held:
                 # the first round again: its receive tensors were allocated while its notify ran,
-                # for the rows of the first round + 1/8 (Buffer._ht_recv_guess), and are views
+                # for the rows of the first round + 1/8 (Buffer._ht_recv_guess_rows), and are views;
+                # its data phase was launched behind the notify and ran (ht.cuh F_HT_PRE)
                 spec = dict(SPEC, seed=7, num_experts=16, **modes[0])
                 outs = r.run("ep_ht_jobs:round_", spec, timeout=300)
                 for rank, o in enumerate(outs):
                     assert o["raised"] is None and o["bad"] == [], (rank, o)
                     n = o["n_recv"]
                     assert o["in_pool"] and o["rows_held"] == n + -(-n // 8), (rank, n, o["rows_held"])
+                    assert o["prelaunched"] == 1, (rank, o)
         r.run("ep_ht_jobs:hold_pool", [False, False], timeout=120)
         r.run("ep_ht_jobs:close", timeout=120)
     finally:

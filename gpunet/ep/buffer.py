@@ -429,8 +429,10 @@ class Buffer:
         self._pool_mem = ctx.alloc((self.recv_pool_bytes,), torch.uint8) if self.recv_pool_bytes else None
         self._pool = self._owned["pool"] = RecvPool(self._pool_mem) if self._pool_mem is not None else None
         self._pool_warned = False   # _pool_full said it once
-        # (fp8, hidden, topk) -> the rows of the last HT dispatch of that kind (_ht_recv_guess)
+        # (fp8, hidden, topk) -> the rows of the last HT dispatch of that kind (_ht_recv_guess_rows)
         self._ht_rows_seen = {}
+        self._ht_prelaunch = config.get("GPUNET_EP_HT_PRELAUNCH") == "1"
+        self._ht_prelaunched = 0    # dispatches whose prelaunched data phase ran (the tests read it)
         self._stats = {"dispatch": torch.zeros(r, r, dtype=torch.int64, device=self._device),
                        "combine": torch.zeros(r, r, dtype=torch.int64, device=self._device)}
         self._warned_masked = set()
@@ -677,8 +679,9 @@ class Buffer:
             err = GpunetError("%s: EP kernel launch failed (error %d)" % (what, rc))
         if P.base.phases & dep.PH_NOTIFY:
             self._ht_epoch[1:].add_(1)  # not launched: the peers' notifies counted this one
-        if P.base.flags & dep.F_HT_BUMP:
+        if P.base.flags & dep.F_HT_BUMP and not P.base.flags & dep.F_HT_PRE:
             self._ht_skip_op()          # not launched: neither was the epoch bump it carries
+            # (a prelaunched data phase's caller does that once the notify has ended: dispatch)
         raise err
 
     @staticmethod
@@ -756,7 +759,7 @@ class Buffer:
         python list (aligned); handle (opaque: pass it to combine or a cached dispatch). With a
         handle: ``(recv_x, None, None, None, None, event)``. Without num_worst_tokens or a handle
         the receive tensors may be views of the first N rows of an allocation for up to 1/8 more
-        (made while the notify ran, sized from the last such call: _ht_recv_guess). The receive
+        (made while the notify ran, sized from the last such call: _ht_recv_guess_rows). The receive
         tensors (recv_x, its scales, recv_topk_idx, recv_topk_weights and the handle's source
         indices) are parts of one allocation (_pool.packed): it is freed when the last dies."""
         self._alive()
@@ -851,7 +854,7 @@ class Buffer:
         # launch)
         send_pos, send_cnt, chan_prefix, info = packed_empty(
             [((num_tokens, r), torch.int32), ((nc, r), torch.int32), ((r, nc + 1), torch.int32),
-             ((r + 1 + e_loc,), torch.int32)], dev)
+             ((r + 2 + e_loc,), torch.int32)], dev)
         P = self._ht_params(dep.OP_HT_DISPATCH, dep.PH_NOTIFY, flags, layout, hidden, num_tokens, k,
                             nc, ring, chunk)
         P.base.num_experts, P.base.e_loc = num_experts, e_loc
@@ -865,35 +868,41 @@ class Buffer:
         if worst:
             rows = num_worst_tokens
             recv = self._ht_recv_tensors(fp8, rows, hidden, k)
+            self._ht_data_params(P, recv, rows, P.base.flags | dep.F_HT_WORST, dep.PH_NOTIFY | dep.PH_DATA)
+            self._ht_launch(P, 2 * nc, block, what)
         else:
             key = (fp8, hidden, k)
+            cap = self._ht_recv_guess_rows(key)
+            if cap and self._ht_prelaunch:
+                P.base.flags |= dep.F_HT_PRE    # the notify writes the go word
+            P.num_recv_max = cap
+            notify_flags = P.base.flags
+            n = r + 2 + e_loc                   # recv_info's words: rank prefix, expert counts, go
             try:
-                host, early = self._ht_notify(P, info, block, r + 1 + e_loc, what,
-                                              meanwhile=lambda: self._ht_recv_guess(key))
-                self._check(what, "dispatch", mirrored=True)  # the notify is done: its failures are seen
+                host, early = self._ht_notify(P, info, block, n, what,
+                                              meanwhile=lambda: self._ht_early(P, key, cap, nc, block, what))
                 rows = int(host[r])
                 self._ht_rows_seen[key] = rows
-                recv = self._ht_recv_fit(early, rows)
-                early = None            # a guess that does not fit is freed before the exact tensors
-                if recv is None:
-                    recv = self._ht_recv_tensors(fp8, rows, hidden, k)
+                went = bool(notify_flags & dep.F_HT_PRE) and host[n - 1] != 0
+                if not went:
+                    self._check(what, "dispatch", mirrored=True)  # the notify is done: its failures are seen
+                    recv = self._ht_recv_fit(early, rows)
+                    early = None        # a guess that does not fit is freed before the exact tensors
+                    if recv is None:
+                        recv = self._ht_recv_tensors(fp8, rows, hidden, k)
             except BaseException as e:
                 self._ht_skip_op(getattr(e, "ht_peer_op", None))
                 raise
-        recv_x, recv_s, src, recv_topk, recv_w, direct = recv
-        if k and self.enable_shrink:
-            # a masked rank's rows (never written) read as "no expert"; else every row's K slots
-            # are written by the kernel (a failed rank raises: no output), with num_worst_tokens
-            # those past the received rows too (ht.cuh ht_fill_tail)
-            recv_topk.fill_(-1)
-            recv_w.zero_()
-        P.host_info = 0
-        P.base.phases = (dep.PH_NOTIFY | dep.PH_DATA) if worst else dep.PH_DATA
-        P.base.flags |= dep.F_HT_BUMP | (dep.F_HT_WORST if worst else 0) | direct
-        P.num_recv_max = rows
-        P.out_x, P.out_scales, P.out_src_idx = _addr(recv_x), _addr(recv_s), _addr(src)
-        P.out_topk_idx, P.out_weights = _addr(recv_topk), _addr(recv_w)
-        self._ht_launch(P, 2 * nc, block, what)
+            if not went:
+                self._ht_data_params(P, recv, rows, notify_flags & ~dep.F_HT_PRE, dep.PH_DATA)
+                self._ht_launch(P, 2 * nc, block, what)
+            else:                       # the prelaunched data phase runs: views of its tensors
+                self._ht_prelaunched += 1
+                recv = self._ht_recv_fit(early, rows)
+                if recv is None:        # (the go word is _ht_recv_fit's rule: never)
+                    raise GpunetError("%s: internal: the prelaunched data phase runs into tensors of %d "
+                                      "rows for %d received ones" % (what, early[0].shape[0], rows))
+        recv_x, recv_s, src, recv_topk, recv_w, _ = recv
         try:
             self._check(what, "dispatch", mirrored=True)
         except GpunetError as e:
@@ -901,7 +910,7 @@ class Buffer:
             if getattr(e, "ht_peer_op", None) is not None:
                 self._ht_catch_up(e.ht_peer_op)
             raise
-        counts = [] if worst else host[r + 1:].tolist()    # python ints (numpy's tolist)
+        counts = [] if worst else host[r + 1:n - 1].tolist()    # python ints (numpy's tolist)
         handle = (info[:r + 1], chan_prefix, src, in_rank, send_pos, send_cnt,
                   {"nc": nc, "rows": rows, "num_tokens": num_tokens, "hidden": hidden, "topk": k,
                    "num_recv": None if worst else rows})
@@ -969,10 +978,10 @@ class Buffer:
                     return arr[1:1 + n].copy(), extra
         return to_host(info).numpy(), extra
 
-    def _ht_recv_guess(self, key):
-        """Receive tensors allocated while the notify runs, before the rows are known:
-        _ht_recv_tensors' tuple for 1/8 more rows than the last dispatch of this kind (``key`` =
-        (fp8, hidden, topk)) received, or None for the first one.
+    def _ht_recv_guess_rows(self, key):
+        """How many rows to allocate the receive tensors for before the notify has counted them:
+        1/8 more than the last dispatch of this kind (``key`` = (fp8, hidden, topk)) received, or 0
+        for the first one (then nothing is allocated early).
 
         Why: allocating them after the notify put ~18 us of host time (five torch allocations,
         through the pool's MemPool context ~5 us more) between the notify and the data kernel,
@@ -981,14 +990,45 @@ class Buffer:
         allocation, up to 1/8 more bytes than the rows need, or twice as many after a call with
         far more rows."""
         seen = self._ht_rows_seen.get(key)
-        if not seen:
+        return seen + -(-seen // 8) if seen else 0
+
+    def _ht_early(self, P, key, cap, nc, block, what):
+        """The notify's ``meanwhile`` (host work its GPU time hides): the receive tensors for
+        ``cap`` rows (_ht_recv_guess_rows; None when 0) and, with F_HT_PRE in ``P``'s flags, the
+        data phase launched into them now, behind the notify (ht.cuh run_ht "The prelaunched data
+        phase"): it runs when the notify's go word says the rows fit them, so no host time lies
+        between the two kernels; else it ends at once and dispatch launches the data phase again.
+        GPUNET_EP_HT_PRELAUNCH=0 leaves it out (the A/B of bench/ep_ht.py)."""
+        if not cap:
             return None
         fp8, hidden, k = key
-        return self._ht_recv_tensors(fp8, seen + -(-seen // 8), hidden, k)
+        early = self._ht_recv_tensors(fp8, cap, hidden, k)
+        if P.base.flags & dep.F_HT_PRE:
+            self._ht_data_params(P, early, cap, P.base.flags, dep.PH_DATA)
+            self._ht_launch(P, 2 * nc, block, what + " (data, prelaunched)")
+        return early
+
+    def _ht_data_params(self, P, recv, rows, flags, phases):
+        """Point ``P`` (the notify's params) at receive tensors ``recv`` (_ht_recv_tensors) of
+        ``rows`` rows for the launch of the data phase (``phases``; num_worst_tokens: with the
+        notify) with ``flags`` (the notify's, F_HT_WORST / F_HT_PRE as the caller wants)."""
+        recv_x, recv_s, src, recv_topk, recv_w, direct = recv
+        if recv_topk is not None and self.enable_shrink:
+            # a masked rank's rows (never written) read as "no expert"; else every row's K slots
+            # are written by the kernel (a failed rank raises: no output), with num_worst_tokens
+            # those past the received rows too (ht.cuh ht_fill_tail)
+            recv_topk.fill_(-1)
+            recv_w.zero_()
+        P.host_info = 0
+        P.base.phases = phases
+        P.base.flags = flags | dep.F_HT_BUMP | direct
+        P.num_recv_max = rows
+        P.out_x, P.out_scales, P.out_src_idx = _addr(recv_x), _addr(recv_s), _addr(src)
+        P.out_topk_idx, P.out_weights = _addr(recv_topk), _addr(recv_w)
 
     @staticmethod
     def _ht_recv_fit(early, rows):
-        """``early`` (_ht_recv_guess) narrowed to ``rows`` rows when they fit and use at least half
+        """``early`` (_ht_recv_guess_rows) narrowed to ``rows`` rows when they fit and use at least half
         of it (no more than twice the bytes held), else None (the caller allocates them now)."""
         if early is None or not early[0].shape[0] // 2 <= rows <= early[0].shape[0]:
             return None

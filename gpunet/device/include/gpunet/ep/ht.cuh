@@ -92,6 +92,8 @@ enum : uint32_t {
   F_HT_DESC = 1024,     // dispatch data: receivers send mapped sources their receive descriptor
                         // (every rank has a receive pool: the flag is the same on every rank)
   F_HT_DIRECT = 2048,   // dispatch data: this rank's receive tensors lie in its pool (HtParams::pool)
+  F_HT_PRE = 4096,      // dispatch: the data launch went before the host read the counts ("The
+                        // prelaunched data phase" in run_ht); the notify writes its go word
 };
 // A dispatch tail word's count with this bit: the rows were stored straight into the receive
 // tensors ("Receive pool" above), nothing to copy out of a ring and no credit to give.
@@ -210,10 +212,11 @@ struct HtParams {
   uint64_t send_pos;     // int32 [T, R]
   uint64_t send_cnt;     // int32 [nc, R]
   uint64_t chan_prefix;  // int32 [R, nc + 1]
-  uint64_t recv_info;    // int32 [R + 1 + E_loc]: rank prefix (R + 1 entries), aligned expert counts
+  uint64_t recv_info;    // int32 [R + 2 + E_loc]: rank prefix (R + 1 entries), aligned expert counts,
+                         // the prelaunched data phase's go word (run_ht)
   uint64_t bias0, bias1; // combine: bf16 [T, H] (or 0)
   uint64_t ws;           // device: u64 [2 (send, recv)][nc][R][WS_WORDS], int32 [R], int32 [nc][R][kHtMaxChunk]
-  uint64_t host_info;    // dispatch notify: mapped host int32 [1 + R + 1 + E_loc] (or 0): recv_info's
+  uint64_t host_info;    // dispatch notify: mapped host int32 [1 + R + 2 + E_loc] (or 0): recv_info's
                          // words at [1..], then [0] = 1 (a release): the host reads the counts
                          // without a stream synchronisation
   uint64_t pool;         // heap: this rank's receive pool (F_HT_DESC; symmetric: a peer's is at the
@@ -552,6 +555,13 @@ GPUNET_DEVICE void ht_notify(const HtParams& P, const Geo& g, uint64_t epoch) {
     set_info(R, int32_t(run));
     if ((B.flags & F_HT_WORST) && run > int64_t(P.num_recv_max))
       ep_fail(B, EP_ERR_WORST, EP_SITE_HT_WORST, B.rank, P.num_recv_max, uint64_t(run), 0);
+    // the prelaunched data phase's go word (run_ht): the rows fit the receive tensors the host
+    // allocated before it knew them (num_recv_max; at least half used: Buffer._ht_recv_fit's
+    // rule) and the notify saw every rank's header with nothing failed or masked
+    bool go = (B.flags & F_HT_PRE) && !ep_failed(B) && run <= int64_t(P.num_recv_max) &&
+              run >= int64_t(P.num_recv_max / 2);
+    for (uint32_t j = 0; go && j < R; ++j) go = notify_scratch(P)[j] != 0 && !peer_out(B, j);
+    set_info(R + 1 + EL, go ? 1 : 0);
   }
   for (uint32_t le = g.tid; le < EL; le += g.bdim) {
     int64_t n = 0;
@@ -1504,6 +1514,15 @@ GPUNET_DEVICE void ht_revoke_descs(const HtParams& P, const Geo& g, uint64_t epo
 GPUNET_DEVICE void run_ht(const HtParams& P) {
   const Geo g = geo();
   const LlParams& B = P.base;
+  // The prelaunched data phase (F_HT_PRE; Buffer.dispatch): the host launched it right behind the
+  // notify, into receive tensors sized from the last dispatch's rows, so that no host time lies
+  // between the two kernels. It runs only when the notify's go word says those tensors hold this
+  // op's rows and no rank was out; else every block ends here (nothing sent, no epoch bump, no
+  // descriptor) and the host, seeing the same word, launches the data phase again with tensors
+  // for the rows. A peer whose data phase comes later is waited for as a late peer is.
+  if ((B.flags & F_HT_PRE) && !(B.phases & PH_NOTIFY) &&
+      ptr<const int32_t>(P.recv_info)[B.nranks + 1 + B.e_loc] == 0)
+    return;
   const uint64_t epoch = arch::atomic_load(ptr<const uint64_t>(P.epoch));
   bool ok = true;
   if ((B.phases & PH_NOTIFY) && g.bid == 0) ht_notify(P, g, epoch);

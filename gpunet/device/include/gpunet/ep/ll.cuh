@@ -143,7 +143,7 @@ enum : uint32_t {
   F_ZERO_COPY = 8,       // combine: x is the send staging buffer already
   F_SHRINK = 16,         // a failed peer is masked (else only recorded; the host raises)
   F_WAIT_STATS_2D = 32,  // wait_stats is [R, R]: this rank's row; else [R]
-  // (bits 64..512 are ht.cuh's F_HT_*: HtParams::base.flags shares this word)
+  // (bits 64..4096 are ht.cuh's F_HT_*: HtParams::base.flags shares this word)
   F_ALL_MAPPED = 1u << 16,  // every peer but this rank is mapped here (p2p): rows go unstaged
   F_GPU_SCOPE = 1u << 17,   // every peer (this rank too) is p2p on this GPU: see grid_fence
   F_DIRECT = 1u << 18,      // dispatch, every peer mapped on one GPU, a receive pool: the count round
