@@ -53,8 +53,8 @@ KNOBS = (
     Knob("GPUNET_EP_HT_PRELAUNCH", "env", "choice", "1", ("0", "1"),
          "gpunet.ep's high-throughput dispatch after the first of its kind: 1 launches the data "
          "phase right behind the notify into receive tensors sized from the last call's rows (it "
-         "runs when they fit, else the host launches it again: ht.cuh run_ht), 0 launches it "
-         "once the host has read the counts"),
+         "runs when they fit, else the host launches it again: ht.cuh run_ht; on a GPU only in "
+         "worlds whose other ranks are all p2p), 0 launches it once the host has read the counts"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),

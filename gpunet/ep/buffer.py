@@ -873,7 +873,7 @@ class Buffer:
         else:
             key = (fp8, hidden, k)
             cap = self._ht_recv_guess_rows(key)
-            if cap and self._ht_prelaunch:
+            if cap and self._ht_prelaunch_ok():
                 P.base.flags |= dep.F_HT_PRE    # the notify writes the go word
             P.num_recv_max = cap
             notify_flags = P.base.flags
@@ -1007,6 +1007,15 @@ class Buffer:
             self._ht_data_params(P, early, cap, P.base.flags, dep.PH_DATA)
             self._ht_launch(P, 2 * nc, block, what + " (data, prelaunched)")
         return early
+
+    def _ht_prelaunch_ok(self):
+        """Whether a dispatch may prelaunch its data phase (_ht_early): GPUNET_EP_HT_PRELAUNCH=1
+        (the default) and, on a GPU, every other rank p2p (F_ALL_MAPPED), where the host reads
+        the counts by polling the notify's mailbox. Elsewhere it copies them with a stream-ordered
+        copy, which would wait for the whole prelaunched data phase: the call would return only
+        when its rows are in. The CPU's launches finish in the call anyway (every world
+        prelaunches there, so the tests cover the protocol over every transport)."""
+        return self._ht_prelaunch and (not self._gpu or bool(self._ll_world_flags() & dep.F_ALL_MAPPED))
 
     def _ht_data_params(self, P, recv, rows, flags, phases):
         """Point ``P`` (the notify's params) at receive tensors ``recv`` (_ht_recv_tensors) of
