@@ -1037,7 +1037,7 @@ class Buffer:
 
     @staticmethod
     def _ht_recv_fit(early, rows):
-        """``early`` (_ht_recv_guess_rows) narrowed to ``rows`` rows when they fit and use at least half
+        """``early`` (_ht_early's tensors) narrowed to ``rows`` rows when they fit and use at least half
         of it (no more than twice the bytes held), else None (the caller allocates them now)."""
         if early is None or not early[0].shape[0] // 2 <= rows <= early[0].shape[0]:
             return None
