@@ -154,10 +154,10 @@ def _rank_bench(rank, world, cfg):
         # each (bench/ep.py HOLD_S): the host's work before the first launch is hidden, its wait
         # for the notify inside the call is not
         if gpu and cfg.get("hold_s", 0) > 0:
-            held = ll_bench._Timer(gpu, cfg["hold_s"])
+            hold = ll_bench._Timer(gpu, cfg["hold_s"])    # (not `held`: calls_at's memo)
             for op, i in choice.items():
-                res["device"][op] = laps(calls_at(i)[op], held)
-            res["held_fraction"] = sum(held.held) / max(1, len(held.held))
+                res["device"][op] = laps(calls_at(i)[op], hold)
+            res["held_fraction"] = sum(hold.held) / max(1, len(hold.held))
         buf._ht_warps = None
         held.clear()
         # what a caller that passes no Config gets (get_dispatch_config / get_combine_config, the
