@@ -25,7 +25,8 @@ Yardsticks, in the same run:
   sleep kernel before the start event (HOLD_S), so the host's enqueue (Python argument checks,
   allocations, the launch) is hidden and the events measure the GPU work alone, on both sides of
   the ratio, as DeepEP's kineto figures do; the rows without the suffix include whatever host time
-  the GPU waited for. bench/ep_profile.py takes a call apart (host, phases on the device).
+  the GPU waited for. bench/ep_profile.py takes a call apart (host, phases on the device). On the
+  CPU, --hold-us > 0 runs the same loops with nothing held (for the tests: no GPU-only code).
 - NCCL all_to_all_single (GPU, one rank per GPU, 2+ GPUs): each rank sends each destination rank
   the rows of its tokens that have an expert there, once per destination rank (what gpunet sends),
   with starts aligned by an NCCL all_reduce before each call.
@@ -84,11 +85,14 @@ class _Timer:
     ``hold_s`` > 0 (GPU): a sleep kernel of that length goes on the stream before the start
     event, so the call is enqueued while the GPU is still busy and the events time the GPU work
     alone, not the host's argument checks and launch; ``held`` records per call whether the
-    stream had not yet reached the start event when the call was enqueued (the hold held)."""
+    stream had not yet reached the start event when the call was enqueued (the hold held).
+    On the CPU nothing can be held (the HOST arm runs inside the call): ``hold_s`` > 0 times the
+    calls as without it and records every call as not held, so the CPU tests run the "(device)"
+    loops, which otherwise only a GPU would reach (5f92927 broke one that way)."""
 
     def __init__(self, gpu, hold_s=0.0):
         self.gpu = gpu
-        self.hold_s = hold_s if gpu else 0.0
+        self.hold_s = hold_s
         self.pending = []
         self.held = []
 
@@ -107,6 +111,8 @@ class _Timer:
             return out, None
         t0 = time.perf_counter()
         out = fn()
+        if self.hold_s:
+            self.held.append(False)
         return out, time.perf_counter() - t0
 
     def resolve(self, cpu_times):
@@ -275,7 +281,7 @@ def _rank_bench(rank, world, cfg):
             # held before each call: the "(device)" rows, GPU time without the host's share -----
             laps = {}
             timings = [("", _Timer(gpu))]
-            if gpu and cfg.get("hold_s", 0) > 0:
+            if cfg.get("hold_s", 0) > 0:
                 timings.append((DEVICE, _Timer(gpu, cfg["hold_s"])))
             for suffix, timer in timings:
                 laps["combine" + suffix] = []
@@ -367,7 +373,7 @@ def _torch_yardsticks(cfg, world, T):
 
     out = {}
     timings = [("", _Timer(gpu))]
-    if gpu and cfg.get("hold_s", 0) > 0:
+    if cfg.get("hold_s", 0) > 0:
         timings.append((DEVICE, _Timer(gpu, cfg["hold_s"])))
     for label, sources in (("all ranks", range(world)), ("one rank", [0])):
         idx, wts = packed_index(list(sources))
@@ -532,9 +538,10 @@ def main(argv=None):
                          "the soft NIC's ibgda on the CPU; ibgda / proxy: the soft NIC, also on "
                          "a GPU; on CUDA the heap is device memory, p2p peers open it by CUDA IPC)")
     ap.add_argument("--timeout-s", type=float, default=100.0, help="Buffer's device wait bound")
-    ap.add_argument("--hold-us", type=float, default=HOLD_S * 1e6,
-                    help="GPU: the '(device)' rows hold the stream this long before each timed call "
-                         "(0: no such rows)")
+    ap.add_argument("--hold-us", type=float,
+                    help="the '(device)' rows hold the stream this long before each timed call "
+                         "(default %g on a GPU, 0 on the CPU; 0: no such rows; on the CPU a value "
+                         "> 0 runs their loops without a hold, for the tests)" % (HOLD_S * 1e6))
     ap.add_argument("--no-nccl", action="store_true", help="skip the NCCL rows")
     ap.add_argument("--json", help="default bench/results/<date>/ep_<cpu|gpu>.json")
     ap.add_argument("--plot", help="PNG path (default: beside the JSON)")
@@ -551,6 +558,8 @@ def main(argv=None):
                     help="ht: the Config sweep as num_sms:chunk:ring:warps,... (default: bench/ep_ht.py "
                          "GPU_CONFIGS / CPU_CONFIGS)")
     args = ap.parse_args(argv)
+    if args.hold_us is None:
+        args.hold_us = HOLD_S * 1e6 if args.gpu else 0.0
     if args.mode == "ht":
         import ep_ht
         return ep_ht.run(args)

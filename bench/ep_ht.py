@@ -26,7 +26,8 @@ NCCL all_to_all_single of the same rows (target: gpunet ahead of it).
 GPU, "(device)" rows: the same ops at each op's chosen Config, each call timed after a hold of
 the stream (bench/ep.py --hold-us, HOLD_S), and the gather timed the same way: the host's work
 before the first launch is hidden (as in a step whose GPU is still busy with earlier work), the
-host's wait for the dispatch's notify inside the call is not. Targets are listed for both.
+host's wait for the dispatch's notify inside the call is not. Targets are listed for both. On
+the CPU, --hold-us > 0 runs that loop with nothing held (the tests' way to reach it).
 "(default Config)" rows: a dispatch and a combine without a Config (get_dispatch_config /
 get_combine_config at Buffer.num_sms, the default warps: what a DeepEP caller that passes none
 gets), host-timed.
@@ -153,7 +154,7 @@ def _rank_bench(rank, world, cfg):
         # the "(device)" rows (GPU): the same calls at the same Config with the stream held before
         # each (bench/ep.py HOLD_S): the host's work before the first launch is hidden, its wait
         # for the notify inside the call is not
-        if gpu and cfg.get("hold_s", 0) > 0:
+        if cfg.get("hold_s", 0) > 0:
             hold = ll_bench._Timer(gpu, cfg["hold_s"])    # (not `held`: calls_at's memo)
             for op, i in choice.items():
                 res["device"][op] = laps(calls_at(i)[op], hold)
@@ -369,7 +370,7 @@ def run(args):
                experts=args.experts, iters=args.iters, warmup=args.warmup, holes=args.holes,
                seed=args.seed, transport=args.transport, timeout_s=args.timeout_s,
                no_nccl=args.no_nccl, configs=_configs(args), recv_pool_mib=getattr(args, "recv_pool_mib", -1),
-               hold_s=getattr(args, "hold_us", 0) * 1e-6 if args.gpu else 0.0)
+               hold_s=(getattr(args, "hold_us", 0) or 0) * 1e-6)
     rows, gate, runs = [], [], []
     for world in ranks:
         print("[bench/ep ht] %d ranks, %d tokens, hidden %d, top-%d, %d experts (%s)"

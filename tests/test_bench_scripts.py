@@ -115,18 +115,22 @@ EP_SCRIPT = ROOT / "bench" / "ep.py"
 def test_ep_bench_cpu_smoke(tmp_path):
     """bench/ep.py on the CPU (2 ranks, soft NIC, tiny sizes): every configuration matches the
     reference (its gate rows PASS), each op has a row per token count with a positive median,
-    bytes follow DeepEP's per-selection count, and the torch yardsticks are in the same JSON."""
+    bytes follow DeepEP's per-selection count, and the torch yardsticks are in the same JSON.
+    --hold-us runs the "(device)" loops too (on the CPU without a hold: the code a GPU run
+    reaches, its rows and its target rows, with nothing held)."""
     out = tmp_path / "ep.json"
     r = subprocess.run([sys.executable, str(EP_SCRIPT), "--ranks", "2", "--sweep", "4,8",
                         "--tokens", "8", "--hidden", "128", "--topk", "2", "--experts", "4",
-                        "--holes", "2", "--iters", "2", "--warmup", "1", "--json", str(out)],
+                        "--holes", "2", "--iters", "2", "--warmup", "1", "--hold-us", "1",
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=900, cwd=str(ROOT))
     assert r.returncode == 0, r.stdout + r.stderr
     import json
     d = json.loads(out.read_text())
     tests = [g for g in d["gate"] if g["kind"] == "test"]
     assert len(tests) == 2 and all(g["result"] == "PASS" for g in tests), tests
-    for op in ("dispatch bf16", "dispatch fp8", "combine bf16", "torch gather, all ranks"):
+    for op in ("dispatch bf16", "dispatch fp8", "combine bf16", "torch gather, all ranks",
+               "dispatch bf16 (device)", "combine bf16 (device)", "torch gather (device), all ranks"):
         rows = [row for row in d["rows"] if row["op"] == op]
         assert sorted(row["tokens"] for row in rows) == [4, 8] and all(
             row["median_us"] > 0 for row in rows), op
@@ -135,6 +139,7 @@ def test_ep_bench_cpu_smoke(tmp_path):
     assert bf16["bytes_per_rank"] % 256 == 0 and fp8["bytes_per_rank"] % (128 + 4 + 16) == 0
     assert bf16["bytes_per_rank"] // 256 == fp8["bytes_per_rank"] // 148      # same selections
     assert "DeepEP" in d["bytes"] and d["machine"]["cores"] >= 1
+    assert sum(g["kind"] == "target" for g in d["gate"]) == 4     # both timings, at --tokens
 
 
 def test_ep_bench_gpu_without_gpu_fails_fast():

@@ -877,7 +877,8 @@ def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     against the reference (a PASS test row), sweeps the Configs given by --ht-configs, and writes
     the JSON with the BF16 / FP8 dispatch, combine and num_worst_tokens dispatch rows (each with
     its best Config), the torch gather yardstick and the target rows, and whether each rank's
-    receive pool ran out."""
+    receive pool ran out. --hold-us runs the "(device)" loop too (on the CPU without a hold: the
+    code only a GPU run reached until 5f92927 broke it unseen), with its rows and target rows."""
     import json
     import subprocess
     import sys
@@ -886,7 +887,7 @@ def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     out = tmp_path / "ht.json"
     configs = [(4, 4, 48, 2), (4, 8, 64, 2)]        # --ht-configs: the sweep from the command line
     r = subprocess.run([sys.executable, str(root / "bench" / "ep.py"), "--mode", "ht", "--tokens", "24",
-                        "--iters", "1", "--warmup", "0", "--json", str(out),
+                        "--iters", "1", "--warmup", "0", "--hold-us", "1", "--json", str(out),
                         "--ht-configs", ",".join(":".join(map(str, c)) for c in configs)],
                        capture_output=True, text=True, timeout=900, cwd=str(root))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -900,7 +901,10 @@ def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     assert {"HT dispatch bf16 (default Config)", "HT combine bf16 (default Config)"} <= ops
     tests = [g for g in d["gate"] if g["kind"] == "test"]
     assert tests and all(g["result"] == "PASS" for g in tests), tests
-    assert sum(g["kind"] == "target" for g in d["gate"]) == 2
+    assert {"HT dispatch bf16 (device)", "HT combine bf16 (device)", "HT dispatch fp8 (device)",
+            "HT dispatch bf16 worst (device)", "torch gather (device), all ranks' rows"} <= ops
+    assert sum(g["kind"] == "target" for g in d["gate"]) == 4
+    assert all(run["held_fraction"] == [0.0, 0.0] for run in d["runs"])    # nothing held on a CPU
     assert all(row["GBps"] > 0 for row in d["rows"])
     # whether each rank's receive pool ran out (CUDA's stays out of use then): said per run
     assert all(len(run["pool_ran_out"]) == run["ranks"] for run in d["runs"])
