@@ -158,6 +158,14 @@ def test_packed_parts_with_no_rows_are_empty_tensors_and_negative_dims_are_refus
     with pytest.raises(ValueError, match="negative"):
         packed([((4,), torch.int32), ((-1, 2), torch.int32)], alloc)
     assert asked == [256]
+    # an allocation that is itself a view at an offset (a pool's block): the parts start from it
+    big = torch.zeros(4096, dtype=torch.uint8)
+    y, w = packed([((2, 3), torch.int64), ((5,), torch.float32)], lambda n: big[512:512 + n])
+    assert (y.data_ptr() - big.data_ptr(), w.data_ptr() - big.data_ptr()) == (512, 768)
+    y.fill_(-1)
+    w.fill_(2.0)
+    assert bool((big[512:560] == 255).all()) and int(big[560:768].sum()) == 0
+    assert bool((big[768:788].view(torch.float32) == 2.0).all()) and int(big[788:].sum()) == 0
 
 
 def test_dropping_a_tensor_returns_its_bytes_but_a_live_view_keeps_them(pool):
