@@ -479,3 +479,51 @@ def test_torch_free_frees_only_with_the_size_device_and_stream_of_the_allocation
     free(blk, 2 * PAGE, 0, stream)                                # twice
     assert lib.gp_bad_frees() == bad + len(wrong) + 1
     assert "gp_torch_free" in capfd.readouterr().err
+
+
+_SPEC = st.one_of(st.none(), st.tuples(
+    st.one_of(st.integers(0, 300), st.lists(st.integers(0, 40), min_size=1, max_size=3)),
+    st.sampled_from(DTYPES)))
+
+
+@settings(max_examples=max(10, settings().max_examples * 3 // 5), deadline=None)
+@given(specs=st.lists(_SPEC, max_size=6), lead=st.sampled_from([0, 256, 512]))
+def test_packed_parts_are_in_order_aligned_disjoint_and_hold_what_is_written(specs, lead):
+    """_pool.packed (the HT dispatch's receive and work tensors, the pool's empty_many). Generated:
+    up to 6 specs, each None or (a length or a shape of up to 3 dims, 0 included; a dtype), and
+    where the allocation starts in a larger buffer (0, 256 or 512 bytes in). Invariants: None
+    where the spec is None; else a contiguous tensor of that shape and dtype; the parts follow one
+    another in spec order, each starting on a 256-byte boundary of the allocation right after the
+    previous part's bytes rounded up; the allocation asked for is exactly their rounded sum; and a
+    byte pattern written into each part reads back from every part (no two overlap) with nothing
+    written outside them."""
+    from gpunet.ep._pool import packed
+    buf = torch.zeros(1 << 21, dtype=torch.uint8)
+    asked = []
+
+    def alloc(n):
+        asked.append(n)
+        return buf[lead:lead + n]
+
+    parts = packed(specs, alloc)
+    at = 0
+    for sd, t in zip(specs, parts):
+        if sd is None:
+            assert t is None
+            continue
+        shape = (sd[0],) if isinstance(sd[0], int) else tuple(sd[0])
+        assert tuple(t.shape) == shape and t.dtype == sd[1] and t.is_contiguous()
+        if t.numel():       # (an empty part has no bytes; torch may give it address 0)
+            assert t.data_ptr() - buf.data_ptr() == lead + at
+        at += -(-_nbytes(t) // 256) * 256
+    assert asked == [at]
+    for i, t in enumerate(parts):
+        if t is not None and t.numel():
+            t.view(torch.uint8).reshape(-1).fill_(i + 1)
+    outside = buf.clone()
+    for i, t in enumerate(parts):
+        if t is not None and t.numel():
+            assert bool((t.view(torch.uint8) == i + 1).all()), i
+            a = t.data_ptr() - buf.data_ptr()
+            outside[a:a + _nbytes(t)] = 0
+    assert int(outside.count_nonzero()) == 0
