@@ -461,6 +461,40 @@ def dispatch_failing_after_notify(state, spec, failing_rank):
     return raised, int(buf._ht_epoch[0]), out_masked(buf)
 
 
+class _Interrupted(BaseException):
+    """What interrupted_after_the_prelaunch injects: a BaseException, as KeyboardInterrupt is."""
+
+
+def interrupted_after_the_prelaunch(state, spec, failing_rank):
+    """Three dispatches of the spec's inputs on every rank. The first sizes the receive-tensor
+    guess; in the second, ``failing_rank``'s host raises right after it prelaunched the data
+    phase, before it read the notify's go word (as an interrupt while it polls the mailbox would);
+    the third runs everywhere. Returns (the second call's exception type name or None, this
+    rank's HT op epoch after it, the prelaunches that ran to the end (Buffer._ht_prelaunched),
+    whether the third call's recv_x equals the first's, the masked ranks)."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    mine = _inputs(spec, world)[rank]
+    first = _dispatch(buf, spec, mine, spec["config"])[0].clone()
+    if rank == failing_rank:
+        early = buf._ht_early
+
+        def interrupted(*a, **kw):
+            early(*a, **kw)
+            raise _Interrupted("injected: after the prelaunch")
+        buf._ht_early = interrupted
+    raised = None
+    try:
+        _dispatch(buf, spec, mine, spec["config"])
+    except _Interrupted as e:
+        raised = type(e).__name__
+    finally:
+        buf.__dict__.pop("_ht_early", None)
+    epoch = int(buf._ht_epoch[0])
+    third = _dispatch(buf, spec, mine, spec["config"])[0]
+    return raised, epoch, buf._ht_prelaunched, torch.equal(third, first), out_masked(buf)
+
+
 def too_small(state, hidden):
     """A dispatch whose Config needs more than the HT buffer holds: the ConfigError's text."""
     buf = state["ep_buf"]

@@ -878,9 +878,10 @@ class Buffer:
             P.num_recv_max = cap
             notify_flags = P.base.flags
             n = r + 2 + e_loc                   # recv_info's words: rank prefix, expert counts, go
+            pre = []                            # [True] once the data phase is prelaunched
             try:
                 host, early = self._ht_notify(P, info, block, n, what,
-                                              meanwhile=lambda: self._ht_early(P, key, cap, nc, block, what))
+                                              meanwhile=lambda: self._ht_early(P, key, cap, nc, block, what, pre))
                 rows = int(host[r])
                 self._ht_rows_seen[key] = rows
                 went = bool(notify_flags & dep.F_HT_PRE) and host[n - 1] != 0
@@ -891,7 +892,8 @@ class Buffer:
                     if recv is None:
                         recv = self._ht_recv_tensors(fp8, rows, hidden, k)
             except BaseException as e:
-                self._ht_skip_op(getattr(e, "ht_peer_op", None))
+                # (prelaunched: the data phase bumped the epoch itself if its go word said run)
+                self._ht_skip_op(getattr(e, "ht_peer_op", None), ran=info[n - 1:n] if pre else None)
                 raise
             if not went:
                 self._ht_data_params(P, recv, rows, notify_flags & ~dep.F_HT_PRE, dep.PH_DATA)
@@ -918,7 +920,7 @@ class Buffer:
         out_x = (recv_x, recv_s) if fp8 else recv_x
         return out_x, recv_topk, recv_w, counts, handle, self._event(async_finish, keep)
 
-    def _ht_skip_op(self, peer_op=None):
+    def _ht_skip_op(self, peer_op=None, ran=None):
         """This rank's HT operation ends without the launch that bumps the epoch (the host raised
         once it had started the notify: an allocation, a failure the notify recorded, a launch
         that failed). The peers finish the operation without this rank (they mask it or raise) and
@@ -930,8 +932,14 @@ class Buffer:
         ``peer_op``: the notify found this rank out of step (EP_ERR_OUT_OF_STEP) with a peer at
         that op count, ahead of it (it skipped an op without a notify its peers ran): this rank
         catches up with it, to the count the peer has after this op, so that once the ranks
-        unmask each other (low_latency_clean_mask_buffer) they are in step again."""
-        self._ht_epoch[:1].add_(1)   # the op counter; the notify counter moved if the notify ran
+        unmask each other (low_latency_clean_mask_buffer) they are in step again.
+
+        ``ran``: the notify's go word (an int32 tensor of one element, on the device) when the
+        data phase was prelaunched: 1 if that data phase ran, and with it the bump it carries (the
+        host raised after launching it, before it read the word: an interrupt while it polled),
+        so the counter moves by 1 - go, on the stream behind both kernels."""
+        # the op counter; the notify counter moved if the notify ran
+        self._ht_epoch[:1].add_(1 if ran is None else 1 - ran.to(torch.int64))
         if peer_op is not None:
             self._ht_catch_up(peer_op)
 
@@ -992,13 +1000,15 @@ class Buffer:
         seen = self._ht_rows_seen.get(key)
         return seen + -(-seen // 8) if seen else 0
 
-    def _ht_early(self, P, key, cap, nc, block, what):
+    def _ht_early(self, P, key, cap, nc, block, what, pre):
         """The notify's ``meanwhile`` (host work its GPU time hides): the receive tensors for
         ``cap`` rows (_ht_recv_guess_rows; None when 0) and, with F_HT_PRE in ``P``'s flags, the
         data phase launched into them now, behind the notify (ht.cuh run_ht "The prelaunched data
-        phase"): it runs when the notify's go word says the rows fit them, so no host time lies
-        between the two kernels; else it ends at once and dispatch launches the data phase again.
-        GPUNET_EP_HT_PRELAUNCH=0 leaves it out (the A/B of bench/ep_ht.py)."""
+        phase"): it runs when the notify's go word (recv_info's last word) says the rows fit them,
+        so no host time lies between the two kernels; else it ends at once and dispatch launches
+        the data phase again. Once it is launched, True goes into the list ``pre`` (the error
+        path's epoch then depends on the go word: _ht_skip_op). GPUNET_EP_HT_PRELAUNCH=0 leaves it
+        out (the A/B of bench/ep_ht.py)."""
         if not cap:
             return None
         fp8, hidden, k = key
@@ -1006,6 +1016,7 @@ class Buffer:
         if P.base.flags & dep.F_HT_PRE:
             self._ht_data_params(P, early, cap, P.base.flags, dep.PH_DATA)
             self._ht_launch(P, 2 * nc, block, what + " (data, prelaunched)")
+            pre.append(True)
         return early
 
     def _ht_prelaunch_ok(self):
