@@ -153,7 +153,7 @@ def _rank_bench(rank, world, cfg):
             res["profile"][op] = _profile(buf, calls_at(i)[op], align, gpu, cfg["configs"][i])
         # the "(device)" rows (GPU): the same calls at the same Config with the stream held before
         # each (bench/ep.py HOLD_S): the host's work before the first launch is hidden, its wait
-        # for the notify inside the call is not
+        # for the notify inside the call is not (CPU, --hold-us > 0: the same loop, nothing held)
         if cfg.get("hold_s", 0) > 0:
             hold = ll_bench._Timer(gpu, cfg["hold_s"])    # (not `held`: calls_at's memo)
             for op, i in choice.items():
@@ -370,7 +370,7 @@ def run(args):
                experts=args.experts, iters=args.iters, warmup=args.warmup, holes=args.holes,
                seed=args.seed, transport=args.transport, timeout_s=args.timeout_s,
                no_nccl=args.no_nccl, configs=_configs(args), recv_pool_mib=getattr(args, "recv_pool_mib", -1),
-               hold_s=(getattr(args, "hold_us", 0) or 0) * 1e-6)
+               hold_s=args.hold_us * 1e-6)   # (bench/ep.py main sets its default)
     rows, gate, runs = [], [], []
     for world in ranks:
         print("[bench/ep ht] %d ranks, %d tokens, hidden %d, top-%d, %d experts (%s)"
