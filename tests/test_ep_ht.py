@@ -322,6 +322,28 @@ def test_set_num_sms_bounds_the_channels():
         b.destroy()
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8, 160])
+def test_the_default_configs_fit_a_buffer_sized_for_deepeps_and_the_geometry(ranks):
+    """get_dispatch_config / get_combine_config (what a caller that passes no Config gets; at 2
+    ranks gpunet's send chunk, buffer.py HT_DEFAULT_CHUNK_2_RANKS, not DeepEP's). Invariant, for
+    each rank count: the size hint equals that of DeepEP's Config of the same rank count (the ring
+    and the channels are DeepEP's: a buffer sized from either holds the other), and the Buffer's
+    geometry check accepts both (chunk <= HT_MAX_CHUNK, ring >= 2 * chunk + 32)."""
+    b = Buffer(None, num_nvl_bytes=Config(8, 4, 48).get_nvl_buffer_size_hint(512, 1), explicitly_destroy=True)
+    try:
+        deepep = (Config(Buffer.num_sms, 6 if ranks > 2 else 24, 256, 6, 128),
+                  Config(Buffer.num_sms, 4 if ranks > 2 else 10, 256, 6, 128))
+        for ours, theirs in zip((Buffer.get_dispatch_config(ranks), Buffer.get_combine_config(ranks)), deepep):
+            assert ours.num_sms == Buffer.num_sms
+            for hidden_bytes in (256, 7168 * 2):
+                assert ours.get_nvl_buffer_size_hint(hidden_bytes, ranks) == \
+                    theirs.get_nvl_buffer_size_hint(hidden_bytes, ranks)
+            _, ring, chunk, _ = b._ht_geometry(ours)
+            assert (ring, chunk) == (256, 48 if ranks <= 2 else theirs.num_max_nvl_chunked_send_tokens)
+    finally:
+        b.destroy()
+
+
 # ---- 2 ranks, ibgda, warps of 32 ----------------------------------------------------------------
 @pytest.mark.parametrize("mode", [dict(tagged=True), dict(fp8=True), dict(no_topk=True, tagged=True),
                                   dict(alignment=4, biases=2, cached=True),

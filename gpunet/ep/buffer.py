@@ -222,6 +222,14 @@ CUDA_LL_BLOCKS = 32
 HOST_HT_MAX_CHANNELS = 2
 HOST_HT_WARPS = 2
 CUDA_HT_WARPS = 16
+# The send chunk of the Configs a caller that passes none gets at 2 ranks (get_dispatch_config /
+# get_combine_config; vLLM's DeepEP backend passes get_dispatch_config(R)); more ranks keep
+# DeepEP's chunks (not measured here). At Buffer.num_sms = 20 on an H100 (2 ranks under MPS, p2p,
+# 4096 tokens x 7168, 3 runs each: bench/RESULTS.md, thirty-seventh session) DeepEP's chunks (24 /
+# 10, ring 256) took 433-479 us a BF16 dispatch and 624-631 a combine, chunk 48 with the same
+# ring 362-371 and 587-591. The ring stays DeepEP's 256 tokens: a buffer sized from the old
+# Config's hint still holds it.
+HT_DEFAULT_CHUNK_2_RANKS = 48
 # A dispatch's one host wait (the notify's counts): polls of the mapped-host mailbox
 # (HtParams::host_info) before a stream synchronisation takes over. Only in worlds whose other
 # ranks are all p2p peers: the soft NIC's engine is a Python thread, which a spin holding the GIL
@@ -542,15 +550,17 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks):
-        """A Config for the high-throughput dispatch (any rank count)."""
+        """A Config for the high-throughput dispatch (any rank count): ``Buffer.num_sms`` SMs,
+        a 256-token receive ring, send chunks of 48 tokens at 2 ranks, else DeepEP's 6."""
         _check_pos(num_ranks, "num_ranks")
-        return Config(Buffer.num_sms, 6 if num_ranks > 2 else 24, 256, 6, 128)
+        return Config(Buffer.num_sms, 6 if num_ranks > 2 else HT_DEFAULT_CHUNK_2_RANKS, 256, 6, 128)
 
     @staticmethod
     def get_combine_config(num_ranks):
-        """A Config for the high-throughput combine (any rank count)."""
+        """A Config for the high-throughput combine (any rank count): ``Buffer.num_sms`` SMs, a
+        256-token receive ring, send chunks of 48 tokens at 2 ranks, else DeepEP's 4."""
         _check_pos(num_ranks, "num_ranks")
-        return Config(Buffer.num_sms, 4 if num_ranks > 2 else 10, 256, 6, 128)
+        return Config(Buffer.num_sms, 4 if num_ranks > 2 else HT_DEFAULT_CHUNK_2_RANKS, 256, 6, 128)
 
     def get_comm_stream(self):
         """The communication stream (CUDA: a torch.cuda.Stream of this Buffer; the CPU platform has
