@@ -328,7 +328,8 @@ def test_the_default_configs_fit_a_buffer_sized_for_deepeps_and_the_geometry(ran
     ranks gpunet's send chunk, buffer.py HT_DEFAULT_CHUNK_2_RANKS, not DeepEP's). Invariant, for
     each rank count: the size hint equals that of DeepEP's Config of the same rank count (the ring
     and the channels are DeepEP's: a buffer sized from either holds the other), and the Buffer's
-    geometry check accepts both (chunk <= HT_MAX_CHUNK, ring >= 2 * chunk + 32)."""
+    geometry check accepts ours (chunk <= HT_MAX_CHUNK, ring >= 2 * chunk + 32) and reads back
+    their ring and chunk."""
     b = Buffer(None, num_nvl_bytes=Config(8, 4, 48).get_nvl_buffer_size_hint(512, 1), explicitly_destroy=True)
     try:
         deepep = (Config(Buffer.num_sms, 6 if ranks > 2 else 24, 256, 6, 128),
