@@ -45,12 +45,13 @@ GPU_DEFAULTS = dict(ranks="2", tokens=4096, hidden=7168, topk=8, experts=256, it
 # The warps are gpunet's own knob (Buffer._ht_warps; DeepEP's Config has none): with 128 registers
 # a thread (nvcc -Xptxas -v) a block of 16 warps fills an SM's register file, so 2 ranks sharing
 # the GPU fit 132 SMs up to num_sms 64 each.
-# The list: chunks of 64 in rings of 256, the best dispatch of the 2026-12-07 sweeps (bench/RESULTS.md
-# "thirty-seventh session": device-timed 0.94-0.98x the time of (64, 48, 128, 16) in 3 of 3
-# alternated runs, the combine the same), the best of the 2026-12-06 sweep ("twenty-sixth
-# session": chunks of 48 in rings of 128), the best of the 2026-12-02 sweeps ("sixth session"),
-# and one small-ring config per geometry. ((64, 8, 48, 16), the slowest in every sweep since the
-# twenty-sixth session, is left out.)
+# The list: chunks of 64 in rings of 256, the best dispatch of the 2026-12-07 sweeps
+# (bench/RESULTS.md "thirty-seventh session": the BF16 dispatch device-timed 0.94-0.98x the time
+# of (64, 48, 128, 16) on an H100 and 0.91-0.97x on an H200, 3 of 3 alternated pairs each; the
+# combine the same on the H100, 2-3% slower on the H200: the sweep takes each op's best Config),
+# the best of the 2026-12-06 sweep ("twenty-sixth session": chunks of 48 in rings of 128), the
+# best of the 2026-12-02 sweeps ("sixth session"), and one small-ring config per geometry.
+# ((64, 8, 48, 16), the slowest in every sweep since the twenty-sixth session, is left out.)
 GPU_CONFIGS = [(64, 64, 256, 16), (64, 48, 128, 16), (64, 16, 128, 16), (64, 32, 128, 16), (64, 16, 64, 16),
                (128, 16, 64, 8), (48, 16, 128, 16)]
 CPU_CONFIGS = [(4, 4, 48, 2), (4, 8, 64, 2)]
