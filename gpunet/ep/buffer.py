@@ -549,18 +549,24 @@ class Buffer:
         return layout.total
 
     @staticmethod
-    def get_dispatch_config(num_ranks):
-        """A Config for the high-throughput dispatch (any rank count): ``Buffer.num_sms`` SMs,
-        a 256-token receive ring, send chunks of 48 tokens at 2 ranks, else DeepEP's 6."""
+    def _default_ht_config(num_ranks, chunk_more_ranks):
+        """``Buffer.num_sms`` SMs, DeepEP's 256-token receive ring, send chunks of
+        HT_DEFAULT_CHUNK_2_RANKS at up to 2 ranks, else ``chunk_more_ranks`` (DeepEP's)."""
         _check_pos(num_ranks, "num_ranks")
-        return Config(Buffer.num_sms, 6 if num_ranks > 2 else HT_DEFAULT_CHUNK_2_RANKS, 256, 6, 128)
+        chunk = chunk_more_ranks if num_ranks > 2 else HT_DEFAULT_CHUNK_2_RANKS
+        return Config(Buffer.num_sms, chunk, 256, 6, 128)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        """A Config for the high-throughput dispatch (any rank count; _default_ht_config, DeepEP's
+        chunk of 6 beyond 2 ranks)."""
+        return Buffer._default_ht_config(num_ranks, 6)
 
     @staticmethod
     def get_combine_config(num_ranks):
-        """A Config for the high-throughput combine (any rank count): ``Buffer.num_sms`` SMs, a
-        256-token receive ring, send chunks of 48 tokens at 2 ranks, else DeepEP's 4."""
-        _check_pos(num_ranks, "num_ranks")
-        return Config(Buffer.num_sms, 4 if num_ranks > 2 else HT_DEFAULT_CHUNK_2_RANKS, 256, 6, 128)
+        """A Config for the high-throughput combine (any rank count; _default_ht_config, DeepEP's
+        chunk of 4 beyond 2 ranks)."""
+        return Buffer._default_ht_config(num_ranks, 4)
 
     def get_comm_stream(self):
         """The communication stream (CUDA: a torch.cuda.Stream of this Buffer; the CPU platform has
