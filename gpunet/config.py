@@ -55,6 +55,11 @@ KNOBS = (
          "phase right behind the notify into receive tensors sized from the last call's rows (it "
          "runs when they fit, else the host launches it again: ht.cuh run_ht; on a GPU only in "
          "worlds whose other ranks are all p2p), 0 launches it once the host has read the counts"),
+    Knob("GPUNET_EP_HT_PULL", "env", "choice", "1", ("0", "1"),
+         "gpunet.ep's high-throughput combine whose x (and topk_weights) lie in the receive pool (the "
+         "dispatch's recv_x): 1 lets peers that can load from this rank's heap (p2p, not the c500 "
+         "profile) read their rows in place (ht.cuh \"the in-place combine\"), 0 sends them through "
+         "the rings"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gpunet.ep import Buffer, Config, EPTimeout
+from gpunet.ep import _layout as lay
 from gpunet.ep import reference as ref
 
 import ep_jobs  # tests/ep_jobs.py: make_buffer, close, the LL round
@@ -144,6 +145,26 @@ def _expert_out(spec, recv_x):
     return recv_x
 
 
+def _ring_probe(buf, config, handle, hidden):
+    """Fills this rank's combine receive rings with 0x5A, then a barrier (no peer's combine has
+    begun: each writes only after it), and returns a function giving, per source rank, how many of
+    its ring slots past each channel's first the combine wrote: rows that came through the ring.
+    An in-place peer (ht.cuh ht_offer_pull) writes only its descriptor, into slot 0."""
+    world = buf.group_size
+    nc = handle[6]["nc"]
+    _, ring, _, _ = buf._ht_geometry(config)
+    layout = buf._ht_region(hidden, nc, ring, "probe")
+    stride = lay.msg_stride(hidden, False)[0]
+    region = buf._ht[layout.recv[1]: layout.recv[1] + nc * world * ring * stride]
+    region.fill_(0x5A)
+    dist.barrier()
+
+    def written():
+        touched = (region.view(nc, world, ring, stride)[:, :, 1:, :].cpu() != 0x5A).any(-1)
+        return [int(touched[:, d].sum()) for d in range(world)]
+    return written
+
+
 def hold_pool(state, hold_by_rank):
     """Hold this rank's receive pool full (tensors of its own) where ``hold_by_rank[rank]``, else
     drop what was held. Pieces of falling sizes until none fits: on CUDA torch's cached blocks in
@@ -233,6 +254,7 @@ def round_(state, spec):
             if ev.event is None:
                 bad.append("async_finish=True returned no event")
             ev.current_stream_wait()
+        rx_dev, rw_dev = rx, rw     # the receive tensors themselves (spec "in_place")
         rx, rtk, rw = cpu(rx), cpu(rtk), cpu(rw)
         out["t_dispatch"] = time.monotonic() - t0
         if die_at is not None and rank != victim:
@@ -324,18 +346,34 @@ def round_(state, spec):
         if not spec.get("no_topk"):
             yw = torch.zeros(rows, spec["topk"])
             yw[:n] = rw
+        if spec.get("in_place"):
+            # the received rows and weights themselves (BF16): with a receive pool they lie in
+            # it, and peers that can load from this heap read them there (ht.cuh "the in-place
+            # combine"); the expert output is the row itself either way
+            if spec.get("fp8") or rx_dev.shape[0] != rows:
+                bad.append("in_place needs a BF16 round without worst-case rows")
+            y, yw = rx_dev, rw_dev
         t, h = mine["x"].shape
         biases = _bias(spec, rank, t, h)
+        ccfg = Config(*(spec.get("combine_config") or spec["config"])) if spec.get("config") else None
+        probe = _ring_probe(buf, ccfg or Buffer.get_combine_config(world), handle, h) \
+            if spec.get("ring_probe") and collective else None
+        pull = buf._ht_pull
+        buf._ht_pull = pull and spec.get("pull", True)
         t0 = time.monotonic()
-        comb, comb_w, ev = buf.combine(y.to(dev), handle, topk_weights=_dev(yw, dev),
-                                       bias=_dev(biases, dev) or None,
-                                       config=Config(*(spec.get("combine_config") or spec["config"])) if spec.get("config") else None,
-                                       async_finish=spec.get("async_finish", False),
-                                       previous_event=Buffer.capture() if spec.get("prev_event") else None)
+        try:
+            comb, comb_w, ev = buf.combine(y.to(dev), handle, topk_weights=_dev(yw, dev),
+                                           bias=_dev(biases, dev) or None, config=ccfg,
+                                           async_finish=spec.get("async_finish", False),
+                                           previous_event=Buffer.capture() if spec.get("prev_event") else None)
+        finally:
+            buf._ht_pull = pull
         if spec.get("async_finish"):
             ev.current_stream_wait()
         comb, comb_w = cpu(comb), cpu(comb_w)
         out["t_combine"] = time.monotonic() - t0
+        if probe is not None:
+            out["ring_rows"] = probe()
     except EPTimeout as ex:
         out["raised"] = {"phase": ex.phase, "peers_silent": ex.peers_silent,
                          "counts_seen": ex.counts_seen, "msg": str(ex)[:400]}

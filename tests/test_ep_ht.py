@@ -508,6 +508,55 @@ def test_four_ranks_p2p_and_proxy_peers(p2p_proxy4):
         assert all(o["in_pool"] for o in outs)
 
 
+def _assert_combine_ring_rows(outs, spec, in_place_peer):
+    """Every rank's round is exact, its receive tensors lie in its pool, and its combine ring held
+    no row of each peer d with in_place_peer(rank, d) and some rows of every other peer (the
+    round's ring probe: ep_ht_jobs._ring_probe; the shapes give each peer rows in every channel)."""
+    _assert_round(outs, spec)
+    for rank, o in enumerate(outs):
+        assert o["in_pool"], (rank, spec)
+        for d, n in enumerate(o["ring_rows"]):
+            if d != rank:
+                assert (n == 0) == in_place_peer(rank, d), (rank, d, o["ring_rows"], spec)
+
+
+def test_a_combine_of_the_received_rows_reads_them_in_place(p2p2):
+    """2 ranks, all p2p (the nvidia profile: a peer's heap may be loaded), warps of 64, a receive
+    pool: combine is given the dispatch's recv_x and recv_topk_weights themselves, which lie in the
+    pool. Invariant: the round is exact (the same reference as the ring's) and no row came
+    through the combine ring: each peer stored only its descriptor and this rank loaded the rows
+    from the peer's pool (ht.cuh "the in-place combine"); with and without top-k (the weights come
+    the same way). With the in-place path off (Buffer._ht_pull, GPUNET_EP_HT_PULL=0) the same
+    round is exact and its rows are in the ring: the probe sees rows when they come."""
+    for spec, pull in ((_spec(2, seed=80, in_place=True, ring_probe=True, tagged=True, biases=2), True),
+                       (_spec(2, seed=81, in_place=True, ring_probe=True, no_topk=True), True),
+                       (_spec(2, seed=80, in_place=True, ring_probe=True, tagged=True, pull=False), False)):
+        _assert_combine_ring_rows(p2p2.run("ep_ht_jobs:round_", spec), spec, lambda r_, d: pull)
+
+
+def test_an_in_place_combine_in_a_world_of_p2p_and_proxy_peers(p2p_proxy4):
+    """4 ranks, pairs with an even sum p2p, the others through the proxy, warps of 32, a receive
+    pool, combine given the received rows themselves, varying tokens. Invariant: exact on every
+    rank; the p2p peers' rows were loaded in place (none in the ring), the proxy peers' came
+    through the ring (a NIC peer's heap cannot be loaded)."""
+    spec = _spec(4, seed=82, in_place=True, ring_probe=True, vary_tokens=True, tagged=True)
+    _assert_combine_ring_rows(p2p_proxy4.run("ep_ht_jobs:round_", spec), spec,
+                              lambda r_, d: (r_ + d) % 2 == 0)
+
+
+def test_the_c500_profile_never_loads_a_peers_rows_in_combine():
+    """GPUNET_PROFILE=c500 (p2p store-only), 2 ranks over p2p with a receive pool, combine given
+    the received rows themselves (in the pool). Invariant: exact, and every peer's rows came
+    through the ring: on a store-only peer the in-place combine, which loads the peer's rows, is
+    never taken (transport/p2p.cuh's rule; gpunet.cuh ptr_load gives no address)."""
+    r = _pool(2, "p2p-pool", 32, env={"GPUNET_PROFILE": "c500"})
+    try:
+        spec = _spec(2, seed=83, in_place=True, ring_probe=True, tagged=True)
+        _assert_combine_ring_rows(r.run("ep_ht_jobs:round_", spec), spec, lambda r_, d: False)
+    finally:
+        _close(r)
+
+
 def test_a_receive_pool_without_room_falls_back_to_the_ring(p2p2):
     """Rank 1's receive pool held full by a tensor of its own: its receive tensors come from
     torch and rank 0 stages its rows into rank 1's ring, while rank 1 stores its rows straight
@@ -632,7 +681,8 @@ HT_DIE_SPAN_S = 0.5
 @example(transport="p2p-pool", die_at=0.15, fp8=False)   # rows stored in place: holes past the last tail
 def test_a_rank_that_dies_at_any_moment_leaves_the_survivors_exact(transport, die_at, fp8):
     """Generated: the world (3 ranks over ibgda, proxy, p2p (with a receive pool: rows stored in
-    place), or mixed ibgda and proxy pairs),
+    place, and with BF16 combine given the received rows, which the peers load in place), or
+    mixed ibgda and proxy pairs),
     the moment rank 2 exits (die_at seconds after its round starts, wherever its kernels are)
     and BF16 or FP8; enable_shrink. Invariant: each survivor finishes the round without raising
     and masks no rank but the dead one; its dispatch is the reference without each failed source
@@ -652,7 +702,9 @@ def test_a_rank_that_dies_at_any_moment_leaves_the_survivors_exact(transport, di
     HYPOTHESIS_PROFILE=deep runs ~130 examples."""
     r = _pool(3, transport, 32, shrink=True, timeout_s=KILL_TIMEOUT_S)
     try:
-        spec = _spec(3, seed=63, die=(VICTIM, die_at), fp8=fp8, tagged=not fp8)
+        # p2p-pool BF16: combine given the received rows themselves, loaded in place by the peers
+        spec = _spec(3, seed=63, die=(VICTIM, die_at), fp8=fp8, tagged=not fp8,
+                     in_place=transport == "p2p-pool" and not fp8)
         outs = r.run_losing(VICTIM, "ep_ht_jobs:round_", spec)
         for status, o in outs:
             assert status == "ok", o

@@ -440,6 +440,7 @@ class Buffer:
         # (fp8, hidden, topk) -> the rows of the last HT dispatch of that kind (_ht_recv_guess_rows)
         self._ht_rows_seen = {}
         self._ht_prelaunch = config.get("GPUNET_EP_HT_PRELAUNCH") == "1"
+        self._ht_pull = config.get("GPUNET_EP_HT_PULL") == "1"
         self._ht_prelaunched = 0    # dispatches whose prelaunched data phase ran (the tests read it)
         self._stats = {"dispatch": torch.zeros(r, r, dtype=torch.int64, device=self._device),
                        "combine": torch.zeros(r, r, dtype=torch.int64, device=self._device)}
@@ -673,9 +674,12 @@ class Buffer:
         P.sig, P.shdr, P.rhdr = base + layout.sig, base + layout.shdr, base + layout.rhdr
         P.send_ring, P.recv_ring = base + layout.send[kind], base + layout.recv[kind]
         P.rdesc = base + layout.rdesc
-        if self._pool is not None and op == dep.OP_HT_DISPATCH:
-            B.flags |= dep.F_HT_DESC    # every rank has a pool (the same size: a collective alloc)
+        if self._pool is not None:
+            # every rank has a pool (the same size: a collective alloc); a combine's token side
+            # finds its peers' in-place rows by their offsets in it (ht.cuh ht_take_pull)
             P.pool, P.pool_bytes = int(self._pool_mem.data_ptr()), int(self._pool_mem.numel())
+            if op == dep.OP_HT_DISPATCH:
+                B.flags |= dep.F_HT_DESC
         # failures mirrored into host memory (as the LL kernels: _check reads them without a
         # device sync or a copy of a device-memory heap), and the profile stamps
         B.host_flags = self._hflags_mem.ptr
@@ -1169,6 +1173,9 @@ class Buffer:
         P.bias0 = _addr(biases[0]) if biases else 0
         P.bias1 = _addr(biases[1]) if len(biases) > 1 else 0
         P.num_recv_max = rows
+        if self._ht_pull and self._pool is not None and all(
+                t is None or self._pool.contains(t) for t in (x, topk_weights)):
+            P.base.flags |= dep.F_HT_PULL   # peers that can load from this heap read x in place
         self._ht_launch(P, 2 * nc, block, what)
         self._check(what, "combine", mirrored=True)
         keep = (x, topk_weights, out, out_w) + biases + tuple(handle[:6])

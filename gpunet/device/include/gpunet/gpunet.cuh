@@ -304,6 +304,18 @@ GPUNET_DEVICE void* ptr(const DevCtx& ctx, const void* sym, const PE& pe) {
   });
 }
 
+// The address at which this thread may LOAD from symmetric `sym` on `pe` (nvshmem_ptr's use):
+// ptr()'s, except nullptr on a P2P_STORE_ONLY peer (the c500 profile: remote loads are what
+// faulted there). Plain loads through it see what the PE made visible to this one (its signal
+// after its stores, or its kernel boundary) and nothing newer is promised.
+template <class PE>
+GPUNET_DEVICE const void* ptr_load(const DevCtx& ctx, const void* sym, const PE& pe) {
+  const Waiter w = api::waiter(ctx);
+  const api::PeerArg a = api::take(ctx, w, pe, false);
+  if (!a.p || (a.p->kind == TRANSPORT_P2P && (a.p->rkey & P2P_STORE_ONLY))) return nullptr;
+  return ptr(ctx, sym, pe);
+}
+
 // ---- warp and block variants -----------------------------------------------------------------
 
 // Every lane of the warp calls it with the same arguments (converged). ibgda: the put is split in

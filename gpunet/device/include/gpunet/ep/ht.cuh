@@ -92,6 +92,8 @@ enum : uint32_t {
   F_HT_DESC = 1024,     // dispatch data: receivers send mapped sources their receive descriptor
                         // (every rank has a receive pool: the flag is the same on every rank)
   F_HT_DIRECT = 2048,   // dispatch data: this rank's receive tensors lie in its pool (HtParams::pool)
+  F_HT_PULL = 8192,     // combine: this rank's x (and topk_weights) lie in its receive pool, so
+                        // peers that can load from it read their rows in place (ht_offer_pull)
   F_HT_PRE = 4096,      // dispatch: the data launch went before the host read the counts ("The
                         // prelaunched data phase" in run_ht); the notify writes its go word
 };
@@ -179,7 +181,9 @@ enum : uint32_t { WS_SENT = 0, WS_CURSOR = 1, WS_TLAST = 2, WS_CREDIT = 3, WS_DO
                   WS_AVAIL = 6, WS_MAPPED = 7, WS_HB = 8,
                   // sender, a destination whose receive tensors are in its pool (0: not direct):
                   // this channel's first row there, then the tensors' addresses as mapped here
-                  WS_ROW = 9, WS_OX = 10, WS_OS = 11, WS_OI = 12, WS_OW = 13, WS_OSRC = 14, WS_WORDS = 15 };
+                  WS_ROW = 9, WS_OX = 10, WS_OS = 11, WS_OI = 12, WS_OW = 13, WS_OSRC = 14,
+                  // combine sender: 1 while d loads this channel's rows in place (ht_offer_pull)
+                  WS_PULL = 15, WS_WORDS = 16 };
 
 // One launch's arguments, by value. `base` carries what ll.cuh's helpers read (op, flags, rank,
 // nranks, experts, hidden, topk, num_tokens, msg_stride, payload_bytes, hdr_stride, ctxs,
@@ -614,8 +618,12 @@ constexpr uint32_t kBulkPiece = 4096, kBulkBufs = 3;
 constexpr uint32_t kBulkCtl = 128, kBulkRowsAt = 64, kReduceRows = 8;
 // Every HT launch's shared memory: the peer view (ll.cuh load_peer_view), then the combine
 // receiver's per-peer words (ht_recv_words: 3 x u32 a peer); the bulk buffers follow.
+// (ht_recv_words: 3 u32 and, 8-aligned, 2 u64 per peer)
+GPUNET_HOST_DEVICE uint64_t ht_pull_words_at(uint32_t nranks) {
+  return (uint64_t(smem_view_bytes(nranks)) + 12 * uint64_t(nranks) + 7) / 8 * 8;
+}
 GPUNET_HOST_DEVICE uint64_t ht_smem_bytes(uint32_t nranks) {
-  return uint64_t(smem_view_bytes(nranks)) + 16 * uint64_t(nranks);
+  return ht_pull_words_at(nranks) + 16 * uint64_t(nranks);
 }
 GPUNET_HOST_DEVICE uint64_t ht_bulk_base(uint32_t nranks) { return (ht_smem_bytes(nranks) + 127) / 128 * 128; }
 // The dynamic shared memory a launch of nwarps warps a block needs for bulk copies.
@@ -949,6 +957,43 @@ GPUNET_DEVICE HtOut ht_peer_out(const HtParams& P, uint32_t c, uint32_t d) {
                *ws_word(P, 0, c, d, WS_OW), *ws_word(P, 0, c, d, WS_OSRC)};
 }
 
+// ---- the in-place combine: rows loaded where they are ------------------------------------------
+// A combine whose x (and topk_weights, if any) the host found in this rank's receive pool
+// (F_HT_PULL: typically the dispatch's recv_x, combined as DeepEP's tests and bench do) need not
+// travel: a destination d that can LOAD from this rank's heap (a p2p peer without P2P_STORE_ONLY;
+// the mapping is taken as symmetric: this rank can load from d) gets, in place of channel c's rows,
+// where they are: a descriptor in slot 0 of d's ring for (c, this rank) (PD_*: x's and the
+// weights' offsets in the pool, which is at the same heap offset on every rank, and the channel's
+// first row), with the op and ring in the meta words as a row has them (ht_stage), released by the
+// tail (total | kHtDirectBit). d's token side loads the rows from the mapping and reduces them as
+// if they had come (the bytes a row moved: 4 passes with the ring, 2 in place), and its final
+// credit says it has read them all: until then the sender keeps x (the call does not return).
+// A sender that gives d up (silent, failed) before that credit SETs d's tail back to count 0
+// (ht_pull_revoke): d checks its tail once more after its loads and before that credit, so a d that
+// was masked while it read fails d rather than return rows x may no longer hold.
+enum : uint32_t { PD_X = 0, PD_W = 1, PD_ROW0 = 2 };
+GPUNET_DEVICE bool ht_offer_pull(const HtParams& P, uint32_t c, uint32_t d, uint64_t epoch, uint64_t row0,
+                                 uint8_t* out) {
+  const LlParams& B = P.base;
+  const uint64_t m0 = *ws_word(P, 0, c, d, WS_MAPPED);
+  if (!(B.flags & F_HT_PULL) || !m0 || !gpunet::ptr_load(peer_ctx(B, d), ptr<const void>(P.pool), int(d)))
+    return false;
+  uint64_t* desc = reinterpret_cast<uint64_t*>(uintptr_t(m0));
+  desc[PD_X] = P.x - P.pool;
+  desc[PD_W] = P.topk_weights ? P.topk_weights - P.pool : kHtNoTensor;
+  desc[PD_ROW0] = row0;
+  int32_t* m = reinterpret_cast<int32_t*>(uintptr_t(m0 + B.payload_bytes));
+  m[2] = int32_t(uint32_t(epoch));
+  m[3] = int32_t(P.ring);
+  *ws_word(P, 0, c, d, WS_PULL) = 1;
+  if (!write_count(P, HT_KIND_COMBINE, 0, c, d, epoch, *ws_word(P, 0, c, d, WS_TOTAL) | kHtDirectBit))
+    peer_fail_view(B, out, d);
+  return true;
+}
+GPUNET_DEVICE void ht_pull_revoke(const HtParams& P, uint32_t c, uint32_t d, uint64_t epoch) {
+  if (*ws_word(P, 0, c, d, WS_PULL)) write_count(P, HT_KIND_COMBINE, 0, c, d, epoch, 0);
+}
+
 // The sender works in block-wide steps: (1) the warp that owns a destination (d % nwarps) decides,
 // from d's credit, whether d gets n more messages now and lists their tokens (rows); (2) every warp
 // of the block stages the listed messages of every destination (a 2-rank world has 1 remote
@@ -992,6 +1037,10 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
       *ws_word(P, 0, c, d, WS_DONE) = 0;
       *ws_word(P, 0, c, d, WS_AVAIL) = 0;
       *ws_word(P, 0, c, d, WS_HB) = 0;
+      *ws_word(P, 0, c, d, WS_PULL) = 0;
+      // the in-place combine: every row is "sent" at once; the final credit still ends it
+      if (combine && total && !out[d] && ht_offer_pull(P, c, d, epoch, *ws_word(P, 0, c, d, WS_CURSOR), out))
+        *ws_word(P, 0, c, d, WS_SENT) = total;
     }
   }
   for (;;) {
@@ -1004,6 +1053,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
         *ws_word(P, 0, c, d, WS_AVAIL) = 0;
         if (!*ws_word(P, 0, c, d, WS_DONE)) {
           if (out[d]) {
+            ht_pull_revoke(P, c, d, epoch);
             *ws_word(P, 0, c, d, WS_DONE) = 1;
           } else if (*ws_word(P, 0, c, d, WS_OX) && !ht_desc_current(P, d, epoch)) {
             peer_fail_view(B, out, d);  // d revoked its tensors meanwhile: no more rows into them
@@ -1033,6 +1083,7 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
                                    ht_silent(P, d, ws_word(P, 0, c, d, WS_HB), ws_word(P, 0, c, d, WS_TLAST),
                                              indirect_timeout(P), now, t_start)))) {
                 peer_fail_view(B, out, d);  // no credit for that long: the peer is silent
+                ht_pull_revoke(P, c, d, epoch);
                 *ws_word(P, 0, c, d, WS_DONE) = 1;
               }
             } else {
@@ -1303,11 +1354,39 @@ GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c,
 // The combine receiver's per-peer words, in the block's shared memory (ht_smem_bytes): [0, R) the
 // tail of d last seen (a lower bound: warps store it racily, never above the truth; it spares
 // most reads of the word itself), [R, 2R) one past the highest ring position of d a warp of this
-// round took (atomic max), [2R, 3R) the credit given to d. Only this block uses them: in shared
+// round took (atomic max), [2R, 3R) the credit given to d; then (ht_pull_words_at) [0, R) u64
+// where d's rows of this channel are as mapped here when d's combine is in place (0: in the ring;
+// ht_take_pull), [R, 2R) d's weights there (0: none). Only this block uses them: in shared
 // memory they cost no L2 round trip, and the max is one native atomic instead of a CAS loop on
 // one global word that every warp of the round hits.
 GPUNET_DEVICE uint32_t* ht_recv_words(const LlParams& B) {
   return reinterpret_cast<uint32_t*>(arch::shared_mem() + smem_view_bytes(B.nranks));
+}
+GPUNET_DEVICE uint64_t* ht_pull_words(const LlParams& B) {
+  return reinterpret_cast<uint64_t*>(arch::shared_mem() + ht_pull_words_at(B.nranks));
+}
+
+// The token side's lane 0, on d's tail with kHtDirectBit (ht_offer_pull): d's descriptor (slot 0
+// of the ring, its meta checked as a row's by the caller) gives where d's rows of channel c are;
+// kept in the pull words. false: d's pool cannot be loaded here (an asymmetric mapping: d took it
+// for one) or the descriptor points outside it.
+GPUNET_DEVICE bool ht_take_pull(const HtParams& P, uint32_t c, uint32_t d, uint64_t total) {
+  const LlParams& B = P.base;
+  const uint64_t* desc = ptr<const uint64_t>(slot_addr(P, P.recv_ring, c, d, 0));
+  const uint64_t base = uint64_t(uintptr_t(gpunet::ptr_load(peer_ctx(B, d), ptr<const void>(P.pool), int(d))));
+  const uint64_t row_bytes = uint64_t(B.hidden) * 2, w_bytes = uint64_t(B.topk) * 4;
+  const uint64_t x = desc[PD_X], w = desc[PD_W], row0 = desc[PD_ROW0];
+  if (!base || x >= P.pool_bytes || (P.pool_bytes - x) / row_bytes < row0 + total ||
+      (w != kHtNoTensor && (w >= P.pool_bytes || (P.pool_bytes - w) / (w_bytes ? w_bytes : 1) < row0 + total)))
+    return false;
+  uint64_t* pw = ht_pull_words(B);
+  pw[d] = base + x + row0 * row_bytes;
+  pw[B.nranks + d] = w == kHtNoTensor ? 0 : base + w + row0 * w_bytes;
+  return true;
+}
+// Where token side c reads d's row at ring position p: in d's x (in place) or in the ring.
+GPUNET_DEVICE uint64_t ht_row_of(const HtParams& P, const uint64_t* pull_of, uint32_t c, uint32_t d, int32_t p) {
+  return pull_of[d] ? pull_of[d] + uint64_t(p) * P.base.hidden * 2 : slot_addr(P, P.recv_ring, c, d, uint64_t(p));
 }
 
 // Combine, token side: rounds of one token per warp, each waiting for exactly its rows.
@@ -1324,10 +1403,12 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
   uint32_t* const seen_of = ht_recv_words(B);
   uint32_t* const maxp_of = seen_of + R;
   uint32_t* const credit_of = seen_of + 2 * R;
+  uint64_t* const pull_of = ht_pull_words(B);  // [0, R) rows, [R, 2R) weights (ht_take_pull)
   for (uint32_t d = g.tid; d < R; d += g.bdim) {
     arch::atomic_store(&seen_of[d], 0u);
     arch::atomic_store(&maxp_of[d], 0u);
     credit_of[d] = 0;
+    pull_of[d] = pull_of[R + d] = 0;
   }
   arch::syncthreads();
   HtClock clk = ht_clock(B, g);
@@ -1377,11 +1458,19 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
               // (ht_stage). Checked once per tail read, not per row: a sender whose Config has
               // another ring put every row elsewhere; this row is then another op's or ring's
               // (tests/test_ep_ht.py test_ranks_whose_combine_configs_differ_in_the_ring_raise).
-              const int32_t* m = ptr<const int32_t>(slot_addr(P, P.recv_ring, c, d, uint64_t(p)) + B.payload_bytes);
+              // In place (kHtDirectBit): the descriptor in slot 0 carries them the same way.
+              const bool pull = (tail & kHtDirectBit) != 0;
+              tail &= ~kHtDirectBit;
+              const int32_t* m =
+                  ptr<const int32_t>(slot_addr(P, P.recv_ring, c, d, pull ? 0 : uint64_t(p)) + B.payload_bytes);
               const uint32_t op = uint32_t(m[2]), ring = uint32_t(m[3]);
               if (op != uint32_t(epoch) || ring != P.ring) {
                 ep_fail(B, EP_ERR_MISMATCH, EP_SITE_HT_COMBINE_ROW, d, (uint64_t(P.ring) << 32) | uint32_t(epoch),
                         (uint64_t(ring) << 32) | op, 0);
+                ok = false;
+              } else if (pull && (tail != uint64_t(send_cnt[uint64_t(c) * R + d]) || !ht_take_pull(P, c, d, tail))) {
+                ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_COMBINE_ROW, d, uint64_t(send_cnt[uint64_t(c) * R + d]),
+                        tail, 0);
                 ok = false;
               } else {
                 arch::fence_sys();  // release: what this acquire made visible, to the warps reading seen
@@ -1396,9 +1485,12 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
         ok = arch::shfl(ok ? 1u : 0u, 0) != 0;
         if (!ok) continue;
         if (d < 64) have |= uint64_t(1) << d;
-        const uint64_t msg = slot_addr(P, P.recv_ring, c, d, uint64_t(p));
-        if (g.lane < K && (B.flags & F_HT_WEIGHTS))
-          wsum += ptr<const float>(msg + B.payload_bytes)[4 + kMaxTopk + g.lane];
+        arch::syncwarp();  // lane 0's pull words (taken, or acquired, above) before the lanes read them
+        if (g.lane < K && (B.flags & F_HT_WEIGHTS)) {
+          const uint64_t pw = pull_of[R + d];
+          wsum += pull_of[d] ? (pw ? ptr<const float>(pw)[uint64_t(p) * K + g.lane] : 0.0f)
+                             : ptr<const float>(ht_row_of(P, pull_of, c, d, p) + B.payload_bytes)[4 + kMaxTopk + g.lane];
+        }
         if (g.lane == 0) arch::atomic_max(&maxp_of[d], uint32_t(p) + 1);
       }
       if (w0) ht_stamp_add(B, g, HT_ST_T_IDLE, arch::now_ns() - w0);
@@ -1415,8 +1507,7 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
             const int32_t p = send_pos[t * R + d];
             if (p < 0 || (d < 64 ? !((have >> d) & 1) : out[d] != 0)) continue;
             if (nrows < kReduceRows)
-              rows[nrows] = d == B.rank ? P.x + (self_row + uint64_t(p)) * H * 2
-                                        : slot_addr(P, P.recv_ring, c, d, uint64_t(p));
+              rows[nrows] = d == B.rank ? P.x + (self_row + uint64_t(p)) * H * 2 : ht_row_of(P, pull_of, c, d, p);
             ++nrows;
           }
         }
@@ -1444,8 +1535,7 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
           for (uint32_t d = 0; d < R; ++d) {
             const int32_t p = send_pos[t * R + d];
             if (p < 0 || (d < 64 ? !((have >> d) & 1) : out[d] != 0)) continue;
-            const uint64_t row = d == B.rank ? P.x + (self_row + uint64_t(p)) * H * 2
-                                             : slot_addr(P, P.recv_ring, c, d, uint64_t(p));
+            const uint64_t row = d == B.rank ? P.x + (self_row + uint64_t(p)) * H * 2 : ht_row_of(P, pull_of, c, d, p);
             V16 v[kU];
             for (uint32_t u = 0; u < kU; ++u)
               if (c0 + u * span < H) v[u] = *ptr<const V16>(row + uint64_t(c0 + u * span) * 2);
@@ -1471,8 +1561,18 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
       const uint64_t m = arch::atomic_load(&maxp_of[d]);
       const uint64_t cr = credit_of[d];
       const uint64_t total = uint64_t(send_cnt[uint64_t(c) * R + d]);
-      if (m > cr && (m == total || m - cr >= P.chunk)) {
-        if (!write_count(P, HT_KIND_COMBINE, 1, c, d, epoch, m)) peer_fail_view(B, out, d);
+      // in place: one credit, at the end, and only while d still holds its rows for this rank
+      // (its tail as it offered them: ht_offer_pull / ht_pull_revoke); the loads came before
+      const bool pull = pull_of[d] != 0;
+      if (m > cr && (m == total || (!pull && m - cr >= P.chunk))) {
+        if (pull) arch::fence_sys();
+        if (pull && read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) != (total | kHtDirectBit)) {
+          ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_COMBINE_ROW, d, total | kHtDirectBit,
+                  read_count(P, HT_KIND_COMBINE, 0, c, d, epoch), 1);
+          peer_fail_view(B, out, d);
+        } else if (!write_count(P, HT_KIND_COMBINE, 1, c, d, epoch, m)) {
+          peer_fail_view(B, out, d);
+        }
         credit_of[d] = uint32_t(m);
       }
     }
