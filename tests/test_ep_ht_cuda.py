@@ -61,7 +61,8 @@ def test_p2p_ranks_store_rows_into_the_receive_pool(cuda_platform):
     receive tensors come from the pool and the peer stores its rows straight into them (BF16
     tagged with varying tokens, FP8 cached with biases, num_worst_tokens); with rank 1's pool held
     full, rank 1 takes torch memory and the ring while rank 0 still receives in place; every
-    round matches the reference on both ranks. A BF16 round repeated takes views of the receive
+    round matches the reference on both ranks. Combine given the received rows themselves loads
+    the rows of a peer whose rows lie in its pool in place (ht.cuh "the in-place combine"). A BF16 round repeated takes views of the receive
     tensors allocated during its notify (the last such call's rows + 1/8), into which its data
     phase was launched before the host read the counts."""
     from mp_ranks import Ranks
@@ -70,7 +71,8 @@ def test_p2p_ranks_store_rows_into_the_receive_pool(cuda_platform):
         nb = Config(*CFG).get_nvl_buffer_size_hint(SPEC["hidden"] * 2, 2)
         info = r.run("ep_ht_jobs:init", "p2p", nb, 60.0, False, None, 0, False, 64 << 20, timeout=300)
         assert {t for i in info for t in i["transports"].values()} == {"p2p"}
-        modes = (dict(tagged=True, vary_tokens=True), dict(fp8=True, cached=True, biases=2), dict(worst=9))
+        modes = (dict(tagged=True, vary_tokens=True), dict(fp8=True, cached=True, biases=2), dict(worst=9),
+                 dict(tagged=True, in_place=True, ring_probe=True))
         for held in (False, True):
             if held:
                 r.run("ep_ht_jobs:hold_pool", [False, True], timeout=120)
@@ -81,6 +83,12 @@ def test_p2p_ranks_store_rows_into_the_receive_pool(cuda_platform):
                     assert o["raised"] is None and o["bad"] == [], (rank, o)
                     assert o["calc_diff"] < (5e-4 if mode.get("fp8") else 5e-6), (rank, o["calc_diff"])
                 assert [o["in_pool"] for o in outs] == [True, not held], (mode, held)
+                if mode.get("in_place"):
+                    # combine given the received rows: a peer whose rows lie in its pool hands
+                    # this rank a descriptor and this rank loads them (none in its ring); rank 1's,
+                    # in torch memory while held, come through rank 0's ring
+                    ring = [o["ring_rows"][1 - rank] for rank, o in enumerate(outs)]
+                    assert (ring[0] > 0) == held and ring[1] == 0, (ring, held)
             if not held:
                 # the first round again: its receive tensors were allocated while its notify ran,
                 # for the rows of the first round + 1/8 (Buffer._ht_recv_guess_rows), and are views;
