@@ -57,7 +57,11 @@ GPU_CONFIGS = [(64, 64, 256, 16), (64, 48, 128, 16), (64, 16, 128, 16), (64, 32,
 CPU_CONFIGS = [(4, 4, 48, 2), (4, 8, 64, 2)]
 PROFILE_CALLS = 5       # per op, with the device stamps on (after the sweep, best Config)
 # The timed ops; "dispatch bf16 worst" is the BF16 dispatch with num_worst_tokens (no host wait).
-OPS = ("dispatch bf16", "dispatch fp8", "combine bf16", "dispatch bf16 worst")
+# "combine bf16" combines the dispatch's recv_x itself (as DeepEP's intranode test does): with a
+# receive pool it lies in the pool, and p2p peers that may load load its rows in place (ht.cuh
+# "the in-place combine"); "combine bf16 ring" combines a copy in torch memory (an expert output
+# the caller allocated), whose rows go through the rings.
+OPS = ("dispatch bf16", "dispatch fp8", "combine bf16", "combine bf16 ring", "dispatch bf16 worst")
 
 
 def _rank_bench(rank, world, cfg):
@@ -96,6 +100,9 @@ def _rank_bench(rank, world, cfg):
                 or not torch.equal(rw.cpu(), want["recv_topk_weights"]) or counts != want["counts"]:
             res["fail"].append("dispatch differs from ht_dispatch_ref")
         comb, _, _ = buf.combine(rx, handle, config=configs[0])
+        # the same rows from torch memory go through the rings: the same sums, bit for bit
+        if not torch.equal(buf.combine(rx.clone(), handle, config=configs[0])[0], comb):
+            res["fail"].append("combine of recv_x (in place) differs from combine of its copy (the rings)")
         fan = in_rank.sum(1, keepdim=True).clamp(min=1).float().cpu()
         reach = in_rank.any(1).cpu()
         d = ref.calc_diff(comb.float().cpu()[reach] / fan[reach], x.float().cpu()[reach]) if bool(reach.any()) else 0.0
@@ -135,9 +142,11 @@ def _rank_bench(rank, world, cfg):
                 c = configs[i]
                 # combine uses the dispatch's channels: a handle made with this Config's num_sms
                 y, _, _, _, h, _ = buf.dispatch(x, config=c, **kw)
+                y_torch = y.clone()     # not in the receive pool: "combine bf16 ring"
                 held.update(i=i, calls={
                     "dispatch bf16": lambda: buf.dispatch(x, config=c, **kw),
                     "combine bf16": lambda: buf.combine(y, h, config=c),
+                    "combine bf16 ring": lambda: buf.combine(y_torch, h, config=c),
                     "dispatch fp8": lambda: buf.dispatch(xq, config=c, **kw),
                     "dispatch bf16 worst": lambda: buf.dispatch(x, config=c, num_worst_tokens=worst, **kw)})
             return held["calls"]
@@ -400,7 +409,7 @@ def run(args):
         fails = ["rank %d: %s" % (p["rank"], f) for p in per for f in p["fail"]]
         recv = max(p["recv_rows"] for p in per)
         H = cfg["hidden"]
-        nbytes = {"dispatch bf16": recv * H * 2, "combine bf16": recv * H * 2,
+        nbytes = {"dispatch bf16": recv * H * 2, "combine bf16": recv * H * 2, "combine bf16 ring": recv * H * 2,
                   "dispatch fp8": int(recv * H * 2 * (1 + 4 / 128) / 2), "dispatch bf16 worst": recv * H * 2}
         for i, c in enumerate(cfg["configs"]):
             for op in ops:

@@ -1003,7 +1003,7 @@ def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     d = json.loads(out.read_text())
     ops = {row["op"] for row in d["rows"]}
-    assert {"HT dispatch bf16", "HT dispatch fp8", "HT combine bf16", "HT dispatch bf16 worst",
+    assert {"HT dispatch bf16", "HT dispatch fp8", "HT combine bf16", "HT combine bf16 ring", "HT dispatch bf16 worst",
             "torch gather, all ranks' rows"} <= ops
     assert {tuple(row["config"]) for row in d["rows"] if "config" in row and "default" not in row["op"]} \
         == set(configs)
