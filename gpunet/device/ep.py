@@ -69,7 +69,9 @@ EP_SITE_NAMES = {1: "block 0's quiet of the peers (the send staging's flag)", 2:
                  10: "the num_worst_tokens check", 11: "the dispatch's token bitmaps (every block's)",
                  12: "a high-throughput bulk (TMA) copy into shared memory",
                  13: "the direct dispatch (a peer's count row, or a source's row positions)",
-                 14: "a high-throughput combine row (expected / observed: ring << 32 | op counter)"}
+                 14: "a high-throughput combine row (expected / observed: ring << 32 | op counter; in place "
+                     "(ht.cuh ht_take_pull, ht_recv_combine): the rows of the channel / the tail, with "
+                     "kHtDirectBit, then the tail again before the credit)"}
 
 
 class LlParams(ctypes.Structure):

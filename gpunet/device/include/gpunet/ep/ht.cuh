@@ -54,6 +54,9 @@
 //          A round needs at most nwarps slots past the last credit: the host checks
 //          ring >= 2 * chunk + 32 so a sender waiting for room never waits on a row the receiver
 //          needs first.
+//          IN PLACE (F_HT_PULL: x in the receive pool; a peer that may load from it): the sender
+//          gives the token side a descriptor instead of the rows and the token side loads them
+//          from the peer's pool (ht_offer_pull / ht_take_pull: "the in-place combine" below).
 //
 // Signals: every word has ONE writer and is SET (never added) to (epoch << 32 | count): the store
 // form every transport has (c500 p2p peers take no ADD). The epoch is a device word, the same on
