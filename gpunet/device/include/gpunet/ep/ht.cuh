@@ -95,10 +95,10 @@ enum : uint32_t {
   F_HT_DESC = 1024,     // dispatch data: receivers send mapped sources their receive descriptor
                         // (every rank has a receive pool: the flag is the same on every rank)
   F_HT_DIRECT = 2048,   // dispatch data: this rank's receive tensors lie in its pool (HtParams::pool)
-  F_HT_PULL = 8192,     // combine: this rank's x (and topk_weights) lie in its receive pool, so
-                        // peers that can load from it read their rows in place (ht_offer_pull)
   F_HT_PRE = 4096,      // dispatch: the data launch went before the host read the counts ("The
                         // prelaunched data phase" in run_ht); the notify writes its go word
+  F_HT_PULL = 8192,     // combine: this rank's x (and topk_weights) lie in its receive pool, so
+                        // peers that can load from it read their rows in place (ht_offer_pull)
 };
 // A dispatch tail word's count with this bit: the rows were stored straight into the receive
 // tensors ("Receive pool" above), nothing to copy out of a ring and no credit to give.
@@ -620,8 +620,8 @@ constexpr uint32_t kBulkPiece = 4096, kBulkBufs = 3;
 // reduce's list of up to kReduceRows row addresses (ht_reduce_bulk).
 constexpr uint32_t kBulkCtl = 128, kBulkRowsAt = 64, kReduceRows = 8;
 // Every HT launch's shared memory: the peer view (ll.cuh load_peer_view), then the combine
-// receiver's per-peer words (ht_recv_words: 3 x u32 a peer); the bulk buffers follow.
-// (ht_recv_words: 3 u32 and, 8-aligned, 2 u64 per peer)
+// receiver's per-peer words (ht_recv_words: 3 x u32 a peer, then from ht_pull_words_at, 8-aligned,
+// 2 x u64 a peer); the bulk buffers follow.
 GPUNET_HOST_DEVICE uint64_t ht_pull_words_at(uint32_t nranks) {
   return (uint64_t(smem_view_bytes(nranks)) + 12 * uint64_t(nranks) + 7) / 8 * 8;
 }
