@@ -591,6 +591,53 @@ def header_overtaken(state, spec, stall_ns, between=()):
     return out
 
 
+def in_place_combine_stalled(state, spec, stalling_rank, stall_ns):
+    """A dispatch, then combine of its recv_x (in the receive pool: the in-place combine); on
+    ``stalling_rank`` the token side stalls ``stall_ns`` after loading its peers' rows and before
+    its final credit (GPUNET_TEST_HT_PULL_STALL_NS). Returns (raised, masked ranks, bad): the
+    exception's type and text or None, and what differs from the reference."""
+    buf = state["ep_buf"]
+    world, rank = buf.group_size, buf.rank
+    if rank == stalling_rank:
+        from gpunet.device import ep as dep
+        buf._ht_lib = dep.load_ep_ht("host", defines={"GPUNET_TEST_HT_PULL_STALL_NS": stall_ns},
+                                     kinds=buf._build_kinds)
+    inputs = _inputs(spec, world)
+    mine, bad, raised = inputs[rank], [], None
+    # a warm-up round under a long bound whose combine goes through the rings (its x in torch
+    # memory: no stall), so that nothing is built during the timed one: on a cold build cache the
+    # first round outlasted a 1 s peer bound (a rank was masked in it)
+    bound = buf.timeout_s
+    buf.set_timeout(60.0)
+    dist.barrier()
+    rx, rtk, rw, counts, handle, _ = _dispatch(buf, spec, mine, spec["config"])
+    buf.combine(rx.clone(), handle, topk_weights=rw.clone(), config=Config(*spec["config"]))
+    del rx, rtk, rw, handle
+    warm_masked = out_masked(buf)
+    buf.set_timeout(bound)
+    dist.barrier()
+    try:
+        rx, rtk, rw, counts, handle, _ = _dispatch(buf, spec, mine, spec["config"])
+        if not buf._pool.contains(rx):
+            bad.append("recv_x is not in the receive pool")
+        comb, _, _ = buf.combine(rx, handle, topk_weights=rw, config=Config(*spec["config"]))
+        refs = [_dispatch_ref(spec, inputs, d, ()) for d in range(world)]
+        want, _ = ref.ht_combine_ref([rr["recv_x"] for rr in refs], refs, ref.ht_layout_ref(
+            mine["topk_idx"], spec["num_experts"], world)[2], rank,
+            ys_weights=[rr["recv_topk_weights"] for rr in refs])
+        # a rank that masked a peer during the call may have left its rows out of every token
+        # (masked before its rows were read) or of none (after)
+        without = ref.ht_combine_ref([rr["recv_x"] for rr in refs], refs, ref.ht_layout_ref(
+            mine["topk_idx"], spec["num_experts"], world)[2], rank, masked_ranks=out_masked(buf),
+            ys_weights=[rr["recv_topk_weights"] for rr in refs])[0]
+        if not (torch.equal(comb, want) or torch.equal(comb, without)):
+            bad.append("combined_x is neither the reference (%d rows differ) nor the one without the "
+                       "masked ranks (%d)" % (int((comb != want).any(1).sum()), int((comb != without).any(1).sum())))
+    except Exception as e:  # noqa: BLE001 - the test reports it
+        raised = "%s: %s" % (type(e).__name__, str(e)[:600])
+    return raised, out_masked(buf), bad, warm_masked
+
+
 def dispatch_with_config(state, spec, configs):
     """One dispatch of the spec's inputs with Config ``configs[rank]`` (ranks may differ).
     Returns the exception's type and text, or None."""

@@ -557,6 +557,27 @@ def test_the_c500_profile_never_loads_a_peers_rows_in_combine():
         _close(r)
 
 
+def test_a_token_side_given_up_while_it_loads_in_place_fails_instead_of_returning():
+    """2 ranks over p2p with receive pools, enable_shrink, a 1 s bound: combine of recv_x (in place,
+    ht.cuh "the in-place combine"); rank 1's token side stalls 9 s after loading rank 0's rows and
+    before its final credit (GPUNET_TEST_HT_PULL_STALL_NS), past rank 0's bound for a silent peer
+    (3 s without a beat). Invariant: rank 0 masks rank 1 and returns its combine exact (with rank
+    1's rows, or without them where it masked rank 1 before reading them: seen on a cold build
+    cache); its sender, giving rank 1 up, SET rank 1's tail back (ht_pull_revoke),
+    and rank 1, reading its tail again before the credit, raises naming the combine row's check
+    instead of returning rows rank 0's caller may have overwritten by then."""
+    r = _pool(2, "p2p-pool", 32, shrink=True, timeout_s=1.0)
+    try:
+        spec = _spec(2, seed=84, config=SMALL)
+        (raised0, masked0, bad0, w0), (raised1, _, _, w1) = r.run("ep_ht_jobs:in_place_combine_stalled", spec, 1,
+                                                          9_000_000_000, timeout=120)
+        assert w0 == [] and w1 == [], (w0, w1)   # the warm-up round masked no rank
+        assert raised0 is None and bad0 == [] and masked0 == [1], (raised0, bad0, masked0)
+        assert raised1 is not None and "high-throughput combine row" in raised1, raised1
+    finally:
+        _close(r)
+
+
 def test_a_receive_pool_without_room_falls_back_to_the_ring(p2p2):
     """Rank 1's receive pool held full by a tensor of its own: its receive tensors come from
     torch and rank 0 stages its rows into rank 1's ring, while rank 1 stores its rows straight

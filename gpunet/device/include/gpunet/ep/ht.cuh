@@ -1568,6 +1568,13 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
       // (its tail as it offered them: ht_offer_pull / ht_pull_revoke); the loads came before
       const bool pull = pull_of[d] != 0;
       if (m > cr && (m == total || (!pull && m - cr >= P.chunk))) {
+#if defined(GPUNET_TEST_HT_PULL_STALL_NS)
+        // (tests/test_ep_ht.py) a token side that stalls after its loads, before its final credit:
+        // the sender gives it up meanwhile and revokes its rows (ht_pull_revoke)
+        if (pull)
+          for (const uint64_t t0 = arch::now_ns(); arch::now_ns() - t0 < uint64_t(GPUNET_TEST_HT_PULL_STALL_NS);)
+            arch::spin_pause();
+#endif
         if (pull) arch::fence_sys();
         if (pull && read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) != (total | kHtDirectBit)) {
           ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_COMBINE_ROW, d, total | kHtDirectBit,
