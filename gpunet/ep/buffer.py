@@ -1132,7 +1132,13 @@ class Buffer:
 
         Returns ``(combined_x bf16 [T, H], combined_topk_weights float32 [T, K] or None, event)``:
         combined_x[t] = bias0[t] + bias1[t] + sum over the ranks d the token went to (ascending)
-        of x_d[row of t on d]; rows of masked ranks are left out."""
+        of x_d[row of t on d]; rows of masked ranks are left out.
+
+        When ``x`` (and ``topk_weights``, if given) lie in this rank's receive pool
+        (``recv_pool_bytes``; e.g. dispatch's recv_x and recv_topk_weights themselves), peers that
+        can load from this rank's heap (p2p, not the c500 profile) read the rows in place instead
+        of being sent them (docs/EP.md "the in-place combine"); the result is the same, bit for
+        bit. ``GPUNET_EP_HT_PULL=0`` turns that off."""
         self._alive()
         what = "combine"
         r = self.group_size
