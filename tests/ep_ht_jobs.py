@@ -594,8 +594,9 @@ def header_overtaken(state, spec, stall_ns, between=()):
 def in_place_combine_stalled(state, spec, stalling_rank, stall_ns):
     """A dispatch, then combine of its recv_x (in the receive pool: the in-place combine); on
     ``stalling_rank`` the token side stalls ``stall_ns`` after loading its peers' rows and before
-    its final credit (GPUNET_TEST_HT_PULL_STALL_NS). Returns (raised, masked ranks, bad): the
-    exception's type and text or None, and what differs from the reference."""
+    its final credit (GPUNET_TEST_HT_PULL_STALL_NS). Returns (raised, masked ranks, bad, masked
+    after the warm-up round): the exception's type and text or None, and what differs from the
+    reference."""
     buf = state["ep_buf"]
     world, rank = buf.group_size, buf.rank
     if rank == stalling_rank:
@@ -625,14 +626,8 @@ def in_place_combine_stalled(state, spec, stalling_rank, stall_ns):
         want, _ = ref.ht_combine_ref([rr["recv_x"] for rr in refs], refs, ref.ht_layout_ref(
             mine["topk_idx"], spec["num_experts"], world)[2], rank,
             ys_weights=[rr["recv_topk_weights"] for rr in refs])
-        # a rank that masked a peer during the call may have left its rows out of every token
-        # (masked before its rows were read) or of none (after)
-        without = ref.ht_combine_ref([rr["recv_x"] for rr in refs], refs, ref.ht_layout_ref(
-            mine["topk_idx"], spec["num_experts"], world)[2], rank, masked_ranks=out_masked(buf),
-            ys_weights=[rr["recv_topk_weights"] for rr in refs])[0]
-        if not (torch.equal(comb, want) or torch.equal(comb, without)):
-            bad.append("combined_x is neither the reference (%d rows differ) nor the one without the "
-                       "masked ranks (%d)" % (int((comb != want).any(1).sum()), int((comb != without).any(1).sum())))
+        if not torch.equal(comb, want):
+            bad.append("combined_x differs from the reference in %d rows" % int((comb != want).any(1).sum()))
     except Exception as e:  # noqa: BLE001 - the test reports it
         raised = "%s: %s" % (type(e).__name__, str(e)[:600])
     return raised, out_masked(buf), bad, warm_masked

@@ -561,9 +561,8 @@ def test_a_token_side_given_up_while_it_loads_in_place_fails_instead_of_returnin
     """2 ranks over p2p with receive pools, enable_shrink, a 1 s bound: combine of recv_x (in place,
     ht.cuh "the in-place combine"); rank 1's token side stalls 9 s after loading rank 0's rows and
     before its final credit (GPUNET_TEST_HT_PULL_STALL_NS), past rank 0's bound for a silent peer
-    (3 s without a beat). Invariant: rank 0 masks rank 1 and returns its combine exact (with rank
-    1's rows, or without them where it masked rank 1 before reading them: seen on a cold build
-    cache); its sender, giving rank 1 up, SET rank 1's tail back (ht_pull_revoke),
+    (3 s without a beat). Invariant: rank 0 masks rank 1 and returns its combine exact (it read
+    rank 1's rows before rank 1 went quiet: rank 1 beats until rank 0's final credit); its sender, giving rank 1 up, SET rank 1's tail back (ht_pull_revoke),
     and rank 1, reading its tail again before the credit, raises naming the combine row's check
     instead of returning rows rank 0's caller may have overwritten by then."""
     r = _pool(2, "p2p-pool", 32, shrink=True, timeout_s=1.0)
