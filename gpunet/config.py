@@ -95,6 +95,9 @@ KNOBS = (
     Knob("GPUNET_TEST_HT_NOTIFY_STALL_NS", "define", "int", None, (),
          "tests: the HT notify's block 0 stalls this long between reading the peers' headers and "
          "reading them again (ht.cuh ht_rhdr: a slow third source's window)"),
+    Knob("GPUNET_TEST_HT_PULL_STALL_NS", "define", "int", None, (),
+         "tests: the in-place HT combine's token side stalls this long after its loads and before its "
+         "final credit (ht.cuh ht_recv_combine: the sender gives it up and revokes its rows)"),
     Knob("GPUNET_TEST_LL_EXIT_AFTER_COUNTS", "define", "flag", None, (),
          "tests: the HOST arm's direct LL dispatch exits the process after its count round, before "
          "any row (ll.cuh direct_counts: the receivers' rows to move down)"),
