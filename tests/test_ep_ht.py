@@ -562,14 +562,15 @@ def test_a_token_side_given_up_while_it_loads_in_place_fails_instead_of_returnin
     ht.cuh "the in-place combine"); rank 1's token side stalls 9 s after loading rank 0's rows and
     before its final credit (GPUNET_TEST_HT_PULL_STALL_NS), past rank 0's bound for a silent peer
     (3 s without a beat). Invariant: rank 0 masks rank 1 and returns its combine exact (it read
-    rank 1's rows before rank 1 went quiet: rank 1 beats until rank 0's final credit); its sender, giving rank 1 up, SET rank 1's tail back (ht_pull_revoke),
-    and rank 1, reading its tail again before the credit, raises naming the combine row's check
-    instead of returning rows rank 0's caller may have overwritten by then."""
+    rank 1's rows before rank 1 went quiet: rank 1 beats until rank 0's final credit); its sender,
+    giving rank 1 up, SET rank 1's tail back (ht_pull_revoke), and rank 1, reading its tail again
+    before the credit, raises naming the combine row's check instead of returning rows rank 0's
+    caller may have overwritten by then."""
     r = _pool(2, "p2p-pool", 32, shrink=True, timeout_s=1.0)
     try:
-        spec = _spec(2, seed=84, config=SMALL)
-        (raised0, masked0, bad0, w0), (raised1, _, _, w1) = r.run("ep_ht_jobs:in_place_combine_stalled", spec, 1,
-                                                          9_000_000_000, timeout=120)
+        spec = _spec(2, seed=84)
+        (raised0, masked0, bad0, w0), (raised1, _, _, w1) = r.run(
+            "ep_ht_jobs:in_place_combine_stalled", spec, 1, 9_000_000_000, timeout=120)
         assert w0 == [] and w1 == [], (w0, w1)   # the warm-up round masked no rank
         assert raised0 is None and bad0 == [] and masked0 == [1], (raised0, bad0, masked0)
         assert raised1 is not None and "high-throughput combine row" in raised1, raised1
