@@ -353,6 +353,15 @@ def round_(state, spec):
             if spec.get("fp8") or rx_dev.shape[0] != rows:
                 bad.append("in_place needs a BF16 round without worst-case rows")
             y, yw = rx_dev, rw_dev
+            if spec.get("empty_x"):
+                # the experts' outputs written into a fresh tensor from Buffer.empty_combine_x (in
+                # the pool when it has room), then recv_x overwritten with NaN: a combine that read
+                # recv_x instead of x would return NaN rows
+                y = buf.empty_combine_x(handle)
+                y.copy_(rx_dev)
+                out["x_in_pool"] = buf._pool is not None and buf._pool.contains(y)
+                rx = rx.clone()
+                rx_dev.fill_(float("nan"))
         t, h = mine["x"].shape
         biases = _bias(spec, rank, t, h)
         ccfg = Config(*(spec.get("combine_config") or spec["config"])) if spec.get("config") else None

@@ -534,6 +534,23 @@ def test_a_combine_of_the_received_rows_reads_them_in_place(p2p2):
         _assert_combine_ring_rows(p2p2.run("ep_ht_jobs:round_", spec), spec, lambda r_, d: pull)
 
 
+def test_a_combine_of_expert_outputs_in_empty_combine_x_reads_them_in_place(p2p2, proxy2):
+    """Buffer.empty_combine_x: 2 ranks; the expert outputs (the received rows) are copied into the
+    fresh tensor it returns, then recv_x is overwritten with NaN, and that tensor is combined, with
+    recv_topk_weights. Invariant: on p2p with a receive pool the tensor lies in the pool, the round
+    is exact (no NaN: the rows came from the new tensor, not recv_x) and no row came through the
+    combine ring (the peer loaded them in place); on the proxy without a pool it is ordinary
+    memory and the round is exact through the rings."""
+    spec = _spec(2, seed=84, in_place=True, empty_x=True, ring_probe=True, tagged=True, biases=1)
+    outs = p2p2.run("ep_ht_jobs:round_", spec)
+    _assert_combine_ring_rows(outs, spec, lambda r_, d: True)
+    assert all(o["x_in_pool"] for o in outs), outs
+    spec = _spec(2, seed=85, in_place=True, empty_x=True, tagged=True)
+    outs = proxy2.run("ep_ht_jobs:round_", spec)
+    _assert_round(outs, spec)
+    assert not any(o["x_in_pool"] or o["nan"] for o in outs), outs
+
+
 def test_an_in_place_combine_in_a_world_of_p2p_and_proxy_peers(p2p_proxy4):
     """4 ranks, pairs with an even sum p2p, the others through the proxy, warps of 32, a receive
     pool, combine given the received rows themselves, varying tokens. Invariant: exact on every

@@ -1091,7 +1091,9 @@ class Buffer:
             self._pool_full(shapes)
         return tuple(packed_empty(shapes, self._device)) + (0,)
 
-    def _pool_full(self, shapes):
+    def _pool_full(self, shapes, what="a dispatch's receive tensors", fallback=(
+            "the call used torch memory (high throughput: the rings; low latency: messages, not "
+            "the direct dispatch)")):
         """The receive pool had no room (not a graph capture): said once per Buffer, with the
         sizes. On CUDA the pool then stays out of use (RecvPool.exhausted: torch keeps its cached
         blocks in it, and each try synchronised the device)."""
@@ -1100,10 +1102,9 @@ class Buffer:
         self._pool_warned = True
         need = sum(int(np.prod(sd[0])) * sd[1].itemsize for sd in shapes if sd)
         log.warning("gpunet.ep rank %d: the receive pool (recv_pool_bytes=%d, %d in use) had no room for "
-                    "a dispatch's receive tensors (%d bytes): the call used torch memory (high "
-                    "throughput: the rings; low latency: messages, not the direct dispatch)%s; "
-                    "pass a larger recv_pool_bytes (room for the receive tensors held at once)",
-                    self.rank, self.recv_pool_bytes, self._pool.used_bytes(), need,
+                    "%s (%d bytes): %s%s; pass a larger recv_pool_bytes (room for the tensors held "
+                    "at once)", self.rank, self.recv_pool_bytes, self._pool.used_bytes(), what, need,
+                    fallback,
                     "; the pool is not used again by this Buffer (on CUDA torch keeps its cached blocks "
                     "in it, each later try would synchronise the device)" if self._pool.exhausted else "")
 
@@ -1186,6 +1187,30 @@ class Buffer:
         self._check(what, "combine", mirrored=True)
         keep = (x, topk_weights, out, out_w) + biases + tuple(handle[:6])
         return out, out_w, self._event(async_finish, keep)
+
+    def empty_combine_x(self, handle):
+        """A fresh, uninitialised bf16 tensor [N, H] for ``combine``'s ``x`` (N: the rows the
+        high-throughput dispatch of ``handle`` returned, H its hidden size), in this rank's receive
+        pool when it has room, else in ordinary memory (said once, as for a dispatch's tensors).
+
+        gpunet extension (DeepEP has none; its low-latency ``get_next_low_latency_combine_buffer``
+        is the same idea): write the experts' outputs into it (row i the output for the dispatch's
+        ``recv_x[i]``, e.g. ``torch.matmul(..., out=y)`` or ``y.copy_(...)``) and pass it to
+        ``combine``: peers that can load from this rank's heap then read its rows in place instead
+        of being sent them (docs/EP.md "the in-place combine"), as for a combine of recv_x itself.
+        The caller owns it as one from ``torch.empty``; its bytes go back to the pool when it dies.
+        Not in the pool (ordinary memory) without ``recv_pool_bytes`` or during a CUDA graph
+        capture; the combine then takes the rings, with the same result."""
+        self._alive()
+        h = self._ht_handle(handle, "empty_combine_x")
+        shapes = [((h["rows"], h["hidden"]), torch.bfloat16)]
+        if self._pool is not None:
+            got = self._pool.empty_many(shapes)
+            if got is not None:
+                return got[0]
+            self._pool_full(shapes, "combine's x (empty_combine_x)",
+                            "it is in torch memory, and combine sends its rows through the rings")
+        return torch.empty(shapes[0][0], dtype=torch.bfloat16, device=self._device)
 
     def internode_dispatch(self, *args, **kwargs):
         raise NotImplementedError("internode_dispatch: gpunet's high-throughput mode is one flat "
