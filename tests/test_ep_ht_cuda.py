@@ -62,7 +62,8 @@ def test_p2p_ranks_store_rows_into_the_receive_pool(cuda_platform):
     tagged with varying tokens, FP8 cached with biases, num_worst_tokens); with rank 1's pool held
     full, rank 1 takes torch memory and the ring while rank 0 still receives in place; every
     round matches the reference on both ranks. Combine given the received rows themselves loads
-    the rows of a peer whose rows lie in its pool in place (ht.cuh "the in-place combine"). A BF16 round repeated takes views of the receive
+    the rows of a peer whose rows lie in its pool in place (ht.cuh "the in-place combine"; the rows
+    copied into Buffer.empty_combine_x's tensor, recv_x then overwritten). A BF16 round repeated takes views of the receive
     tensors allocated during its notify (the last such call's rows + 1/8), into which its data
     phase was launched before the host read the counts."""
     from mp_ranks import Ranks
@@ -96,14 +97,17 @@ def test_p2p_ranks_store_rows_into_the_receive_pool(cuda_platform):
             # combine given the received rows: a peer whose rows lie in its pool hands this rank a
             # descriptor and this rank loads them (none in its ring); rank 1's, in torch memory
             # while held, come through rank 0's ring (after the repeated round: its guess is the
-            # first mode's rows)
-            spec = dict(SPEC, seed=8, num_experts=16, tagged=True, in_place=True, ring_probe=True)
+            # first mode's rows); the rows are copied into Buffer.empty_combine_x's tensor (in the
+            # pool where it has room) and recv_x overwritten with NaN before the combine
+            spec = dict(SPEC, seed=8, num_experts=16, tagged=True, in_place=True, empty_x=True,
+                        ring_probe=True)
             outs = r.run("ep_ht_jobs:round_", spec, timeout=300)
             for rank, o in enumerate(outs):
                 assert o["raised"] is None and o["bad"] == [], (rank, o)
                 assert o["calc_diff"] < 5e-6, (rank, o["calc_diff"])
             ring = [o["ring_rows"][1 - rank] for rank, o in enumerate(outs)]
             assert (ring[0] > 0) == held and ring[1] == 0, (ring, held)
+            assert [o["x_in_pool"] for o in outs] == [True, not held], (outs, held)
         r.run("ep_ht_jobs:hold_pool", [False, False], timeout=120)
         r.run("ep_ht_jobs:close", timeout=120)
     finally:
