@@ -60,6 +60,10 @@ KNOBS = (
          "dispatch's recv_x): 1 lets peers that can load from this rank's heap (p2p, not the c500 "
          "profile) read their rows in place (ht.cuh \"the in-place combine\"), 0 sends them through "
          "the rings"),
+    Knob("GPUNET_EP_HT_SPLIT", "env", "choice", "1", ("0", "1"),
+         "gpunet.ep's in-place high-throughput combine: 1 lets a channel's sender block, when every "
+         "row it sends and its channel receives goes in place, reduce half the channel's tokens "
+         "(ht.cuh \"the split in-place combine\"), 0 leaves the whole reduce to the receiver block"),
     Knob("GPUNET_WARP_SIZE", "env", "choice", None, ("32", "64"),
          "the HOST arm's warp size (default 32; GPUs use their own: 32 CUDA, 64 MACA)"),
     Knob("GPUNET_RUNTIME_LIB", "env", "path", None, (),

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from gpunet.device import ep as dep
 from gpunet.ep import Buffer, Config, EPTimeout
 from gpunet.ep import _layout as lay
 from gpunet.ep import reference as ref
@@ -163,6 +164,18 @@ def _ring_probe(buf, config, handle, hidden):
         touched = (region.view(nc, world, ring, stride)[:, :, 1:, :].cpu() != 0x5A).any(-1)
         return [int(touched[:, d].sum()) for d in range(world)]
     return written
+
+
+def _split_states(buf, handle):
+    """Per channel, how the last combine's split in-place reduce went on this rank (ht.cuh "the
+    split in-place combine": its split word, if that op's): 1 the sender block reduced the upper
+    half of the channel's tokens, 2 it saw a ring source, 3 the receiver block took it all, 0
+    no claim this op (the split was off, or the sender did not offer)."""
+    world, nc = buf.group_size, handle[6]["nc"]
+    op = int(buf._ht_epoch[0]) - 1         # the combine's op counter (its last block bumped it)
+    ws = buf._ht_ws.cpu()
+    words = [int(ws[((nc + c) * world) * dep.HT_WS_WORDS + dep.HT_WS_SPLIT]) for c in range(nc)]
+    return [w & 3 if w >> 2 == op else 0 for w in words]
 
 
 def hold_pool(state, hold_by_rank):
@@ -346,7 +359,7 @@ def round_(state, spec):
         if not spec.get("no_topk"):
             yw = torch.zeros(rows, spec["topk"])
             yw[:n] = rw
-        if spec.get("in_place"):
+        if spec.get("in_place") and rank in spec.get("in_place_ranks", range(world)):
             # the received rows and weights themselves (BF16): with a receive pool they lie in
             # it, and peers that can load from this heap read them there (ht.cuh "the in-place
             # combine"); the expert output is the row itself either way
@@ -362,13 +375,16 @@ def round_(state, spec):
                 out["x_in_pool"] = buf._pool is not None and buf._pool.contains(y)
                 rx = rx.clone()
                 rx_dev.fill_(float("nan"))
+        elif spec.get("in_place"):
+            y = y.clone()       # a rank left out of in_place_ranks: a copy in torch memory (the rings)
         t, h = mine["x"].shape
         biases = _bias(spec, rank, t, h)
         ccfg = Config(*(spec.get("combine_config") or spec["config"])) if spec.get("config") else None
         probe = _ring_probe(buf, ccfg or Buffer.get_combine_config(world), handle, h) \
             if spec.get("ring_probe") and collective else None
-        pull = buf._ht_pull
+        pull, split = buf._ht_pull, buf._ht_split
         buf._ht_pull = pull and spec.get("pull", True)
+        buf._ht_split = split and spec.get("split", True)
         t0 = time.monotonic()
         try:
             comb, comb_w, ev = buf.combine(y.to(dev), handle, topk_weights=_dev(yw, dev),
@@ -376,13 +392,14 @@ def round_(state, spec):
                                            async_finish=spec.get("async_finish", False),
                                            previous_event=Buffer.capture() if spec.get("prev_event") else None)
         finally:
-            buf._ht_pull = pull
+            buf._ht_pull, buf._ht_split = pull, split
         if spec.get("async_finish"):
             ev.current_stream_wait()
         comb, comb_w = cpu(comb), cpu(comb_w)
         out["t_combine"] = time.monotonic() - t0
         if probe is not None:
             out["ring_rows"] = probe()
+        out["split"] = _split_states(buf, handle)
     except EPTimeout as ex:
         out["raised"] = {"phase": ex.phase, "peers_silent": ex.peers_silent,
                          "counts_seen": ex.counts_seen, "msg": str(ex)[:400]}

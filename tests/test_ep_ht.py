@@ -527,11 +527,25 @@ def test_a_combine_of_the_received_rows_reads_them_in_place(p2p2):
     through the combine ring: each peer stored only its descriptor and this rank loaded the rows
     from the peer's pool (ht.cuh "the in-place combine"); with and without top-k (the weights come
     the same way). With the in-place path off (Buffer._ht_pull, GPUNET_EP_HT_PULL=0) the same
-    round is exact and its rows are in the ring: the probe sees rows when they come."""
+    round is exact and its rows are in the ring: the probe sees rows when they come.
+
+    The split (ht.cuh "the split in-place combine"): with every row in place, each channel's
+    sender block or its receiver block claims the upper half of the tokens (state 1 or 3 per
+    channel), and across these rounds a sender block reduced some (a 1: its rows are then part of
+    the exact result); without the in-place path nothing claims (0); with GPUNET_EP_HT_SPLIT off
+    (Buffer._ht_split) the in-place round is exact and nothing claims."""
+    helped = 0
     for spec, pull in ((_spec(2, seed=80, in_place=True, ring_probe=True, tagged=True, biases=2), True),
                        (_spec(2, seed=81, in_place=True, ring_probe=True, no_topk=True), True),
-                       (_spec(2, seed=80, in_place=True, ring_probe=True, tagged=True, pull=False), False)):
-        _assert_combine_ring_rows(p2p2.run("ep_ht_jobs:round_", spec), spec, lambda r_, d: pull)
+                       (_spec(2, seed=86, in_place=True, ring_probe=True, tagged=True, config=(4, 4, 48)), True),
+                       (_spec(2, seed=80, in_place=True, ring_probe=True, tagged=True, pull=False), False),
+                       (_spec(2, seed=87, in_place=True, ring_probe=True, tagged=True, split=False), None)):
+        outs = p2p2.run("ep_ht_jobs:round_", spec)
+        _assert_combine_ring_rows(outs, spec, lambda r_, d: pull is not False)
+        states = [st for o in outs for st in o["split"]]
+        assert set(states) <= ({1, 3} if pull else {0}), (spec, states)
+        helped += states.count(1)
+    assert helped > 0
 
 
 def test_a_combine_of_expert_outputs_in_empty_combine_x_reads_them_in_place(p2p2, proxy2):
@@ -557,8 +571,30 @@ def test_an_in_place_combine_in_a_world_of_p2p_and_proxy_peers(p2p_proxy4):
     rank; the p2p peers' rows were loaded in place (none in the ring), the proxy peers' came
     through the ring (a NIC peer's heap cannot be loaded)."""
     spec = _spec(4, seed=82, in_place=True, ring_probe=True, vary_tokens=True, tagged=True)
-    _assert_combine_ring_rows(p2p_proxy4.run("ep_ht_jobs:round_", spec), spec,
-                              lambda r_, d: (r_ + d) % 2 == 0)
+    outs = p2p_proxy4.run("ep_ht_jobs:round_", spec)
+    _assert_combine_ring_rows(outs, spec, lambda r_, d: (r_ + d) % 2 == 0)
+    # every rank sends rows through a ring (to its proxy peers): no sender block reduces (ht.cuh
+    # "the split in-place combine"); a receiver block may still claim its whole channel (3)
+    assert all(set(o["split"]) <= {0, 3} for o in outs), [o["split"] for o in outs]
+
+
+def test_a_combine_in_place_on_one_rank_and_through_the_ring_on_the_other():
+    """2 ranks over p2p with receive pools, warps of 32: rank 0 combines its received rows (in its
+    pool: rank 1 loads them), rank 1 a copy in torch memory (its rows come through rank 0's ring).
+    Invariant: exact on both; rank 0's ring holds rank 1's rows and rank 1's none of rank 0's;
+    rank 0's sender block, which has nothing to stage, does not reduce half its channel: a source
+    comes through the ring, whose credits follow the order of the rows read (state 2 or 3, never
+    1); rank 1, not in place, claims nothing."""
+    r = _pool(2, "p2p-pool", 32)
+    try:
+        for seed in (88, 89):
+            spec = _spec(2, seed=seed, in_place=True, in_place_ranks=[0], ring_probe=True, tagged=True)
+            outs = r.run("ep_ht_jobs:round_", spec)
+            _assert_combine_ring_rows(outs, spec, lambda r_, d: d == 0)
+            assert set(outs[0]["split"]) <= {2, 3} and set(outs[1]["split"]) == {0}, \
+                [o["split"] for o in outs]
+    finally:
+        _close(r)
 
 
 def test_the_c500_profile_never_loads_a_peers_rows_in_combine():

@@ -178,7 +178,9 @@ OP_HT_DISPATCH, OP_HT_COMBINE = 3, 4
 PH_NOTIFY, PH_DATA = 1, 2
 F_HT_TOPK, F_HT_WEIGHTS, F_HT_BUMP, F_HT_WORST, F_HT_DESC, F_HT_DIRECT, F_HT_PRE, F_HT_PULL = (
     64, 128, 256, 512, 1024, 2048, 4096, 8192)
+F_HT_SPLIT = 32768
 HT_WS_WORDS = 16
+HT_WS_SPLIT = 15      # ht.cuh WS_SPLIT: the word of (receive side, channel, peer 0) a split combine claims
 HT_RD_WORDS = 8       # ht.cuh RD_WORDS: a receive descriptor's u64 words
 # HtParams::base.prof (LlParams::prof's rows, ht.cuh HT_ST_*): stamps (now_ns) and, from
 # "t_move" on, what thread 0 summed over the block's loop (ns, then counts); bench/ep_ht.py

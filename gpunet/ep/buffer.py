@@ -441,6 +441,7 @@ class Buffer:
         self._ht_rows_seen = {}
         self._ht_prelaunch = config.get("GPUNET_EP_HT_PRELAUNCH") == "1"
         self._ht_pull = config.get("GPUNET_EP_HT_PULL") == "1"
+        self._ht_split = config.get("GPUNET_EP_HT_SPLIT") == "1"
         self._ht_prelaunched = 0    # dispatches whose prelaunched data phase ran (the tests read it)
         self._stats = {"dispatch": torch.zeros(r, r, dtype=torch.int64, device=self._device),
                        "combine": torch.zeros(r, r, dtype=torch.int64, device=self._device)}
@@ -1139,7 +1140,9 @@ class Buffer:
         (``recv_pool_bytes``; e.g. dispatch's recv_x and recv_topk_weights themselves), peers that
         can load from this rank's heap (p2p, not the c500 profile) read the rows in place instead
         of being sent them (docs/EP.md "the in-place combine"); the result is the same, bit for
-        bit. ``GPUNET_EP_HT_PULL=0`` turns that off."""
+        bit. ``GPUNET_EP_HT_PULL=0`` turns that off. When, besides, every row this rank sends and
+        receives in a channel goes in place, the channel's sender block reduces half its tokens
+        (ht.cuh "the split in-place combine"; ``GPUNET_EP_HT_SPLIT=0`` turns that off)."""
         self._alive()
         what = "combine"
         r = self.group_size
@@ -1183,6 +1186,8 @@ class Buffer:
         if self._ht_pull and self._pool is not None and all(
                 t is None or self._pool.contains(t) for t in (x, topk_weights)):
             P.base.flags |= dep.F_HT_PULL   # peers that can load from this heap read x in place
+            if self._ht_split:              # and idle senders reduce half their channel's tokens
+                P.base.flags |= dep.F_HT_SPLIT
         self._ht_launch(P, 2 * nc, block, what)
         self._check(what, "combine", mirrored=True)
         keep = (x, topk_weights, out, out_w) + biases + tuple(handle[:6])

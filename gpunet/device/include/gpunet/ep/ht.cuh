@@ -99,6 +99,8 @@ enum : uint32_t {
                         // prelaunched data phase" in run_ht); the notify writes its go word
   F_HT_PULL = 8192,     // combine: this rank's x (and topk_weights) lie in its receive pool, so
                         // peers that can load from it read their rows in place (ht_offer_pull)
+  F_HT_SPLIT = 32768,   // combine with F_HT_PULL: a sender block whose rows are all loaded in place
+                        // may reduce half its channel's tokens (ht_split_claim); bit 16384 is free
 };
 // A dispatch tail word's count with this bit: the rows were stored straight into the receive
 // tensors ("Receive pool" above), nothing to copy out of a ring and no credit to give.
@@ -1009,18 +1011,21 @@ GPUNET_DEVICE int32_t* tok_list(const HtParams& P, uint32_t c, uint32_t d) {
          (uint64_t(c) * P.base.nranks + d) * kHtMaxChunk;
 }
 
-GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
+// (below: the split in-place combine)
+GPUNET_DEVICE bool ht_split_offer(const HtParams& P, uint32_t c, uint64_t epoch, const uint8_t* out);
+GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+                                   uint8_t* out, bool helper);
+
+// The sender's first step: each destination's state words and, in a combine, the offers of rows
+// loaded in place; true when this block then reduces half its channel's tokens (the split in-place
+// combine, ht_split_offer) before its loop (ht_send).
+GPUNET_DEVICE bool ht_send_begin(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels;
   const bool combine = B.op == OP_HT_COMBINE;
-  const uint32_t kind = combine ? HT_KIND_COMBINE : HT_KIND_DISPATCH;
-  const uint64_t T = B.num_tokens;
-  const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
-  const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
+  const uint64_t cb = chan_begin(B.num_tokens, nc, c);
   const int32_t* pre = ptr<const int32_t>(P.chan_prefix);
   const uint64_t t_start = arch::now_ns();
-  HtClock clk = ht_clock(B, g);
-  const HtBulk bk = ht_bulk(P, g);
   if (g.lane == 0) {
     for (uint32_t d = g.wid; d < R; d += g.nwarps) {
       // to itself: nothing to send (combine: its receiver reads x in place; dispatch: its
@@ -1046,6 +1051,25 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
         *ws_word(P, 0, c, d, WS_SENT) = total;
     }
   }
+  // an in-place combine with nothing to stage: this block may reduce half of its channel's tokens
+  // before it waits for its final credits (ht_split_offer)
+  if (!combine || !(B.flags & F_HT_SPLIT)) return false;
+  arch::syncthreads();  // every warp's offers (their state words) before thread 0 reads them
+  return arch::block_any(g.tid == 0 && ht_split_offer(P, c, epoch, out));
+}
+
+GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks, nc = P.nchannels;
+  const bool combine = B.op == OP_HT_COMBINE;
+  const uint32_t kind = combine ? HT_KIND_COMBINE : HT_KIND_DISPATCH;
+  const uint64_t T = B.num_tokens;
+  const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
+  const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
+  const int32_t* pre = ptr<const int32_t>(P.chan_prefix);
+  const uint64_t t_start = arch::now_ns();
+  HtClock clk = ht_clock(B, g);
+  const HtBulk bk = ht_bulk(P, g);
   for (;;) {
     // (1) decide and list
     bool left = false;  // lane 0: one of this warp's destinations is not done
@@ -1392,13 +1416,89 @@ GPUNET_DEVICE uint64_t ht_row_of(const HtParams& P, const uint64_t* pull_of, uin
   return pull_of[d] ? pull_of[d] + uint64_t(p) * P.base.hidden * 2 : slot_addr(P, P.recv_ring, c, d, uint64_t(p));
 }
 
-// Combine, token side: rounds of one token per warp, each waiting for exactly its rows.
+// ---- the split in-place combine: the idle sender reduces half its channel ----------------------
+// In an in-place combine whose rows all go in place (F_HT_PULL: each destination loads this rank's
+// rows; nothing to stage) a sender block has nothing to do but wait for its final credits, while
+// its channel's token side (the receiver block) loads and sums every row alone: at 20 SMs (10
+// channels) half the grid idled. With F_HT_SPLIT the sender block c offers its rows, then claims
+// the upper half of channel c's tokens [mid, ce) (a whole number of rounds) if every row the
+// token side gets in that channel comes in place too (each source's tail has kHtDirectBit: no
+// ring, so no credit depends on the order of the two blocks' reads). The receiver block reaches
+// mid after its lower half and claims the rest for itself unless the sender claimed first: one
+// CAS on a word tagged with the op counter decides, so neither waits for the other to decide.
+// The helper gives no credit: it stores its highest row per source and an epoch-tagged done word;
+// the receiver waits for that word (a grid-internal wait), takes the maximum of both blocks'
+// rows, and gives the final credits (after the tail's re-check) as if it had read every row.
+// The words are the receive-side state words of (c, 0) and (c, d), which the combine's token side
+// keeps in shared memory instead (ht_recv_words): unused in a combine.
+enum : uint32_t { HT_SPLIT_HELP = 1, HT_SPLIT_NO = 2, HT_SPLIT_TAKEN = 3 };
+constexpr uint32_t WS_SPLIT = WS_PULL, WS_HDONE = WS_OS, WS_HMAXP = WS_OX;
+
+// The first token of the helper's half: half the channel rounded up to whole rounds of nwarps.
+GPUNET_DEVICE uint64_t ht_split_mid(const Geo& g, uint64_t cb, uint64_t ce) {
+  const uint64_t n = ce - cb, half = (n + 1) / 2;
+  const uint64_t r = (half + g.nwarps - 1) / g.nwarps * g.nwarps;
+  return cb + (r < n ? r : n);
+}
+
+// Thread 0: put `state` (tagged with this op) into channel c's split word unless this op's
+// state is there already; returns the state that is there now.
+GPUNET_DEVICE uint32_t ht_split_claim(const HtParams& P, uint32_t c, uint64_t epoch, uint32_t state) {
+  uint64_t* w = ws_word(P, 1, c, 0, WS_SPLIT);
+  uint64_t v = arch::atomic_load(w);
+  while ((v >> 2) != epoch) {
+    const uint64_t old = arch::atomic_cas(w, v, (epoch << 2) | state);
+    if (old == v) return state;
+    v = old;
+  }
+  return uint32_t(v & 3);
+}
+
+// Thread 0 of sender block c, after its offers: whether it takes the upper half of channel c's
+// token side. Every destination with rows must have been offered them in place, and every source
+// with rows for this channel must have SET its tail in place; polls until then, until a source
+// comes through the ring, or until the receiver block claims the half (it reached mid).
+GPUNET_DEVICE bool ht_split_offer(const HtParams& P, uint32_t c, uint64_t epoch, const uint8_t* out) {
+  const LlParams& B = P.base;
+  const uint32_t R = B.nranks;
+  for (uint32_t d = 0; d < R; ++d)
+    if (d != B.rank && !out[d] && *ws_word(P, 0, c, d, WS_TOTAL) && !*ws_word(P, 0, c, d, WS_PULL)) return false;
+  const int32_t* send_cnt = ptr<const int32_t>(P.send_cnt);
+  const uint64_t t0 = arch::now_ns();
+  for (uint32_t n = 0;; ++n) {
+    bool all = true;
+    for (uint32_t d = 0; d < R && all; ++d) {
+      if (d == B.rank || out[d] || send_cnt[uint64_t(c) * R + d] == 0) continue;
+      const uint64_t tail = read_count(P, HT_KIND_COMBINE, 0, c, d, epoch);
+      if (tail == 0) {
+        all = false;  // not SET yet: poll again
+      } else if (tail == 0xffffffffull || !(tail & kHtDirectBit)) {
+        ht_split_claim(P, c, epoch, HT_SPLIT_NO);  // rows through the ring (or a peer ahead)
+        return false;
+      }
+    }
+    if (all) return ht_split_claim(P, c, epoch, HT_SPLIT_HELP) == HT_SPLIT_HELP;
+    if ((n & 7) == 0) {
+      const uint64_t w = arch::atomic_load(ws_word(P, 1, c, 0, WS_SPLIT));
+      if ((w >> 2) == epoch || ep_failed(B) || arch::now_ns() - t0 > P.peer_timeout_ns) return false;
+    }
+    arch::spin_pause();
+  }
+}
+
+// Combine, token side: rounds of one token per warp, each waiting for exactly its rows. The
+// receiver block of channel c (helper false) and, in a split combine, its sender block for the
+// upper half (helper true: ht_split_offer won; no credits, its rows handed over at the end).
 GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
-                                   uint8_t* out) {
+                                   uint8_t* out, bool helper) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels, H = B.hidden, K = B.topk;
   const uint64_t T = B.num_tokens;
-  const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
+  const uint64_t c0 = chan_begin(T, nc, c), c1 = chan_begin(T, nc, c + 1);
+  const uint64_t mid = ht_split_mid(g, c0, c1);
+  const bool may_split = !helper && (B.flags & F_HT_SPLIT) && mid < c1;
+  const uint64_t cb = helper ? mid : c0;
+  uint64_t ce = c1;  // the receiver: lowered to mid when the helper took the upper half
   const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
   const int32_t* send_cnt = ptr<const int32_t>(P.send_cnt);
   // its own rows: read in place from x (rows [self_row, ...) of this channel), never sent
@@ -1416,8 +1516,22 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
   arch::syncthreads();
   HtClock clk = ht_clock(B, g);
   const HtBulk bk = ht_bulk(P, g);
-  ht_stamp_add(B, g, HT_ST_ITEMS, ce - cb);
   for (uint64_t base = cb; base < ce; base += g.nwarps) {
+    if (may_split && base == mid) {
+      const uint32_t st = g.tid == 0 ? ht_split_claim(P, c, epoch, HT_SPLIT_TAKEN) : 0;
+      if (arch::block_any(st == HT_SPLIT_HELP)) {
+        // the helper reduces [mid, c1): this step reduces nothing and, once the helper's done
+        // word says its rows are read, credits with the larger of both blocks' rows per source
+        ce = mid;
+        bool ok = true;
+        if (g.tid == 0 && (ok = grid_wait(B, ws_word(P, 1, c, 0, WS_HDONE), epoch, EP_SITE_HT_COMBINE_ROW)))
+          for (uint32_t d = 0; d < R; ++d) {
+            const uint32_t h = uint32_t(*ws_word(P, 1, c, d, WS_HMAXP));
+            if (h > arch::atomic_load(&maxp_of[d])) arch::atomic_store(&maxp_of[d], h);
+          }
+        if (arch::block_any(!ok)) break;
+      }
+    }
     const uint64_t t = base + g.wid;
     if (t < ce) {
       float wsum = 0.0f;       // lane k < K: the combined weight of slot k
@@ -1559,35 +1673,47 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
     ht_stamp_add(B, g, HT_ST_T_MOVE, clk.lap());
     if (clk.on && !ptr<uint64_t>(B.prof)[uint64_t(g.bid) * kStamps + HT_ST_STEPS]) stamp(B, g, HT_ST_FIRST);
     ht_stamp_add(B, g, HT_ST_STEPS, 1);
-    for (uint32_t d = g.tid; d < R; d += g.bdim) {
-      if (out[d] || d == B.rank) continue;
-      const uint64_t m = arch::atomic_load(&maxp_of[d]);
-      const uint64_t cr = credit_of[d];
-      const uint64_t total = uint64_t(send_cnt[uint64_t(c) * R + d]);
-      // in place: one credit, at the end, and only while d still holds its rows for this rank
-      // (its tail as it offered them: ht_offer_pull / ht_pull_revoke); the loads came before
-      const bool pull = pull_of[d] != 0;
-      if (m > cr && (m == total || (!pull && m - cr >= P.chunk))) {
+    if (!helper) {  // the helper credits nothing: the receiver credits its rows (below)
+      for (uint32_t d = g.tid; d < R; d += g.bdim) {
+        if (out[d] || d == B.rank) continue;
+        const uint64_t m = arch::atomic_load(&maxp_of[d]);
+        const uint64_t cr = credit_of[d];
+        const uint64_t total = uint64_t(send_cnt[uint64_t(c) * R + d]);
+        // in place: one credit, at the end, and only while d still holds its rows for this rank
+        // (its tail as it offered them: ht_offer_pull / ht_pull_revoke); the loads came before
+        const bool pull = pull_of[d] != 0;
+        if (m > cr && (m == total || (!pull && m - cr >= P.chunk))) {
 #if defined(GPUNET_TEST_HT_PULL_STALL_NS)
-        // (tests/test_ep_ht.py) a token side that stalls after its loads, before its final credit:
-        // the sender gives it up meanwhile and revokes its rows (ht_pull_revoke)
-        if (pull)
-          for (const uint64_t t0 = arch::now_ns(); arch::now_ns() - t0 < uint64_t(GPUNET_TEST_HT_PULL_STALL_NS);)
-            arch::spin_pause();
+          // (tests/test_ep_ht.py) a token side that stalls after its loads, before its final credit:
+          // the sender gives it up meanwhile and revokes its rows (ht_pull_revoke)
+          if (pull)
+            for (const uint64_t t0 = arch::now_ns(); arch::now_ns() - t0 < uint64_t(GPUNET_TEST_HT_PULL_STALL_NS);)
+              arch::spin_pause();
 #endif
-        if (pull) arch::fence_sys();
-        if (pull && read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) != (total | kHtDirectBit)) {
-          ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_COMBINE_ROW, d, total | kHtDirectBit,
-                  read_count(P, HT_KIND_COMBINE, 0, c, d, epoch), 1);
-          peer_fail_view(B, out, d);
-        } else if (!write_count(P, HT_KIND_COMBINE, 1, c, d, epoch, m)) {
-          peer_fail_view(B, out, d);
+          if (pull) arch::fence_sys();
+          if (pull && read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) != (total | kHtDirectBit)) {
+            ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_COMBINE_ROW, d, total | kHtDirectBit,
+                    read_count(P, HT_KIND_COMBINE, 0, c, d, epoch), 1);
+            peer_fail_view(B, out, d);
+          } else if (!write_count(P, HT_KIND_COMBINE, 1, c, d, epoch, m)) {
+            peer_fail_view(B, out, d);
+          }
+          credit_of[d] = uint32_t(m);
         }
-        credit_of[d] = uint32_t(m);
       }
     }
     arch::syncthreads();
     ht_stamp_add(B, g, HT_ST_T_POST, clk.lap());
+  }
+  ht_stamp_add(B, g, HT_ST_ITEMS, ce - cb);
+  if (helper) {
+    // hand the rows read over to the receiver block, which credits them (ht_split_offer)
+    for (uint32_t d = g.tid; d < R; d += g.bdim) *ws_word(P, 1, c, d, WS_HMAXP) = arch::atomic_load(&maxp_of[d]);
+    arch::syncthreads();
+    if (g.tid == 0) {
+      grid_fence(B);  // release: the loads above are done, the words stored
+      arch::atomic_store(ws_word(P, 1, c, 0, WS_HDONE), epoch);
+    }
   }
 }
 
@@ -1647,9 +1773,14 @@ GPUNET_DEVICE void run_ht(const HtParams& P) {
     uint8_t* out = load_peer_view(B, g);
     const uint32_t c = g.bid / 2;
     if (c < P.nchannels) {
-      if (g.bid % 2 == 0) ht_send(P, g, c, epoch, out);
-      else if (B.op == OP_HT_COMBINE) ht_recv_combine(P, g, c, epoch, out);
-      else ht_recv_dispatch(P, g, c, epoch, out);
+      // even blocks send (and in a split in-place combine first reduce half the channel's tokens:
+      // ht_send_begin), odd blocks receive; one call site each (the kernel is at its registers'
+      // bound: a second inlined copy of a role spilled more)
+      const bool sender = g.bid % 2 == 0;
+      const bool helper = sender && ht_send_begin(P, g, c, epoch, out);
+      if (B.op == OP_HT_COMBINE && (!sender || helper)) ht_recv_combine(P, g, c, epoch, out, helper);
+      else if (!sender) ht_recv_dispatch(P, g, c, epoch, out);
+      if (sender) ht_send(P, g, c, epoch, out);
     }
     stamp(B, g, HT_ST_END);
   }
