@@ -174,7 +174,7 @@ def _split_states(buf, handle):
     world, nc = buf.group_size, handle[6]["nc"]
     op = int(buf._ht_epoch[0]) - 1         # the combine's op counter (its last block bumped it)
     ws = buf._ht_ws.cpu()
-    words = [int(ws[((nc + c) * world) * dep.HT_WS_WORDS + dep.HT_WS_SPLIT]) for c in range(nc)]
+    words = [int(ws[dep.ht_split_at(world) + c * (world + 2)]) for c in range(nc)]
     return [w & 3 if w >> 2 == op else 0 for w in words]
 
 

@@ -180,7 +180,18 @@ F_HT_TOPK, F_HT_WEIGHTS, F_HT_BUMP, F_HT_WORST, F_HT_DESC, F_HT_DIRECT, F_HT_PRE
     64, 128, 256, 512, 1024, 2048, 4096, 8192)
 F_HT_SPLIT = 32768
 HT_WS_WORDS = 16
-HT_WS_SPLIT = 15      # ht.cuh WS_SPLIT: the word of (receive side, channel, peer 0) a split combine claims
+
+
+def ht_split_at(r):
+    """The u64 index in Buffer._ht_ws of channel 0's split words (ht.cuh ht_split_words): after the
+    state words, the notify scratch and the token lists laid out for HT_MAX_CHANNELS; each channel
+    has r + 2 words (the claim, the helper's done word, the helper's rows per source)."""
+    return 2 * HT_MAX_CHANNELS * r * HT_WS_WORDS + r + 1 + HT_MAX_CHANNELS * r * HT_MAX_CHUNK // 2
+
+
+def ht_ws_words(r):
+    """Buffer._ht_ws's u64 words for r ranks (ht.cuh HtParams::ws)."""
+    return ht_split_at(r) + HT_MAX_CHANNELS * (r + 2)
 HT_RD_WORDS = 8       # ht.cuh RD_WORDS: a receive descriptor's u64 words
 # HtParams::base.prof (LlParams::prof's rows, ht.cuh HT_ST_*): stamps (now_ns) and, from
 # "t_move" on, what thread 0 summed over the block's loop (ns, then counts); bench/ep_ht.py

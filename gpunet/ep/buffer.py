@@ -428,9 +428,7 @@ class Buffer:
         # (ht.cuh HtParams::self_sig: the self words, then the last heartbeat's time)
         self._ht_self = torch.zeros(4 * dep.HT_MAX_CHANNELS + 1, dtype=torch.int64, device=self._device)
         self._ht_sync = torch.zeros(dep.SYNC_WORDS * dep.SYNC_STRIDE, dtype=torch.int64, device=self._device)
-        self._ht_ws = torch.zeros(2 * dep.HT_MAX_CHANNELS * r * dep.HT_WS_WORDS + r + 1 +
-                                  dep.HT_MAX_CHANNELS * r * dep.HT_MAX_CHUNK // 2, dtype=torch.int64,
-                                  device=self._device)
+        self._ht_ws = torch.zeros(dep.ht_ws_words(r), dtype=torch.int64, device=self._device)
         self._ht_lib = None
         # the receive pool (recv_pool_bytes): the HT dispatch's receive tensors, which mapped
         # peers store rows into (gpunet/ep/_pool.py; ht.cuh "the receive pool")

@@ -225,6 +225,7 @@ struct HtParams {
                          // the prelaunched data phase's go word (run_ht)
   uint64_t bias0, bias1; // combine: bf16 [T, H] (or 0)
   uint64_t ws;           // device: u64 [2 (send, recv)][nc][R][WS_WORDS], int32 [R], int32 [nc][R][kHtMaxChunk]
+                         // (laid out for nc = kHtMaxChannels), then u64 [kHtMaxChannels][R + 2] (ht_split_words)
   uint64_t host_info;    // dispatch notify: mapped host int32 [1 + R + 2 + E_loc] (or 0): recv_info's
                          // words at [1..], then [0] = 1 (a release): the host reads the counts
                          // without a stream synchronisation
@@ -1429,10 +1430,17 @@ GPUNET_DEVICE uint64_t ht_row_of(const HtParams& P, const uint64_t* pull_of, uin
 // The helper gives no credit: it stores its highest row per source and an epoch-tagged done word;
 // the receiver waits for that word (a grid-internal wait), takes the maximum of both blocks'
 // rows, and gives the final credits (after the tail's re-check) as if it had read every row.
-// The words are the receive-side state words of (c, 0) and (c, d), which the combine's token side
-// keeps in shared memory instead (ht_recv_words): unused in a combine.
+// The words (ht_split_words) have a part of the workspace of their own: the state words ws_word
+// indexes with this launch's channel count, so a launch with fewer channels finds another
+// launch's words (and tok_list's) where a channel-count-free index would put them.
 enum : uint32_t { HT_SPLIT_HELP = 1, HT_SPLIT_NO = 2, HT_SPLIT_TAKEN = 3 };
-constexpr uint32_t WS_SPLIT = WS_PULL, WS_HDONE = WS_OS, WS_HMAXP = WS_OX;
+// channel c's split words: [0] the claim (op << 2 | state), [1] the helper's done word (its op),
+// [2 + d] the helper's highest row + 1 of source d. gpunet/device/ep.py ht_split_at mirrors it.
+GPUNET_DEVICE uint64_t* ht_split_words(const HtParams& P, uint32_t c) {
+  const uint64_t R = P.base.nranks;
+  return ptr<uint64_t>(P.ws) + 2 * uint64_t(kHtMaxChannels) * R * WS_WORDS + R + 1 +
+         uint64_t(kHtMaxChannels) * R * kHtMaxChunk / 2 + uint64_t(c) * (R + 2);
+}
 
 // The first token of the helper's half: half the channel rounded up to whole rounds of nwarps.
 GPUNET_DEVICE uint64_t ht_split_mid(const Geo& g, uint64_t cb, uint64_t ce) {
@@ -1444,7 +1452,7 @@ GPUNET_DEVICE uint64_t ht_split_mid(const Geo& g, uint64_t cb, uint64_t ce) {
 // Thread 0: put `state` (tagged with this op) into channel c's split word unless this op's
 // state is there already; returns the state that is there now.
 GPUNET_DEVICE uint32_t ht_split_claim(const HtParams& P, uint32_t c, uint64_t epoch, uint32_t state) {
-  uint64_t* w = ws_word(P, 1, c, 0, WS_SPLIT);
+  uint64_t* w = ht_split_words(P, c);
   uint64_t v = arch::atomic_load(w);
   while ((v >> 2) != epoch) {
     const uint64_t old = arch::atomic_cas(w, v, (epoch << 2) | state);
@@ -1479,7 +1487,7 @@ GPUNET_DEVICE bool ht_split_offer(const HtParams& P, uint32_t c, uint64_t epoch,
     }
     if (all) return ht_split_claim(P, c, epoch, HT_SPLIT_HELP) == HT_SPLIT_HELP;
     if ((n & 7) == 0) {
-      const uint64_t w = arch::atomic_load(ws_word(P, 1, c, 0, WS_SPLIT));
+      const uint64_t w = arch::atomic_load(ht_split_words(P, c));
       if ((w >> 2) == epoch || ep_failed(B) || arch::now_ns() - t0 > P.peer_timeout_ns) return false;
     }
     arch::spin_pause();
@@ -1524,9 +1532,9 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
         // word says its rows are read, credits with the larger of both blocks' rows per source
         ce = mid;
         bool ok = true;
-        if (g.tid == 0 && (ok = grid_wait(B, ws_word(P, 1, c, 0, WS_HDONE), epoch, EP_SITE_HT_COMBINE_ROW)))
+        if (g.tid == 0 && (ok = grid_wait(B, ht_split_words(P, c) + 1, epoch, EP_SITE_HT_COMBINE_ROW)))
           for (uint32_t d = 0; d < R; ++d) {
-            const uint32_t h = uint32_t(*ws_word(P, 1, c, d, WS_HMAXP));
+            const uint32_t h = uint32_t(ht_split_words(P, c)[2 + d]);
             if (h > arch::atomic_load(&maxp_of[d])) arch::atomic_store(&maxp_of[d], h);
           }
         if (arch::block_any(!ok)) break;
@@ -1708,11 +1716,11 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
   ht_stamp_add(B, g, HT_ST_ITEMS, ce - cb);
   if (helper) {
     // hand the rows read over to the receiver block, which credits them (ht_split_offer)
-    for (uint32_t d = g.tid; d < R; d += g.bdim) *ws_word(P, 1, c, d, WS_HMAXP) = arch::atomic_load(&maxp_of[d]);
+    for (uint32_t d = g.tid; d < R; d += g.bdim) ht_split_words(P, c)[2 + d] = arch::atomic_load(&maxp_of[d]);
     arch::syncthreads();
     if (g.tid == 0) {
       grid_fence(B);  // release: the loads above are done, the words stored
-      arch::atomic_store(ws_word(P, 1, c, 0, WS_HDONE), epoch);
+      arch::atomic_store(ht_split_words(P, c) + 1, epoch);
     }
   }
 }
