@@ -192,6 +192,8 @@ def ht_split_at(r):
 def ht_ws_words(r):
     """Buffer._ht_ws's u64 words for r ranks (ht.cuh HtParams::ws)."""
     return ht_split_at(r) + HT_MAX_CHANNELS * (r + 2)
+
+
 HT_RD_WORDS = 8       # ht.cuh RD_WORDS: a receive descriptor's u64 words
 # HtParams::base.prof (LlParams::prof's rows, ht.cuh HT_ST_*): stamps (now_ns) and, from
 # "t_move" on, what thread 0 summed over the block's loop (ns, then counts); bench/ep_ht.py
