@@ -173,8 +173,8 @@ def _split_states(buf, handle):
     no claim this op (the split was off, or the sender did not offer)."""
     world, nc = buf.group_size, handle[6]["nc"]
     op = int(buf._ht_epoch[0]) - 1         # the combine's op counter (its last block bumped it)
-    ws = buf._ht_ws.cpu()
-    words = [int(ws[dep.ht_split_at(world) + c * (world + 2)]) for c in range(nc)]
+    at = dep.ht_split_at(world)       # only the claim words leave the device, not the workspace
+    words = buf._ht_ws[at:at + nc * (world + 2):world + 2].tolist()
     return [w & 3 if w >> 2 == op else 0 for w in words]
 
 

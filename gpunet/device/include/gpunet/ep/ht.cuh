@@ -1064,10 +1064,8 @@ GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t
   const uint32_t R = B.nranks, nc = P.nchannels;
   const bool combine = B.op == OP_HT_COMBINE;
   const uint32_t kind = combine ? HT_KIND_COMBINE : HT_KIND_DISPATCH;
-  const uint64_t T = B.num_tokens;
-  const uint64_t cb = chan_begin(T, nc, c), ce = chan_begin(T, nc, c + 1);
+  const uint64_t ce = chan_begin(B.num_tokens, nc, c + 1);
   const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
-  const int32_t* pre = ptr<const int32_t>(P.chan_prefix);
   const uint64_t t_start = arch::now_ns();
   HtClock clk = ht_clock(B, g);
   const HtBulk bk = ht_bulk(P, g);
