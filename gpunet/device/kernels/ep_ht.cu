@@ -7,14 +7,18 @@ namespace {
 
 // CUDA: at most 128 registers a thread, so blocks of up to 16 warps launch (65536 registers an
 // SM; bench/ep_ht.py sweeps 8 and 16). Without the bound nvcc took 198 (-Xptxas -v), and a
-// 512-thread block could not launch at all.
+// 512-thread block could not launch at all. P is GPUNET_GRID_CONSTANT: run_ht's roles are calls
+// of their own (GPUNET_DEVICE_CALL) that take it by address, which would otherwise copy it to
+// local memory.
 #if defined(GPUNET_ARM_CUDA)
 #define GPUNET_EP_HT_BOUNDS __launch_bounds__(512, 1)
 #else
 #define GPUNET_EP_HT_BOUNDS
 #endif
 
-GPUNET_GLOBAL void GPUNET_EP_HT_BOUNDS k_ep_ht(const gpunet::ep::HtParams P) { gpunet::ep::run_ht(P); }
+GPUNET_GLOBAL void GPUNET_EP_HT_BOUNDS k_ep_ht(const GPUNET_GRID_CONSTANT gpunet::ep::HtParams P) {
+  gpunet::ep::run_ht(P);
+}
 
 }  // namespace
 

@@ -283,6 +283,16 @@ template <>
 struct maps_peer<transport::P2p> {
   static constexpr bool value = true;
 };
+// ptr()'s address of `sym` on the peer p resolved to (nullptr: none, or not mapped here)
+GPUNET_DEVICE void* mapped(const DevCtx& ctx, const PeerDesc* p, const void* sym) {
+  if (!p || heap_off(ctx, sym) >= ctx.heap_bytes) return nullptr;
+  return dispatch(p->kind, [&](auto t) -> void* {
+    if constexpr (maps_peer<decltype(t)>::value)
+      return reinterpret_cast<void*>(uintptr_t(remote(ctx, *p, sym)));
+    else
+      return nullptr;
+  });
+}
 }  // namespace api
 
 // The address at which this thread may store to symmetric `sym` on `pe` itself (and load from it,
@@ -293,15 +303,7 @@ struct maps_peer<transport::P2p> {
 template <class PE>
 GPUNET_DEVICE void* ptr(const DevCtx& ctx, const void* sym, const PE& pe) {
   const Waiter w = api::waiter(ctx);
-  const api::PeerArg a = api::take(ctx, w, pe, false);
-  const PeerDesc* p = a.p;
-  if (!p || api::heap_off(ctx, sym) >= ctx.heap_bytes) return nullptr;
-  return dispatch(p->kind, [&](auto t) -> void* {
-    if constexpr (api::maps_peer<decltype(t)>::value)
-      return reinterpret_cast<void*>(uintptr_t(api::remote(ctx, *p, sym)));
-    else
-      return nullptr;
-  });
+  return api::mapped(ctx, api::take(ctx, w, pe, false).p, sym);
 }
 
 // The address at which this thread may LOAD from symmetric `sym` on `pe` (nvshmem_ptr's use):
@@ -313,7 +315,7 @@ GPUNET_DEVICE const void* ptr_load(const DevCtx& ctx, const void* sym, const PE&
   const Waiter w = api::waiter(ctx);
   const api::PeerArg a = api::take(ctx, w, pe, false);
   if (!a.p || (a.p->kind == TRANSPORT_P2P && (a.p->rkey & P2P_STORE_ONLY))) return nullptr;
-  return ptr(ctx, sym, pe);
+  return api::mapped(ctx, a.p, sym);
 }
 
 // ---- warp and block variants -----------------------------------------------------------------

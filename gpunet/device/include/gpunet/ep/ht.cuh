@@ -1014,13 +1014,13 @@ GPUNET_DEVICE int32_t* tok_list(const HtParams& P, uint32_t c, uint32_t d) {
 
 // (below: the split in-place combine)
 GPUNET_DEVICE bool ht_split_offer(const HtParams& P, uint32_t c, uint64_t epoch, const uint8_t* out);
-GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+GPUNET_DEVICE_CALL void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
                                    uint8_t* out, bool helper);
 
 // The sender's first step: each destination's state words and, in a combine, the offers of rows
 // loaded in place; true when this block then reduces half its channel's tokens (the split in-place
 // combine, ht_split_offer) before its loop (ht_send).
-GPUNET_DEVICE bool ht_send_begin(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
+GPUNET_DEVICE_CALL bool ht_send_begin(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels;
   const bool combine = B.op == OP_HT_COMBINE;
@@ -1059,7 +1059,7 @@ GPUNET_DEVICE bool ht_send_begin(const HtParams& P, const Geo& g, uint32_t c, ui
   return arch::block_any(g.tid == 0 && ht_split_offer(P, c, epoch, out));
 }
 
-GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
+GPUNET_DEVICE_CALL void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels;
   const bool combine = B.op == OP_HT_COMBINE;
@@ -1243,7 +1243,7 @@ GPUNET_DEVICE void ht_recv_self(const HtParams& P, const Geo& g, const HtBulk& b
 }
 
 // Dispatch: copy whatever arrived from every source into its rows; credit back every chunk.
-GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+GPUNET_DEVICE_CALL void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
                                     uint8_t* out) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels, H = B.hidden, K = B.topk;
@@ -1495,7 +1495,7 @@ GPUNET_DEVICE bool ht_split_offer(const HtParams& P, uint32_t c, uint64_t epoch,
 // Combine, token side: rounds of one token per warp, each waiting for exactly its rows. The
 // receiver block of channel c (helper false) and, in a split combine, its sender block for the
 // upper half (helper true: ht_split_offer won; no credits, its rows handed over at the end).
-GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+GPUNET_DEVICE_CALL void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
                                    uint8_t* out, bool helper) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels, H = B.hidden, K = B.topk;
@@ -1612,7 +1612,8 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
         if (g.lane < K && (B.flags & F_HT_WEIGHTS)) {
           const uint64_t pw = pull_of[R + d];
           wsum += pull_of[d] ? (pw ? ptr<const float>(pw)[uint64_t(p) * K + g.lane] : 0.0f)
-                             : ptr<const float>(ht_row_of(P, pull_of, c, d, p) + B.payload_bytes)[4 + kMaxTopk + g.lane];
+                             : ptr<const float>(slot_addr(P, P.recv_ring, c, d, uint64_t(p)) +
+                                                B.payload_bytes)[4 + kMaxTopk + g.lane];
         }
         if (g.lane == 0) arch::atomic_max(&maxp_of[d], uint32_t(p) + 1);
       }
@@ -1697,9 +1698,9 @@ GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, 
               arch::spin_pause();
 #endif
           if (pull) arch::fence_sys();
-          if (pull && read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) != (total | kHtDirectBit)) {
-            ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_COMBINE_ROW, d, total | kHtDirectBit,
-                    read_count(P, HT_KIND_COMBINE, 0, c, d, epoch), 1);
+          const uint64_t tail = pull ? read_count(P, HT_KIND_COMBINE, 0, c, d, epoch) : 0;
+          if (pull && tail != (total | kHtDirectBit)) {
+            ep_fail(B, EP_ERR_BAD_MESSAGE, EP_SITE_HT_COMBINE_ROW, d, total | kHtDirectBit, tail, 1);
             peer_fail_view(B, out, d);
           } else if (!write_count(P, HT_KIND_COMBINE, 1, c, d, epoch, m)) {
             peer_fail_view(B, out, d);
@@ -1780,8 +1781,10 @@ GPUNET_DEVICE void run_ht(const HtParams& P) {
     const uint32_t c = g.bid / 2;
     if (c < P.nchannels) {
       // even blocks send (and in a split in-place combine first reduce half the channel's tokens:
-      // ht_send_begin), odd blocks receive; one call site each (the kernel is at its registers'
-      // bound: a second inlined copy of a role spilled more)
+      // ht_send_begin), odd blocks receive. Each role is a call of its own on CUDA
+      // (GPUNET_DEVICE_CALL): a block runs one or two of them, and inlined together into this
+      // kernel at its 128-register bound they spilled 1010 bytes a thread (ptxas -v, nvcc 13,
+      // sm_90), in every role's loops; apart 24 + 8 + 196 + 4 + 324.
       const bool sender = g.bid % 2 == 0;
       const bool helper = sender && ht_send_begin(P, g, c, epoch, out);
       if (B.op == OP_HT_COMBINE && (!sender || helper)) ht_recv_combine(P, g, c, epoch, out, helper);
