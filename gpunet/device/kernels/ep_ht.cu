@@ -7,17 +7,18 @@ namespace {
 
 // CUDA: at most 128 registers a thread, so blocks of up to 16 warps launch (65536 registers an
 // SM; bench/ep_ht.py sweeps 8 and 16). Without the bound nvcc took 198 (-Xptxas -v), and a
-// 512-thread block could not launch at all. P is GPUNET_GRID_CONSTANT: run_ht's roles are calls
-// of their own (GPUNET_DEVICE_CALL) that take it by address, which would otherwise copy it to
-// local memory.
+// 512-thread block could not launch at all.
 #if defined(GPUNET_ARM_CUDA)
 #define GPUNET_EP_HT_BOUNDS __launch_bounds__(512, 1)
 #else
 #define GPUNET_EP_HT_BOUNDS
 #endif
 
-GPUNET_GLOBAL void GPUNET_EP_HT_BOUNDS k_ep_ht(const GPUNET_GRID_CONSTANT gpunet::ep::HtParams P) {
-  gpunet::ep::run_ht(P);
+// Two kernels: k_ep_ht<true> runs the launches that may split their in-place combine (F_HT_SPLIT),
+// k_ep_ht<false> the others, without the split's code (ht.cuh run_ht).
+template <bool kSplit>
+GPUNET_GLOBAL void GPUNET_EP_HT_BOUNDS k_ep_ht(const gpunet::ep::HtParams P) {
+  gpunet::ep::run_ht(P, kSplit);
 }
 
 }  // namespace
@@ -44,6 +45,8 @@ int gpunet_ep_ht_launch(const void* params, uint32_t grid, uint32_t block, uint3
   s.block = block;
   s.warp_size = ws;
   s.shared_bytes = size_t(gpunet::ep::ht_smem_bytes(P.base.nranks));  // the peer mask, ht_recv_words
+  const bool split = (P.base.flags & gpunet::ep::F_HT_SPLIT) && P.base.op == gpunet::ep::OP_HT_COMBINE;
+  const auto kernel = split ? k_ep_ht<true> : k_ep_ht<false>;
 #if defined(GPUNET_ARM_CUDA)
   // ht.cuh "bulk copies": the warps' shared buffers where the GPU has the TMA (sm_90+) and can
   // give the bytes (above 48 KB a kernel must opt in); otherwise the kernel copies without them.
@@ -59,14 +62,15 @@ int gpunet_ep_ht_launch(const void* params, uint32_t grid, uint32_t block, uint3
     optin_of[dev] = read && major >= 9 && optin > 0 ? optin : -1;
   }
   if (dev >= 0 && dev < kDevs && optin_of[dev] > 0 && size_t(optin_of[dev]) >= bulk) {
-    static size_t granted_of[kDevs];  // the attribute (per kernel and device): the largest set
-    if (bulk > granted_of[dev]) {
-      if (cudaFuncSetAttribute(k_ep_ht, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bulk)) == cudaSuccess)
-        granted_of[dev] = bulk;
+    static size_t granted_of[2][kDevs];  // the attribute (per kernel and device): the largest set
+    size_t& granted = granted_of[split][dev];
+    if (bulk > granted) {
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bulk)) == cudaSuccess)
+        granted = bulk;
       else
         (void)cudaGetLastError();  // a refused attribute leaves no error for the launch's check
     }
-    if (bulk <= granted_of[dev]) s.shared_bytes = bulk;
+    if (bulk <= granted) s.shared_bytes = bulk;
   }
 #elif defined(GPUNET_ARM_HOST)
   // the HOST arm emulates the bulk copies (arch.cuh): warps of 32 take that path (as CUDA sm_90+
@@ -75,7 +79,7 @@ int gpunet_ep_ht_launch(const void* params, uint32_t grid, uint32_t block, uint3
 #endif
   s.stream = stream;
   s.sync = sync != 0;
-  return gpunet::launch_kernel(s, k_ep_ht, P);
+  return gpunet::launch_kernel(s, kernel, P);
 }
 
 }  // extern "C"

@@ -66,24 +66,10 @@
 #define GPUNET_DEVICE inline
 #define GPUNET_HOST_DEVICE inline
 #define GPUNET_GLOBAL
-#define GPUNET_DEVICE_CALL inline
-#define GPUNET_GRID_CONSTANT
 #else
 #define GPUNET_DEVICE __device__ __forceinline__
 #define GPUNET_HOST_DEVICE __host__ __device__ __forceinline__
 #define GPUNET_GLOBAL __global__
-// GPUNET_DEVICE_CALL: a device function compiled as a call of its own, with its own register
-// allocation, where a kernel holds several large roles of which a block runs one (ep/ht.cuh
-// run_ht: inlined together they spilled ~1 KB a thread). Its kernel's parameters are then taken
-// by address, so that kernel marks them GPUNET_GRID_CONSTANT (no local copy of the struct).
-// MACA keeps them inline: neither attribute is verified there.
-#if defined(GPUNET_ARM_CUDA)
-#define GPUNET_DEVICE_CALL __device__ __noinline__
-#define GPUNET_GRID_CONSTANT __grid_constant__
-#else
-#define GPUNET_DEVICE_CALL __device__ __forceinline__
-#define GPUNET_GRID_CONSTANT
-#endif
 #endif
 
 namespace gpunet::arch {

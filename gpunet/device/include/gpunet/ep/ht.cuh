@@ -1014,13 +1014,14 @@ GPUNET_DEVICE int32_t* tok_list(const HtParams& P, uint32_t c, uint32_t d) {
 
 // (below: the split in-place combine)
 GPUNET_DEVICE bool ht_split_offer(const HtParams& P, uint32_t c, uint64_t epoch, const uint8_t* out);
-GPUNET_DEVICE_CALL void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
-                                   uint8_t* out, bool helper);
+GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+                                   uint8_t* out, bool helper, bool split);
 
 // The sender's first step: each destination's state words and, in a combine, the offers of rows
 // loaded in place; true when this block then reduces half its channel's tokens (the split in-place
 // combine, ht_split_offer) before its loop (ht_send).
-GPUNET_DEVICE_CALL bool ht_send_begin(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
+GPUNET_DEVICE bool ht_send_begin(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out,
+                                 bool split) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels;
   const bool combine = B.op == OP_HT_COMBINE;
@@ -1054,12 +1055,12 @@ GPUNET_DEVICE_CALL bool ht_send_begin(const HtParams& P, const Geo& g, uint32_t 
   }
   // an in-place combine with nothing to stage: this block may reduce half of its channel's tokens
   // before it waits for its final credits (ht_split_offer)
-  if (!combine || !(B.flags & F_HT_SPLIT)) return false;
+  if (!split || !combine || !(B.flags & F_HT_SPLIT)) return false;
   arch::syncthreads();  // every warp's offers (their state words) before thread 0 reads them
   return arch::block_any(g.tid == 0 && ht_split_offer(P, c, epoch, out));
 }
 
-GPUNET_DEVICE_CALL void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
+GPUNET_DEVICE void ht_send(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch, uint8_t* out) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels;
   const bool combine = B.op == OP_HT_COMBINE;
@@ -1243,7 +1244,7 @@ GPUNET_DEVICE void ht_recv_self(const HtParams& P, const Geo& g, const HtBulk& b
 }
 
 // Dispatch: copy whatever arrived from every source into its rows; credit back every chunk.
-GPUNET_DEVICE_CALL void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+GPUNET_DEVICE void ht_recv_dispatch(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
                                     uint8_t* out) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels, H = B.hidden, K = B.topk;
@@ -1495,14 +1496,14 @@ GPUNET_DEVICE bool ht_split_offer(const HtParams& P, uint32_t c, uint64_t epoch,
 // Combine, token side: rounds of one token per warp, each waiting for exactly its rows. The
 // receiver block of channel c (helper false) and, in a split combine, its sender block for the
 // upper half (helper true: ht_split_offer won; no credits, its rows handed over at the end).
-GPUNET_DEVICE_CALL void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
-                                   uint8_t* out, bool helper) {
+GPUNET_DEVICE void ht_recv_combine(const HtParams& P, const Geo& g, uint32_t c, uint64_t epoch,
+                                   uint8_t* out, bool helper, bool split) {
   const LlParams& B = P.base;
   const uint32_t R = B.nranks, nc = P.nchannels, H = B.hidden, K = B.topk;
   const uint64_t T = B.num_tokens;
   const uint64_t c0 = chan_begin(T, nc, c), c1 = chan_begin(T, nc, c + 1);
   const uint64_t mid = ht_split_mid(g, c0, c1);
-  const bool may_split = !helper && (B.flags & F_HT_SPLIT) && mid < c1;
+  const bool may_split = split && !helper && (B.flags & F_HT_SPLIT) && mid < c1;
   const uint64_t cb = helper ? mid : c0;
   uint64_t ce = c1;  // the receiver: lowered to mid when the helper took the upper half
   const int32_t* send_pos = ptr<const int32_t>(P.send_pos);
@@ -1754,7 +1755,11 @@ GPUNET_DEVICE void ht_revoke_descs(const HtParams& P, const Geo& g, uint64_t epo
 
 // ---- the kernel ------------------------------------------------------------------------------------
 
-GPUNET_DEVICE void run_ht(const HtParams& P) {
+// split: this launch may split its in-place combine (F_HT_SPLIT). A compile-time constant in each
+// kernel (ep_ht.cu k_ep_ht<split>): the split's code, compiled into every launch, cost the
+// others ~3-8% on an H100 (the kernel is at its 128-register bound: ptxas 1010 bytes of spill
+// stores against 852), so only the split combine's launches run the kernel that holds it.
+GPUNET_DEVICE void run_ht(const HtParams& P, bool split) {
   const Geo g = geo();
   const LlParams& B = P.base;
   // The prelaunched data phase (F_HT_PRE; Buffer.dispatch): the host launched it right behind the
@@ -1780,16 +1785,24 @@ GPUNET_DEVICE void run_ht(const HtParams& P) {
     uint8_t* out = load_peer_view(B, g);
     const uint32_t c = g.bid / 2;
     if (c < P.nchannels) {
-      // even blocks send (and in a split in-place combine first reduce half the channel's tokens:
-      // ht_send_begin), odd blocks receive. Each role is a call of its own on CUDA
-      // (GPUNET_DEVICE_CALL): a block runs one or two of them, and inlined together into this
-      // kernel at its 128-register bound they spilled 1010 bytes a thread (ptxas -v, nvcc 13,
-      // sm_90), in every role's loops; apart 24 + 8 + 196 + 4 + 324.
+      // even blocks send, odd blocks receive; in a split in-place combine a sender may first reduce
+      // half its channel's tokens (ht_send_begin). `split` is a constant in each kernel, which
+      // holds one inlined copy of each role either way (a second copy spilled more).
       const bool sender = g.bid % 2 == 0;
-      const bool helper = sender && ht_send_begin(P, g, c, epoch, out);
-      if (B.op == OP_HT_COMBINE && (!sender || helper)) ht_recv_combine(P, g, c, epoch, out, helper);
-      else if (!sender) ht_recv_dispatch(P, g, c, epoch, out);
-      if (sender) ht_send(P, g, c, epoch, out);
+      if (!split) {
+        if (sender) {
+          ht_send_begin(P, g, c, epoch, out, false);
+          ht_send(P, g, c, epoch, out);
+        } else if (B.op == OP_HT_COMBINE) {
+          ht_recv_combine(P, g, c, epoch, out, false, false);
+        } else {
+          ht_recv_dispatch(P, g, c, epoch, out);
+        }
+      } else {
+        const bool helper = sender && ht_send_begin(P, g, c, epoch, out, true);
+        if (!sender || helper) ht_recv_combine(P, g, c, epoch, out, helper, true);
+        if (sender) ht_send(P, g, c, epoch, out);
+      }
     }
     stamp(B, g, HT_ST_END);
   }
