@@ -481,9 +481,9 @@ def test_torch_free_frees_only_with_the_size_device_and_stream_of_the_allocation
     assert "gp_torch_free" in capfd.readouterr().err
 
 
-_SPEC = st.one_of(st.none(), st.tuples(
-    st.one_of(st.integers(0, 300), st.lists(st.integers(0, 40), min_size=1, max_size=3)),
-    st.sampled_from(DTYPES)))
+_SHAPE = st.lists(st.integers(0, 40), min_size=1, max_size=3)
+_SPEC = st.one_of(st.none(), st.tuples(st.one_of(st.integers(0, 300), _SHAPE, _SHAPE.map(tuple)),
+                                       st.sampled_from(DTYPES)))
 
 
 @settings(max_examples=max(10, settings().max_examples * 3 // 5), deadline=None)
@@ -491,12 +491,18 @@ _SPEC = st.one_of(st.none(), st.tuples(
 def test_packed_parts_are_in_order_aligned_disjoint_and_hold_what_is_written(specs, lead):
     """_pool.packed (the HT dispatch's receive and work tensors, the pool's empty_many). Generated:
     up to 6 specs, each None or (a length or a shape of up to 3 dims, 0 included; a dtype), and
-    where the allocation starts in a larger buffer (0, 256 or 512 bytes in). Invariants: None
-    where the spec is None; else a contiguous tensor of that shape and dtype; the parts follow one
-    another in spec order, each starting on a 256-byte boundary of the allocation right after the
-    previous part's bytes rounded up; the allocation asked for is exactly their rounded sum; and a
-    byte pattern written into each part reads back from every part (no two overlap) with nothing
-    written outside them."""
+    where the allocation starts in a larger buffer (0, 256 or 512 bytes in); shapes given as
+    tuples (the layout is then kept per specs: the second of two calls takes it) or lists.
+    Invariants, on each of two calls: None where the spec is None; else a contiguous tensor of
+    that shape and dtype; the parts follow one another in spec order, each starting on a 256-byte
+    boundary of the allocation right after the previous part's bytes rounded up; the allocation
+    asked for is exactly their rounded sum; and a byte pattern written into each part reads back
+    from every part (no two overlap) with nothing written outside them."""
+    for _ in range(2):
+        _check_packed(specs, lead)
+
+
+def _check_packed(specs, lead):
     from gpunet.ep._pool import packed
     buf = torch.zeros(1 << 21, dtype=torch.uint8)
     asked = []

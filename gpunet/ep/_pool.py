@@ -82,15 +82,22 @@ def _cuda_allocator():
 _PART_ALIGN = 256
 
 
-def packed(specs: Sequence[tuple | None], alloc) -> list | None:
-    """Uninitialised tensors of ``specs`` (``(shape, dtype)`` or None: None) as views of one
-    ``torch.uint8`` allocation ``alloc(nbytes)``, each part starting on a _PART_ALIGN boundary of
-    it; None when ``alloc`` returns None (no room). The views share one storage: it lives while
-    any of them does.
+# specs (as a tuple) -> their layout (_layout): the HT dispatch asks for the same few on every call
+_layouts: dict = {}
+_LAYOUTS_MAX = 256
 
-    Each part is one ``as_strided`` of the allocation viewed once per dtype (a part starts on a
-    multiple of every itemsize): a third less host time than slicing and viewing each part (the
-    HT dispatch calls this on every call)."""
+
+def _layout(specs) -> tuple:
+    """``(parts, total)`` for ``packed``: each part None or ``(element offset, shape, strides,
+    dtype)``, total the allocation's bytes. Kept per specs (a Python loop of a few microseconds a
+    call otherwise); specs that do not hash (a shape given as a list) are laid out every time."""
+    try:
+        key = tuple(specs)
+        got = _layouts.get(key)
+    except TypeError:
+        key, got = None, None
+    if got is not None:
+        return got
     parts, total = [], 0
     for sd in specs:
         if sd is None:
@@ -103,21 +110,40 @@ def packed(specs: Sequence[tuple | None], alloc) -> list | None:
         for d in reversed(shape):
             strides.append(n)
             n *= d
-        parts.append((total // sd[1].itemsize, shape, strides[::-1], sd[1]))
+        parts.append((total // sd[1].itemsize, shape, tuple(strides[::-1]), sd[1]))
         total += -(-n * sd[1].itemsize // _PART_ALIGN) * _PART_ALIGN
+    got = (tuple(parts), total)
+    if key is not None:
+        if len(_layouts) >= _LAYOUTS_MAX:
+            _layouts.clear()
+        _layouts[key] = got
+    return got
+
+
+def packed(specs: Sequence[tuple | None], alloc) -> list | None:
+    """Uninitialised tensors of ``specs`` (``(shape, dtype)`` or None: None) as views of one
+    ``torch.uint8`` allocation ``alloc(nbytes)``, each part starting on a _PART_ALIGN boundary of
+    it; None when ``alloc`` returns None (no room). The views share one storage: it lives while
+    any of them does.
+
+    Each part is one ``as_strided`` of the allocation viewed once per dtype (a part starts on a
+    multiple of every itemsize): a third less host time than slicing and viewing each part (the
+    HT dispatch calls this on every call); the layout is computed once per specs (_layout)."""
+    parts, total = _layout(specs)
     whole = alloc(total)
     if whole is None:
         return None
-    typed = {}
+    typed = {}                                  # dtype -> (whole viewed as it, its storage offset)
     out = []
     for p in parts:
         if p is None:
             out.append(None)
             continue
-        w = typed.get(p[3])
-        if w is None:
-            w = typed[p[3]] = whole.view(p[3])
-        out.append(w.as_strided(p[1], p[2], w.storage_offset() + p[0]))
+        wo = typed.get(p[3])
+        if wo is None:
+            w = whole.view(p[3])
+            wo = typed[p[3]] = (w, w.storage_offset())   # (a call that costs as much as the view)
+        out.append(wo[0].as_strided(p[1], p[2], wo[1] + p[0]))
     return out
 
 
