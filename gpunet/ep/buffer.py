@@ -898,6 +898,7 @@ class Buffer:
             notify_flags = P.base.flags
             n = r + 2 + e_loc                   # recv_info's words: rank prefix, expert counts, go
             pre = []                            # [True] once the data phase is prelaunched
+            filled = False                      # recv: the prelaunch's tensors, filled for it
             try:
                 host, early = self._ht_notify(P, info, block, n, what,
                                               meanwhile=lambda: self._ht_early(P, key, cap, nc, block, what, pre))
@@ -907,6 +908,7 @@ class Buffer:
                 if not went:
                     self._check(what, "dispatch", mirrored=True)  # the notify is done: its failures are seen
                     recv = self._ht_recv_fit(early, rows)
+                    filled = recv is not None and bool(pre)   # (its data phase ended unrun: go 0)
                     early = None        # a guess that does not fit is freed before the exact tensors
                     if recv is None:
                         recv = self._ht_recv_tensors(fp8, rows, hidden, k)
@@ -915,7 +917,7 @@ class Buffer:
                 self._ht_skip_op(getattr(e, "ht_peer_op", None), ran=info[n - 1:n] if pre else None)
                 raise
             if not went:
-                self._ht_data_params(P, recv, rows, notify_flags & ~dep.F_HT_PRE, dep.PH_DATA)
+                self._ht_data_params(P, recv, rows, notify_flags & ~dep.F_HT_PRE, dep.PH_DATA, fill=not filled)
                 self._ht_launch(P, 2 * nc, block, what)
             else:                       # the prelaunched data phase runs: views of its tensors
                 self._ht_prelaunched += 1
@@ -1047,12 +1049,13 @@ class Buffer:
         prelaunches there, so the tests cover the protocol over every transport)."""
         return self._ht_prelaunch and (not self._gpu or bool(self._ll_world_flags() & dep.F_ALL_MAPPED))
 
-    def _ht_data_params(self, P, recv, rows, flags, phases):
+    def _ht_data_params(self, P, recv, rows, flags, phases, fill=True):
         """Point ``P`` (the notify's params) at receive tensors ``recv`` (_ht_recv_tensors) of
         ``rows`` rows for the launch of the data phase (``phases``; num_worst_tokens: with the
-        notify) with ``flags`` (the notify's, F_HT_WORST / F_HT_PRE as the caller wants)."""
+        notify) with ``flags`` (the notify's, F_HT_WORST / F_HT_PRE as the caller wants).
+        ``fill=False``: the tensors were filled for a prelaunch that did not run (enable_shrink)."""
         recv_x, recv_s, src, recv_topk, recv_w, direct = recv
-        if recv_topk is not None and self.enable_shrink:
+        if recv_topk is not None and self.enable_shrink and fill:
             # a masked rank's rows (never written) read as "no expert"; else every row's K slots
             # are written by the kernel (a failed rank raises: no output), with num_worst_tokens
             # those past the received rows too (ht.cuh ht_fill_tail)
