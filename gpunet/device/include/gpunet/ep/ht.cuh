@@ -1757,7 +1757,7 @@ GPUNET_DEVICE void ht_revoke_descs(const HtParams& P, const Geo& g, uint64_t epo
 
 // split: this launch may split its in-place combine (F_HT_SPLIT). A compile-time constant in each
 // kernel (ep_ht.cu k_ep_ht<split>): the split's code, compiled into every launch, cost the
-// others ~3-8% on an H100 (the kernel is at its 128-register bound: ptxas 1010 bytes of spill
+// others ~3-7% on an H100 (the kernel is at its 128-register bound: ptxas 1010 bytes of spill
 // stores against 852), so only the split combine's launches run the kernel that holds it.
 GPUNET_DEVICE void run_ht(const HtParams& P, bool split) {
   const Geo g = geo();
