@@ -557,6 +557,10 @@ def main(argv=None):
     ap.add_argument("--ht-configs",
                     help="ht: the Config sweep as num_sms:chunk:ring:warps,... (default: bench/ep_ht.py "
                          "GPU_CONFIGS / CPU_CONFIGS)")
+    ap.add_argument("--ht-device-config",
+                    help="ht: profile and time the '(device)' rows of every op at this Config of the "
+                         "sweep (num_sms:chunk:ring:warps), so that A/B runs compare one Config; "
+                         "default: each op's Config whose slowest rank was fastest in the sweep")
     args = ap.parse_args(argv)
     if args.hold_us is None:
         args.hold_us = HOLD_S * 1e6 if args.gpu else 0.0

@@ -161,7 +161,9 @@ def _rank_bench(rank, world, cfg):
         dist.all_gather_object(every, {op: [statistics.median(l) for l in lapsets]
                                        for op, lapsets in sweep.items()})
         res["profile"], res["device"] = {}, {}
-        choice = profile_choice(every)
+        at = cfg.get("device_config")           # --ht-device-config: one Config for every op
+        choice = {op: cfg["configs"].index(at) for op in sweep} if at else profile_choice(every)
+        res["choice"] = choice
         for op, i in choice.items():
             res["profile"][op] = _profile(buf, calls_at(i)[op], align, gpu, cfg["configs"][i])
         # the "(device)" rows (GPU): the same calls at the same Config with the stream held before
@@ -342,11 +344,16 @@ def _configs(args):
     """The sweep: --ht-configs "num_sms:chunk:ring:warps,..." or the defaults for the arm."""
     if not args.ht_configs:
         return GPU_CONFIGS if args.gpu else CPU_CONFIGS
+    return _parse_configs(args.ht_configs, "--ht-configs")
+
+
+def _parse_configs(text, what):
+    """"num_sms:chunk:ring:warps,..." as a list of 4-tuples of ints (``what`` names the option)."""
     out = []
-    for item in args.ht_configs.split(","):
+    for item in text.split(","):
         vals = tuple(int(v) for v in item.split(":"))
         if len(vals) != 4:
-            raise SystemExit("--ht-configs: %r is not num_sms:chunk:ring:warps" % item)
+            raise SystemExit("%s: %r is not num_sms:chunk:ring:warps" % (what, item))
         out.append(vals)
     return out
 
@@ -384,6 +391,12 @@ def run(args):
                seed=args.seed, transport=args.transport, timeout_s=args.timeout_s,
                no_nccl=args.no_nccl, configs=_configs(args), recv_pool_mib=getattr(args, "recv_pool_mib", -1),
                hold_s=args.hold_us * 1e-6)   # (bench/ep.py main sets its default)
+    if getattr(args, "ht_device_config", None):
+        at = _parse_configs(args.ht_device_config, "--ht-device-config")
+        if len(at) != 1 or at[0] not in cfg["configs"]:
+            raise SystemExit("--ht-device-config: %r is not one Config of the sweep %s"
+                             % (args.ht_device_config, cfg["configs"]))
+        cfg["device_config"] = at[0]
     rows, gate, runs = [], [], []
     for world in ranks:
         print("[bench/ep ht] %d ranks, %d tokens, hidden %d, top-%d, %d experts (%s)"
@@ -431,8 +444,8 @@ def run(args):
             rows.append(_op_row(world, cfg, "HT " + op + " (default Config)", _config_tuple(c, args.gpu),
                                 step([p["default"][op] for p in per]), nbytes[op], gather_s, fails))
         if held:
-            for op in ops:
-                rows.append(_op_row(world, cfg, "HT " + op + ll_bench.DEVICE, cfg["configs"][best[op]],
+            for op in ops:     # (timed at the ranks' choice: profile_choice or --ht-device-config)
+                rows.append(_op_row(world, cfg, "HT " + op + ll_bench.DEVICE, cfg["configs"][per[0]["choice"][op]],
                                     step([p["device"][op] for p in per]), nbytes[op], gather_dev_s, fails))
             rows.append({"ranks": world, "tokens": cfg["tokens"],
                          "op": "torch gather" + ll_bench.DEVICE + ", all ranks' rows",

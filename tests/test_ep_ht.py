@@ -1062,7 +1062,9 @@ def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     the JSON with the BF16 / FP8 dispatch, combine and num_worst_tokens dispatch rows (each with
     its best Config), the torch gather yardstick and the target rows, and whether each rank's
     receive pool ran out. --hold-us runs the "(device)" loop too (on the CPU without a hold: the
-    code only a GPU run reached until 5f92927 broke it unseen), with its rows and target rows."""
+    code only a GPU run reached until 5f92927 broke it unseen), with its rows and target rows, at
+    the Config --ht-device-config names (the second), which each of those rows reports; a Config
+    outside the sweep there is refused."""
     import json
     import subprocess
     import sys
@@ -1072,7 +1074,8 @@ def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     configs = [(4, 4, 48, 2), (4, 8, 64, 2)]        # --ht-configs: the sweep from the command line
     r = subprocess.run([sys.executable, str(root / "bench" / "ep.py"), "--mode", "ht", "--tokens", "24",
                         "--iters", "1", "--warmup", "0", "--hold-us", "1", "--json", str(out),
-                        "--ht-configs", ",".join(":".join(map(str, c)) for c in configs)],
+                        "--ht-configs", ",".join(":".join(map(str, c)) for c in configs),
+                        "--ht-device-config", ":".join(map(str, configs[1]))],
                        capture_output=True, text=True, timeout=900, cwd=str(root))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     d = json.loads(out.read_text())
@@ -1088,6 +1091,12 @@ def test_bench_ht_cpu_mode_checks_and_reports(tmp_path):
     assert {"HT dispatch bf16 (device)", "HT combine bf16 (device)", "HT dispatch fp8 (device)",
             "HT dispatch bf16 worst (device)", "torch gather (device), all ranks' rows"} <= ops
     assert sum(g["kind"] == "target" for g in d["gate"]) == 4
+    assert {tuple(row["config"]) for row in d["rows"] if row["op"].startswith("HT ") and "(device)" in row["op"]} \
+        == {configs[1]}
+    bad = subprocess.run([sys.executable, str(root / "bench" / "ep.py"), "--mode", "ht", "--ht-configs", "4:4:48:2",
+                          "--ht-device-config", "4:8:64:2"], capture_output=True, text=True, timeout=300,
+                         cwd=str(root))
+    assert bad.returncode != 0 and "not one Config of the sweep" in bad.stderr, bad.stderr[-2000:]
     assert all(run["held_fraction"] == [0.0, 0.0] for run in d["runs"])    # nothing held on a CPU
     assert all(row["GBps"] > 0 for row in d["rows"])
     # whether each rank's receive pool ran out (CUDA's stays out of use then): said per run
